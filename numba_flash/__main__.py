@@ -1,0 +1,3 @@
+from numba_flash.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,226 @@
+"""``numba_flash.attention``: validate, convert, launch FA-1 or FA-2, answer in kind.
+
+The wrapper only normalises inputs; the algorithms live in ``numba_flash.kernels``.
+Every check runs before any launch, and inputs are never written.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from numba_flash.arrays import ArrayContext, dtype_name, kind_of
+from numba_flash.kernels import KERNEL_FACTORIES
+from numba_flash.kernels.jit import LOG2E
+from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles
+
+ALGORITHMS = tuple(KERNEL_FACTORIES)  # ("fa1", "fa2")
+DTYPES = ("float16", "float32")
+
+
+def attention(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    scale=None,
+    algorithm="fa2",
+    block_m=None,
+    block_n=None,
+    return_lse=False,
+):
+    """Scaled dot-product attention, forward pass, by FlashAttention-1 or -2.
+
+    Shapes (like ``torch.nn.functional.scaled_dot_product_attention``)::
+
+        q: (B, H,   Nq, D)        o:   (B, H, Nq, D), q's dtype
+        k: (B, Hkv, Nk, D)        lse: (B, H, Nq), float32, natural log
+        v: (B, Hkv, Nk, D)
+
+    ``H % Hkv == 0``: query head ``h`` reads kv head ``h // (H // Hkv)`` (GQA, MQA).
+    Any strides. ``D`` from 1 to 128; float16 or float32 in, float32 accumulation.
+
+    ``o[b, h, i] = sum_j softmax_j(scale * q_i . k_j) v_j`` over visible keys ``j``;
+    ``lse[b, h, i] = log sum_j exp(scale * q_i . k_j)``; ``scale`` defaults to 1/sqrt(D).
+
+    ``causal=True``: query ``i`` sees key ``j`` iff ``j <= i + (Nk - Nq)``
+    (bottom-right aligned, as FlashAttention >= 2.1). For Nq = 2, Nk = 5::
+
+        1 1 1 1 0
+        1 1 1 1 1
+
+    and for Nq = 5, Nk = 2 (rows 0-2 see nothing: o = 0, lse = -inf)::
+
+        0 0
+        0 0
+        0 0
+        1 0
+        1 1
+
+    ``algorithm``: ``"fa2"`` (default; FlashAttention-2 Algorithm 1) or ``"fa1"``
+    (FlashAttention Algorithm 1). Both compute the same function.
+    ``block_m`` / ``block_n``: Q-tile and K/V-tile rows (``None``: tuned default);
+    unsupported values raise ``ValueError`` listing the supported ones.
+
+    Array kinds: NumPy (simulator without a GPU, copied with one), CuPy (in place, on
+    the current stream), PyTorch CUDA tensors, ``__cuda_array_interface__`` or DLPack
+    objects. The result is of the caller's kind. Deterministic: the same inputs give
+    bitwise-identical outputs.
+
+    Returns ``o``, or ``(o, lse)`` with ``return_lse=True``.
+    """
+    o, lse = forward(
+        q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n
+    )
+    return (o, lse) if return_lse else o
+
+
+def forward(
+    q,
+    k,
+    v,
+    *,
+    causal=False,
+    scale=None,
+    algorithm="fa2",
+    block_m=None,
+    block_n=None,
+    kv_tile_order=None,
+    out=None,
+    lse_out=None,
+):
+    """:func:`attention` with the research knobs; always returns ``(o, lse)``.
+
+    ``kv_tile_order``: a permutation of ``range(ceil(Nk / block_n))``; the kernel walks
+    the K/V tiles in that order (both algorithms) -- the seed's chunk-order invariance,
+    on the real kernels. ``out`` / ``lse_out``: preallocated results of the caller's
+    kind (tests poison them to prove every element is written).
+    """
+    call = _validate(q, k, v, causal, scale, algorithm, block_m, block_n)
+    ctx = ArrayContext(call["kind"], q)
+    B, H, Nq, D = call["q_shape"]
+    Nk = call["n_k"]
+    o = out if out is not None else ctx.empty((B, H, Nq, D), call["dtype"])
+    lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
+    order = _check_order(kv_tile_order, Nk, call["block_n"])
+    if B * H * Nq == 0:
+        return o, lse
+    if Nk == 0:  # nothing to attend to: o = 0, lse = -inf, as for a fully masked row
+        o[...] = 0
+        lse[...] = -math.inf
+        return o, lse
+    _launch(ctx, call, q, k, v, o, lse, order)
+    return o, lse
+
+
+def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
+    kinds = [kind_of(x) for x in (q, k, v)]
+    if len(set(kinds)) != 1:
+        raise TypeError(f"q, k and v must be arrays of one library; got {kinds[0]}, {kinds[1]}, {kinds[2]}")
+    kind = kinds[0]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
+    B, H, Nq, D = (int(s) for s in q.shape)
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Bk, Hkv, Nk, Dk = (int(s) for s in k.shape)
+    if Bk != B:
+        raise ValueError(f"k and v must have q's batch size {B}; got {Bk}")
+    if Dk != D:
+        raise ValueError(f"k and v must have q's head_dim {D}; got {Dk}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (last axis of q) must be from 1 to {MAX_HEAD_DIM}; got {D}")
+    if Hkv == 0 or H % Hkv != 0:
+        raise ValueError(f"q's heads ({H}) must be a multiple of k's and v's heads ({Hkv})")
+    dtypes = [dtype_name(x, kind) for x in (q, k, v)]
+    for name, dt in zip("qkv", dtypes):
+        if dt not in DTYPES:
+            raise TypeError(f"{name} must be float16 or float32; got {dt}")
+    if len(set(dtypes)) != 1:
+        raise TypeError(f"q, k and v must have one dtype; got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}; got {algorithm!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
+    elif not math.isfinite(float(scale)):
+        raise ValueError(f"scale must be finite; got {scale}")
+    bm_default, bn_default = default_tiles(algorithm, D, dtypes[0], bool(causal))
+    block_m = bm_default if block_m is None else block_m
+    block_n = bn_default if block_n is None else block_n
+    check_tiles(D, block_m, block_n)
+    return dict(
+        kind=kind,
+        q_shape=(B, H, Nq, D),
+        n_k=Nk,
+        dtype=dtypes[0],
+        causal=bool(causal),
+        scale=float(scale),
+        algorithm=algorithm,
+        block_m=block_m,
+        block_n=block_n,
+    )
+
+
+def _check_order(kv_tile_order, n_k: int, block_n: int):
+    if kv_tile_order is None:
+        return None
+    n_tiles = -(-n_k // block_n)
+    order = np.asarray(kv_tile_order)
+    if order.shape != (n_tiles,) or sorted(order.tolist()) != list(range(n_tiles)):
+        raise ValueError(
+            f"kv_tile_order must be a permutation of range({n_tiles}) "
+            f"(ceil(Nk={n_k} / block_n={block_n})); got {order.tolist()}"
+        )
+    return order.astype(np.int32)
+
+
+def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
+    from numba import cuda
+
+    B, H, Nq, D = call["q_shape"]
+    bm, bn = call["block_m"], call["block_n"]
+    kernel = KERNEL_FACTORIES[call["algorithm"]](D, bm, bn, call["causal"])
+    q_scale = np.float32(call["scale"] * LOG2E)
+    stream = ctx.stream()
+    launch = (lambda grid: kernel[grid, bm]) if stream is None else (lambda grid: kernel[grid, bm, stream])
+
+    qd, kd, vd = (ctx.to_kernel(x) for x in (q, k, v))
+    od, lsed = ctx.out_to_kernel(o), ctx.out_to_kernel(lse)
+    if order is not None and not _simulated():
+        order = cuda.to_device(order, stream=stream)
+
+    if call["algorithm"] == "fa2":
+        n_q_tiles = -(-Nq // bm)
+        launch((n_q_tiles * B * H,))(qd, kd, vd, od, lsed, q_scale, order)
+    else:
+        work_o = od if call["dtype"] == "float32" else _device_empty((B, H, Nq, D), stream)
+        work_l = _device_empty((B, H, Nq), stream)
+        work_m = _device_empty((B, H, Nq), stream)
+        out_o = None if call["dtype"] == "float32" else od
+        launch((B * H,))(qd, kd, vd, work_o, work_l, work_m, out_o, lsed, q_scale, order)
+
+    if ctx.on_host and not _simulated():  # NumPy in, GPU run: copy the results back
+        od.copy_to_host(o)
+        lsed.copy_to_host(lse)
+
+
+def _simulated() -> bool:
+    from numba_flash._world import simulated
+
+    return simulated()
+
+
+def _device_empty(shape, stream):
+    """float32 scratch for FA-1's O, l, m in global memory (NumPy in the simulator)."""
+    from numba import cuda
+
+    if _simulated():
+        return np.empty(shape, dtype=np.float32)
+    return cuda.device_array(shape, dtype=np.float32, stream=stream)

@@ -1,0 +1,117 @@
+"""The caller's array library: recognise it, hand its arrays to numba, answer in kind.
+
+Kinds:
+- ``numpy``: runs in Numba's CUDA simulator when there is no GPU; with a GPU it is
+  copied to the device and the result copied back.
+- ``cupy``: runs in place on the GPU (no copy), on CuPy's current stream.
+- ``torch``: CUDA tensors, in place, through ``__cuda_array_interface__``, on
+  PyTorch's current stream.
+- ``cai``: any other object exposing ``__cuda_array_interface__``; ``dlpack``: any
+  other object exposing ``__dlpack__`` (read through CuPy). Results come back as CuPy
+  arrays for both.
+
+Library modules are only imported when the caller already uses them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from numba import cuda
+
+from numba_flash._world import simulated
+
+
+def kind_of(x) -> str:
+    """The array kind of ``x``; ``TypeError`` for anything the kernels cannot read."""
+    module = type(x).__module__.split(".")[0]
+    if isinstance(x, np.ndarray):
+        return "numpy"
+    if module == "cupy":
+        return "cupy"
+    if module == "torch":
+        if not getattr(x, "is_cuda", False):
+            raise TypeError(
+                "a PyTorch tensor must be on a CUDA device; for a CPU tensor pass "
+                "tensor.numpy() (it runs in the simulator or is copied to the GPU)"
+            )
+        return "torch"
+    if hasattr(x, "__cuda_array_interface__"):
+        return "cai"
+    if hasattr(x, "__dlpack__"):
+        return "dlpack"
+    raise TypeError(
+        f"expected a NumPy array, a CuPy array, a PyTorch CUDA tensor, or an object with "
+        f"__cuda_array_interface__ or __dlpack__; got {type(x).__module__}.{type(x).__name__}"
+    )
+
+
+def dtype_name(x, kind: str) -> str:
+    """'float16', 'float32', ... for any supported kind."""
+    if kind == "torch":
+        return str(x.dtype).rsplit(".", 1)[-1]
+    return np.dtype(x.dtype).name
+
+
+@dataclass
+class ArrayContext:
+    """How one call moves arrays between the caller's library and numba."""
+
+    kind: str
+    template: object  # an input of the caller's kind (device and library of the result)
+
+    @property
+    def on_host(self) -> bool:
+        return self.kind == "numpy"
+
+    def to_kernel(self, x):
+        """An input the kernel can read: the object itself, a numba view, or a device copy."""
+        if self.kind == "numpy":
+            # The simulator, like a host-to-device copy, takes one contiguous buffer.
+            x = np.ascontiguousarray(x)
+            return x if simulated() else cuda.to_device(x)
+        if self.kind == "dlpack":
+            import cupy
+
+            x = cupy.from_dlpack(x)
+        return cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=x, sync=False)
+
+    def out_to_kernel(self, x):
+        """An output the kernel can write: ``x`` itself, or device memory to copy back."""
+        if self.kind == "numpy" and not simulated():
+            return cuda.device_array(x.shape, dtype=x.dtype)
+        return self.to_kernel(x)
+
+    def empty(self, shape, dtype_name_: str):
+        """An uninitialised result array of the caller's library."""
+        if self.kind == "numpy":
+            return np.empty(shape, dtype=dtype_name_)
+        if self.kind == "torch":
+            import torch
+
+            return torch.empty(shape, dtype=getattr(torch, dtype_name_), device=self.template.device)
+        import cupy
+
+        return cupy.empty(shape, dtype=dtype_name_)
+
+    def full(self, shape, value, dtype_name_: str):
+        out = self.empty(shape, dtype_name_)
+        out[...] = value
+        return out
+
+    def stream(self):
+        """The caller's current stream as a numba stream (``None`` in the simulator)."""
+        if simulated():
+            return None
+        if self.kind == "torch":
+            import torch
+
+            ptr = torch.cuda.current_stream(self.template.device).cuda_stream
+        elif self.kind in ("cupy", "cai", "dlpack"):
+            import cupy
+
+            ptr = cupy.cuda.get_current_stream().ptr
+        else:
+            return cuda.default_stream()
+        return cuda.external_stream(ptr) if ptr else cuda.default_stream()

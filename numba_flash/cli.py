@@ -1,0 +1,74 @@
+"""The ``numba-flash`` command (also ``python -m numba_flash``).
+
+    numba-flash compare [--batch B --heads H --seq N --head-dim D --causal --dtype float16]
+    numba-flash demo        the seed's worked example of the online softmax, step by step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+import numpy as np
+
+from numba_flash._world import choose_world
+
+# Problems `compare` runs when the user names none: the research shape on a GPU, and a
+# small one the simulator finishes in seconds.
+GPU_DEFAULT = dict(batch=4, heads=16, seq=4096, head_dim=64)
+SIM_DEFAULT = dict(batch=1, heads=2, seq=48, head_dim=16, block_m=16, block_n=16)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="numba-flash", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    cmp = sub.add_parser("compare", help="FA-1 and FA-2 on the same inputs, side by side")
+    cmp.add_argument("--batch", type=int)
+    cmp.add_argument("--heads", type=int)
+    cmp.add_argument("--kv-heads", type=int, help="K/V heads (GQA); default: --heads")
+    cmp.add_argument("--seq", type=int, help="query and key length")
+    cmp.add_argument("--seq-k", type=int, help="key length when it differs from --seq")
+    cmp.add_argument("--head-dim", type=int)
+    cmp.add_argument("--causal", action="store_true")
+    cmp.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    cmp.add_argument("--block-m", type=int)
+    cmp.add_argument("--block-n", type=int)
+    cmp.add_argument("--repeats", type=int, default=20, help="timed runs (median reported)")
+    cmp.add_argument("--seed", type=int, default=0)
+    cmp.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+    sub.add_parser("demo", help="the online-softmax worked example of the seed, step by step")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    choose_world()
+    if args.command == "demo":
+        from numba_flash.seed_example import print_worked_example
+
+        print_worked_example()
+        return 0
+    from numba_flash.compare import compare, format_table
+
+    rows, notes = compare(args)
+    if args.json:
+        print(json.dumps(rows, indent=2, default=_json_default))
+    else:
+        print(format_table(rows, notes))
+    return 0
+
+
+def _json_default(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    raise TypeError(type(x))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

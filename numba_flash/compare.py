@@ -1,0 +1,163 @@
+"""FA-1 against FA-2 on the same inputs: the main job of ``numba-flash compare``.
+
+For each algorithm: error against the float64 reference, time and TFLOP/s (GPU only:
+CUDA events, warm-up excluded, median), registers, shared memory, theoretical
+occupancy (GPU only), and the modelled global-memory traffic. On a GPU the CuPy
+matmul-softmax-matmul baseline (and PyTorch SDPA when installed) are timed in the same
+run so that every figure has a peer beside it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from numba_flash._world import simulated
+from numba_flash.kernels.tiles import default_tiles
+from numba_flash.profiling.timing import attention_flops, median_ms, tflops
+from numba_flash.profiling.traffic import traffic_bytes
+
+ALGORITHMS = ("fa1", "fa2")
+
+
+def _problem(args) -> dict:
+    from numba_flash.cli import GPU_DEFAULT, SIM_DEFAULT
+
+    defaults = SIM_DEFAULT if simulated() else GPU_DEFAULT
+    p = {}
+    for key in ("batch", "heads", "seq", "head_dim", "block_m", "block_n"):
+        given = getattr(args, key, None)
+        p[key] = given if given is not None else defaults.get(key)
+    p["kv_heads"] = args.kv_heads or p["heads"]
+    p["seq_k"] = args.seq_k or p["seq"]
+    p["causal"] = bool(args.causal)
+    p["dtype"] = args.dtype
+    return p
+
+
+def compare(args):
+    """Run both algorithms on one problem; return (rows, notes) for :func:`format_table`."""
+    from numba_flash import reference
+    from numba_flash.api import forward
+
+    p = _problem(args)
+    B, H, Hkv, Nq, Nk, D = p["batch"], p["heads"], p["kv_heads"], p["seq"], p["seq_k"], p["head_dim"]
+    rng = np.random.default_rng(args.seed)
+    host = [
+        rng.standard_normal(shape).astype(p["dtype"])
+        for shape in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D))
+    ]
+    sim = simulated()
+    notes = []
+    if sim:
+        xp = np
+        notes.append(
+            "No GPU: ran in Numba's CUDA simulator on a small problem (no timings or "
+            "occupancy; errors and modelled traffic are real)."
+        )
+        q, k, v = host
+        ref_o, _ = reference.attention(q, k, v, causal=p["causal"])
+    else:
+        import cupy as xp
+
+        from numba_flash.baselines import cupy_attention
+
+        q, k, v = (xp.asarray(x) for x in host)
+        ref_o = cupy_attention(*(x.astype(xp.float64) for x in (q, k, v)), causal=p["causal"])
+
+    flops = attention_flops(B, H, Nq, Nk, D, p["causal"])
+    rows = []
+    for alg in ALGORITHMS:
+        bm_d, bn_d = default_tiles(alg, D, p["dtype"], p["causal"])
+        bm, bn = p["block_m"] or bm_d, p["block_n"] or bn_d
+
+        def run(alg=alg, bm=bm, bn=bn):
+            return forward(q, k, v, causal=p["causal"], algorithm=alg, block_m=bm, block_n=bn)
+
+        o, _ = run()
+        diff = o.astype(xp.float64) - ref_o
+        row = dict(
+            algorithm=alg,
+            shape=f"B{B} H{H}/{Hkv} Nq{Nq} Nk{Nk} D{D}",
+            dtype=p["dtype"],
+            causal=p["causal"],
+            block_m=bm,
+            block_n=bn,
+            max_abs_err=float(xp.abs(diff).max()),
+            rel_err=float(xp.linalg.norm(diff) / xp.linalg.norm(ref_o)),
+            modelled_bytes=traffic_bytes(alg, B, H, Hkv, Nq, Nk, D, bm, bn, p["dtype"], p["causal"]),
+        )
+        if not sim:
+            from numba_flash.kernels import KERNEL_FACTORIES
+            from numba_flash.profiling.resources import compiled_resources
+
+            ms = median_ms(run, repeats=args.repeats)
+            row.update(ms=ms, tflops=tflops(flops, ms))
+            res = compiled_resources(KERNEL_FACTORIES[alg](D, bm, bn, p["causal"]), bm)
+            row.update(res.as_dict())
+        rows.append(row)
+    if not sim:
+        notes.extend(_peers(q, k, v, p, flops, args.repeats))
+        fa1, fa2 = rows
+        notes.append(f"FA-2 / FA-1 speed: {fa1['ms'] / fa2['ms']:.2f}x")
+    return rows, notes
+
+
+def _peers(q, k, v, p, flops, repeats) -> list[str]:
+    """Time the CuPy baseline and torch SDPA backends on the same inputs."""
+    from numba_flash.baselines import cupy_attention, torch_sdpa_backends
+
+    peers = {"cupy matmul-softmax-matmul": lambda: cupy_attention(q, k, v, causal=p["causal"])}
+    for name, fn in torch_sdpa_backends(p["dtype"]).items():
+        peers[name] = lambda fn=fn: fn(q, k, v, p["causal"])
+    lines = []
+    for name, fn in peers.items():
+        try:
+            ms = median_ms(fn, repeats=repeats)
+        except Exception as exc:  # a backend may refuse a shape or dtype
+            lines.append(f"peer {name}: not run ({type(exc).__name__}: {str(exc)[:80]})")
+            continue
+        lines.append(f"peer {name}: {ms:.3f} ms, {tflops(flops, ms):.1f} TFLOP/s")
+    return lines
+
+
+_FORMATS = [
+    ("shape", "shape", "{}"),
+    ("dtype", "dtype", "{}"),
+    ("causal", "causal", "{}"),
+    ("block_m x block_n", None, None),
+    ("max |o - ref|", "max_abs_err", "{:.2e}"),
+    ("relative error", "rel_err", "{:.2e}"),
+    ("time (ms, median)", "ms", "{:.3f}"),
+    ("TFLOP/s", "tflops", "{:.2f}"),
+    ("registers / thread", "regs", "{}"),
+    ("shared memory / block (B)", "smem_bytes", "{}"),
+    ("local (spill) bytes / thread", "local_bytes", "{}"),
+    ("resident blocks / SM", "blocks_per_sm", "{}"),
+    ("theoretical occupancy", "occupancy", "{:.1%}"),
+    ("modelled global traffic (MB)", "modelled_bytes", None),
+]
+
+
+def format_table(rows, notes) -> str:
+    """One table, FA-1 and FA-2 side by side, then the notes (peers, ratio, world)."""
+    header = ["", *(r["algorithm"].upper().replace("FA", "FA-") for r in rows)]
+    lines = [header]
+    for label, key, fmt in _FORMATS:
+        if key is None and label.startswith("block"):
+            cells = [f"{r['block_m']} x {r['block_n']}" for r in rows]
+        elif key == "modelled_bytes":
+            cells = [f"{r[key] / 1e6:.3f}" for r in rows]
+        elif any(key in r for r in rows):
+            cells = [fmt.format(r[key]) if key in r else "n/a" for r in rows]
+        else:
+            cells = ["n/a (simulator)" for _ in rows] if key in ("ms", "tflops", "regs", "occupancy") else None
+            if cells is None:
+                continue
+        lines.append([label, *cells])
+    widths = [max(len(str(line[i])) for line in lines) for i in range(len(header))]
+    out = []
+    for n, line in enumerate(lines):
+        out.append("| " + " | ".join(str(c).ljust(w) for c, w in zip(line, widths)) + " |")
+        if n == 0:
+            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out + [""] + notes)

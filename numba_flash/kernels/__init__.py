@@ -1,0 +1,16 @@
+"""The two forward kernels and what they share.
+
+- ``tile_ops``: device functions both kernels call (tile loads, S = Q K^T for one
+  tile, P~ = exp(S - m) with rowsum and P~ V, NaN-propagating max).
+- ``fa1``: FlashAttention Algorithm 1 (outer K/V, inner Q, O/l/m round-trip via HBM).
+- ``fa2``: FlashAttention-2 Algorithm 1 (outer Q, inner K/V, accumulators on chip).
+- ``tiles``: which (block_m, block_n) a kernel can run, and the tuned defaults.
+- ``jit``: compile options that differ between the GPU and the simulator.
+"""
+
+from numba_flash.kernels.fa1 import fa1_kernel
+from numba_flash.kernels.fa2 import fa2_kernel
+
+KERNEL_FACTORIES = {"fa1": fa1_kernel, "fa2": fa2_kernel}
+
+__all__ = ["KERNEL_FACTORIES", "fa1_kernel", "fa2_kernel"]

@@ -1,0 +1,1 @@
+"""Instruments: FLOP and byte counts, GPU timing, and kernel resource use."""

@@ -1,0 +1,39 @@
+"""Resource use of a compiled kernel on the GPU at hand, and its theoretical occupancy.
+
+Asks numba's dispatcher (registers, shared and local memory per thread/block, as
+ptxas reported them) and the CUDA driver's occupancy API (resident blocks per SM).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class KernelResources:
+    regs: int
+    smem_bytes: int
+    local_bytes: int
+    threads: int
+    blocks_per_sm: int
+    warps_per_sm: int
+    occupancy: float  # resident warps / the SM's maximum warps
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def compiled_resources(kernel, threads: int) -> KernelResources:
+    """Resources of the (single) signature ``kernel`` was compiled for, on this GPU."""
+    from numba import cuda
+
+    sig = next(iter(kernel.overloads))
+    regs = kernel.get_regs_per_thread(sig)
+    smem = kernel.get_shared_mem_per_block(sig)
+    local = kernel.get_local_mem_per_thread(sig)
+    ctx = cuda.current_context()
+    cufunc = kernel.overloads[sig]._codelibrary.get_cufunc()
+    blocks = ctx.get_active_blocks_per_multiprocessor(cufunc, threads, 0)
+    max_warps = ctx.device.MAX_THREADS_PER_MULTI_PROCESSOR // 32
+    warps = blocks * -(-threads // 32)
+    return KernelResources(regs, smem, local, threads, blocks, warps, warps / max_warps)

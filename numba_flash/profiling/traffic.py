@@ -1,0 +1,87 @@
+"""The global-memory traffic model: bytes each algorithm must move, from its loop nest.
+
+Counts what the kernels ask of global memory (HBM in the FlashAttention papers' IO
+analysis, which assumes no cache between them and HBM), for the tiles actually visited:
+
+- ``standard``: materialised attention (the CuPy baseline): read Q, K, V; write S,
+  read S (softmax), write P, read P (second matmul) in float32; write O.
+  Theta(N d + N^2).
+- ``fa2``: every Q tile reads its Q rows once and every K/V tile it does not skip;
+  writes O and the logsumexp once. Theta(N^2 d^2 / M) with M ~ block_m * d.
+- ``fa1``: every K/V tile is read once; every (K/V tile, Q tile) pair it visits reads
+  Q_i, and reads and writes O_i (float32), l_i and m_i (FlashAttention Alg. 1 lines
+  8, 12, 13); plus the initialisation (line 2) and the final logsumexp/cast pass.
+
+All counts are exact functions of the shapes, tiles and dtype; they are checked against
+hand counts in ``tests/test_traffic.py``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+F32 = 4
+
+
+def _itemsize(dtype: str) -> int:
+    return np.dtype(dtype).itemsize
+
+
+def _visible_counts(n_q: int, n_k: int, block_m: int, block_n: int, causal: bool):
+    """Per Q tile: rows in it, and how many K/V tiles and keys it visits (not skipped)."""
+    tiles = []
+    for i0 in range(0, n_q, block_m):
+        rows = min(block_m, n_q - i0)
+        last_key = n_k - 1
+        if causal:
+            last_key = min(n_k - 1, i0 + rows - 1 + n_k - n_q)
+        n_tiles = 0 if last_key < 0 else last_key // block_n + 1
+        keys = min(n_k, n_tiles * block_n)
+        tiles.append((rows, n_tiles, keys))
+    return tiles
+
+
+def traffic_bytes(
+    algorithm: str,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    n_q: int,
+    n_k: int,
+    head_dim: int,
+    block_m: int,
+    block_n: int,
+    dtype: str = "float32",
+    causal: bool = False,
+) -> int:
+    """Modelled global-memory bytes (reads + writes) of one forward pass."""
+    e = _itemsize(dtype)
+    d = head_dim
+    bh = batch * heads
+    if algorithm == "standard":
+        reads = bh * n_q * d * e + 2 * batch * kv_heads * n_k * d * e
+        scores = 4 * bh * n_q * n_k * F32  # S written, S read, P written, P read
+        return reads + scores + bh * n_q * d * e
+    tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
+    if algorithm == "fa2":
+        per_head = 0
+        for rows, _, keys in tiles:
+            per_head += rows * d * e  # line 4: Q_i
+            per_head += 2 * keys * d * e  # line 7: K_j, V_j for every tile not skipped
+            per_head += rows * d * e + rows * F32  # lines 14-15: O_i, L_i
+        return bh * per_head
+    if algorithm == "fa1":
+        n_kv_tiles = -(-n_k // block_n)
+        per_head = 2 * n_k * d * e  # line 6: each K_j, V_j once
+        per_head += n_q * (d + 2) * F32  # line 2: O, l, m initialised in HBM
+        for j in range(n_kv_tiles):
+            for rows, n_tiles, _ in tiles:
+                if j < n_tiles:  # this (K_j, Q_i) pair is visited
+                    per_head += rows * d * e  # line 8: Q_i
+                    per_head += 2 * rows * d * F32  # lines 8, 12: O_i read and written
+                    per_head += 4 * rows * F32  # lines 8, 13: l_i, m_i read and written
+        per_head += n_q * 2 * F32 + n_q * F32  # line 16: read l, m; write L
+        if e != F32:  # O kept in float32, cast to the output dtype at the end
+            per_head += n_q * d * (F32 + e)
+        return bh * per_head
+    raise ValueError(f"algorithm must be 'standard', 'fa1' or 'fa2'; got {algorithm!r}")

@@ -1,0 +1,141 @@
+"""Both kernels against the float64 reference, in whichever world this machine has.
+
+In the simulator (CI) shapes and tiles are tiny and awkward on purpose: lengths that
+are not tile multiples, GQA, causal with Nq != Nk, float16, one-row inputs, tiles of
+one row. Outputs are poisoned with NaN before each run, so an unwritten element fails.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from helpers import lse_matches, plain_fp16_attention, poisoned, random_qkv, rel_err, to_numpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from numba_flash import reference
+from numba_flash.api import attention, forward
+
+ALGORITHMS = ["fa1", "fa2"]
+TILES = st.sampled_from([1, 2, 4, 8])
+
+
+def run_poisoned(xp, q, k, v, **kw):
+    B, H, Nq, D = q.shape
+    o = poisoned(xp, (B, H, Nq, D), q.dtype)
+    lse = poisoned(xp, (B, H, Nq), np.float32)
+    return forward(q, k, v, out=o, lse_out=lse, **kw)
+
+
+def check_against_reference(q, k, v, o, lse, causal, scale=None):
+    ref_o, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, scale=scale)
+    o_np = to_numpy(o)
+    assert not np.isnan(o_np).any(), "an output element was not written (or is NaN)"
+    if q.dtype == np.float16:
+        base = np.abs(plain_fp16_attention(q, k, v, causal, scale).astype(np.float64) - ref_o).max()
+        err = np.abs(o_np.astype(np.float64) - ref_o).max()
+        assert err <= 2 * base + 1e-6, f"float16 error {err:.3g} > 2 x plain float16 error {base:.3g}"
+    else:
+        assert rel_err(o_np, ref_o) < 2e-6, rel_err(o_np, ref_o)
+    assert lse_matches(lse, ref_lse), (to_numpy(lse), ref_lse)
+
+
+@settings(max_examples=12)
+@given(
+    algorithm=st.sampled_from(ALGORITHMS),
+    batch=st.integers(1, 2),
+    kv_heads=st.integers(1, 2),
+    group=st.integers(1, 2),
+    n_q=st.integers(1, 11),
+    n_k=st.integers(1, 11),
+    head_dim=st.integers(1, 9),
+    block_m=TILES,
+    block_n=TILES,
+    causal=st.booleans(),
+    dtype=st.sampled_from(["float32", "float16"]),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_matches_reference(algorithm, batch, kv_heads, group, n_q, n_k, head_dim, block_m, block_n, causal, dtype, seed, xp):
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, batch, kv_heads * group, kv_heads, n_q, n_k, head_dim, dtype, xp)
+    o, lse = run_poisoned(xp, q, k, v, causal=causal, algorithm=algorithm, block_m=block_m, block_n=block_n)
+    assert o.dtype == q.dtype and lse.dtype == np.float32
+    check_against_reference(q, k, v, o, lse, causal)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize(
+    "n_q, n_k",
+    [(1, 1), (1, 9), (9, 1), (5, 13), (13, 5)],
+    ids=["one-row-one-key", "one-row", "one-key", "nq<nk", "nq>nk"],
+)
+def test_causal_alignment_and_masked_rows(algorithm, n_q, n_k, xp, rng):
+    """Bottom-right causal; rows that see no key (Nq > Nk) give o = 0, lse = -inf."""
+    q, k, v = random_qkv(rng, 1, 2, 1, n_q, n_k, 3, "float32", xp)
+    o, lse = run_poisoned(xp, q, k, v, causal=True, algorithm=algorithm, block_m=4, block_n=2)
+    check_against_reference(q, k, v, o, lse, True)
+    hidden = n_q - n_k
+    if hidden > 0:
+        assert (to_numpy(o)[:, :, :hidden] == 0).all()
+        assert np.isneginf(to_numpy(lse)[:, :, :hidden]).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_huge_logits_do_not_overflow(algorithm, xp, rng):
+    """Scores of magnitude ~1e4: the running max keeps every exp argument <= 0."""
+    q, k, v = random_qkv(rng, 1, 1, 1, 6, 7, 4, "float32", xp)
+    o, lse = run_poisoned(xp, q, k, v, scale=3e3, algorithm=algorithm, block_m=2, block_n=2)
+    assert np.isfinite(to_numpy(o)).all() and np.isfinite(to_numpy(lse)).all()
+    check_against_reference(q, k, v, o, lse, False, scale=3e3)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_nan_propagates_to_the_rows_it_touches(algorithm, xp, rng):
+    q, k, v = (to_numpy(x).copy() for x in random_qkv(rng, 1, 1, 1, 5, 6, 3, "float32", np))
+    q[0, 0, 2, 1] = np.nan  # row 2's scores are all NaN
+    v[0, 0, 4, 0] = np.nan  # column 0 of every output row depends on v[4, 0]
+    q, k, v = (xp.asarray(x) for x in (q, k, v))
+    o = to_numpy(run_poisoned(xp, q, k, v, algorithm=algorithm, block_m=2, block_n=4)[0])
+    assert np.isnan(o[0, 0, 2]).all(), "a NaN query row must give a NaN output row"
+    assert np.isnan(o[0, 0, :, 0]).all(), "a NaN value must reach every row that attends to it"
+    rows = [0, 1, 3, 4]
+    assert np.isfinite(o[0, 0, rows, 1:]).all(), "NaN leaked into elements it does not touch"
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_empty_lengths(algorithm, xp, rng):
+    q, k, v = random_qkv(rng, 1, 2, 2, 0, 5, 4, "float32", xp)
+    o, lse = attention(q, k, v, algorithm=algorithm, return_lse=True)
+    assert o.shape == (1, 2, 0, 4) and lse.shape == (1, 2, 0)
+    q, k, v = random_qkv(rng, 1, 2, 2, 3, 0, 4, "float32", xp)
+    o, lse = attention(q, k, v, algorithm=algorithm, return_lse=True)
+    assert (to_numpy(o) == 0).all() and np.isneginf(to_numpy(lse)).all()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_strided_views_need_no_copy_and_inputs_are_untouched(algorithm, xp, rng):
+    """A (B, N, H, D) buffer viewed as (B, H, N, D) works as is; inputs stay unchanged."""
+    buf = [xp.asarray(rng.standard_normal((1, 7, 2, 5)).astype(np.float32)) for _ in range(3)]
+    before = [to_numpy(b).copy() for b in buf]
+    q, k, v = (b.transpose(0, 2, 1, 3) for b in buf)
+    assert not q.flags.c_contiguous
+    o, lse = run_poisoned(xp, q, k, v, causal=True, algorithm=algorithm, block_m=4, block_n=4)
+    check_against_reference(q, k, v, o, lse, True)
+    for b, b0 in zip(buf, before):
+        assert np.array_equal(to_numpy(b), b0)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_deterministic(algorithm, xp, rng):
+    q, k, v = random_qkv(rng, 1, 2, 1, 9, 10, 4, "float32", xp)
+    a = to_numpy(attention(q, k, v, algorithm=algorithm, block_m=4, block_n=4))
+    b = to_numpy(attention(q, k, v, algorithm=algorithm, block_m=4, block_n=4))
+    assert np.array_equal(a, b)
+
+
+def test_fa1_and_fa2_agree_with_default_tiles(xp, rng):
+    """Default tiles (128 x 32 threads/keys): each checked against the reference."""
+    q, k, v = random_qkv(rng, 1, 1, 1, 3, 5, 8, "float32", xp)
+    for algorithm in ALGORITHMS:
+        o, lse = run_poisoned(xp, q, k, v, algorithm=algorithm)
+        check_against_reference(q, k, v, o, lse, False)
