@@ -87,12 +87,12 @@ def compare(args):
             modelled_bytes=traffic_bytes(alg, B, H, Hkv, Nq, Nk, D, bm, bn, p["dtype"], p["causal"]),
         )
         if not sim:
-            from numba_flash.kernels import KERNEL_FACTORIES
+            from numba_flash.api import kernel_for
             from numba_flash.profiling.resources import compiled_resources
 
             ms = median_ms(run, repeats=args.repeats)
             row.update(ms=ms, tflops=tflops(flops, ms))
-            res = compiled_resources(KERNEL_FACTORIES[alg](D, bm, bn, p["causal"]), bm)
+            res = compiled_resources(kernel_for(alg, D, bm, bn, p["causal"], p["dtype"]), bm)
             row.update(res.as_dict())
         rows.append(row)
     if not sim:

@@ -24,18 +24,23 @@ from numba_flash.kernels.tile_ops import tile_ops
 
 
 @functools.lru_cache(maxsize=None)
-def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool):
-    """The FA-1 kernel specialised for (head_dim, block_m, block_n, causal) (memoised).
+def fa1_kernel(
+    head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, cast_out: bool = False
+):
+    """The FA-1 kernel for (head_dim, block_m, block_n, causal, permuted, cast_out) (memoised).
 
     Launch: ``grid = (B * H,)``, ``block = (block_m,)``.
     Arguments: ``q (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``; ``o_hbm (B,H,Nq,D) float32``,
     ``l_hbm, m_hbm (B,H,Nq) float32``: the paper's O, l, m in global memory (initialised
-    here, line 2); ``o``: the output in q's dtype, or ``None`` when ``o_hbm`` is the
-    output already (float32); ``lse (B,H,Nq) float32`` out; ``q_scale = scale*log2(e)``;
-    ``kv_order``: ``None`` or an int32 permutation of the K/V tiles.
+    here, line 2); ``o``: the output in q's dtype, written from ``o_hbm`` at the end
+    when ``cast_out`` (otherwise ``o_hbm`` is the float32 output and ``o`` is unused);
+    ``lse (B,H,Nq) float32`` out; ``q_scale = scale*log2(e)``; ``kv_order``: an int32
+    permutation of the K/V tiles, read only when ``permuted``.
     """
     D, BM, BN = head_dim, block_m, block_n
     CAUSAL = bool(causal)
+    PERMUTED = bool(permuted)
+    CAST_OUT = bool(cast_out)
     # Shared tile steps (tile_ops); bound to plain names so numba sees them as functions.
     ops = tile_ops(D, BM, BN)
     exp2_diff = ops.exp2_diff
@@ -80,10 +85,7 @@ def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool):
                 m_hbm[b, h, row] = float32(NEG_INF)
 
         for jj in range(n_kv_tiles):  # Line 5: for 1 <= j <= Tc
-            if kv_order is None:
-                j = jj
-            else:
-                j = kv_order[jj]
+            j = kv_order[jj] if PERMUTED else jj
             col0 = j * BN
             cuda.syncthreads()  # everyone is done reading the previous K_j, V_j
             load_kv_tile(k, v, b, hk, col0, n_k, k_tile, v_tile)  # Line 6
@@ -96,9 +98,9 @@ def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool):
                 row = i * BM + tid
                 load_q_row(q, b, h, row, n_q, q_scale, q_reg)  # Line 8: load Q_i
                 # Line 9: S_ij = Q_i K_j^T; line 10: m~_ij = rowmax(S_ij).
-                tile_max = score_tile(
-                    q_reg, k_tile, s_tile, col0, last_visible_key(row, n_q, n_k, CAUSAL)
-                )
+                last_key = last_visible_key(row, n_q, n_k, CAUSAL)
+                first_row_last_key = last_visible_key(i * BM, n_q, n_k, CAUSAL)
+                tile_max = score_tile(q_reg, k_tile, s_tile, col0, last_key, first_row_last_key)
                 if row < n_q and tile_max != NEG_INF:
                     # Line 10: P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij); acc = P~_ij V_j.
                     zero(acc)
@@ -125,7 +127,7 @@ def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool):
         for i in range(n_q_tiles):
             row = i * BM + tid
             if row < n_q:
-                if o is not None:
+                if CAST_OUT:
                     for d in range(D):
                         o[b, h, row, d] = o_hbm[b, h, row, d]
                 lse[b, h, row] = log_sum_exp(m_hbm[b, h, row], l_hbm[b, h, row])

@@ -18,19 +18,22 @@ from numba import cuda, float32
 
 from numba_flash.kernels.jit import NEG_INF, kernel_jit
 from numba_flash.kernels.tile_ops import tile_ops
+from numba_flash.kernels.tiles import register_cap
 
 
 @functools.lru_cache(maxsize=None)
-def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool):
-    """The FA-2 kernel specialised for (head_dim, block_m, block_n, causal) (memoised).
+def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False):
+    """The FA-2 kernel specialised for (head_dim, block_m, block_n, causal, permuted) (memoised).
 
     Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (block_m,)``.
     Arguments: ``q (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``, ``o (B,H,Nq,D)`` out,
     ``lse (B,H,Nq) float32`` out, ``q_scale = scale * log2(e)`` as float32, and
-    ``kv_order``: ``None`` (tiles in order) or an int32 permutation of the K/V tiles.
+    ``kv_order``: an int32 permutation of the K/V tiles, read only when ``permuted``
+    (the research knob; otherwise tiles go in order and any int32 array will do).
     """
     D, BM, BN = head_dim, block_m, block_n
     CAUSAL = bool(causal)
+    PERMUTED = bool(permuted)
     # Shared tile steps (tile_ops); bound to plain names so numba sees them as functions.
     ops = tile_ops(D, BM, BN)
     exp2_diff = ops.exp2_diff
@@ -45,7 +48,7 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool):
     score_tile = ops.score_tile
     zero = ops.zero
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"})
+    @kernel_jit(fastmath={"contract", "afn", "arcp"}, max_registers=register_cap(D))
     def fa2_forward(q, k, v, o, lse, q_scale, kv_order):
         n_heads = q.shape[1]
         n_q = q.shape[2]
@@ -78,12 +81,10 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool):
         last_key = last_visible_key(row, n_q, n_k, CAUSAL)
         # The last key any row of this Q tile sees: tiles after it are fully masked.
         tile_last_key = last_visible_key(min(i * BM + BM, n_q) - 1, n_q, n_k, CAUSAL)
+        first_row_last_key = last_visible_key(i * BM, n_q, n_k, CAUSAL)
 
         for jj in range(n_kv_tiles):  # Line 6: for 1 <= j <= Tc
-            if kv_order is None:
-                j = jj
-            else:
-                j = kv_order[jj]
+            j = kv_order[jj] if PERMUTED else jj
             col0 = j * BN
             if col0 > tile_last_key:
                 continue  # causal: every score of this tile is masked (block-uniform)
@@ -91,7 +92,7 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool):
             load_kv_tile(k, v, b, hk, col0, n_k, k_tile, v_tile)  # Line 7
             cuda.syncthreads()  # the whole tile is in shared memory before anyone reads it
             # Line 8: S_i^(j) = Q_i K_j^T.
-            tile_max = score_tile(q_reg, k_tile, s_tile, col0, last_key)
+            tile_max = score_tile(q_reg, k_tile, s_tile, col0, last_key, first_row_last_key)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S)).
             m_new = nan_max(m, tile_max)
             if m_new != NEG_INF:  # else the row has seen only masked keys: nothing to add

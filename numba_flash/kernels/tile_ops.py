@@ -78,10 +78,12 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> SimpleNamespace:
                 v_tile[c, d] = float32(0.0)
 
     @device_jit
-    def score_tile(q_reg, k_tile, s_tile, col0, last_key):
+    def score_tile(q_reg, k_tile, s_tile, col0, last_key, first_row_last_key):
         """S_ij = Q_i K_j^T for this thread's row into ``s_tile[:, tid]``; returns rowmax.
 
         Keys after ``last_key`` (past Nk, or hidden by the causal mask) score -inf.
+        ``first_row_last_key``, the ``last_key`` of the tile's first row (the smallest
+        in the block), decides block-uniformly whether any row needs the mask at all.
         """
         tid = cuda.threadIdx.x
         row_max = float32(NEG_INF)
@@ -100,10 +102,16 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> SimpleNamespace:
             for d in range(D4, D):
                 s0 += q_reg[d] * k_tile[c, d]
             s = (s0 + s1) + (s2 + s3)
-            if col0 + c > last_key:
-                s = float32(NEG_INF)
             s_tile[c, tid] = s
             row_max = nan_max(row_max, s)
+        if col0 + BN - 1 > first_row_last_key:  # block-uniform
+            # Only diagonal (causal) and tail tiles get here: mask outside the hot loop,
+            # so that the unmasked tiles pay nothing for it (one inner loop, two stages).
+            for c in range(max(last_key - col0 + 1, 0), BN):
+                s_tile[c, tid] = float32(NEG_INF)
+            row_max = float32(NEG_INF)
+            for c in range(BN):
+                row_max = nan_max(row_max, s_tile[c, tid])
         return row_max
 
     @device_jit

@@ -52,3 +52,14 @@ def check_tiles(head_dim: int, block_m: int, block_n: int) -> None:
             f"shared memory, more than the {STATIC_SMEM_LIMIT} a block can have; with this "
             f"block_m, block_n can be one of {fitting}"
         )
+
+
+def register_cap(head_dim: int) -> int | None:
+    """Registers per thread the FA-2 kernel is held to (``None``: the compiler's choice).
+
+    Up to D = 64 the kernel needs ~167 registers (q row and O row, 2 x D, plus
+    addressing); 168 lets three 128-thread blocks share an SM. Without the cap the causal
+    kernel, whose mask bound differs per thread, was given 222 registers by ptxas and
+    ran two blocks per SM (H200, 2026-11-29). Above D = 64 nothing fits: no cap.
+    """
+    return 168 if head_dim <= 64 else None

@@ -24,16 +24,16 @@ class KernelResources:
 
 
 def compiled_resources(kernel, threads: int) -> KernelResources:
-    """Resources of the (single) signature ``kernel`` was compiled for, on this GPU."""
+    """Resources of the signature ``kernel`` was last compiled for, on this GPU."""
     from numba import cuda
 
-    sig = next(iter(kernel.overloads))
-    regs = kernel.get_regs_per_thread(sig)
-    smem = kernel.get_shared_mem_per_block(sig)
-    local = kernel.get_local_mem_per_thread(sig)
+    compiled = list(kernel.overloads.values())[-1]  # the most recently compiled signature
+    regs = compiled.regs_per_thread
+    smem = compiled.shared_mem_per_block
+    local = compiled.local_mem_per_thread
     ctx = cuda.current_context()
-    cufunc = kernel.overloads[sig]._codelibrary.get_cufunc()
+    cufunc = compiled._codelibrary.get_cufunc()
     blocks = ctx.get_active_blocks_per_multiprocessor(cufunc, threads, 0)
-    max_warps = ctx.device.MAX_THREADS_PER_MULTI_PROCESSOR // 32
+    max_warps = ctx.device.MAX_THREADS_PER_MULTIPROCESSOR // 32
     warps = blocks * -(-threads // 32)
     return KernelResources(regs, smem, local, threads, blocks, warps, warps / max_warps)

@@ -1,0 +1,57 @@
+"""The memory-traffic model against hand counts on small cases."""
+
+from __future__ import annotations
+
+import pytest
+
+from numba_flash.profiling.traffic import traffic_bytes
+
+
+def test_standard_attention_hand_count():
+    # B=1 H=1 Nq=Nk=4 D=2 float32: read Q,K,V 3*4*2*4 = 96; S,P passes 4*16*4 = 256; O 32.
+    assert traffic_bytes("standard", 1, 1, 1, 4, 4, 2, 1, 1) == 96 + 256 + 32
+
+
+def test_fa2_hand_count():
+    # Nq=Nk=4, D=2, block_m=2, block_n=2, float32: two Q tiles, each reads its Q (2*2*4=16),
+    # all of K and V (2*4*2*4=64), writes O (16) and L (2*4=8): 2 * (16+64+16+8) = 208.
+    assert traffic_bytes("fa2", 1, 1, 1, 4, 4, 2, 2, 2) == 208
+
+
+def test_fa2_causal_skips_masked_tiles():
+    # Causal, Nq=Nk=4: Q tile 0 (rows 0-1) sees K tile 0 only; Q tile 1 sees both.
+    # Tile 0: 16 + 2*2*2*4 (one K/V tile: 32) + 16 + 8 = 72; tile 1: 16 + 64 + 16 + 8 = 104.
+    assert traffic_bytes("fa2", 1, 1, 1, 4, 4, 2, 2, 2, causal=True) == 72 + 104
+
+
+def test_fa1_hand_count():
+    # Nq=Nk=4, D=2, block_m=block_n=2, float32.
+    # K,V once: 2*4*2*4 = 64; init O,l,m: 4*(2+2)*4 = 64.
+    # 2 K/V tiles x 2 Q tiles = 4 visits, each: Q_i 2*2*4=16, O_i r+w 2*2*2*4=32, l,m r+w 4*2*4=32 -> 80.
+    # final pass: read l,m 4*2*4=32, write L 4*4=16.
+    assert traffic_bytes("fa1", 1, 1, 1, 4, 4, 2, 2, 2) == 64 + 64 + 4 * 80 + 32 + 16
+
+
+def test_fa1_float16_adds_the_cast_pass():
+    # float16 inputs: K,V 32, Q reads halve (8 per visit); the final cast reads O in float32
+    # and writes it in float16: 4*2*(4+2) = 48.
+    expected = 32 + 64 + 4 * (8 + 32 + 32) + 32 + 16 + 48
+    assert traffic_bytes("fa1", 1, 1, 1, 4, 4, 2, 2, 2, dtype="float16") == expected
+
+
+def test_scales_with_batch_heads():
+    one = traffic_bytes("fa2", 1, 1, 1, 64, 64, 8, 16, 16)
+    assert traffic_bytes("fa2", 2, 3, 3, 64, 64, 8, 16, 16) == 6 * one
+
+
+def test_fa1_moves_more_than_fa2_and_grows_with_sequence():
+    """The IO story of the papers: FA-1's O/l/m round trips are quadratic in N / block_n."""
+    small = [traffic_bytes(a, 1, 1, 1, 1024, 1024, 64, 128, 32) for a in ("fa1", "fa2")]
+    large = [traffic_bytes(a, 1, 1, 1, 4096, 4096, 64, 128, 32) for a in ("fa1", "fa2")]
+    assert small[0] > small[1] and large[0] > large[1]
+    assert large[0] / small[0] > 10  # ~16x: quadratic
+
+
+def test_unknown_algorithm():
+    with pytest.raises(ValueError, match="algorithm must be"):
+        traffic_bytes("fa3", 1, 1, 1, 4, 4, 2, 2, 2)
