@@ -191,7 +191,7 @@ def kernel_for(algorithm, head_dim, block_m, block_n, causal, dtype, permuted=Fa
 
 
 def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
-    from numba import cuda
+    from numba_flash._cuda import cuda
 
     B, H, Nq, D = call["q_shape"]
     bm, bn = call["block_m"], call["block_n"]
@@ -230,7 +230,7 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
 @functools.lru_cache(maxsize=None)
 def _placeholder(shape, dtype):
     """A tiny array for a kernel argument that its specialisation never reads."""
-    from numba import cuda
+    from numba_flash._cuda import cuda
 
     placeholder = np.zeros(shape, dtype=dtype)
     return placeholder if _simulated() else cuda.to_device(placeholder)
@@ -244,7 +244,7 @@ def _simulated() -> bool:
 
 def _device_empty(shape, stream):
     """float32 scratch for FA-1's O, l, m in global memory (NumPy in the simulator)."""
-    from numba import cuda
+    from numba_flash._cuda import cuda
 
     if _simulated():
         return np.empty(shape, dtype=np.float32)

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from numba import cuda
+from numba_flash._cuda import cuda
 
 from numba_flash._world import simulated
 

@@ -1,6 +1,7 @@
 """The ``numba-flash`` command (also ``python -m numba_flash``).
 
     numba-flash compare [--batch B --heads H --seq N --head-dim D --causal --dtype float16]
+    numba-flash occupancy [--json] [--source driver|ptxas] [--plot DIR]
     numba-flash demo        the seed's worked example of the online softmax, step by step
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
 
 import numpy as np
@@ -40,12 +42,29 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--seed", type=int, default=0)
     cmp.add_argument("--json", action="store_true", help="print the rows as JSON")
 
+    occ = sub.add_parser(
+        "occupancy",
+        help="registers, shared memory and occupancy per tile configuration (GPU or ptxas)",
+    )
+    occ.add_argument("--algorithm", nargs="+", default=["fa1", "fa2"], choices=["fa1", "fa2"])
+    occ.add_argument("--head-dim", nargs="+", type=int, default=[32, 64, 128])
+    occ.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "float16"])
+    occ.add_argument("--block-m", nargs="+", type=int, default=[32, 64, 128, 256])
+    occ.add_argument("--block-n", nargs="+", type=int, default=[16, 32])
+    occ.add_argument("--causal", action="store_true")
+    occ.add_argument("--source", choices=["driver", "ptxas"], help="default: driver on a GPU, else ptxas")
+    occ.add_argument("--cc", default="9.0", help="compute capability for ptxas (default 9.0, H100/H200)")
+    occ.add_argument("--json", action="store_true", help="print a JSON list of row objects")
+    occ.add_argument("--plot", metavar="DIR", help="write occupancy/registers-vs-tile PNGs here")
+
     sub.add_parser("demo", help="the online-softmax worked example of the seed, step by step")
     return parser
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "occupancy":
+        return _occupancy(args)
     choose_world()
     if args.command == "demo":
         from numba_flash.seed_example import print_worked_example
@@ -60,6 +79,40 @@ def main(argv=None) -> int:
     else:
         print(format_table(rows, notes))
     return 0
+
+
+def _occupancy(args) -> int:
+    from numba_flash._world import gpu_present
+
+    source = args.source or ("driver" if gpu_present() else "ptxas")
+    if source == "ptxas" and "numba.cuda" not in sys.modules:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real; no GPU is touched
+    from numba_flash.profiling.occupancy import ROW_KEYS, configurations, profile
+
+    cc = tuple(int(x) for x in args.cc.split("."))
+    configs = configurations(
+        args.algorithm, args.head_dim, args.dtype, args.block_m, args.block_n, (args.causal,)
+    )
+    rows = profile(configs, cc=cc, source=source, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(_markdown(rows, ROW_KEYS))
+    if args.plot:
+        from numba_flash.profiling.plots import plot_occupancy
+
+        for path in plot_occupancy(rows, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _markdown(rows, keys) -> str:
+    def cell(v):
+        return f"{v:.1%}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    lines += ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows]
+    return "\n".join(lines)
 
 
 def _json_default(x):

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import functools
 
-from numba import cuda, float32
+from numba_flash._cuda import cuda, float32
 
 from numba_flash.kernels.jit import NEG_INF, kernel_jit
 from numba_flash.kernels.tile_ops import tile_ops

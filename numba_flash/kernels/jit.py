@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from numba import cuda
+from numba_flash._cuda import cuda
 
 from numba_flash._world import simulated
 

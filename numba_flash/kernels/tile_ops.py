@@ -30,7 +30,7 @@ import functools
 import math
 from types import SimpleNamespace
 
-from numba import cuda, float32
+from numba_flash._cuda import cuda, float32
 
 from numba_flash.kernels.jit import NEG_INF, device_jit
 

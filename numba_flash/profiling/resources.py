@@ -25,7 +25,7 @@ class KernelResources:
 
 def compiled_resources(kernel, threads: int) -> KernelResources:
     """Resources of the signature ``kernel`` was last compiled for, on this GPU."""
-    from numba import cuda
+    from numba_flash._cuda import cuda
 
     compiled = list(kernel.overloads.values())[-1]  # the most recently compiled signature
     regs = compiled.regs_per_thread

@@ -1,0 +1,13 @@
+"""``numba.cuda``, imported only after the world (GPU or simulator) has been chosen.
+
+Every module of the package that needs numba.cuda imports it from here, so the first
+such import, wherever it happens, switches the simulator on when there is no GPU.
+"""
+
+from numba_flash._world import choose_world
+
+choose_world()
+
+from numba import cuda, float32  # noqa: E402
+
+__all__ = ["cuda", "float32"]

@@ -1,0 +1,233 @@
+"""Occupancy of the FA-1 / FA-2 kernels, with or without a GPU.
+
+For every (algorithm, head_dim, dtype, block_m, block_n, causal) it reports registers
+per thread, shared memory per block, local (spill) bytes per thread, threads per block,
+resident blocks and warps per SM, theoretical occupancy, and the limiting resource.
+
+Two sources, one signature (C-contiguous arrays, as CuPy allocates them):
+
+- ``driver``: on a GPU, the kernel is compiled by numba for the device and the CUDA
+  occupancy API (``cuOccupancyMaxActiveBlocksPerMultiprocessor``) gives blocks per SM.
+- ``ptxas``: without a GPU, numba compiles the kernel to PTX for a chosen compute
+  capability (``cuda.compile_ptx``), ``ptxas -v`` reports its resources, and
+  :func:`occupancy_from_resources` applies that architecture's documented limits (CUDA
+  C Programming Guide, "Compute Capabilities" table; CUDA Occupancy Calculator rules).
+  Needs libNVVM and a ptxas that reads its PTX: ``pip install numba-flash[occupancy]``.
+
+Both sources pass the kernels' register cap (``tiles.register_cap``) the same way:
+numba passes it to the driver's JIT linker, here it is ``ptxas -maxrregcount``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from itertools import product
+
+from numba_flash.kernels.tiles import STATIC_SMEM_LIMIT, register_cap, smem_bytes
+
+
+@dataclass(frozen=True)
+class ArchLimits:
+    """Per-SM limits of one compute capability (CUDA C Programming Guide, Table 'Technical
+    Specifications per Compute Capability'; allocation granularities from the CUDA
+    Occupancy Calculator)."""
+
+    max_threads: int = 2048
+    max_warps: int = 64
+    max_blocks: int = 32
+    registers: int = 65536
+    reg_alloc_unit: int = 256  # registers are given to a warp in chunks of 256
+    smem_per_sm: int = 228 * 1024
+    smem_alloc_unit: int = 128
+    smem_reserved_per_block: int = 1024  # taken by the system for every resident block
+
+
+ARCH = {
+    (8, 0): ArchLimits(smem_per_sm=164 * 1024),
+    (8, 6): ArchLimits(max_threads=1536, max_warps=48, max_blocks=16, smem_per_sm=100 * 1024),
+    (8, 9): ArchLimits(max_threads=1536, max_warps=48, max_blocks=24, smem_per_sm=100 * 1024),
+    (9, 0): ArchLimits(),
+}
+
+ROW_KEYS = (
+    "algorithm", "head_dim", "dtype", "causal", "block_m", "block_n", "threads", "regs",
+    "smem_bytes", "local_bytes", "blocks_per_sm", "warps_per_sm", "occupancy", "limiter", "source",
+)
+
+
+def occupancy_from_resources(regs: int, smem: int, threads: int, arch: ArchLimits) -> tuple[int, str]:
+    """Resident blocks per SM and the limiting resource, by the occupancy calculator's rules."""
+    warps = -(-threads // 32)
+    regs_per_warp = -(-regs * 32 // arch.reg_alloc_unit) * arch.reg_alloc_unit
+    limits = {
+        "blocks": arch.max_blocks,
+        "warps": arch.max_warps // warps,
+        "registers": arch.registers // (regs_per_warp * warps) if regs else arch.max_blocks,
+    }
+    smem_block = -(-(smem + arch.smem_reserved_per_block) // arch.smem_alloc_unit) * arch.smem_alloc_unit
+    limits["shared memory"] = arch.smem_per_sm // smem_block
+    limiter = min(limits, key=limits.get)
+    return limits[limiter], limiter
+
+
+def signature(algorithm: str, head_dim: int, dtype: str):
+    """The argument types ``attention`` launches the kernel with for CuPy inputs."""
+    from numba import types
+
+    elem = {"float32": types.float32, "float16": types.float16}[dtype]
+    a4, f4 = types.Array(elem, 4, "C"), types.Array(types.float32, 4, "C")
+    f3, order = types.Array(types.float32, 3, "C"), types.Array(types.int32, 1, "C")
+    if algorithm == "fa2":  # q, k, v, o, lse, q_scale, kv_order
+        return (a4, a4, a4, a4, f3, types.float32, order)
+    out = a4 if dtype != "float32" else f4  # q, k, v, o_hbm, l, m, o, lse, q_scale, kv_order
+    return (a4, a4, a4, f4, f3, f3, out, f3, types.float32, order)
+
+
+def configurations(algorithms, head_dims, dtypes, block_ms, block_ns, causal=(False,)):
+    """Every runnable combination (tiles beyond shared memory are left out)."""
+    for alg, d, dt, bm, bn, c in product(algorithms, head_dims, dtypes, block_ms, block_ns, causal):
+        if smem_bytes(d, bm, bn) <= STATIC_SMEM_LIMIT:
+            yield dict(algorithm=alg, head_dim=d, dtype=dt, block_m=bm, block_n=bn, causal=c)
+
+
+def profile(configs, cc=(9, 0), source=None, progress=None) -> list[dict]:
+    """Rows of resource use and occupancy for ``configs``.
+
+    ``source``: ``"driver"`` (needs a GPU), ``"ptxas"`` (needs none), or ``None``:
+    the driver when a GPU is present, else ptxas.
+    """
+    from numba_flash._world import gpu_present
+
+    source = source or ("driver" if gpu_present() else "ptxas")
+    measure = _driver_row if source == "driver" else _ptxas_row
+    rows = []
+    configs = list(configs)
+    for n, cfg in enumerate(configs, 1):
+        if progress:
+            progress(f"[{n}/{len(configs)}] {cfg}")
+        rows.append(measure(cfg, cc))
+    return rows
+
+
+def _kernel(cfg):
+    from numba_flash.api import kernel_for
+
+    return kernel_for(cfg["algorithm"], cfg["head_dim"], cfg["block_m"], cfg["block_n"], cfg["causal"], cfg["dtype"])
+
+
+def _row(cfg, regs, smem, local, blocks, limiter, max_warps, source) -> dict:
+    threads = cfg["block_m"]
+    warps = blocks * -(-threads // 32)
+    return dict(
+        cfg, threads=threads, regs=regs, smem_bytes=smem, local_bytes=local, blocks_per_sm=blocks,
+        warps_per_sm=warps, occupancy=warps / max_warps, limiter=limiter, source=source,
+    )
+
+
+def _driver_row(cfg, cc) -> dict:
+    from numba_flash._cuda import cuda
+
+    from numba_flash.profiling.resources import compiled_resources
+
+    kernel = _kernel(cfg)
+    kernel.compile(signature(cfg["algorithm"], cfg["head_dim"], cfg["dtype"]))
+    res = compiled_resources(kernel, cfg["block_m"])
+    arch = ARCH.get(cuda.get_current_device().compute_capability, ArchLimits())
+    _, limiter = occupancy_from_resources(res.regs, res.smem_bytes, res.threads, arch)
+    return _row(cfg, res.regs, res.smem_bytes, res.local_bytes, res.blocks_per_sm, limiter, arch.max_warps, "driver")
+
+
+def _ptxas_row(cfg, cc) -> dict:
+    ptx = compile_ptx(cfg, cc)
+    cap = register_cap(cfg["head_dim"]) if cfg["algorithm"] == "fa2" else None
+    regs, smem, local = ptxas_resources(ptx, cc, cap)
+    arch = ARCH[cc]
+    blocks, limiter = occupancy_from_resources(regs, smem, cfg["block_m"], arch)
+    return _row(cfg, regs, smem, local, blocks, limiter, arch.max_warps, f"ptxas sm_{cc[0]}{cc[1]}")
+
+
+@contextlib.contextmanager
+def _no_device_compilation(cc):
+    """Let numba compile device functions with no GPU present.
+
+    numba-cuda asks the current device for its compute capability when it compiles a
+    device function (``dispatcher.get_current_device``); with no driver that raises. For
+    the duration of an offline compile it is answered with ``cc``.
+    """
+    import numba.cuda.dispatcher as dispatcher
+
+    class _Device:
+        compute_capability = cc
+
+    original = dispatcher.get_current_device
+    dispatcher.get_current_device = lambda: _Device()
+    try:
+        yield
+    finally:
+        dispatcher.get_current_device = original
+
+
+def compile_ptx(cfg, cc=(9, 0)) -> str:
+    """PTX of one kernel configuration for compute capability ``cc`` (no GPU needed)."""
+    from numba_flash._cuda import cuda
+
+    from numba_flash._world import simulated
+
+    if simulated():
+        raise RuntimeError(
+            "PTX compilation needs numba's CUDA target, not the simulator: run with "
+            "NUMBA_ENABLE_CUDASIM=0 (`numba-flash occupancy` does this itself)"
+        )
+    kernel = _kernel(cfg)
+    with _no_device_compilation(cc):
+        ptx, _ = cuda.compile_ptx(
+            kernel.py_func,
+            signature(cfg["algorithm"], cfg["head_dim"], cfg["dtype"]),
+            cc=cc,
+            fastmath=kernel.targetoptions.get("fastmath"),
+        )
+    return ptx
+
+
+def find_ptxas() -> str:
+    """A ptxas new enough for numba-cuda's PTX: the nvidia-cuda-nvcc wheel's, else PATH's."""
+    for base in sys.path:
+        for sub in ("nvidia/cu13/bin/ptxas", "nvidia/cuda_nvcc/bin/ptxas"):
+            path = os.path.join(base, sub)
+            if os.path.isfile(path):
+                return path
+    path = shutil.which("ptxas")
+    if path:
+        return path
+    raise RuntimeError("ptxas not found: pip install 'numba-flash[occupancy]' (nvidia-cuda-nvcc)")
+
+
+_RESOURCE_RE = {
+    "regs": re.compile(r"Used (\d+) registers"),
+    "smem": re.compile(r"(\d+) bytes smem"),
+    "stack": re.compile(r"(\d+) bytes stack frame"),
+}
+
+
+def ptxas_resources(ptx: str, cc=(9, 0), max_registers=None) -> tuple[int, int, int]:
+    """(registers per thread, static shared bytes per block, local bytes per thread)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "kernel.ptx")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [find_ptxas(), "-v", f"-arch=sm_{cc[0]}{cc[1]}", src, "-o", os.path.join(tmp, "k.cubin")]
+        if max_registers:
+            cmd.insert(2, f"-maxrregcount={max_registers}")
+        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+    found = {k: r.search(out) for k, r in _RESOURCE_RE.items()}
+    if found["regs"] is None:
+        raise RuntimeError(f"could not read ptxas output:\n{out}")
+    value = {k: int(m.group(1)) if m else 0 for k, m in found.items()}
+    return value["regs"], value["smem"], value["stack"]
