@@ -139,3 +139,17 @@ def test_fa1_and_fa2_agree_with_default_tiles(xp, rng):
     for algorithm in ALGORITHMS:
         o, lse = run_poisoned(xp, q, k, v, algorithm=algorithm)
         check_against_reference(q, k, v, o, lse, False)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_causal_mask_hides_nan_values_of_future_keys(algorithm, xp, rng):
+    """A masked key contributes nothing, not even 0 * NaN: rows before key 2 stay finite."""
+    q, k, v = (to_numpy(x).copy() for x in random_qkv(rng, 1, 1, 1, 4, 4, 8, "float32", np))
+    v[0, 0, 2, 1] = np.nan
+    q, k, v = (xp.asarray(x) for x in (q, k, v))
+    o, lse = run_poisoned(xp, q, k, v, causal=True, algorithm=algorithm, block_m=4, block_n=4)
+    o = to_numpy(o)
+    ref_o, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True)
+    assert np.isfinite(o[0, 0, :2]).all(), "NaN of a future key leaked through the causal mask"
+    assert np.isnan(o[0, 0, 2:, 1]).all() and np.isfinite(o[0, 0, 2:, [0, 2, 3, 4, 5, 6, 7]]).all()
+    np.testing.assert_allclose(o[0, 0, :2], ref_o[0, 0, :2], rtol=1e-5, atol=1e-6)

@@ -45,6 +45,7 @@ def fa1_kernel(
     ops = tile_ops(D, BM, BN)
     exp2_diff = ops.exp2_diff
     exp_rowsum_pv = ops.exp_rowsum_pv
+    visible_cols = ops.visible_cols
     last_visible_key = ops.last_visible_key
     load_kv_tile = ops.load_kv_tile
     load_q_row = ops.load_q_row
@@ -104,7 +105,7 @@ def fa1_kernel(
                 if row < n_q and tile_max != NEG_INF:
                     # Line 10: P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij); acc = P~_ij V_j.
                     zero(acc)
-                    l_tile = exp_rowsum_pv(s_tile, v_tile, tile_max, acc)
+                    l_tile = exp_rowsum_pv(s_tile, v_tile, tile_max, acc, visible_cols(col0, last_key))
                     # Line 8: load O_i, l_i, m_i from HBM.
                     l_old = l_hbm[b, h, row]
                     m_old = m_hbm[b, h, row]

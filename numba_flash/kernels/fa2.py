@@ -38,6 +38,7 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     ops = tile_ops(D, BM, BN)
     exp2_diff = ops.exp2_diff
     exp_rowsum_pv = ops.exp_rowsum_pv
+    visible_cols = ops.visible_cols
     last_visible_key = ops.last_visible_key
     load_kv_tile = ops.load_kv_tile
     load_q_row = ops.load_q_row
@@ -99,7 +100,8 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
                 alpha = exp2_diff(m, m_new)  # e^{m^(j-1) - m^(j)}
                 rescale(acc, alpha)  # Line 10, first term: diag(alpha) O~^(j-1)
                 # Lines 9-10: P~ = exp(S - m^(j)); l = alpha l + rowsum(P~); O~ += P~ V_j.
-                l_sum = alpha * l_sum + exp_rowsum_pv(s_tile, v_tile, m_new, acc)
+                n_cols = visible_cols(col0, last_key)
+                l_sum = alpha * l_sum + exp_rowsum_pv(s_tile, v_tile, m_new, acc, n_cols)
                 m = m_new
 
         if row < n_q:

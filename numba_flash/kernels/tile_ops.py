@@ -115,19 +115,26 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> SimpleNamespace:
         return row_max
 
     @device_jit
-    def exp_rowsum_pv(s_tile, v_tile, m_ref, acc):
+    def exp_rowsum_pv(s_tile, v_tile, m_ref, acc, n_cols):
         """P~ = exp(S - m_ref) for this thread's row; ``acc += P~ V_j``; returns rowsum(P~).
 
+        Only the first ``n_cols`` keys of the tile -- those this row may see -- take part:
+        a key hidden by the causal mask contributes nothing, not even ``0 * NaN``.
         ``m_ref`` must not be -inf (the caller skips rows that have seen no key).
         """
         tid = cuda.threadIdx.x
         row_sum = float32(0.0)
-        for c in range(BN):
+        for c in range(n_cols):
             p = math.exp2(s_tile[c, tid] - m_ref)
             row_sum += p
             for d in range(D):
                 acc[d] += p * v_tile[c, d]
         return row_sum
+
+    @device_jit
+    def visible_cols(col0, last_key):
+        """How many keys of the tile starting at ``col0`` a row with ``last_key`` sees."""
+        return max(0, min(BN, last_key - col0 + 1))
 
     @device_jit
     def rescale(acc, alpha):
@@ -177,6 +184,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> SimpleNamespace:
         load_kv_tile=load_kv_tile,
         score_tile=score_tile,
         exp_rowsum_pv=exp_rowsum_pv,
+        visible_cols=visible_cols,
         rescale=rescale,
         zero=zero,
         last_visible_key=last_visible_key,
