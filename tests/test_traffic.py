@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from numba_flash.profiling.traffic import traffic_bytes
+from numba_flash.profiling.traffic import dram_bytes, traffic_bytes
 
 
 def test_standard_attention_hand_count():
@@ -55,3 +55,26 @@ def test_fa1_moves_more_than_fa2_and_grows_with_sequence():
 def test_unknown_algorithm():
     with pytest.raises(ValueError, match="algorithm must be"):
         traffic_bytes("fa3", 1, 1, 1, 4, 4, 2, 2, 2)
+
+
+def test_dram_model_small_working_set_is_compulsory():
+    # Everything fits in L2: each input read once, each output written once.
+    # fa2, B=H=1, N=4, D=2, fp32: Q 32 + K,V 64 + O 32 + L 16 = 144.
+    assert dram_bytes("fa2", 1, 1, 1, 4, 4, 2, 2, 2) == 144
+    # fa1 adds l and m written once (2*4*4 = 32) to the same compulsory traffic.
+    assert dram_bytes("fa1", 1, 1, 1, 4, 4, 2, 2, 2) == 144 + 32
+
+
+def test_dram_model_without_cache_is_the_global_model():
+    args = ("fa1", 1, 1, 1, 64, 64, 8, 16, 16)
+    assert dram_bytes(*args, l2_bytes=0) == traffic_bytes(*args)
+    args = ("fa2", 1, 1, 1, 64, 64, 8, 16, 16)
+    assert dram_bytes(*args, l2_bytes=0) == traffic_bytes(*args)
+
+
+def test_dram_model_half_the_working_set_cached():
+    # fa1 working set: N*(D*(4+4) + 8) = 64*(64+8) = 4608 bytes; an L2 of half of it
+    # serves half the re-use traffic from cache.
+    args = ("fa1", 1, 1, 1, 64, 64, 8, 16, 16)
+    full, none = dram_bytes(*args, l2_bytes=10**9), dram_bytes(*args, l2_bytes=0)
+    assert dram_bytes(*args, l2_bytes=2304) == pytest.approx((full + none) / 2, abs=1)

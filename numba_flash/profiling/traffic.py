@@ -85,3 +85,57 @@ def traffic_bytes(
             per_head += n_q * d * (F32 + e)
         return bh * per_head
     raise ValueError(f"algorithm must be 'standard', 'fa1' or 'fa2'; got {algorithm!r}")
+
+
+def dram_bytes(
+    algorithm: str,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    n_q: int,
+    n_k: int,
+    head_dim: int,
+    block_m: int,
+    block_n: int,
+    dtype: str = "float32",
+    causal: bool = False,
+    l2_bytes: int = 60 * 2**20,
+    resident_blocks: int = 132 * 3,
+) -> int:
+    """Modelled DRAM bytes: :func:`traffic_bytes` less what the L2 cache catches.
+
+    Each algorithm's traffic splits into a compulsory part (every input read once, every
+    output written once) and re-use traffic that repeats it. The re-use traffic is
+    served from L2 in the proportion ``min(1, l2_bytes / W)`` of the working set ``W``
+    that it cycles over (an LRU-like cache holds that fraction of a cyclic sweep):
+
+    - ``fa2``: re-reads of K/V by the Q tiles of one head; ``W`` = K and V of the heads
+      in flight (``resident_blocks / Tr`` heads at a time, Q tiles of a head being
+      consecutive blocks of the grid).
+    - ``fa1``: the O/l/m round trips and Q re-reads; ``W`` = O, l, m and Q of every
+      (batch, head) block, all resident at once.
+    - ``standard``: S and P (``B H Nq Nk`` float32) are far larger than L2: no re-use.
+    """
+    e = _itemsize(dtype)
+    d = head_dim
+    bh = batch * heads
+    total = traffic_bytes(algorithm, batch, heads, kv_heads, n_q, n_k, head_dim, block_m, block_n, dtype, causal)
+    q_o_lse = bh * n_q * (2 * d * e + F32)
+    kv_once = 2 * batch * kv_heads * n_k * d * e
+    if algorithm == "standard":
+        return total
+    if algorithm == "fa2":
+        compulsory = q_o_lse + kv_once
+        n_q_tiles = -(-n_q // block_m)
+        heads_in_flight = max(1, min(bh, resident_blocks // n_q_tiles))
+        working_set = heads_in_flight * 2 * n_k * d * e
+    elif algorithm == "fa1":
+        compulsory = q_o_lse + kv_once + bh * n_q * 2 * F32  # + l, m written once
+        if e != F32:
+            compulsory += bh * n_q * d * F32  # O in float32 written once
+        working_set = bh * n_q * (d * (F32 + e) + 2 * F32)
+    else:
+        raise ValueError(f"algorithm must be 'standard', 'fa1' or 'fa2'; got {algorithm!r}")
+    reuse = max(0, total - compulsory)
+    hit = min(1.0, l2_bytes / working_set) if working_set else 1.0
+    return int(compulsory + (1.0 - hit) * reuse)

@@ -1,0 +1,687 @@
+"""Benchmark sweep: FA-1 and FA-2 against CuPy and PyTorch SDPA, on the GPU at hand.
+
+Reproduces the H200 results table:
+
+    python scripts/bench.py --seq 1024 2048 4096 8192 --head-dim 64 128 --dtype float32 float16 --causal both --long-context --out bench-out
+
+For every configuration (seq, head_dim, causal, dtype), in one process:
+
+1. fresh standard-normal CuPy inputs q, k, v of shape (B, H, N, D);
+2. FA-1 and FA-2 are checked against the float64 on-device reference
+   (``cupy_attention`` of the upcast inputs): relative error ||o - o_ref|| / ||o_ref||,
+   on every head when the float64 score matrix (B*H*N*N*8 bytes) fits
+   ``REF_BUDGET_BYTES``, else on batch 0, head 0 (its last query rows at very long N);
+3. every implementation is timed by ``median_ms`` (CUDA events; the warm-up calls,
+   which also compile, are not timed) and rated in TFLOP/s (``attention_flops``:
+   4*B*H*N*N*D, halved for causal), with speed-ups against the CuPy baseline and
+   against torch SDPA's memory-efficient backend measured on the same inputs.
+
+A peer that fails on a shape (out of memory, unsupported backend, ...) is recorded as
+failed with the reason; FA-1 above ``--skip-fa1-above`` is recorded as skipped. Nothing
+is silently dropped and no failure stops the sweep.
+
+Outputs in ``--out`` (rewritten after every configuration, so a killed run keeps what
+it measured): ``bench.csv`` (one row per configuration and implementation),
+``bench.md`` (one table per (dtype, head_dim, causal)), and
+``tflops_<dtype>_d<D>_<causal|noncausal>.png`` (TFLOP/s against N). The Markdown is
+also printed to stdout at the end; progress goes to stderr, one line per measurement.
+
+``--long-context`` adds FA-2 at B=1 H=8 N=131072 D=64 float32 and reports the device
+memory it takes beyond its inputs and output o (CuPy's memory pool, read before and
+after one call): the logsumexp, B*H*N*4 bytes, O(N) -- where S would be O(N^2).
+
+Needs a CUDA GPU and CuPy (torch optional); ``--dry-run`` lists the plan anywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import importlib.metadata
+import itertools
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numba_flash  # noqa: F401  (chooses GPU or simulator before numba.cuda is imported)
+from numba_flash._world import simulated
+from numba_flash.kernels.tiles import default_tiles
+from numba_flash.profiling.timing import attention_flops, median_ms, tflops
+
+FA_IMPLS = ("fa1", "fa2")
+IMPL_CHOICES = ("fa1", "fa2", "cupy", "torch")
+SDPA_MEM_EFFICIENT = "torch-mem_efficient"  # the name torch_sdpa_backends gives it
+REF_BUDGET_BYTES = 8 * 10**9  # largest float64 score matrix the reference may build
+TOLERANCE = {"float32": 1e-4, "float16": 1e-2}  # rel_err above this: status "inaccurate"
+WARMUP = 3  # untimed calls before timing (the check before them has compiled)
+LONG_WARMUP = 1  # the long-context row takes seconds a call
+LONG_CONTEXT = dict(seq=131072, head_dim=64, causal=False, dtype="float32", batch=1, heads=8)
+REPRODUCE = (
+    "python scripts/bench.py --seq 1024 2048 4096 8192 --head-dim 64 128 "
+    "--dtype float32 float16 --causal both --long-context --out bench-out"
+)
+
+# bench.csv columns: the result table first, then the details behind it.
+CSV_FIELDS = [
+    "seq", "head_dim", "causal", "dtype", "batch", "heads", "impl",
+    "ms", "tflops", "rel_err", "vs_cupy", "vs_sdpa_mem_efficient", "status",
+    "rel_err_scope", "tiles", "regs", "occupancy", "extra_mem_bytes", "suite",
+]  # fmt: skip
+
+
+# ----------------------------------------------------------------------------- plan
+
+
+@dataclass(frozen=True)
+class Config:
+    """One problem: every implementation runs on the same inputs of this shape."""
+
+    seq: int
+    head_dim: int
+    causal: bool
+    dtype: str
+    batch: int
+    heads: int
+    suite: str = "sweep"  # "sweep" or "long-context"
+
+    @property
+    def group(self) -> tuple[str, int, bool]:
+        """The Markdown table and plot this configuration belongs to."""
+        return self.dtype, self.head_dim, self.causal
+
+    @property
+    def flops(self) -> float:
+        return attention_flops(self.batch, self.heads, self.seq, self.seq, self.head_dim, self.causal)
+
+    def label(self) -> str:
+        mask = "causal" if self.causal else "noncausal"
+        return f"{self.dtype} D{self.head_dim} {mask} B{self.batch} H{self.heads} N{self.seq}"
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
+    return value
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        prog="bench.py", description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--seq", type=positive_int, nargs="+", default=[512, 1024, 2048, 4096, 8192])
+    ap.add_argument("--head-dim", type=positive_int, nargs="+", default=[64, 128])
+    ap.add_argument("--causal", choices=["both", "on", "off"], default="both")
+    ap.add_argument("--dtype", choices=["float32", "float16"], nargs="+", default=["float32", "float16"])
+    ap.add_argument("--batch", type=positive_int, default=4)
+    ap.add_argument("--heads", type=positive_int, default=16)
+    ap.add_argument(
+        "--tokens", type=positive_int, help="keep B*N constant: batch = tokens // seq (overrides --batch)"
+    )
+    ap.add_argument(
+        "--impl", choices=IMPL_CHOICES, nargs="+", default=list(IMPL_CHOICES),
+        help="torch: every SDPA backend torch offers for the dtype",
+    )  # fmt: skip
+    ap.add_argument("--repeats", type=positive_int, default=20, help="timed runs (median reported)")
+    ap.add_argument("--long-repeats", type=positive_int, default=5, help="timed runs of the --long-context row")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="bench-out", help="directory for bench.csv, bench.md and the plots")
+    ap.add_argument(
+        "--skip-fa1-above", type=positive_int, default=8192, help="record FA-1 as skipped for N above this"
+    )
+    ap.add_argument("--long-context", action="store_true", help="add FA-2 at B=1 H=8 N=131072 D=64 float32")
+    ap.add_argument("--dry-run", action="store_true", help="print the planned configurations and exit")
+    args = ap.parse_args(argv)
+    if args.tokens is not None and args.tokens < max(args.seq):
+        ap.error(f"--tokens ({args.tokens}) must be at least the largest --seq ({max(args.seq)})")
+    args.impl = list(dict.fromkeys(args.impl))  # drop repeats, keep the order
+    return args
+
+
+def sweep_configs(args: argparse.Namespace) -> list[Config]:
+    """The sweep, dtype outermost (so each kernel's newest compiled overload is the one in use)."""
+    causals = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
+    return [
+        Config(n, d, causal, dtype, args.tokens // n if args.tokens else args.batch, args.heads)
+        for dtype in args.dtype
+        for d in args.head_dim
+        for causal in causals
+        for n in args.seq
+    ]
+
+
+def impl_entries(cfg: Config, impls: list[str], skip_fa1_above: int, sdpa_names: list[str]):
+    """``[(impl, status)]`` for one configuration: status ``None`` runs it, else it is the row's status."""
+    entries = []
+    for impl in impls:
+        if impl == "torch":
+            if sdpa_names:
+                entries.extend((name, None) for name in sdpa_names)
+            else:
+                entries.append(("torch", "missing: torch with CUDA not available (no SDPA backend to run)"))
+        elif impl == "fa1" and cfg.seq > skip_fa1_above:
+            entries.append((impl, f"skipped: N={cfg.seq} > --skip-fa1-above {skip_fa1_above}"))
+        else:
+            entries.append((impl, None))
+    return entries
+
+
+def build_plan(args: argparse.Namespace, sdpa_names: dict[str, list[str]]):
+    """``[(Config, [(impl, status)])]``: everything the run will measure or record as not run.
+
+    ``sdpa_names``: dtype -> the torch SDPA backends available for it.
+    """
+    plan = [
+        (cfg, impl_entries(cfg, args.impl, args.skip_fa1_above, sdpa_names.get(cfg.dtype, [])))
+        for cfg in sweep_configs(args)
+    ]
+    if args.long_context:
+        plan.append((Config(**LONG_CONTEXT, suite="long-context"), [("fa2", None)]))
+    return plan
+
+
+def format_plan(plan) -> str:
+    lines = []
+    for i, (cfg, entries) in enumerate(plan, 1):
+        impls = ", ".join(impl if status is None else f"{impl} [{status}]" for impl, status in entries)
+        suite = "" if cfg.suite == "sweep" else f" ({cfg.suite})"
+        lines.append(f"{i:3d}. {cfg.label()}{suite}: {impls}")
+    n_runs = sum(status is None for _, entries in plan for _, status in entries)
+    n_rows = sum(len(entries) for _, entries in plan)
+    lines.append(f"{len(plan)} configurations, {n_rows} rows, {n_runs} measurements")
+    return "\n".join(lines)
+
+
+def sdpa_backend_names(args: argparse.Namespace) -> dict[str, list[str]]:
+    """dtype -> torch SDPA backend names, asked of torch only when ``--impl`` includes it."""
+    if "torch" not in args.impl:
+        return {}
+    from numba_flash.baselines import torch_sdpa_backends
+
+    return {dtype: list(torch_sdpa_backends(dtype)) for dtype in args.dtype}
+
+
+# ------------------------------------------------------------------ rows and ratios
+
+
+def new_row(cfg: Config, impl: str, status: str) -> dict:
+    """A result row with every CSV column present (``None`` where there is no value)."""
+    row = dict.fromkeys(CSV_FIELDS)
+    row.update(
+        seq=cfg.seq, head_dim=cfg.head_dim, causal=cfg.causal, dtype=cfg.dtype,
+        batch=cfg.batch, heads=cfg.heads, impl=impl, status=status, suite=cfg.suite,
+    )  # fmt: skip
+    return row
+
+
+def add_ratios(rows: list[dict]) -> None:
+    """Fill ``vs_cupy`` and ``vs_sdpa_mem_efficient`` for the rows of one configuration.
+
+    A ratio is the implementation's speed-up over the peer: peer ms / own ms (> 1: faster).
+    """
+    by_impl = {r["impl"]: r for r in rows}
+    for column, peer in (("vs_cupy", "cupy"), ("vs_sdpa_mem_efficient", SDPA_MEM_EFFICIENT)):
+        peer_ms = by_impl.get(peer, {}).get("ms")
+        for r in rows:
+            r[column] = peer_ms / r["ms"] if peer_ms and r.get("ms") else None
+
+
+def accuracy_status(rel_err: float | None, dtype: str) -> str:
+    if rel_err is None or rel_err <= TOLERANCE[dtype]:
+        return "ok"
+    return f"inaccurate: rel_err {rel_err:.1e} > {TOLERANCE[dtype]:.0e}"  # NaN lands here too
+
+
+def check_scope(batch: int, heads: int, seq: int, budget: int = REF_BUDGET_BYTES) -> tuple[bool, int, str]:
+    """Which part of the output the float64 reference checks: ``(all_heads, rows, label)``.
+
+    All of it when the float64 scores (B*H*N*N*8 bytes) fit ``budget``; else batch 0,
+    head 0, and of it the last ``rows`` query rows that fit. A suffix of the queries is
+    a faithful sub-problem even when causal: with bottom-right alignment (key j visible
+    to query i iff j <= i + Nk - Nq) the last rows see exactly the keys they see in full.
+    """
+    if batch * heads * seq * seq * 8 <= budget:
+        return True, seq, "all"
+    rows = max(1, min(seq, budget // (seq * 8)))
+    return False, rows, "head 0" if rows == seq else f"head 0, last {rows} rows"
+
+
+# ---------------------------------------------------------------- GPU measurements
+
+
+def make_inputs(cfg: Config, rng):
+    """Fresh standard-normal q, k, v (never zeros) as CuPy arrays of the config's dtype."""
+    import cupy as cp
+
+    shape = (cfg.batch, cfg.heads, cfg.seq, cfg.head_dim)
+    return tuple(rng.standard_normal(shape, dtype=cp.float32).astype(cfg.dtype, copy=False) for _ in range(3))
+
+
+def implementation(impl: str, cfg: Config, q, k, v, sdpa: dict):
+    """A zero-argument callable running ``impl`` on (q, k, v); FA kernels return (o, lse)."""
+    from numba_flash.api import forward
+    from numba_flash.baselines import cupy_attention
+
+    if impl in FA_IMPLS:
+        return lambda: forward(q, k, v, causal=cfg.causal, algorithm=impl)
+    if impl == "cupy":
+        return lambda: cupy_attention(q, k, v, causal=cfg.causal)
+    fn = sdpa[impl]
+    return lambda: fn(q, k, v, cfg.causal)
+
+
+def relative_error(o, q, k, v, cfg: Config) -> tuple[float, str]:
+    """||o - o_ref|| / ||o_ref|| against ``cupy_attention`` in float64, on ``check_scope``."""
+    import cupy as cp
+
+    from numba_flash.baselines import cupy_attention
+
+    all_heads, rows, label = check_scope(cfg.batch, cfg.heads, cfg.seq, REF_BUDGET_BYTES)
+    bh = slice(None) if all_heads else slice(0, 1)
+    first = cfg.seq - rows
+    kv64 = (x[bh, bh].astype(cp.float64) for x in (k, v))
+    ref = cupy_attention(q[bh, bh, first:].astype(cp.float64), *kv64, causal=cfg.causal)
+    diff = o[bh, bh, first:].astype(cp.float64) - ref
+    return float(cp.linalg.norm(diff) / cp.linalg.norm(ref)), label
+
+
+def kernel_info(cfg: Config, impl: str) -> dict:
+    """Tiles, registers per thread and theoretical occupancy of the FA kernel just run."""
+    from numba_flash.api import kernel_for
+    from numba_flash.profiling.resources import compiled_resources
+
+    bm, bn = default_tiles(impl, cfg.head_dim, cfg.dtype, cfg.causal)
+    info = dict(tiles=f"{bm}x{bn}")
+    kernel = kernel_for(impl, cfg.head_dim, bm, bn, cfg.causal, cfg.dtype)
+    # compiled_resources reads the newest overload; FA-2 shares one dispatcher across
+    # dtypes, so report only when the newest overload is this dtype's.
+    newest = list(kernel.overloads)[-1] if kernel.overloads else ()
+    if newest and cfg.dtype in str(newest[0]):
+        res = compiled_resources(kernel, bm)
+        info.update(regs=res.regs, occupancy=res.occupancy)
+    return info
+
+
+def extra_device_bytes(fn, output_bytes: int) -> int:
+    """Bytes one call of ``fn`` takes from CuPy's pool beyond its inputs and ``output_bytes``.
+
+    Read while the call's results are still held: FA-2 allocates o and the logsumexp and
+    frees nothing, so this is its peak. (Allocations outside CuPy's pool, by numba, are
+    not seen; FA-2 makes none once warm.)
+    """
+    import cupy as cp
+
+    pool = cp.get_default_memory_pool()
+    cp.cuda.Device().synchronize()
+    before = pool.used_bytes()
+    result = fn()
+    cp.cuda.Device().synchronize()
+    taken = pool.used_bytes() - before
+    del result
+    return taken - output_bytes
+
+
+def release_memory() -> None:
+    """Return cached device memory (CuPy's pool, torch's cache) so the next peer has it all."""
+    import cupy as cp
+
+    try:
+        cp.cuda.Device().synchronize()
+        cp.get_default_memory_pool().free_all_blocks()
+        if "torch" in sys.modules:
+            sys.modules["torch"].cuda.empty_cache()
+    except Exception:  # a broken context already failed the measurement; keep sweeping
+        pass
+
+
+def failure(exc: BaseException) -> str:
+    first_line = (str(exc).strip().splitlines() or [""])[0]
+    return f"failed: {type(exc).__name__}: {first_line[:200]}"
+
+
+def measure(cfg: Config, impl: str, fn, q, k, v, repeats: int) -> dict:
+    """Check (FA kernels), then time one implementation. Never raises: failures become the status."""
+    row = new_row(cfg, impl, "running")
+    try:
+        if impl in FA_IMPLS:
+            o = fn()[0]  # the first call compiles
+            row["rel_err"], row["rel_err_scope"] = relative_error(o, q, k, v, cfg)
+            output_bytes = o.nbytes
+            del o
+            release_memory()
+            try:
+                row.update(kernel_info(cfg, impl))
+            except Exception as exc:  # resources are a detail: note it, keep the timing
+                print(f"  (no kernel resources for {impl}: {failure(exc)})", file=sys.stderr, flush=True)
+            if cfg.suite == "long-context":
+                row["extra_mem_bytes"] = extra_device_bytes(fn, output_bytes)
+        ms = median_ms(fn, warmup=WARMUP if cfg.suite == "sweep" else LONG_WARMUP, repeats=repeats)
+        row.update(ms=ms, tflops=tflops(cfg.flops, ms), status=accuracy_status(row["rel_err"], cfg.dtype))
+    except Exception as exc:  # cupy.cuda.memory.OutOfMemoryError, torch errors, CUDA errors, ...
+        row["status"] = failure(exc)
+    finally:
+        release_memory()
+    return row
+
+
+def measure_config(cfg: Config, entries, rng, repeats: int, report) -> list[dict]:
+    """All rows of one configuration, on one set of inputs; ``report(row, seconds)`` after each."""
+    try:
+        q, k, v = make_inputs(cfg, rng)
+    except Exception as exc:
+        q = k = v = None
+        entries = [(impl, status or failure(exc)) for impl, status in entries]
+    sdpa = {}
+    if any(status is None and impl.startswith("torch-") for impl, status in entries):
+        from numba_flash.baselines import torch_sdpa_backends
+
+        sdpa = torch_sdpa_backends(cfg.dtype)
+    rows = []
+    for impl, status in entries:
+        start = time.perf_counter()
+        if status is None:
+            row = measure(cfg, impl, implementation(impl, cfg, q, k, v, sdpa), q, k, v, repeats)
+        else:
+            row = new_row(cfg, impl, status)
+        report(row, time.perf_counter() - start)
+        rows.append(row)
+    add_ratios(rows)
+    del q, k, v
+    release_memory()
+    return rows
+
+
+def progress_line(index: int, total: int, row: dict, seconds: float, elapsed: float) -> str:
+    cfg = f"{row['dtype']} D{row['head_dim']} {'causal' if row['causal'] else 'noncausal'} "
+    cfg += f"B{row['batch']} H{row['heads']} N{row['seq']}"
+    if row["ms"] is not None:
+        what = f"{row['ms']:.3f} ms {row['tflops']:.2f} TFLOP/s"
+        if row["rel_err"] is not None:
+            what += f" rel_err {row['rel_err']:.1e}"
+        if row["status"] != "ok":
+            what += f" [{row['status']}]"
+    else:
+        what = row["status"]
+    width = len(str(total))
+    return f"[{index:>{width}}/{total}] {cfg} {row['impl']}: {what} ({seconds:.1f} s; {elapsed:.0f} s elapsed)"
+
+
+def run_plan(plan, args: argparse.Namespace, meta: dict, out_dir: Path) -> list[dict]:
+    """Measure everything in ``plan``; rewrite bench.csv and bench.md after each configuration."""
+    import cupy as cp
+
+    rng = cp.random.default_rng(args.seed)
+    total = sum(len(entries) for _, entries in plan)
+    index = itertools.count(1)
+    start = time.perf_counter()
+
+    def report(row, seconds):
+        line = progress_line(next(index), total, row, seconds, time.perf_counter() - start)
+        print(line, file=sys.stderr, flush=True)
+
+    rows: list[dict] = []
+    for cfg, entries in plan:
+        repeats = args.repeats if cfg.suite == "sweep" else args.long_repeats
+        rows.extend(measure_config(cfg, entries, rng, repeats, report))
+        write_csv(rows, out_dir / "bench.csv")
+        (out_dir / "bench.md").write_text(markdown_report(rows, meta))
+    return rows
+
+
+def environment(argv: list[str], args: argparse.Namespace) -> dict:
+    """The header of bench.md: command, date, GPU, versions, method."""
+    import cupy as cp
+    import numba
+
+    def version(dist):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            return "not installed"
+
+    try:
+        import torch
+
+        torch_version = torch.__version__
+    except ImportError:
+        torch_version = "not installed"
+    return {
+        "command": "`" + shlex.join(["python", os.path.relpath(__file__), *argv]) + "`",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "GPU": gpu_name(),
+        "versions": (
+            f"numba_flash {numba_flash.__version__}, numba {numba.__version__}, "
+            f"numba-cuda {version('numba-cuda')}, cupy {cp.__version__}, torch {torch_version}, "
+            f"CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}, driver {cp.cuda.runtime.driverGetVersion()}"
+        ),
+        "timing": (
+            f"median of {args.repeats} runs ({args.long_repeats} for the long-context row) after "
+            f"warm-up (which compiles), CUDA events; TFLOP/s with FLOPs = 4*B*H*N*N*D, halved for causal"
+        ),
+        "rel err": (
+            "||o - o_ref|| / ||o_ref|| against float64 CuPy attention of the same inputs "
+            f"(all heads while the float64 scores fit {REF_BUDGET_BYTES / 1e9:.0f} GB, else as marked)"
+        ),
+    }
+
+
+def gpu_name() -> str:
+    import cupy as cp
+
+    return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+
+
+# ----------------------------------------------------------------------- outputs
+
+
+def write_csv(rows: list[dict], path: Path) -> None:
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+
+
+def grouped(rows: list[dict]) -> dict[tuple, list[dict]]:
+    """Sweep rows by (dtype, head_dim, causal), in order of first appearance."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["suite"] == "sweep":
+            groups.setdefault((r["dtype"], r["head_dim"], r["causal"]), []).append(r)
+    return groups
+
+
+def group_title(dtype: str, head_dim: int, causal: bool) -> str:
+    return f"{dtype}, D={head_dim}, {'causal' if causal else 'non-causal'}"
+
+
+def speedup(by_impl: dict, slower: str, faster: str = "fa2") -> str:
+    """``slower`` ms / ``faster`` ms as "1.23x", or "—" when either was not measured."""
+    a, b = by_impl.get(slower), by_impl.get(faster)
+    if not (a and b and a["ms"] and b["ms"]):
+        return "—"
+    return f"{a['ms'] / b['ms']:.2f}x"
+
+
+def tflops_cell(row: dict | None) -> str:
+    if row is None:
+        return "—"
+    if row["ms"] is None:
+        return row["status"].split(":")[0]  # failed / skipped / missing
+    return f"{row['tflops']:.2f}" + (" (!)" if row["status"] != "ok" else "")
+
+
+def rel_err_cell(row: dict | None) -> str:
+    if row is None or row["rel_err"] is None:
+        return "—"
+    return f"{row['rel_err']:.1e}" + ("" if row["rel_err_scope"] == "all" else "†")
+
+
+def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
+
+
+def group_section(key: tuple, rows: list[dict]) -> list[str]:
+    """One table: a row per N, TFLOP/s per implementation, FA-2 speed-ups, FA errors."""
+    dtype, head_dim, causal = key
+    impls = list(dict.fromkeys(r["impl"] for r in rows))
+    fa = [i for i in FA_IMPLS if i in impls]
+    header = ["N", "B", *impls, "FA-2/FA-1", "FA-2/SDPA-mem-efficient", *(f"rel err {i}" for i in fa)]
+    body = []
+    for seq in dict.fromkeys(r["seq"] for r in rows):
+        by_impl = {r["impl"]: r for r in rows if r["seq"] == seq}
+        batch = next(iter(by_impl.values()))["batch"]
+        body.append(
+            [str(seq), str(batch), *(tflops_cell(by_impl.get(i)) for i in impls),
+             speedup(by_impl, "fa1"), speedup(by_impl, SDPA_MEM_EFFICIENT),
+             *(rel_err_cell(by_impl.get(i)) for i in fa)]
+        )  # fmt: skip
+    heads = sorted({r["heads"] for r in rows})
+    tiles = ", ".join(f"{i.upper()} {'x'.join(map(str, default_tiles(i, head_dim, dtype, causal)))}" for i in fa)
+    lines = [f"### {group_title(dtype, head_dim, causal)}", ""]
+    lines.append(
+        f"H={', '.join(map(str, heads))}. TFLOP/s per implementation; FA-2/X = time of X / time of FA-2 "
+        f"(> 1: FA-2 faster)." + (f" Tiles (block_m x block_n): {tiles}." if tiles else "")
+    )
+    lines += [""] + markdown_table(header, body)
+    notes = [f"- N={r['seq']} {r['impl']}: {r['status']}" for r in rows if r["status"] != "ok"]
+    scopes = sorted({r["rel_err_scope"] for r in rows if r["rel_err_scope"] not in (None, "all")})
+    notes += [f"- † rel err checked on {s} only" for s in scopes]
+    return lines + ([""] + notes if notes else []) + [""]
+
+
+def long_context_section(rows: list[dict]) -> list[str]:
+    header = ["impl", "B", "H", "N", "D", "dtype", "causal", "ms", "TFLOP/s", "rel err", "checked on",
+              "extra device memory", "logsumexp (B*H*N*4)", "S in float32 (B*H*N*N*4)"]  # fmt: skip
+    body = []
+    for r in rows:
+        lse_bytes = r["batch"] * r["heads"] * r["seq"] * 4
+        s_bytes = lse_bytes * r["seq"]
+        timed = r["ms"] is not None
+        body.append(
+            [r["impl"], str(r["batch"]), str(r["heads"]), str(r["seq"]), str(r["head_dim"]), r["dtype"],
+             str(r["causal"]), f"{r['ms']:.1f}" if timed else r["status"],
+             f"{r['tflops']:.2f}" if timed else "—", rel_err_cell(r).rstrip("†"), r["rel_err_scope"] or "—",
+             human_bytes(r["extra_mem_bytes"]), human_bytes(lse_bytes), human_bytes(s_bytes)]
+        )  # fmt: skip
+    intro = (
+        "Device memory beyond the inputs and the output o, from CuPy's pool around one call: "
+        "FA-2 keeps only the logsumexp, O(N), where materialised attention needs S, O(N^2)."
+    )
+    notes = [f"- {r['impl']}: {r['status']}" for r in rows if r["status"] != "ok"]
+    return ["### Long context (FA-2)", "", intro, ""] + markdown_table(header, body) + notes + [""]
+
+
+def human_bytes(n: int | None) -> str:
+    if n is None:
+        return "—"
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def markdown_report(rows: list[dict], meta: dict) -> str:
+    """bench.md: the header (command, date, GPU, versions, method), then one table per group."""
+    lines = ["## numba_flash benchmark", ""] + [f"- {key}: {value}" for key, value in meta.items()] + [""]
+    for key, group_rows in grouped(rows).items():
+        lines += group_section(key, group_rows)
+    long_rows = [r for r in rows if r["suite"] == "long-context"]
+    if long_rows:
+        lines += long_context_section(long_rows)
+    return "\n".join(lines)
+
+
+def plot_group(key: tuple, rows: list[dict], path: Path, gpu: str) -> bool:
+    """TFLOP/s against N (log2 axis), one line per implementation; False when nothing was timed."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import NullLocator
+
+    series = {}
+    for r in rows:
+        if r["tflops"] is not None:
+            series.setdefault(r["impl"], []).append((r["seq"], r["tflops"]))
+    if not series:
+        return False
+    fig = Figure(figsize=(7, 4.5))
+    FigureCanvasAgg(fig)  # the Agg backend, without touching pyplot's global state
+    ax = fig.subplots()
+    for impl, points in series.items():
+        ns, values = zip(*sorted(points))
+        ax.plot(ns, values, marker="o", label=impl)
+    seqs = sorted({r["seq"] for r in rows})
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(seqs, [str(n) for n in seqs])
+    ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("sequence length N")
+    ax.set_ylabel("TFLOP/s")
+    batches = sorted({r["batch"] for r in rows})
+    shape = f"B={batches[0]}" if len(batches) == 1 else f"B*N={rows[0]['batch'] * rows[0]['seq']}"
+    ax.set_title(f"{group_title(*key)}, {shape}, H={rows[0]['heads']} -- {gpu}", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def plot_name(key: tuple) -> str:
+    dtype, head_dim, causal = key
+    return f"tflops_{dtype}_d{head_dim}_{'causal' if causal else 'noncausal'}.png"
+
+
+def write_plots(rows: list[dict], out_dir: Path, gpu: str) -> list[Path]:
+    written = []
+    for key, group_rows in grouped(rows).items():
+        path = out_dir / plot_name(key)
+        if plot_group(key, group_rows, path, gpu):
+            written.append(path)
+    return written
+
+
+# -------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.dry_run:
+        print(format_plan(build_plan(args, sdpa_backend_names(args))))
+        if simulated():
+            print("(no GPU here: the plan is all --dry-run does; the run itself needs a CUDA GPU)")
+        return 0
+    if simulated():
+        print(
+            "bench.py needs a CUDA GPU (Numba runs in its CUDA simulator here); "
+            "--dry-run prints the planned configurations.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        import cupy  # noqa: F401
+    except ImportError:
+        print("bench.py needs CuPy: pip install 'numba-flash[cuda12]' (or [cuda13])", file=sys.stderr)
+        return 2
+    plan = build_plan(args, sdpa_backend_names(args))
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    meta = environment(argv, args)
+    print(f"{len(plan)} configurations on {meta['GPU']}; writing to {out_dir}/", file=sys.stderr, flush=True)
+    rows = run_plan(plan, args, meta, out_dir)
+    try:
+        plots = write_plots(rows, out_dir, meta["GPU"])
+        print(f"plots: {', '.join(p.name for p in plots) or 'none'}", file=sys.stderr, flush=True)
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install 'numba-flash[plot]')", file=sys.stderr)
+    print(markdown_report(rows, meta), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

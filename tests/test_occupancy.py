@@ -1,0 +1,63 @@
+"""Occupancy: the architecture rules against figures the H200's driver reported, and the
+ptxas path (no GPU) against those same figures when the toolchain is installed."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from numba_flash.profiling.occupancy import ARCH, occupancy_from_resources
+
+H100 = ARCH[(9, 0)]
+
+
+@pytest.mark.parametrize(
+    "regs, smem, threads, blocks, limiter",
+    [
+        (168, 32768, 128, 3, "registers"),  # FA-2 D=64 128x32: driver said 3 (H200, 2026-11-29)
+        (127, 32768, 128, 4, "registers"),  # FA-1 D=64 128x32: driver said 4
+        (255, 20480, 64, 4, "registers"),  # FA-2 D=128 64x16: driver said 4
+        (222, 32768, 128, 2, "registers"),  # causal FA-2 before the register cap: driver said 2
+        (32, 48 * 1024, 128, 4, "shared memory"),  # (48K + 1K reserved) x 4 <= 228K < x 5
+        (16, 0, 1024, 2, "warps"),
+        (16, 0, 32, 32, "blocks"),
+    ],
+)
+def test_occupancy_rules(regs, smem, threads, blocks, limiter):
+    assert occupancy_from_resources(regs, smem, threads, H100) == (blocks, limiter)
+
+
+def _ptxas_available():
+    try:
+        from numba_flash.profiling.occupancy import find_ptxas
+
+        find_ptxas()
+        import nvidia.cu13  # noqa: F401  (libNVVM of numba-cuda[cu13])
+    except Exception:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="needs numba-flash[occupancy] (libNVVM and ptxas)")
+def test_occupancy_command_without_gpu_matches_the_driver():
+    """`numba-flash occupancy --json` with no GPU (ptxas path), against the H200 driver's
+    figures for the same kernels (2026-11-29): FA-2 168 regs / 3 blocks, FA-1 <= 128
+    regs / 4-5 blocks at D=64, block 128 x 32."""
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "numba_flash", "occupancy", "--json", "--source", "ptxas",
+         "--head-dim", "64", "--block-m", "128", "--block-n", "32"],
+        capture_output=True, text=True, env=env, check=True,
+    ).stdout
+    rows = {r["algorithm"]: r for r in json.loads(out)}
+    keys = {"algorithm", "head_dim", "dtype", "block_m", "block_n", "threads", "regs", "smem_bytes",
+            "local_bytes", "blocks_per_sm", "occupancy", "limiter"}
+    assert keys <= set(rows["fa2"])
+    assert rows["fa2"]["regs"] == 168 and rows["fa2"]["blocks_per_sm"] == 3
+    assert rows["fa2"]["smem_bytes"] == 32768 and rows["fa2"]["local_bytes"] == 0
+    assert rows["fa1"]["regs"] <= 128 and rows["fa1"]["blocks_per_sm"] >= 4
