@@ -152,7 +152,7 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
         raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
     elif not math.isfinite(float(scale)):
         raise ValueError(f"scale must be finite; got {scale}")
-    bm_default, bn_default = default_tiles(algorithm, D, dtypes[0], bool(causal))
+    bm_default, bn_default = _default_tiles(algorithm, D, dtypes[0], bool(causal))
     block_m = bm_default if block_m is None else block_m
     block_n = bn_default if block_n is None else block_n
     check_tiles(D, block_m, block_n)
@@ -167,6 +167,17 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
         block_m=block_m,
         block_n=block_n,
     )
+
+
+def _default_tiles(algorithm, head_dim, dtype, causal):
+    """The autotuned tiles cached for this GPU (``numba-flash autotune``), else the defaults."""
+    if not _simulated():  # the simulator has nothing to tune
+        from numba_flash.tuning import tuned_tiles
+
+        tuned = tuned_tiles(algorithm, head_dim, dtype, causal)
+        if tuned is not None:
+            return tuned
+    return default_tiles(algorithm, head_dim, dtype, causal)
 
 
 def _check_order(kv_tile_order, n_k: int, block_n: int):

@@ -2,6 +2,7 @@
 
     numba-flash compare [--batch B --heads H --seq N --head-dim D --causal --dtype float16]
     numba-flash occupancy [--json] [--source driver|ptxas] [--plot DIR]
+    numba-flash autotune [--algorithm fa2 --head-dim 64 --dtype float32 --causal both]
     numba-flash demo        the seed's worked example of the online softmax, step by step
 """
 
@@ -57,6 +58,15 @@ def _parser() -> argparse.ArgumentParser:
     occ.add_argument("--json", action="store_true", help="print a JSON list of row objects")
     occ.add_argument("--plot", metavar="DIR", help="write occupancy/registers-vs-tile PNGs here")
 
+    tune = sub.add_parser("autotune", help="time tile candidates on this GPU and cache the fastest")
+    tune.add_argument("--algorithm", nargs="+", default=["fa2", "fa1"], choices=["fa1", "fa2"])
+    tune.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
+    tune.add_argument("--dtype", nargs="+", default=["float32", "float16"], choices=["float32", "float16"])
+    tune.add_argument("--causal", choices=["both", "on", "off"], default="both")
+    tune.add_argument("--seq", type=int, default=4096)
+    tune.add_argument("--batch", type=int, default=4)
+    tune.add_argument("--heads", type=int, default=16)
+
     sub.add_parser("demo", help="the online-softmax worked example of the seed, step by step")
     return parser
 
@@ -66,6 +76,8 @@ def main(argv=None) -> int:
     if args.command == "occupancy":
         return _occupancy(args)
     choose_world()
+    if args.command == "autotune":
+        return _autotune(args)
     if args.command == "demo":
         from numba_flash.seed_example import print_worked_example
 
@@ -78,6 +90,24 @@ def main(argv=None) -> int:
         print(json.dumps(rows, indent=2, default=_json_default))
     else:
         print(format_table(rows, notes))
+    return 0
+
+
+def _autotune(args) -> int:
+    from numba_flash._world import simulated
+
+    if simulated():
+        print("autotune measures on a GPU; none was found (Numba's CUDA simulator is active)", file=sys.stderr)
+        return 2
+    from numba_flash.tuning import autotune
+
+    causal = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
+    for alg in args.algorithm:
+        for d in args.head_dim:
+            for dt in args.dtype:
+                for c in causal:
+                    autotune(alg, d, dt, c, batch=args.batch, heads=args.heads, seq=args.seq,
+                             progress=lambda m: print(m, flush=True))
     return 0
 
 

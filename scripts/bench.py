@@ -60,10 +60,6 @@ TOLERANCE = {"float32": 1e-4, "float16": 1e-2}  # rel_err above this: status "in
 WARMUP = 3  # untimed calls before timing (the check before them has compiled)
 LONG_WARMUP = 1  # the long-context row takes seconds a call
 LONG_CONTEXT = dict(seq=131072, head_dim=64, causal=False, dtype="float32", batch=1, heads=8)
-REPRODUCE = (
-    "python scripts/bench.py --seq 1024 2048 4096 8192 --head-dim 64 128 "
-    "--dtype float32 float16 --causal both --long-context --out bench-out"
-)
 
 # bench.csv columns: the result table first, then the details behind it.
 CSV_FIELDS = [
@@ -343,10 +339,11 @@ def failure(exc: BaseException) -> str:
     return f"failed: {type(exc).__name__}: {first_line[:200]}"
 
 
-def measure(cfg: Config, impl: str, fn, q, k, v, repeats: int) -> dict:
+def measure(cfg: Config, impl: str, q, k, v, sdpa: dict, repeats: int) -> dict:
     """Check (FA kernels), then time one implementation. Never raises: failures become the status."""
     row = new_row(cfg, impl, "running")
     try:
+        fn = implementation(impl, cfg, q, k, v, sdpa)
         if impl in FA_IMPLS:
             o = fn()[0]  # the first call compiles
             row["rel_err"], row["rel_err_scope"] = relative_error(o, q, k, v, cfg)
@@ -384,7 +381,7 @@ def measure_config(cfg: Config, entries, rng, repeats: int, report) -> list[dict
     for impl, status in entries:
         start = time.perf_counter()
         if status is None:
-            row = measure(cfg, impl, implementation(impl, cfg, q, k, v, sdpa), q, k, v, repeats)
+            row = measure(cfg, impl, q, k, v, sdpa, repeats)
         else:
             row = new_row(cfg, impl, status)
         report(row, time.perf_counter() - start)
@@ -443,24 +440,19 @@ def environment(argv: list[str], args: argparse.Namespace) -> dict:
         except importlib.metadata.PackageNotFoundError:
             return "not installed"
 
-    try:
-        import torch
-
-        torch_version = torch.__version__
-    except ImportError:
-        torch_version = "not installed"
     return {
         "command": "`" + shlex.join(["python", os.path.relpath(__file__), *argv]) + "`",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "GPU": gpu_name(),
         "versions": (
             f"numba_flash {numba_flash.__version__}, numba {numba.__version__}, "
-            f"numba-cuda {version('numba-cuda')}, cupy {cp.__version__}, torch {torch_version}, "
+            f"numba-cuda {version('numba-cuda')}, cupy {cp.__version__}, torch {version('torch')}, "
             f"CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}, driver {cp.cuda.runtime.driverGetVersion()}"
         ),
         "timing": (
-            f"median of {args.repeats} runs ({args.long_repeats} for the long-context row) after "
-            f"warm-up (which compiles), CUDA events; TFLOP/s with FLOPs = 4*B*H*N*N*D, halved for causal"
+            f"median of {args.repeats} runs ({args.long_repeats} for the long-context row) by CUDA events, "
+            f"after untimed warm-up runs (compilation never timed); "
+            f"TFLOP/s with FLOPs = 4*B*H*N*N*D, halved for causal"
         ),
         "rel err": (
             "||o - o_ref|| / ||o_ref|| against float64 CuPy attention of the same inputs "
@@ -472,7 +464,8 @@ def environment(argv: list[str], args: argparse.Namespace) -> dict:
 def gpu_name() -> str:
     import cupy as cp
 
-    return cp.cuda.runtime.getDeviceProperties(0)["name"].decode()
+    name = cp.cuda.runtime.getDeviceProperties(0)["name"]
+    return name.decode() if isinstance(name, bytes) else name
 
 
 # ----------------------------------------------------------------------- outputs
@@ -514,10 +507,16 @@ def tflops_cell(row: dict | None) -> str:
     return f"{row['tflops']:.2f}" + (" (!)" if row["status"] != "ok" else "")
 
 
-def rel_err_cell(row: dict | None) -> str:
+def rel_err_cell(row: dict | None, mark_scope: bool = True) -> str:
+    """The relative error; with ``mark_scope``, a † when it was checked on part of the output."""
     if row is None or row["rel_err"] is None:
         return "—"
-    return f"{row['rel_err']:.1e}" + ("" if row["rel_err_scope"] == "all" else "†")
+    partial = mark_scope and row["rel_err_scope"] != "all"
+    return f"{row['rel_err']:.1e}" + ("†" if partial else "")
+
+
+def display_name(impl: str) -> str:
+    return impl.upper().replace("FA", "FA-") if impl in FA_IMPLS else impl
 
 
 def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
@@ -541,7 +540,7 @@ def group_section(key: tuple, rows: list[dict]) -> list[str]:
              *(rel_err_cell(by_impl.get(i)) for i in fa)]
         )  # fmt: skip
     heads = sorted({r["heads"] for r in rows})
-    tiles = ", ".join(f"{i.upper()} {'x'.join(map(str, default_tiles(i, head_dim, dtype, causal)))}" for i in fa)
+    tiles = ", ".join(f"{display_name(i)} {'x'.join(map(str, default_tiles(i, head_dim, dtype, causal)))}" for i in fa)
     lines = [f"### {group_title(dtype, head_dim, causal)}", ""]
     lines.append(
         f"H={', '.join(map(str, heads))}. TFLOP/s per implementation; FA-2/X = time of X / time of FA-2 "
@@ -565,7 +564,7 @@ def long_context_section(rows: list[dict]) -> list[str]:
         body.append(
             [r["impl"], str(r["batch"]), str(r["heads"]), str(r["seq"]), str(r["head_dim"]), r["dtype"],
              str(r["causal"]), f"{r['ms']:.1f}" if timed else r["status"],
-             f"{r['tflops']:.2f}" if timed else "—", rel_err_cell(r).rstrip("†"), r["rel_err_scope"] or "—",
+             f"{r['tflops']:.2f}" if timed else "—", rel_err_cell(r, mark_scope=False), r["rel_err_scope"] or "—",
              human_bytes(r["extra_mem_bytes"]), human_bytes(lse_bytes), human_bytes(s_bytes)]
         )  # fmt: skip
     intro = (
