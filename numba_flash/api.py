@@ -226,9 +226,9 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
         launch((n_q_tiles * B * H,))(qd, kd, vd, od, lsed, q_scale, order)
     else:
         cast_out = call["dtype"] != "float32"  # O is kept in float32 in HBM (line 2)
-        work_o = _device_empty((B, H, Nq, D), stream) if cast_out else od
-        work_l = _device_empty((B, H, Nq), stream)
-        work_m = _device_empty((B, H, Nq), stream)
+        work_o = _scratch(ctx, (B, H, Nq, D)) if cast_out else od
+        work_l = _scratch(ctx, (B, H, Nq))
+        work_m = _scratch(ctx, (B, H, Nq))
         # Not casting, the kernel never reads `o`; a placeholder avoids passing od twice.
         out_o = od if cast_out else _placeholder((1, 1, 1, 1), "float32")
         launch((B * H,))(qd, kd, vd, work_o, work_l, work_m, out_o, lsed, q_scale, order)
@@ -253,10 +253,7 @@ def _simulated() -> bool:
     return simulated()
 
 
-def _device_empty(shape, stream):
-    """float32 scratch for FA-1's O, l, m in global memory (NumPy in the simulator)."""
-    from numba_flash._cuda import cuda
-
-    if _simulated():
-        return np.empty(shape, dtype=np.float32)
-    return cuda.device_array(shape, dtype=np.float32, stream=stream)
+def _scratch(ctx: ArrayContext, shape):
+    """float32 scratch for FA-1's O, l, m in global memory, from the caller's library
+    (CuPy's or PyTorch's memory pool on the caller's device; NumPy in the simulator)."""
+    return ctx.out_to_kernel(ctx.empty(shape, "float32"))

@@ -23,6 +23,7 @@ def main():
     ap.add_argument("--seq", type=int, default=128)
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--profile", action="store_true", help="also print where an FA-2 call spends its time (cProfile)")
     a = ap.parse_args()
     q, k, v = (cp.random.standard_normal((1, 1, a.seq, a.head_dim), dtype=cp.float32) for _ in range(3))
     rows = []
@@ -50,6 +51,18 @@ def main():
     print("| call | us per call in a loop | us per synchronised call (median) |\n|---|---|---|")
     for name, loop_us, single_us in rows:
         print(f"| {name} | {loop_us:.1f} | {single_us:.1f} |")
+    if a.profile:
+        import cProfile
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(500):
+            numba_flash.attention(q, k, v)
+        prof.disable()
+        cp.cuda.Device().synchronize()
+        print("\ncProfile of 500 FA-2 calls (cumulative time, top 25):")
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(25)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ H100 = ARCH[(9, 0)]
         (255, 20480, 64, 4, "registers"),  # FA-2 D=128 64x16: driver said 4
         (222, 32768, 128, 2, "registers"),  # causal FA-2 before the register cap: driver said 2
         (32, 48 * 1024, 128, 4, "shared memory"),  # (48K + 1K reserved) x 4 <= 228K < x 5
+        (144, 8192, 64, 6, "registers"),  # FA-2 D=32 64x16: driver said 6 (whole warps per sub-partition; 7 without)
+        (80, 16384, 64, 12, "registers"),  # FA-1 D=32 64x32: driver said 12
         (16, 0, 1024, 2, "warps"),
         (16, 0, 32, 32, "blocks"),
     ],

@@ -72,9 +72,9 @@ def test_dram_model_without_cache_is_the_global_model():
     assert dram_bytes(*args, l2_bytes=0) == traffic_bytes(*args)
 
 
-def test_dram_model_half_the_working_set_cached():
-    # fa1 working set: N*(D*(4+4) + 8) = 64*(64+8) = 4608 bytes; an L2 of half of it
-    # serves half the re-use traffic from cache.
+def test_dram_model_is_all_or_nothing_at_the_l2_size():
+    # fa1 working set: N*(D*(4+4) + 8) = 64*(64+8) = 4608 bytes: a cyclic sweep over it is
+    # served from L2 entirely when it fits and not at all when it is one byte larger.
     args = ("fa1", 1, 1, 1, 64, 64, 8, 16, 16)
-    full, none = dram_bytes(*args, l2_bytes=10**9), dram_bytes(*args, l2_bytes=0)
-    assert dram_bytes(*args, l2_bytes=2304) == pytest.approx((full + none) / 2, abs=1)
+    assert dram_bytes(*args, l2_bytes=4608) == dram_bytes(*args, l2_bytes=10**9)
+    assert dram_bytes(*args, l2_bytes=4607) == traffic_bytes(*args)

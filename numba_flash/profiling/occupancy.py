@@ -43,6 +43,7 @@ class ArchLimits:
     max_warps: int = 64
     max_blocks: int = 32
     registers: int = 65536
+    sub_partitions: int = 4  # the register file is split among 4 schedulers; a warp lives in one
     reg_alloc_unit: int = 256  # registers are given to a warp in chunks of 256
     smem_per_sm: int = 228 * 1024
     smem_alloc_unit: int = 128
@@ -66,10 +67,13 @@ def occupancy_from_resources(regs: int, smem: int, threads: int, arch: ArchLimit
     """Resident blocks per SM and the limiting resource, by the occupancy calculator's rules."""
     warps = -(-threads // 32)
     regs_per_warp = -(-regs * 32 // arch.reg_alloc_unit) * arch.reg_alloc_unit
+    # Each sub-partition holds whole warps: floor(its registers / regs per warp) of them.
+    partition_regs = arch.registers // arch.sub_partitions
+    warps_by_regs = (partition_regs // regs_per_warp) * arch.sub_partitions if regs else arch.max_warps
     limits = {
         "blocks": arch.max_blocks,
         "warps": arch.max_warps // warps,
-        "registers": arch.registers // (regs_per_warp * warps) if regs else arch.max_blocks,
+        "registers": warps_by_regs // warps,
     }
     smem_block = -(-(smem + arch.smem_reserved_per_block) // arch.smem_alloc_unit) * arch.smem_alloc_unit
     limits["shared memory"] = arch.smem_per_sm // smem_block

@@ -105,9 +105,10 @@ def dram_bytes(
     """Modelled DRAM bytes: :func:`traffic_bytes` less what the L2 cache catches.
 
     Each algorithm's traffic splits into a compulsory part (every input read once, every
-    output written once) and re-use traffic that repeats it. The re-use traffic is
-    served from L2 in the proportion ``min(1, l2_bytes / W)`` of the working set ``W``
-    that it cycles over (an LRU-like cache holds that fraction of a cyclic sweep):
+    output written once) and re-use traffic that repeats it over a working set ``W`` in a
+    cyclic sweep. Under LRU a cyclic sweep hits every time when ``W`` fits in L2 and
+    never when it does not (each line is evicted just before it is needed again), so the
+    re-use traffic is served from L2 when ``W <= l2_bytes`` and from DRAM otherwise:
 
     - ``fa2``: re-reads of K/V by the Q tiles of one head; ``W`` = K and V of the heads
       in flight (``resident_blocks / Tr`` heads at a time, Q tiles of a head being
@@ -137,5 +138,4 @@ def dram_bytes(
     else:
         raise ValueError(f"algorithm must be 'standard', 'fa1' or 'fa2'; got {algorithm!r}")
     reuse = max(0, total - compulsory)
-    hit = min(1.0, l2_bytes / working_set) if working_set else 1.0
-    return int(compulsory + (1.0 - hit) * reuse)
+    return compulsory if working_set <= l2_bytes else compulsory + reuse
