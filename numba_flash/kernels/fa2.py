@@ -98,7 +98,8 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
             m_new = nan_max(m, tile_max)
             if m_new != NEG_INF:  # else the row has seen only masked keys: nothing to add
                 alpha = exp2_diff(m, m_new)  # e^{m^(j-1) - m^(j)}
-                rescale(acc, alpha)  # Line 10, first term: diag(alpha) O~^(j-1)
+                if m_new != m:  # alpha == 1 when the max did not move: nothing to rescale
+                    rescale(acc, alpha)  # Line 10, first term: diag(alpha) O~^(j-1)
                 # Lines 9-10: P~ = exp(S - m^(j)); l = alpha l + rowsum(P~); O~ += P~ V_j.
                 n_cols = visible_cols(col0, last_key)
                 l_sum = alpha * l_sum + exp_rowsum_pv(s_tile, v_tile, m_new, acc, n_cols)
