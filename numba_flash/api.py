@@ -18,6 +18,7 @@ from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles
 
 ALGORITHMS = tuple(KERNEL_FACTORIES)  # ("fa1", "fa2")
 DTYPES = ("float16", "float32")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def attention(
@@ -72,6 +73,8 @@ def attention(
 
     Returns ``o``, or ``(o, lse)`` with ``return_lse=True``.
     """
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     o, lse = forward(
         q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n
     )
@@ -103,6 +106,8 @@ def forward(
     ctx = ArrayContext(call["kind"], q)
     B, H, Nq, D = call["q_shape"]
     Nk = call["n_k"]
+    _check_out(out, "out", (B, H, Nq, D), call["dtype"], call["kind"])
+    _check_out(lse_out, "lse_out", (B, H, Nq), "float32", call["kind"])
     o = out if out is not None else ctx.empty((B, H, Nq, D), call["dtype"])
     lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
     order = _check_order(kv_tile_order, Nk, call["block_n"])
@@ -134,7 +139,9 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
         raise ValueError(f"k and v must have q's head_dim {D}; got {Dk}")
     if not 1 <= D <= MAX_HEAD_DIM:
         raise ValueError(f"head_dim (last axis of q) must be from 1 to {MAX_HEAD_DIM}; got {D}")
-    if Hkv == 0 or H % Hkv != 0:
+    if Hkv == 0:
+        raise ValueError(f"k and v must have at least one head; got shape {tuple(k.shape)}")
+    if H % Hkv != 0:
         raise ValueError(f"q's heads ({H}) must be a multiple of k's and v's heads ({Hkv})")
     dtypes = [dtype_name(x, kind) for x in (q, k, v)]
     for name, dt in zip("qkv", dtypes):
@@ -150,12 +157,13 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
         scale = 1.0 / math.sqrt(D)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
         raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
-    elif not math.isfinite(float(scale)):
-        raise ValueError(f"scale must be finite; got {scale}")
+    elif not abs(float(scale)) * LOG2E < FLOAT32_MAX:  # scale * log2(e) is a float32 in the kernel
+        raise ValueError(f"scale must be finite and below {FLOAT32_MAX / LOG2E:.3g} in magnitude; got {scale}")
     bm_default, bn_default = _default_tiles(algorithm, D, dtypes[0], bool(causal))
     block_m = bm_default if block_m is None else block_m
     block_n = bn_default if block_n is None else block_n
     check_tiles(D, block_m, block_n)
+    block_m, block_n = int(block_m), int(block_n)
     return dict(
         kind=kind,
         q_shape=(B, H, Nq, D),
@@ -167,6 +175,21 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
         block_m=block_m,
         block_n=block_n,
     )
+
+
+def _check_out(buf, name, shape, dtype, kind) -> None:
+    """A caller's result buffer must match: same library, shape, dtype, C-contiguous."""
+    if buf is None:
+        return
+    if kind_of(buf) != kind:
+        raise TypeError(f"{name} must be an array of the inputs' library ({kind})")
+    if tuple(buf.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {tuple(buf.shape)}")
+    if dtype_name(buf, kind) != dtype:
+        raise TypeError(f"{name} must be {dtype}; got {dtype_name(buf, kind)}")
+    contiguous = buf.is_contiguous() if kind == "torch" else buf.flags.c_contiguous
+    if not contiguous or (kind == "numpy" and not buf.flags.writeable):
+        raise ValueError(f"{name} must be C-contiguous and writeable")
 
 
 def _default_tiles(algorithm, head_dim, dtype, causal):

@@ -68,19 +68,22 @@ class ArrayContext:
     def to_kernel(self, x):
         """An input the kernel can read: the object itself, a numba view, or a device copy."""
         if self.kind == "numpy":
-            # The simulator, like a host-to-device copy, takes one contiguous buffer.
-            x = np.ascontiguousarray(x)
-            return x if simulated() else cuda.to_device(x)
+            # A device copy in both worlds (the simulator's too): the kernel never holds the
+            # caller's buffer, so a read-only or strided input works and is never written.
+            return cuda.to_device(np.ascontiguousarray(x))
         if self.kind == "dlpack":
             import cupy
 
             x = cupy.from_dlpack(x)
+        if self.kind == "torch":
+            x = x.detach()  # a tensor that requires grad refuses __cuda_array_interface__
         return cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=x, sync=False)
 
     def out_to_kernel(self, x):
         """An output the kernel can write: ``x`` itself, or device memory to copy back."""
-        if self.kind == "numpy" and not simulated():
-            return cuda.device_array(x.shape, dtype=x.dtype)
+        if self.kind == "numpy":
+            # The simulator writes a NumPy argument back into it after the launch.
+            return x if simulated() else cuda.device_array(x.shape, dtype=x.dtype)
         return self.to_kernel(x)
 
     def empty(self, shape, dtype_name_: str):
@@ -94,11 +97,6 @@ class ArrayContext:
         import cupy
 
         return cupy.empty(shape, dtype=dtype_name_)
-
-    def full(self, shape, value, dtype_name_: str):
-        out = self.empty(shape, dtype_name_)
-        out[...] = value
-        return out
 
     def stream(self):
         """The caller's current stream as a numba stream (``None`` in the simulator)."""

@@ -18,10 +18,13 @@ import numpy as np
 
 from numba_flash._world import choose_world
 
-# Problems `compare` runs when the user names none: the research shape on a GPU, and a
-# small one the simulator finishes in seconds.
-GPU_DEFAULT = dict(batch=4, heads=16, seq=4096, head_dim=64)
-SIM_DEFAULT = dict(batch=1, heads=2, seq=48, head_dim=16, block_m=16, block_n=16)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -29,17 +32,17 @@ def _parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     cmp = sub.add_parser("compare", help="FA-1 and FA-2 on the same inputs, side by side")
-    cmp.add_argument("--batch", type=int)
-    cmp.add_argument("--heads", type=int)
-    cmp.add_argument("--kv-heads", type=int, help="K/V heads (GQA); default: --heads")
-    cmp.add_argument("--seq", type=int, help="query and key length")
-    cmp.add_argument("--seq-k", type=int, help="key length when it differs from --seq")
-    cmp.add_argument("--head-dim", type=int)
+    cmp.add_argument("--batch", type=_positive)
+    cmp.add_argument("--heads", type=_positive)
+    cmp.add_argument("--kv-heads", type=_positive, help="K/V heads (GQA); default: --heads")
+    cmp.add_argument("--seq", type=_positive, help="query and key length")
+    cmp.add_argument("--seq-k", type=_positive, help="key length when it differs from --seq")
+    cmp.add_argument("--head-dim", type=_positive)
     cmp.add_argument("--causal", action="store_true")
     cmp.add_argument("--dtype", choices=["float32", "float16"], default="float32")
     cmp.add_argument("--block-m", type=int)
     cmp.add_argument("--block-n", type=int)
-    cmp.add_argument("--repeats", type=int, default=20, help="timed runs (median reported)")
+    cmp.add_argument("--repeats", type=_positive, default=20, help="timed runs (median reported)")
     cmp.add_argument("--seed", type=int, default=0)
     cmp.add_argument("--json", action="store_true", help="print the rows as JSON")
 
@@ -85,9 +88,15 @@ def main(argv=None) -> int:
         return 0
     from numba_flash.compare import compare, format_table
 
-    rows, notes = compare(args)
+    try:
+        rows, notes = compare(args)
+    except (ValueError, TypeError) as exc:  # a problem the kernels refuse, said in one line
+        print(f"numba-flash compare: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(rows, indent=2, default=_json_default))
+        for note in notes:
+            print(note, file=sys.stderr)
     else:
         print(format_table(rows, notes))
     return 0
@@ -123,7 +132,17 @@ def _occupancy(args) -> int:
     configs = configurations(
         args.algorithm, args.head_dim, args.dtype, args.block_m, args.block_n, (args.causal,)
     )
-    rows = profile(configs, cc=cc, source=source, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    try:
+        rows = profile(configs, cc=cc, source=source, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except Exception as exc:
+        if source != "ptxas":
+            raise
+        print(
+            f"numba-flash occupancy: compiling without a GPU failed ({type(exc).__name__}: {exc}).\n"
+            "It needs libNVVM and a recent ptxas: pip install 'numba-flash[occupancy]'",
+            file=sys.stderr,
+        )
+        return 2
     if args.json:
         print(json.dumps(rows, indent=1))
     else:

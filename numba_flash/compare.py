@@ -12,23 +12,27 @@ from __future__ import annotations
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.kernels.tiles import default_tiles
+from numba_flash.kernels.tiles import smem_bytes
 from numba_flash.profiling.timing import attention_flops, median_ms, tflops
 from numba_flash.profiling.traffic import traffic_bytes
 
 ALGORITHMS = ("fa1", "fa2")
 
 
-def _problem(args) -> dict:
-    from numba_flash.cli import GPU_DEFAULT, SIM_DEFAULT
+# Problems `compare` runs when the user names none: the research shape on a GPU, and a
+# small one the simulator finishes in seconds.
+GPU_DEFAULT = dict(batch=4, heads=16, seq=4096, head_dim=64)
+SIM_DEFAULT = dict(batch=1, heads=2, seq=48, head_dim=16, block_m=16, block_n=16)
 
+
+def _problem(args) -> dict:
     defaults = SIM_DEFAULT if simulated() else GPU_DEFAULT
     p = {}
     for key in ("batch", "heads", "seq", "head_dim", "block_m", "block_n"):
         given = getattr(args, key, None)
         p[key] = given if given is not None else defaults.get(key)
-    p["kv_heads"] = args.kv_heads or p["heads"]
-    p["seq_k"] = args.seq_k or p["seq"]
+    p["kv_heads"] = p["heads"] if args.kv_heads is None else args.kv_heads
+    p["seq_k"] = p["seq"] if args.seq_k is None else args.seq_k
     p["causal"] = bool(args.causal)
     p["dtype"] = args.dtype
     return p
@@ -37,6 +41,7 @@ def _problem(args) -> dict:
 def compare(args):
     """Run both algorithms on one problem; return (rows, notes) for :func:`format_table`."""
     from numba_flash import reference
+    from numba_flash.api import _default_tiles as default_tiles_for
     from numba_flash.api import forward
 
     p = _problem(args)
@@ -67,7 +72,7 @@ def compare(args):
     flops = attention_flops(B, H, Nq, Nk, D, p["causal"])
     rows = []
     for alg in ALGORITHMS:
-        bm_d, bn_d = default_tiles(alg, D, p["dtype"], p["causal"])
+        bm_d, bn_d = default_tiles_for(alg, D, p["dtype"], p["causal"])  # autotuned if cached
         bm, bn = p["block_m"] or bm_d, p["block_n"] or bn_d
 
         def run(alg=alg, bm=bm, bn=bn):
@@ -85,6 +90,7 @@ def compare(args):
             max_abs_err=float(xp.abs(diff).max()),
             rel_err=float(xp.linalg.norm(diff) / xp.linalg.norm(ref_o)),
             modelled_bytes=traffic_bytes(alg, B, H, Hkv, Nq, Nk, D, bm, bn, p["dtype"], p["causal"]),
+            smem_bytes=smem_bytes(D, bm, bn),  # static; the driver's figure replaces it on a GPU
         )
         if not sim:
             from numba_flash.api import kernel_for

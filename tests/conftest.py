@@ -57,5 +57,8 @@ def xp():
 
 @pytest.fixture
 def rng():
-    """A fresh generator per test; the seed is printed by pytest on failure via the test id."""
-    return np.random.default_rng()
+    """A fresh generator per test (new inputs every run), its seed printed so that pytest
+    shows it with a failure; rerun with NUMBA_FLASH_TEST_SEED=<seed> to reproduce."""
+    seed = int(os.environ.get("NUMBA_FLASH_TEST_SEED") or np.random.SeedSequence().entropy % 2**63)
+    print(f"rng seed: NUMBA_FLASH_TEST_SEED={seed}")
+    return np.random.default_rng(seed)

@@ -126,11 +126,33 @@ def test_strided_views_need_no_copy_and_inputs_are_untouched(algorithm, xp, rng)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
-def test_deterministic(algorithm, xp, rng):
-    q, k, v = random_qkv(rng, 1, 2, 1, 9, 10, 4, "float32", xp)
-    a = to_numpy(attention(q, k, v, algorithm=algorithm, block_m=4, block_n=4))
-    b = to_numpy(attention(q, k, v, algorithm=algorithm, block_m=4, block_n=4))
-    assert np.array_equal(a, b)
+def test_read_only_inputs(algorithm, rng):
+    """NumPy inputs are copied to the device, never handed to the kernel: read-only works."""
+    q, k, v = random_qkv(rng, 1, 2, 1, 5, 6, 3, "float32")
+    for x in (q, k, v):
+        x.setflags(write=False)
+    o, lse = run_poisoned(np, q, k, v, causal=True, algorithm=algorithm, block_m=4, block_n=4)
+    check_against_reference(q, k, v, o, lse, True)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("shape", [(0, 2, 5, 4), (2, 0, 5, 4)], ids=["B=0", "H=0"])
+def test_empty_batch_or_heads(algorithm, shape, xp, rng):
+    q = xp.asarray(rng.standard_normal(shape).astype(np.float32))
+    kv = xp.asarray(rng.standard_normal((shape[0], 1 if shape[1] else 0, 6, 4)).astype(np.float32))
+    if shape[1] == 0:
+        with pytest.raises(ValueError, match="at least one head"):
+            attention(q, kv, kv, algorithm=algorithm)
+        return
+    o, lse = attention(q, kv, kv, algorithm=algorithm, return_lse=True)
+    assert o.shape == shape and lse.shape == shape[:3]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_no_keys_causal_float16(algorithm, xp, rng):
+    q, k, v = random_qkv(rng, 1, 2, 1, 3, 0, 4, "float16", xp)
+    o, lse = attention(q, k, v, causal=True, algorithm=algorithm, return_lse=True)
+    assert o.dtype == np.float16 and (to_numpy(o) == 0).all() and np.isneginf(to_numpy(lse)).all()
 
 
 def test_fa1_and_fa2_agree_with_default_tiles(xp, rng):

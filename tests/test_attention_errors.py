@@ -114,10 +114,47 @@ def test_causal_must_be_bool(qkv):
         attention(*qkv, causal="yes")
 
 
-def test_inputs_unchanged_after_an_error(qkv):
-    q, k, v = qkv
-    before = [x.copy() for x in qkv]
-    with pytest.raises(ValueError):
-        attention(q, k, v, block_m=3)
-    for x, x0 in zip(qkv, before):
-        assert np.array_equal(x, x0)
+def test_numpy_integer_tiles_are_accepted(qkv):
+    o = attention(*qkv, block_m=np.int64(4), block_n=np.int32(2))
+    assert o.shape == qkv[0].shape
+
+
+def test_scale_that_overflows_float32_is_refused(qkv):
+    with pytest.raises(ValueError, match="scale must be finite and below"):
+        attention(*qkv, scale=1e40)
+
+
+def test_return_lse_must_be_bool(qkv):
+    with pytest.raises(TypeError, match="return_lse must be a bool"):
+        attention(*qkv, return_lse="no")
+
+
+def test_kv_without_heads(rng):
+    q = rng.standard_normal((1, 0, 5, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 0, 5, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match="k and v must have at least one head"):
+        attention(q, k, k)
+
+
+def test_kv_heads_more_than_q_heads(rng):
+    q = rng.standard_normal((1, 2, 5, 4)).astype(np.float32)
+    k = rng.standard_normal((1, 4, 5, 4)).astype(np.float32)
+    with pytest.raises(ValueError, match="multiple of k's and v's heads"):
+        attention(q, k, k)
+
+
+@pytest.mark.parametrize(
+    "name, make, err, match",
+    [
+        ("out", lambda: np.empty((1, 2, 5, 3), np.float32), ValueError, "out must have shape"),
+        ("out", lambda: np.empty((1, 2, 5, 4), np.float16), TypeError, "out must be float32"),
+        ("out", lambda: np.empty((1, 2, 4, 5), np.float32).transpose(0, 1, 3, 2), ValueError, "C-contiguous"),
+        ("lse_out", lambda: np.empty((1, 2, 5), np.float64), TypeError, "lse_out must be float32"),
+        ("lse_out", lambda: [[0.0]], TypeError, "expected a NumPy array"),
+    ],
+)
+def test_result_buffers_are_checked(qkv, name, make, err, match):
+    from numba_flash.api import forward
+
+    with pytest.raises(err, match=match):
+        forward(*qkv, **{name: make()})

@@ -41,19 +41,7 @@ def fa1_kernel(
     CAUSAL = bool(causal)
     PERMUTED = bool(permuted)
     CAST_OUT = bool(cast_out)
-    # Shared tile steps (tile_ops); bound to plain names so numba sees them as functions.
-    ops = tile_ops(D, BM, BN)
-    exp2_diff = ops.exp2_diff
-    exp_rowsum_pv = ops.exp_rowsum_pv
-    visible_cols = ops.visible_cols
-    last_visible_key = ops.last_visible_key
-    load_kv_tile = ops.load_kv_tile
-    load_q_row = ops.load_q_row
-    log_sum_exp = ops.log_sum_exp
-    nan_max = ops.nan_max
-    reciprocal_or_zero = ops.reciprocal_or_zero
-    score_tile = ops.score_tile
-    zero = ops.zero
+    ops = tile_ops(D, BM, BN)  # the tile steps both kernels share
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"})
     def fa1_forward(q, k, v, o_hbm, l_hbm, m_hbm, o, lse, q_scale, kv_order):
@@ -89,33 +77,33 @@ def fa1_kernel(
             j = kv_order[jj] if PERMUTED else jj
             col0 = j * BN
             cuda.syncthreads()  # everyone is done reading the previous K_j, V_j
-            load_kv_tile(k, v, b, hk, col0, n_k, k_tile, v_tile)  # Line 6
+            ops.load_kv_tile(k, v, b, hk, col0, n_k, k_tile, v_tile)  # Line 6
             cuda.syncthreads()  # the whole tile is in shared memory before anyone reads it
 
             for i in range(n_q_tiles):  # Line 7: for 1 <= i <= Tr
                 # causal: skip Q tiles for which every key of K_j is masked (block-uniform)
-                if col0 > last_visible_key(min(i * BM + BM, n_q) - 1, n_q, n_k, CAUSAL):
+                if col0 > ops.last_visible_key(min(i * BM + BM, n_q) - 1, n_q, n_k, CAUSAL):
                     continue
                 row = i * BM + tid
-                load_q_row(q, b, h, row, n_q, q_scale, q_reg)  # Line 8: load Q_i
+                ops.load_q_row(q, b, h, row, n_q, q_scale, q_reg)  # Line 8: load Q_i
                 # Line 9: S_ij = Q_i K_j^T; line 10: m~_ij = rowmax(S_ij).
-                last_key = last_visible_key(row, n_q, n_k, CAUSAL)
-                first_row_last_key = last_visible_key(i * BM, n_q, n_k, CAUSAL)
-                tile_max = score_tile(q_reg, k_tile, s_tile, col0, last_key, first_row_last_key)
+                last_key = ops.last_visible_key(row, n_q, n_k, CAUSAL)
+                first_row_last_key = ops.last_visible_key(i * BM, n_q, n_k, CAUSAL)
+                tile_max = ops.score_tile(q_reg, k_tile, s_tile, col0, last_key, first_row_last_key)
                 if row < n_q and tile_max != NEG_INF:
                     # Line 10: P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij); acc = P~_ij V_j.
-                    zero(acc)
-                    l_tile = exp_rowsum_pv(s_tile, v_tile, tile_max, acc, visible_cols(col0, last_key))
+                    ops.zero(acc)
+                    l_tile = ops.exp_rowsum_pv(s_tile, v_tile, tile_max, acc, ops.visible_cols(col0, last_key))
                     # Line 8: load O_i, l_i, m_i from HBM.
                     l_old = l_hbm[b, h, row]
                     m_old = m_hbm[b, h, row]
                     # Line 11: m_new = max(m_i, m~_ij); l_new = e^{m_i-m_new} l_i + e^{m~_ij-m_new} l~_ij.
-                    m_new = nan_max(m_old, tile_max)
-                    alpha_old = exp2_diff(m_old, m_new)
-                    alpha_tile = exp2_diff(tile_max, m_new)
+                    m_new = ops.nan_max(m_old, tile_max)
+                    alpha_old = ops.exp2_diff(m_old, m_new)
+                    alpha_tile = ops.exp2_diff(tile_max, m_new)
                     l_new = alpha_old * l_old + alpha_tile * l_tile
                     # Line 12: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i-m_new} O_i + e^{m~_ij-m_new} P~_ij V_j).
-                    inv_l = reciprocal_or_zero(l_new)
+                    inv_l = ops.reciprocal_or_zero(l_new)
                     w_old = l_old * alpha_old * inv_l
                     w_tile = alpha_tile * inv_l
                     for d in range(D):
@@ -131,6 +119,6 @@ def fa1_kernel(
                 if CAST_OUT:
                     for d in range(D):
                         o[b, h, row, d] = o_hbm[b, h, row, d]
-                lse[b, h, row] = log_sum_exp(m_hbm[b, h, row], l_hbm[b, h, row])
+                lse[b, h, row] = ops.log_sum_exp(m_hbm[b, h, row], l_hbm[b, h, row])
 
     return fa1_forward

@@ -34,20 +34,7 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     D, BM, BN = head_dim, block_m, block_n
     CAUSAL = bool(causal)
     PERMUTED = bool(permuted)
-    # Shared tile steps (tile_ops); bound to plain names so numba sees them as functions.
-    ops = tile_ops(D, BM, BN)
-    exp2_diff = ops.exp2_diff
-    exp_rowsum_pv = ops.exp_rowsum_pv
-    visible_cols = ops.visible_cols
-    last_visible_key = ops.last_visible_key
-    load_kv_tile = ops.load_kv_tile
-    load_q_row = ops.load_q_row
-    log_sum_exp = ops.log_sum_exp
-    nan_max = ops.nan_max
-    reciprocal_or_zero = ops.reciprocal_or_zero
-    rescale = ops.rescale
-    score_tile = ops.score_tile
-    zero = ops.zero
+    ops = tile_ops(D, BM, BN)  # the tile steps both kernels share
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"}, max_registers=register_cap(D))
     def fa2_forward(q, k, v, o, lse, q_scale, kv_order):
@@ -58,7 +45,8 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
         n_q_tiles = (n_q + BM - 1) // BM
         n_kv_tiles = (n_k + BN - 1) // BN  # Tc (line 1)
 
-        # Line 1-2: this block's Q tile i, and which (batch, head) it belongs to.
+        # Line 3: for 1 <= i <= Tr -- the outer loop is the grid: this block is Q tile i
+        # of one (batch, head).
         i = cuda.blockIdx.x % n_q_tiles
         bh = cuda.blockIdx.x // n_q_tiles
         b = bh // n_heads
@@ -74,15 +62,15 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
         acc = cuda.local.array(D, float32)
 
         # Line 4: load Q_i (this thread's row, in registers).
-        load_q_row(q, b, h, row, n_q, q_scale, q_reg)
+        ops.load_q_row(q, b, h, row, n_q, q_scale, q_reg)
         # Line 5: O~ = 0, l = 0, m = -inf, on chip.
-        zero(acc)
+        ops.zero(acc)
         l_sum = float32(0.0)
         m = float32(NEG_INF)
-        last_key = last_visible_key(row, n_q, n_k, CAUSAL)
+        last_key = ops.last_visible_key(row, n_q, n_k, CAUSAL)
         # The last key any row of this Q tile sees: tiles after it are fully masked.
-        tile_last_key = last_visible_key(min(i * BM + BM, n_q) - 1, n_q, n_k, CAUSAL)
-        first_row_last_key = last_visible_key(i * BM, n_q, n_k, CAUSAL)
+        tile_last_key = ops.last_visible_key(min(i * BM + BM, n_q) - 1, n_q, n_k, CAUSAL)
+        first_row_last_key = ops.last_visible_key(i * BM, n_q, n_k, CAUSAL)
 
         for jj in range(n_kv_tiles):  # Line 6: for 1 <= j <= Tc
             j = kv_order[jj] if PERMUTED else jj
@@ -90,25 +78,25 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
             if col0 > tile_last_key:
                 continue  # causal: every score of this tile is masked (block-uniform)
             cuda.syncthreads()  # everyone is done reading the previous K_j, V_j
-            load_kv_tile(k, v, b, hk, col0, n_k, k_tile, v_tile)  # Line 7
+            ops.load_kv_tile(k, v, b, hk, col0, n_k, k_tile, v_tile)  # Line 7
             cuda.syncthreads()  # the whole tile is in shared memory before anyone reads it
             # Line 8: S_i^(j) = Q_i K_j^T.
-            tile_max = score_tile(q_reg, k_tile, s_tile, col0, last_key, first_row_last_key)
+            tile_max = ops.score_tile(q_reg, k_tile, s_tile, col0, last_key, first_row_last_key)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S)).
-            m_new = nan_max(m, tile_max)
+            m_new = ops.nan_max(m, tile_max)
             if m_new != NEG_INF:  # else the row has seen only masked keys: nothing to add
-                alpha = exp2_diff(m, m_new)  # e^{m^(j-1) - m^(j)}
+                alpha = ops.exp2_diff(m, m_new)  # e^{m^(j-1) - m^(j)}
                 if m_new != m:  # alpha == 1 when the max did not move: nothing to rescale
-                    rescale(acc, alpha)  # Line 10, first term: diag(alpha) O~^(j-1)
+                    ops.rescale(acc, alpha)  # Line 10, first term: diag(alpha) O~^(j-1)
                 # Lines 9-10: P~ = exp(S - m^(j)); l = alpha l + rowsum(P~); O~ += P~ V_j.
-                n_cols = visible_cols(col0, last_key)
-                l_sum = alpha * l_sum + exp_rowsum_pv(s_tile, v_tile, m_new, acc, n_cols)
+                n_cols = ops.visible_cols(col0, last_key)
+                l_sum = alpha * l_sum + ops.exp_rowsum_pv(s_tile, v_tile, m_new, acc, n_cols)
                 m = m_new
 
         if row < n_q:
-            inv_l = reciprocal_or_zero(l_sum)  # Line 12: O_i = diag(l)^-1 O~
+            inv_l = ops.reciprocal_or_zero(l_sum)  # Line 12: O_i = diag(l)^-1 O~
             for d in range(D):
                 o[b, h, row, d] = acc[d] * inv_l  # Line 14: write O_i
-            lse[b, h, row] = log_sum_exp(m, l_sum)  # Lines 13, 15: L_i = m + log(l)
+            lse[b, h, row] = ops.log_sum_exp(m, l_sum)  # Lines 13, 15: L_i = m + log(l)
 
     return fa2_forward

@@ -28,15 +28,15 @@ from __future__ import annotations
 
 import functools
 import math
-from types import SimpleNamespace
+from types import ModuleType
 
 from numba_flash._cuda import cuda, float32
 
-from numba_flash.kernels.jit import NEG_INF, device_jit
+from numba_flash.kernels.jit import LN2, NEG_INF, device_jit
 
 
 @functools.lru_cache(maxsize=None)
-def tile_ops(head_dim: int, block_m: int, block_n: int) -> SimpleNamespace:
+def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
     """Device functions for one (head_dim, block_m, block_n) specialisation (memoised)."""
     D, BM, BN = head_dim, block_m, block_n
     D4 = D - D % 4  # the part of the head dim that splits into groups of four
@@ -169,7 +169,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> SimpleNamespace:
         """The natural-log logsumexp of the scaled scores from log2-unit (m, l)."""
         if l_sum == 0:
             return float32(NEG_INF)
-        return (m + math.log2(l_sum)) * float32(0.6931471805599453)  # ln(2)
+        return (m + math.log2(l_sum)) * float32(LN2)
 
     @device_jit
     def reciprocal_or_zero(l_sum):
@@ -178,17 +178,12 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> SimpleNamespace:
             return float32(0.0)
         return float32(1.0) / l_sum
 
-    return SimpleNamespace(
-        nan_max=nan_max,
-        load_q_row=load_q_row,
-        load_kv_tile=load_kv_tile,
-        score_tile=score_tile,
-        exp_rowsum_pv=exp_rowsum_pv,
-        visible_cols=visible_cols,
-        rescale=rescale,
-        zero=zero,
-        last_visible_key=last_visible_key,
-        exp2_diff=exp2_diff,
-        log_sum_exp=log_sum_exp,
-        reciprocal_or_zero=reciprocal_or_zero,
-    )
+    # A module object, so that kernels can call ``ops.load_q_row(...)``: numba resolves
+    # attributes of a module at compile time (it cannot do that for other objects).
+    ops = ModuleType(f"numba_flash.kernels.tile_ops_d{D}_m{BM}_n{BN}")
+    for func in (
+        nan_max, load_q_row, load_kv_tile, score_tile, exp_rowsum_pv, visible_cols, rescale,
+        zero, last_visible_key, exp2_diff, log_sum_exp, reciprocal_or_zero,
+    ):
+        setattr(ops, func.py_func.__name__ if hasattr(func, "py_func") else func.__name__, func)
+    return ops

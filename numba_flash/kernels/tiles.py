@@ -14,6 +14,8 @@ Limits, both kernels alike:
 
 from __future__ import annotations
 
+import operator
+
 BLOCK_M_CHOICES = tuple(2**p for p in range(0, 9))  # 1 .. 256
 BLOCK_N_CHOICES = tuple(2**p for p in range(0, 8))  # 1 .. 128
 STATIC_SMEM_LIMIT = 48 * 1024
@@ -39,7 +41,11 @@ def check_tiles(head_dim: int, block_m: int, block_n: int) -> None:
         ("block_m", block_m, BLOCK_M_CHOICES),
         ("block_n", block_n, BLOCK_N_CHOICES),
     ):
-        if isinstance(value, bool) or not isinstance(value, int) or value not in choices:
+        try:
+            as_int = None if isinstance(value, bool) else operator.index(value)  # NumPy ints too
+        except TypeError:
+            as_int = None
+        if as_int not in choices:
             raise ValueError(
                 f"{name}={value!r} is not supported: {name} must be a power of two from "
                 f"{choices[0]} to {choices[-1]}, one of {list(choices)}"

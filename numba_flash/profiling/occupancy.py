@@ -140,9 +140,8 @@ def _driver_row(cfg, cc) -> dict:
 
     from numba_flash.profiling.resources import compiled_resources
 
-    kernel = _kernel(cfg)
-    kernel.compile(signature(cfg["algorithm"], cfg["head_dim"], cfg["dtype"]))
-    res = compiled_resources(kernel, cfg["block_m"])
+    compiled = _kernel(cfg).compile(signature(cfg["algorithm"], cfg["head_dim"], cfg["dtype"]))
+    res = compiled_resources(compiled, cfg["block_m"])
     arch = ARCH.get(cuda.get_current_device().compute_capability, ArchLimits())
     _, limiter = occupancy_from_resources(res.regs, res.smem_bytes, res.threads, arch)
     return _row(cfg, res.regs, res.smem_bytes, res.local_bytes, res.blocks_per_sm, limiter, arch.max_warps, "driver")

@@ -24,10 +24,11 @@ class KernelResources:
 
 
 def compiled_resources(kernel, threads: int) -> KernelResources:
-    """Resources of the signature ``kernel`` was last compiled for, on this GPU."""
+    """Resources on this GPU of a compiled kernel (what ``dispatcher.compile(sig)``
+    returns), or of a dispatcher's most recently compiled signature."""
     from numba_flash._cuda import cuda
 
-    compiled = list(kernel.overloads.values())[-1]  # the most recently compiled signature
+    compiled = kernel if hasattr(kernel, "regs_per_thread") else list(kernel.overloads.values())[-1]
     regs = compiled.regs_per_thread
     smem = compiled.shared_mem_per_block
     local = compiled.local_mem_per_thread
