@@ -30,8 +30,9 @@ def smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
 def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) -> tuple[int, int]:
     """The tuned (block_m, block_n) for a problem class (measured on an H200, see docs)."""
     del algorithm, dtype_name, causal  # one choice fits all for now; see docs/results.md
-    # H200, 2026-11-29 (docs/performance-log.md): 128 x 32 led the sweep at D = 64 and at
-    # D = 128 (9.9 TFLOP/s against 7.7 for 64 x 16; it fills the 48 KiB exactly).
+    # H200, 2026-11-29 (docs/performance-log.md): at D = 64, within run-to-run noise of the
+    # best (128 x 16); at D = 128 the best (9.9 TFLOP/s against 7.7 for 64 x 16; it fills
+    # the 48 KiB exactly). `numba-flash autotune` caches a per-GPU choice instead.
     return 128, 32
 
 
