@@ -159,7 +159,7 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
         raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
     elif not abs(float(scale)) * LOG2E < FLOAT32_MAX:  # scale * log2(e) is a float32 in the kernel
         raise ValueError(f"scale must be finite and below {FLOAT32_MAX / LOG2E:.3g} in magnitude; got {scale}")
-    bm_default, bn_default = _default_tiles(algorithm, D, dtypes[0], bool(causal))
+    bm_default, bn_default = default_tiles_for(algorithm, D, dtypes[0], bool(causal))
     block_m = bm_default if block_m is None else block_m
     block_n = bn_default if block_n is None else block_n
     check_tiles(D, block_m, block_n)
@@ -192,7 +192,7 @@ def _check_out(buf, name, shape, dtype, kind) -> None:
         raise ValueError(f"{name} must be C-contiguous and writeable")
 
 
-def _default_tiles(algorithm, head_dim, dtype, causal):
+def default_tiles_for(algorithm, head_dim, dtype, causal):
     """The autotuned tiles cached for this GPU (``numba-flash autotune``), else the defaults."""
     if not _simulated():  # the simulator has nothing to tune
         from numba_flash.tuning import tuned_tiles

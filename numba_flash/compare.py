@@ -41,7 +41,7 @@ def _problem(args) -> dict:
 def compare(args):
     """Run both algorithms on one problem; return (rows, notes) for :func:`format_table`."""
     from numba_flash import reference
-    from numba_flash.api import _default_tiles as default_tiles_for
+    from numba_flash.api import default_tiles_for
     from numba_flash.api import forward
 
     p = _problem(args)

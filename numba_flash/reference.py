@@ -22,12 +22,14 @@ def _to_numpy(x, name: str) -> np.ndarray:
     (Numba device arrays); a PyTorch tensor (``detach``/``cpu``/``double``/``numpy``
     methods) with ``detach().cpu()``, in float64 so that bfloat16 converts too.
     """
-    if hasattr(x, "__cuda_array_interface__"):
+    # A torch tensor first: a CUDA tensor also has __cuda_array_interface__ (one that
+    # requires grad raises on it), but neither get() nor copy_to_host().
+    if all(callable(getattr(x, attr, None)) for attr in ("detach", "cpu", "numpy", "double")):
+        x = x.detach().cpu().double().numpy()
+    elif hasattr(x, "__cuda_array_interface__"):
         fetch = getattr(x, "get", None) or getattr(x, "copy_to_host", None)
         if callable(fetch):
             x = fetch()
-    elif all(callable(getattr(x, attr, None)) for attr in ("detach", "cpu", "numpy", "double")):
-        x = x.detach().cpu().double().numpy()
     arr = np.asarray(x)
     if arr.dtype.kind not in "biuf":
         raise TypeError(f"{name} must hold real numbers, got dtype {arr.dtype}")

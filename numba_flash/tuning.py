@@ -14,6 +14,7 @@ import functools
 import json
 import os
 import pathlib
+import tempfile
 
 from numba_flash.kernels.tiles import STATIC_SMEM_LIMIT, smem_bytes
 
@@ -57,9 +58,10 @@ def save(algorithm, head_dim, dtype, causal, tiles, tflops) -> pathlib.Path:
     data = dict(_load())
     data[_key(_gpu_name(), algorithm, head_dim, dtype, causal)] = {"tiles": list(tiles), "tflops": round(tflops, 2)}
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-    tmp.replace(path)  # atomic: a reader never sees half a file
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "w") as f:
+        f.write(json.dumps(data, indent=1, sort_keys=True))
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
     _load.cache_clear()
     return path
 

@@ -49,7 +49,7 @@ from pathlib import Path
 
 import numba_flash  # noqa: F401  (chooses GPU or simulator before numba.cuda is imported)
 from numba_flash._world import simulated
-from numba_flash.kernels.tiles import default_tiles
+from numba_flash.api import default_tiles_for as default_tiles  # autotuned tiles when cached
 from numba_flash.profiling.timing import attention_flops, median_ms, tflops
 
 FA_IMPLS = ("fa1", "fa2")
