@@ -63,7 +63,8 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
         """K_j, V_j -> shared memory, all threads cooperating; rows past Nk are zero.
 
         Consecutive threads read consecutive d, so a row of a contiguous head is one
-        coalesced read. Zero V rows matter: their P~ is 0, and 0 * garbage could be NaN.
+        coalesced read. Rows past Nk are never used (their scores are masked and P~V stops
+        at the last visible key); zeroing them keeps stale values out of shared memory.
         """
         tid = cuda.threadIdx.x
         for idx in range(tid, BN * D, BM):
