@@ -11,8 +11,10 @@ import math
 
 import numpy as np
 
+from numba_flash._world import simulated
 from numba_flash.arrays import ArrayContext, dtype_name, kind_of
 from numba_flash.kernels import KERNEL_FACTORIES
+from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles
 
@@ -194,7 +196,7 @@ def _check_out(buf, name, shape, dtype, kind) -> None:
 
 def default_tiles_for(algorithm, head_dim, dtype, causal):
     """The autotuned tiles cached for this GPU (``numba-flash autotune``), else the defaults."""
-    if not _simulated():  # the simulator has nothing to tune
+    if not simulated():  # the simulator has nothing to tune
         from numba_flash.tuning import tuned_tiles
 
         tuned = tuned_tiles(algorithm, head_dim, dtype, causal)
@@ -220,8 +222,9 @@ def kernel_for(algorithm, head_dim, block_m, block_n, causal, dtype, permuted=Fa
     """The compiled-kernel dispatcher ``attention`` launches for this configuration."""
     if algorithm == "fa2":
         return KERNEL_FACTORIES["fa2"](head_dim, block_m, block_n, bool(causal), bool(permuted))
-    cast_out = dtype != "float32"
-    return KERNEL_FACTORIES["fa1"](head_dim, block_m, block_n, bool(causal), bool(permuted), cast_out)
+    return KERNEL_FACTORIES["fa1"](
+        head_dim, block_m, block_n, bool(causal), bool(permuted), casts_output(dtype)
+    )
 
 
 def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
@@ -240,7 +243,7 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
     permuted = order is not None
     if not permuted:
         order = _placeholder(1, "int32")  # not read by a kernel compiled unpermuted
-    elif not _simulated():
+    elif not simulated():
         order = cuda.to_device(order, stream=stream)
 
     kernel = kernel_for(call["algorithm"], D, bm, bn, call["causal"], call["dtype"], permuted)
@@ -248,7 +251,7 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
         n_q_tiles = -(-Nq // bm)
         launch((n_q_tiles * B * H,))(qd, kd, vd, od, lsed, q_scale, order)
     else:
-        cast_out = call["dtype"] != "float32"  # O is kept in float32 in HBM (line 2)
+        cast_out = casts_output(call["dtype"])
         work_o = _scratch(ctx, (B, H, Nq, D)) if cast_out else od
         work_l = _scratch(ctx, (B, H, Nq))
         work_m = _scratch(ctx, (B, H, Nq))
@@ -256,7 +259,7 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
         out_o = od if cast_out else _placeholder((1, 1, 1, 1), "float32")
         launch((B * H,))(qd, kd, vd, work_o, work_l, work_m, out_o, lsed, q_scale, order)
 
-    if ctx.on_host and not _simulated():  # NumPy in, GPU run: copy the results back
+    if ctx.on_host and not simulated():  # NumPy in, GPU run: copy the results back
         od.copy_to_host(o)
         lsed.copy_to_host(lse)
 
@@ -267,13 +270,7 @@ def _placeholder(shape, dtype):
     from numba_flash._cuda import cuda
 
     placeholder = np.zeros(shape, dtype=dtype)
-    return placeholder if _simulated() else cuda.to_device(placeholder)
-
-
-def _simulated() -> bool:
-    from numba_flash._world import simulated
-
-    return simulated()
+    return placeholder if simulated() else cuda.to_device(placeholder)
 
 
 def _scratch(ctx: ArrayContext, shape):

@@ -23,6 +23,12 @@ from numba_flash.kernels.jit import NEG_INF, kernel_jit
 from numba_flash.kernels.tile_ops import tile_ops
 
 
+def casts_output(dtype: str) -> bool:
+    """True when O lives in a float32 scratch in HBM and a final pass casts it to the
+    output dtype (FA-1 keeps O, l, m in float32, line 2); float32 outputs are O itself."""
+    return dtype != "float32"
+
+
 @functools.lru_cache(maxsize=None)
 def fa1_kernel(
     head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, cast_out: bool = False

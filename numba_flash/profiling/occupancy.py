@@ -90,7 +90,9 @@ def signature(algorithm: str, head_dim: int, dtype: str):
     f3, order = types.Array(types.float32, 3, "C"), types.Array(types.int32, 1, "C")
     if algorithm == "fa2":  # q, k, v, o, lse, q_scale, kv_order
         return (a4, a4, a4, a4, f3, types.float32, order)
-    out = a4 if dtype != "float32" else f4  # q, k, v, o_hbm, l, m, o, lse, q_scale, kv_order
+    from numba_flash.kernels.fa1 import casts_output
+
+    out = a4 if casts_output(dtype) else f4  # q, k, v, o_hbm, l, m, o, lse, q_scale, kv_order
     return (a4, a4, a4, f4, f3, f3, out, f3, types.float32, order)
 
 
