@@ -8,6 +8,6 @@ from numba_flash._world import choose_world
 
 choose_world()
 
-from numba import cuda, float32  # noqa: E402
+from numba import cuda, float32, int32, uint64  # noqa: E402
 
-__all__ = ["cuda", "float32"]
+__all__ = ["cuda", "float32", "int32", "uint64"]

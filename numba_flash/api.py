@@ -16,7 +16,7 @@ from numba_flash.arrays import ArrayContext, dtype_name, kind_of
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
-from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles
+from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles, threads_per_block
 
 ALGORITHMS = tuple(KERNEL_FACTORIES)  # ("fa1", "fa2")
 DTYPES = ("float16", "float32")
@@ -235,8 +235,10 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
     q_scale = np.float32(call["scale"] * LOG2E)
     stream = ctx.stream()
 
+    threads = threads_per_block(D, bm, bn)
+
     def launch(grid):
-        return kernel[grid, bm] if stream is None else kernel[grid, bm, stream]
+        return kernel[grid, threads] if stream is None else kernel[grid, threads, stream]
 
     qd, kd, vd = (ctx.to_kernel(x) for x in (q, k, v))
     od, lsed = ctx.out_to_kernel(o), ctx.out_to_kernel(lse)

@@ -2,11 +2,14 @@
 
 Loop order: the grid runs over (Q tiles x batch x heads) -- sequence parallelism, one
 block per Q tile -- and each block walks the K/V tiles (the inner loop of the paper,
-line 6). The block keeps its Q tile and the unnormalised accumulators O~, l, m on
-chip for the whole walk, rescales once at the end (line 12), and writes O and the
-logsumexp L only (lines 14-15). With ``causal=True`` the K/V tiles that are masked
-for every row of the Q tile are skipped (section 3.1.1).
+line 6). The block keeps its Q tile in shared memory and the unnormalised accumulators
+O~, l, m in registers for the whole walk, rescales once at the end (line 12), and writes
+O and the logsumexp L only (lines 14-15). With ``causal=True`` the K/V tiles that are
+masked for every row of the Q tile are skipped (section 3.1.1).
 
+Each thread holds a register micro-tile of O~ (its rows x its slice of the head dim) and
+its share of l (the row sum is linear, so the threads of a row keep partial sums and add
+them once at the end); m is combined across the row's threads every tile (``row_max``).
 The per-tile work (load, scores, exp, P~V) is shared with FA-1 in ``tile_ops``.
 """
 
@@ -14,18 +17,19 @@ from __future__ import annotations
 
 import functools
 
-from numba_flash._cuda import cuda, float32
+from numba_flash._cuda import cuda, float32, int32
 
-from numba_flash.kernels.jit import NEG_INF, kernel_jit
+from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, kernel_jit
+from numba_flash.kernels.row_reduce import scratch_floats
 from numba_flash.kernels.tile_ops import tile_ops
-from numba_flash.kernels.tiles import register_cap
+from numba_flash.kernels.tiles import VEC, register_cap
 
 
 @functools.lru_cache(maxsize=None)
 def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False):
     """The FA-2 kernel specialised for (head_dim, block_m, block_n, causal, permuted) (memoised).
 
-    Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (block_m,)``.
+    Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (tile_layout(...).threads,)``.
     Arguments: ``q (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``, ``o (B,H,Nq,D)`` out,
     ``lse (B,H,Nq) float32`` out, ``q_scale = scale * log2(e)`` as float32, and
     ``kv_order``: an int32 permutation of the K/V tiles, read only when ``permuted``
@@ -35,6 +39,12 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     CAUSAL = bool(causal)
     PERMUTED = bool(permuted)
     ops = tile_ops(D, BM, BN)  # the tile steps both kernels share
+    L = ops.layout
+    TM, TN, DG = L.rows_per_thread, L.cols_per_thread, L.dim_groups
+    Q_FLOATS, K_FLOATS, V_FLOATS, P_FLOATS = L.q_floats, L.k_floats, L.v_floats, L.p_floats
+    SCRATCH = scratch_floats(TM, L.threads)
+    ACC_COLS = VEC * DG  # output columns per thread
+    KV_LOADS = L.kv_loads
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"}, max_registers=register_cap(D))
     def fa2_forward(q, k, v, o, lse, q_scale, kv_order):
@@ -47,56 +57,83 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
 
         # Line 3: for 1 <= i <= Tr -- the outer loop is the grid: this block is Q tile i
         # of one (batch, head).
-        i = cuda.blockIdx.x % n_q_tiles
+        i_tile = cuda.blockIdx.x % n_q_tiles
         bh = cuda.blockIdx.x // n_q_tiles
         b = bh // n_heads
         h = bh - b * n_heads
         hk = h // group
-        tid = cuda.threadIdx.x
-        row = i * BM + tid
+        row0 = i_tile * BM
 
-        k_tile = cuda.shared.array((BN, D), float32)
-        v_tile = cuda.shared.array((BN, D), float32)
-        s_tile = cuda.shared.array((BN, BM), float32)
-        q_reg = cuda.local.array(D, float32)
-        acc = cuda.local.array(D, float32)
+        q_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
+        k_s = cuda.shared.array(K_FLOATS, float32, SMEM_ALIGN)
+        v_s = cuda.shared.array(V_FLOATS, float32, SMEM_ALIGN)
+        p_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
+        scratch = cuda.shared.array(SCRATCH, float32)  # row reductions in the simulator only
+        s = cuda.local.array((TM, TN), float32)
+        acc = cuda.local.array((TM, ACC_COLS), float32)
+        m = cuda.local.array(TM, float32)
+        l_part = cuda.local.array(TM, float32)
+        tile_max = cuda.local.array(TM, float32)
+        m_ref = cuda.local.array(TM, float32)
+        row_sums = cuda.local.array(TM, float32)
+        last_keys = cuda.local.array(TM, int32)
+        kv_reg = cuda.local.array(KV_LOADS, float32)  # this thread's share of K_j or V_j in flight
 
-        # Line 4: load Q_i (this thread's row, in registers).
-        ops.load_q_row(q, b, h, row, n_q, q_scale, q_reg)
+        # Line 4: load Q_i into shared memory (scaled into log2 units).
+        ops.load_q_tile(q, b, h, row0, n_q, q_scale, q_s)
         # Line 5: O~ = 0, l = 0, m = -inf, on chip.
         ops.zero(acc)
-        l_sum = float32(0.0)
-        m = float32(NEG_INF)
-        last_key = ops.last_visible_key(row, n_q, n_k, CAUSAL)
+        for i in range(TM):
+            m[i] = float32(NEG_INF)
+            l_part[i] = float32(0.0)
+        ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys)
         # The last key any row of this Q tile sees: tiles after it are fully masked.
-        tile_last_key = ops.last_visible_key(min(i * BM + BM, n_q) - 1, n_q, n_k, CAUSAL)
-        first_row_last_key = ops.last_visible_key(i * BM, n_q, n_k, CAUSAL)
+        tile_last_key = ops.last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL)
+        first_row_last_key = ops.last_visible_key(row0, n_q, n_k, CAUSAL)
 
-        for jj in range(n_kv_tiles):  # Line 6: for 1 <= j <= Tc
+        # The K/V tiles to walk: in order, up to the last one any row of this Q tile sees
+        # (causal: the rest are masked for every row, section 3.1.1); or all, permuted.
+        n_walk = n_kv_tiles if PERMUTED else min(n_kv_tiles, tile_last_key // BN + 1)
+        for jj in range(n_walk):  # Line 6: for 1 <= j <= Tc
             j = kv_order[jj] if PERMUTED else jj
             col0 = j * BN
             if col0 > tile_last_key:
-                continue  # causal: every score of this tile is masked (block-uniform)
-            cuda.syncthreads()  # everyone is done reading the previous K_j, V_j
-            ops.load_kv_tile(k, v, b, hk, col0, n_k, k_tile, v_tile)  # Line 7
-            cuda.syncthreads()  # the whole tile is in shared memory before anyone reads it
-            # Line 8: S_i^(j) = Q_i K_j^T.
-            tile_max = ops.score_tile(q_reg, k_tile, s_tile, col0, last_key, first_row_last_key)
-            # Line 9: m^(j) = max(m^(j-1), rowmax(S)).
-            m_new = ops.nan_max(m, tile_max)
-            if m_new != NEG_INF:  # else the row has seen only masked keys: nothing to add
-                alpha = ops.exp2_diff(m, m_new)  # e^{m^(j-1) - m^(j)}
-                if m_new != m:  # alpha == 1 when the max did not move: nothing to rescale
-                    ops.rescale(acc, alpha)  # Line 10, first term: diag(alpha) O~^(j-1)
-                # Lines 9-10: P~ = exp(S - m^(j)); l = alpha l + rowsum(P~); O~ += P~ V_j.
-                n_cols = ops.visible_cols(col0, last_key)
-                l_sum = alpha * l_sum + ops.exp_rowsum_pv(s_tile, v_tile, m_new, acc, n_cols)
-                m = m_new
+                continue  # permuted order, causal: every score of this tile is masked
+            cuda.syncthreads()  # everyone is done with the previous K_j, V_j and P~
+            ops.load_kv_tile(k, v, b, hk, col0, n_k, k_s, v_s, kv_reg)  # Line 7
+            cuda.syncthreads()  # Q_i, K_j, V_j are in shared memory before anyone reads them
+            ops.score_tile(q_s, k_s, s)  # Line 8: S_i^(j) = Q_i K_j^T
+            masked = ops.tile_needs_mask(col0, first_row_last_key)
+            if masked:
+                ops.mask_scores(s, col0, last_keys)
+            # Line 9: m^(j) = max(m^(j-1), rowmax(S_i^(j))).
+            ops.row_max(s, tile_max, scratch)
+            for i in range(TM):
+                m_new = ops.nan_max(m[i], tile_max[i])
+                m_ref[i] = ops.finite_or_zero(m_new)
+                if m_new != m[i]:  # alpha == 1 when the max did not move: nothing to rescale
+                    alpha = ops.exp2_diff(m[i], m_ref[i])  # e^{m^(j-1) - m^(j)}
+                    l_part[i] *= alpha  # Line 9: l^(j) = e^{m^(j-1) - m^(j)} l^(j-1) + ...
+                    ops.rescale_row(acc, i, alpha)  # Line 10: diag(e^{m^(j-1) - m^(j)}) O~^(j-1)
+                m[i] = m_new
+            # Line 9: P~ = exp(S - m^(j)), l^(j) += rowsum(P~) (this thread's keys).
+            ops.exp_scores(s, m_ref, p_s, row_sums)
+            for i in range(TM):
+                l_part[i] += row_sums[i]
+            cuda.syncthreads()  # P~ of every row is in shared memory
+            ops.pv_tile(p_s, v_s, acc, col0, last_keys, masked)  # Line 10: O~ += P~ V_j
 
-        if row < n_q:
-            inv_l = ops.reciprocal_or_zero(l_sum)  # Line 12: O_i = diag(l)^-1 O~
-            for d in range(D):
-                o[b, h, row, d] = acc[d] * inv_l  # Line 14: write O_i
-            lse[b, h, row] = ops.log_sum_exp(m, l_sum)  # Lines 13, 15: L_i = m + log(l)
+        ops.allreduce_sum(l_part, scratch)  # l of each row: the sum of its threads' parts
+        for i in range(TM):
+            row = row0 + ops.thread_row(i)
+            if row < n_q:
+                inv_l = ops.reciprocal_or_zero(l_part[i])  # Line 12: O_i = diag(l)^-1 O~
+                for g in range(DG):
+                    for u in range(VEC):
+                        d = ops.out_col(g, u)
+                        if d < D:
+                            o[b, h, row, d] = acc[i, VEC * g + u] * inv_l  # Line 14: write O_i
+                if ops.thread_col() == 0:  # Lines 13, 15: L_i = m + log(l)
+                    lse[b, h, row] = ops.log_sum_exp(m[i], l_part[i])
 
     return fa2_forward

@@ -18,6 +18,11 @@ LN2 = 0.6931471805599453  # ln(2): converts a log2-unit logsumexp back to natura
 NEG_INF = -math.inf  # the documented mask value (never a finite sentinel such as -1e4)
 
 
+# Byte alignment of the kernels' shared tiles: 16 lets a 128-bit load read four floats
+# (``ld.shared.v4``); the simulator rejects the argument, so there it is None.
+SMEM_ALIGN = None if simulated() else 16
+
+
 def kernel_jit(**gpu_only):
     """``cuda.jit`` for a kernel; ``gpu_only`` options are dropped in the simulator."""
     options = {} if simulated() else dict(gpu_only)

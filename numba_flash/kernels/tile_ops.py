@@ -1,27 +1,25 @@
 """Device functions shared by the FA-1 and FA-2 kernels: one tile's worth of work.
 
-Both papers' inner step is the same computation on a (Q row block, K/V tile) pair; only
-the loop nest around it and where (m, l, O) live differ. So the step is written once
-here and the two kernels (``fa1.py``, ``fa2.py``) call it:
+Both papers' inner step is the same computation on a (Q tile, K/V tile) pair; only the loop
+nest around it and where (m, l, O) live differ. So the step is written once here, for the
+register micro-tile layout of ``tiles.TileLayout``, and both kernels call it:
 
-- :func:`load_q_row`      Q_i (one row per thread) into registers, pre-scaled
-- :func:`load_kv_tile`    K_j, V_j into shared memory, zero beyond the last key
-- :func:`score_tile`      S = Q_i K_j^T for the thread's row, masked keys -> -inf, rowmax
-- :func:`exp_rowsum_pv`   P~ = exp(S - m), rowsum(P~), O += P~ V_j
-- :func:`nan_max`         max that propagates NaN (a NaN score must reach the output)
+- :func:`load_q_tile`   Q_i (pre-scaled) into shared memory
+- :func:`load_kv_tile`  K_j, V_j into shared memory (through registers)
+- :func:`score_tile`    S = Q_i K_j^T, each thread a rows_per_thread x cols_per_thread block
+- :func:`mask_scores`   keys past Nk or hidden by the causal mask -> -inf
+- :func:`row_max`       rowmax(S) over the whole row (local max, then across the row's threads)
+- :func:`exp_scores`    P~ = exp(S - m) into shared memory, and the thread's part of rowsum(P~)
+- :func:`pv_tile`       O~ += P~ V_j, each thread a rows_per_thread x (4 * dim_groups) block
+- :func:`nan_max`       max that propagates NaN (a NaN score must reach the output)
 
-Thread mapping: a block of ``block_m`` threads; thread ``t`` owns query row ``t`` of the
-Q tile (its q row and its O accumulator are per-thread register arrays). All threads
-cooperate to load a K/V tile of ``block_n`` rows into shared memory and then each reads
-every row of it (a broadcast: no bank conflicts). The row's scores for the tile go to a
-shared column ``S[:, t]`` (consecutive threads, consecutive banks).
+Scores are kept in log2 units: q is multiplied by ``scale * log2(e)`` as it is loaded, so
+``exp(s - m)`` is one ``exp2`` (FlashAttention-2, section 3.1).
 
-Scores are kept in log2 units: the caller folds ``scale * log2(e)`` into q, so
-``exp(s - m)`` becomes one ``exp2`` (FlashAttention-2, section 3.1).
-
-Every function is specialised by closure on (head_dim, block_m, block_n), so loop trip
-counts are compile-time constants and the register arrays are indexed by constants
-after unrolling (otherwise they would be demoted to local memory).
+Why micro-tiles: in S = Q K^T a thread that owns 4 rows x 4 keys does 64 FMAs per 4-wide
+step of the head dim for two 128-bit loads per row/key (8 loads), against 4 FMAs per load
+when a thread owns one row. Every loop below has a compile-time trip count, so it unrolls
+and the local arrays (``s``, ``acc``, fragments) are indexed by constants: registers.
 """
 
 from __future__ import annotations
@@ -30,123 +28,158 @@ import functools
 import math
 from types import ModuleType
 
-from numba_flash._cuda import cuda, float32
+from numba_flash._cuda import cuda, float32, uint64
 
 from numba_flash.kernels.jit import LN2, NEG_INF, device_jit
+from numba_flash.kernels.row_reduce import row_allreduce
+from numba_flash.kernels.tiles import VEC, tile_layout
+
+
+@device_jit
+def nan_max(a, b):
+    """max(a, b), but NaN if either is NaN (plain max would silently drop it)."""
+    if a > b or a != a:
+        return a
+    return b
+
+
+@device_jit
+def at(i):
+    """``i`` as an unsigned shared-memory index. numba wraps negative signed indices
+    (``i + size`` when ``i < 0``); that select hides from the compiler that ``x[i]`` and
+    ``x[i + 1]`` are neighbours, and so keeps it from fusing four loads into one 128-bit
+    load. Unsigned indices skip the wraparound."""
+    return uint64(i)
+
+
+@device_jit
+def add(a, b):
+    return a + b
 
 
 @functools.lru_cache(maxsize=None)
 def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
     """Device functions for one (head_dim, block_m, block_n) specialisation (memoised)."""
+    L = tile_layout(head_dim, block_m, block_n)
     D, BM, BN = head_dim, block_m, block_n
-    D4 = D - D % 4  # the part of the head dim that splits into groups of four
+    TM, TX, TN = L.rows_per_thread, L.threads_per_row, L.cols_per_thread
+    NT, DP, DG, CK = L.threads, L.padded_dim, L.dim_groups, L.key_chunk
+    QS, KS, PS = L.q_stride, L.k_stride, L.p_stride  # padded row strides in shared memory
+    TY = BM // TM  # thread rows
 
     @device_jit
-    def nan_max(a, b):
-        """max(a, b), but NaN if either is NaN (plain max would silently drop it)."""
-        if a > b or a != a:
-            return a
-        return b
+    def thread_row(i):
+        """Tile row of this thread's i-th query row: ``ty + (block_m / TM) * i``. The rows of
+        one warp's threads are neighbours, so with the padded strides their 128-bit loads of
+        Q_i and P~ fall in different banks."""
+        return cuda.threadIdx.x // TX + TY * i
 
     @device_jit
-    def load_q_row(q, b, h, row, n_q, q_scale, q_reg):
-        """Q_i -> registers: this thread's query row times ``scale * log2(e)`` (0 past Nq)."""
-        if row < n_q:
-            for d in range(D):
-                q_reg[d] = float32(q[b, h, row, d]) * q_scale
-        else:
-            for d in range(D):
-                q_reg[d] = float32(0.0)
+    def thread_col():
+        """This thread's position among the threads of its rows (tx)."""
+        return cuda.threadIdx.x % TX
 
-    @device_jit
-    def load_kv_tile(k, v, b, hk, col0, n_k, k_tile, v_tile):
-        """K_j, V_j -> shared memory, all threads cooperating; rows past Nk are zero.
+    # Copies from global to shared memory: CT threads span the (padded) head dim, so a thread
+    # keeps one d (or a few, DP / CT) and steps over rows; NT and DP are powers of two.
+    CT = min(NT, DP)  # threads across d
+    RP = NT // CT  # rows per pass of the whole block
+    D_PASSES = DP // CT
 
-        Consecutive threads read consecutive d, so a row of a contiguous head is one
-        coalesced read. Rows past Nk are never used (their scores are masked and P~V stops
-        at the last visible key); zeroing them keeps stale values out of shared memory.
-        """
-        tid = cuda.threadIdx.x
-        for idx in range(tid, BN * D, BM):
-            c = idx // D
-            d = idx - c * D
-            col = col0 + c
-            if col < n_k:
-                k_tile[c, d] = float32(k[b, hk, col, d])
-                v_tile[c, d] = float32(v[b, hk, col, d])
+    def make_row_copy(tile_rows, stride, scaled):
+        """fetch/store device functions for a ``tile_rows`` x D tile with row ``stride``."""
+        ROW_PASSES = -(-tile_rows // RP)
+        EXACT = tile_rows % RP == 0  # every pass is a full one: no row test needed
+        LOADS = ROW_PASSES * D_PASSES
+
+        def make_fetch(checked):
+            @device_jit
+            def fetch_rows(x2, first, n_valid, scale, reg):
+                tid = cuda.threadIdx.x
+                c_base = tid // CT
+                d_base = tid - c_base * CT
+                for n in range(LOADS):
+                    c = c_base + RP * (n // D_PASSES)
+                    d = d_base + CT * (n % D_PASSES)
+                    reg[n] = float32(0.0)
+                    if (EXACT or c < tile_rows) and (not checked or first + c < n_valid) and (D == DP or d < D):
+                        x = float32(x2[at(first + c), at(d)])
+                        reg[n] = x * scale if scaled else x
+
+            return fetch_rows
+
+        fetch_full = make_fetch(False)
+        fetch_tail = make_fetch(True)
+
+        @device_jit
+        def fetch(x2, first, n_valid, scale, reg):
+            """Rows ``first ..`` of the (N, D) view ``x2`` -> this thread's ``reg`` share, times
+            ``scale`` when ``scaled``; rows at or past ``n_valid`` and d >= D are 0 (past Nk or
+            Nq, a stale value or NaN must not enter the products). All loads are issued before
+            any is used (constant trip count: the loop unrolls), and consecutive threads read
+            consecutive d (coalesced). A tile that lies wholly before ``n_valid`` (all but the
+            last; block-uniform) loads without a row test, so its addresses are a stride apart
+            and the compiler computes them by adding, not by multiplying per element."""
+            if first + tile_rows <= n_valid:
+                fetch_full(x2, first, n_valid, scale, reg)
             else:
-                k_tile[c, d] = float32(0.0)
-                v_tile[c, d] = float32(0.0)
+                fetch_tail(x2, first, n_valid, scale, reg)
+
+        @device_jit
+        def store(reg, x_s):
+            tid = cuda.threadIdx.x
+            c_base = tid // CT
+            d_base = tid - c_base * CT
+            for n in range(LOADS):
+                c = c_base + RP * (n // D_PASSES)
+                d = d_base + CT * (n % D_PASSES)
+                if EXACT or c < tile_rows:
+                    x_s[at(c * stride + d)] = reg[n]
+
+        return fetch, store, LOADS
+
+    fetch_q, store_q, Q_LOADS = make_row_copy(BM, QS, True)
+    fetch_k, store_k, KV_LOADS = make_row_copy(BN, KS, False)
+    fetch_v, store_v, _ = make_row_copy(BN, DP, False)
+    assert KV_LOADS == L.kv_loads  # the kernels size their register share by the layout
 
     @device_jit
-    def score_tile(q_reg, k_tile, s_tile, col0, last_key, first_row_last_key):
-        """S_ij = Q_i K_j^T for this thread's row into ``s_tile[:, tid]``; returns rowmax.
-
-        Keys after ``last_key`` (past Nk, or hidden by the causal mask) score -inf.
-        ``first_row_last_key``, the ``last_key`` of the tile's first row (the smallest
-        in the block), decides block-uniformly whether any row needs the mask at all.
-        """
-        tid = cuda.threadIdx.x
-        row_max = float32(NEG_INF)
-        for c in range(BN):
-            # Four independent partial sums: a single running sum would be one chain of
-            # D dependent FMAs (4 cycles each); four chains keep the FMA pipe busy.
-            s0 = float32(0.0)
-            s1 = float32(0.0)
-            s2 = float32(0.0)
-            s3 = float32(0.0)
-            for d in range(0, D4, 4):
-                s0 += q_reg[d] * k_tile[c, d]
-                s1 += q_reg[d + 1] * k_tile[c, d + 1]
-                s2 += q_reg[d + 2] * k_tile[c, d + 2]
-                s3 += q_reg[d + 3] * k_tile[c, d + 3]
-            for d in range(D4, D):
-                s0 += q_reg[d] * k_tile[c, d]
-            s = (s0 + s1) + (s2 + s3)
-            s_tile[c, tid] = s
-            row_max = nan_max(row_max, s)
-        if col0 + BN - 1 > first_row_last_key:  # block-uniform
-            # Only diagonal (causal) and tail tiles get here: mask outside the hot loop,
-            # so that the unmasked tiles pay nothing for it (one inner loop, two stages).
-            for c in range(max(last_key - col0 + 1, 0), BN):
-                s_tile[c, tid] = float32(NEG_INF)
-            row_max = float32(NEG_INF)
-            for c in range(BN):
-                row_max = nan_max(row_max, s_tile[c, tid])
-        return row_max
+    def load_q_tile(q, b, h, row0, n_q, q_scale, q_s):
+        """Q_i -> shared memory, times ``scale * log2(e)``; rows past Nq and d >= D are 0."""
+        q_reg = cuda.local.array(Q_LOADS, float32)
+        fetch_q(q[b, h], row0, n_q, q_scale, q_reg)
+        store_q(q_reg, q_s)
 
     @device_jit
-    def exp_rowsum_pv(s_tile, v_tile, m_ref, acc, n_cols):
-        """P~ = exp(S - m_ref) for this thread's row; ``acc += P~ V_j``; returns rowsum(P~).
-
-        Only the first ``n_cols`` keys of the tile -- those this row may see -- take part:
-        a key hidden by the causal mask contributes nothing, not even ``0 * NaN``.
-        ``m_ref`` must not be -inf (the caller skips rows that have seen no key).
-        """
-        tid = cuda.threadIdx.x
-        row_sum = float32(0.0)
-        for c in range(n_cols):
-            p = math.exp2(s_tile[c, tid] - m_ref)
-            row_sum += p
-            for d in range(D):
-                acc[d] += p * v_tile[c, d]
-        return row_sum
+    def load_kv_tile(k, v, b, hk, col0, n_k, k_s, v_s, kv_reg):
+        """K_j, V_j -> shared memory (K rows padded to ``k_stride``), one after the other
+        through the same registers (a tile's share of both at once would cost more registers
+        than the overlap is worth)."""
+        one = float32(1.0)
+        fetch_k(k[b, hk], col0, n_k, one, kv_reg)
+        store_k(kv_reg, k_s)
+        fetch_v(v[b, hk], col0, n_k, one, kv_reg)
+        store_v(kv_reg, v_s)
 
     @device_jit
-    def visible_cols(col0, last_key):
-        """How many keys of the tile starting at ``col0`` a row with ``last_key`` sees."""
-        return max(0, min(BN, last_key - col0 + 1))
-
-    @device_jit
-    def rescale(acc, alpha):
-        """acc *= alpha (diag(e^{m_old - m_new}) O in both papers)."""
-        for d in range(D):
-            acc[d] *= alpha
-
-    @device_jit
-    def zero(acc):
-        for d in range(D):
-            acc[d] = float32(0.0)
+    def score_tile(q_s, k_s, s):
+        """S_ij = Q_i K_j^T for this thread's rows and keys into ``s`` (TM x TN)."""
+        tx = thread_col()
+        qf = cuda.local.array((TM, VEC), float32)
+        kf = cuda.local.array(VEC, float32)
+        for i in range(TM):
+            for j in range(TN):
+                s[i, j] = float32(0.0)
+        for d0 in range(0, DP, VEC):
+            for i in range(TM):  # one 128-bit load per row (broadcast across the row's threads)
+                for e in range(VEC):
+                    qf[i, e] = q_s[at(thread_row(i) * QS + d0 + e)]
+            for j in range(TN):
+                base = (tx + TX * j) * KS + d0  # consecutive tx: consecutive K rows
+                for e in range(VEC):
+                    kf[e] = k_s[at(base + e)]
+                for i in range(TM):
+                    for e in range(VEC):
+                        s[i, j] += qf[i, e] * kf[e]
 
     @device_jit
     def last_visible_key(row, n_q, n_k, causal):
@@ -157,6 +190,115 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
         if causal:
             return min(n_k - 1, row + n_k - n_q)
         return n_k - 1
+
+    @device_jit
+    def row_last_keys(row0, n_q, n_k, causal, last_keys):
+        """``last_visible_key`` of each of this thread's rows (tile rows from ``row0``)."""
+        for i in range(TM):
+            last_keys[i] = last_visible_key(row0 + thread_row(i), n_q, n_k, causal)
+
+    @device_jit
+    def tile_needs_mask(col0, first_row_last_key):
+        """Does any key of the tile at ``col0`` lie past some row's last visible key?
+        (Block-uniform: only diagonal and tail tiles; the rest pay nothing for masking.)"""
+        return col0 + BN - 1 > first_row_last_key
+
+    @device_jit
+    def mask_scores(s, col0, last_keys):
+        """Keys past each row's last visible key score -inf."""
+        tx = thread_col()
+        for i in range(TM):
+            for j in range(TN):
+                if col0 + tx + TX * j > last_keys[i]:
+                    s[i, j] = float32(NEG_INF)
+
+    allreduce_max = row_allreduce(nan_max, TM, TX, NT)
+    allreduce_sum = row_allreduce(add, TM, TX, NT)
+
+    @device_jit
+    def row_max(s, out, scratch):
+        """out[i] = rowmax(S) of row i over the whole tile (all threads must call)."""
+        for i in range(TM):
+            x = float32(NEG_INF)
+            for j in range(TN):
+                x = nan_max(x, s[i, j])
+            out[i] = x
+        allreduce_max(out, scratch)
+
+    @device_jit
+    def finite_or_zero(m):
+        """The max to subtract: ``m``, or 0 for a row that has seen only masked keys (then
+        every score is -inf and exp2(-inf - 0) = 0, where exp2(-inf - -inf) would be NaN)."""
+        if m == NEG_INF:
+            return float32(0.0)
+        return m
+
+    @device_jit
+    def exp_scores(s, m_ref, p_s, row_sums):
+        """P~ = exp2(S - m_ref) into ``p_s`` (block_m x block_n); this thread's part of rowsum(P~)."""
+        tx = thread_col()
+        for i in range(TM):
+            total = float32(0.0)
+            for j in range(TN):
+                p = math.exp2(s[i, j] - m_ref[i])
+                total += p
+                p_s[at(thread_row(i) * PS + tx + TX * j)] = p
+            row_sums[i] = total
+
+    def make_pv_tile(guarded):
+        @device_jit
+        def pv(p_s, v_s, acc, col0, last_keys):
+            tx = thread_col()
+            pf = cuda.local.array((TM, CK), float32)
+            vf = cuda.local.array(VEC, float32)
+            for c0 in range(0, BN, CK):
+                for i in range(TM):  # P~ rows: one 128-bit load each (broadcast)
+                    for e in range(CK):
+                        pf[i, e] = p_s[at(thread_row(i) * PS + c0 + e)]
+                for e in range(CK):
+                    for g in range(DG):
+                        base = (c0 + e) * DP + VEC * tx + VEC * TX * g
+                        for u in range(VEC):
+                            vf[u] = v_s[at(base + u)]
+                        for i in range(TM):
+                            # A key hidden from row i contributes nothing, not even 0 * NaN.
+                            if not guarded or col0 + c0 + e <= last_keys[i]:
+                                for u in range(VEC):
+                                    acc[i, VEC * g + u] += pf[i, e] * vf[u]
+
+        return pv
+
+    pv_all_keys = make_pv_tile(False)
+    pv_visible_keys = make_pv_tile(True)
+
+    @device_jit
+    def pv_tile(p_s, v_s, acc, col0, last_keys, masked):
+        """O~ += P~ V_j for this thread's rows and output columns (acc: TM x 4*DG).
+
+        ``masked`` (block-uniform, from :func:`tile_needs_mask`): skip, row by row, the keys
+        past its last visible key; unmasked tiles run the loop without that test.
+        """
+        if masked:
+            pv_visible_keys(p_s, v_s, acc, col0, last_keys)
+        else:
+            pv_all_keys(p_s, v_s, acc, col0, last_keys)
+
+    @device_jit
+    def rescale_row(acc, i, alpha):
+        """Row i of acc *= alpha (diag(e^{m_old - m_new}) O in both papers)."""
+        for u in range(VEC * DG):
+            acc[i, u] *= alpha
+
+    @device_jit
+    def zero(acc):
+        for i in range(TM):
+            for u in range(VEC * DG):
+                acc[i, u] = float32(0.0)
+
+    @device_jit
+    def out_col(g, u):
+        """Head-dim index of this thread's output column ``VEC * g + u``."""
+        return VEC * thread_col() + VEC * TX * g + u
 
     @device_jit
     def exp2_diff(a, b):
@@ -179,12 +321,18 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
             return float32(0.0)
         return float32(1.0) / l_sum
 
-    # A module object, so that kernels can call ``ops.load_q_row(...)``: numba resolves
+    # A module object, so that kernels can call ``ops.score_tile(...)``: numba resolves
     # attributes of a module at compile time (it cannot do that for other objects).
     ops = ModuleType(f"numba_flash.kernels.tile_ops_d{D}_m{BM}_n{BN}")
-    for func in (
-        nan_max, load_q_row, load_kv_tile, score_tile, exp_rowsum_pv, visible_cols, rescale,
-        zero, last_visible_key, exp2_diff, log_sum_exp, reciprocal_or_zero,
-    ):
-        setattr(ops, func.py_func.__name__ if hasattr(func, "py_func") else func.__name__, func)
+    ops.layout = L
+    for name, func in dict(
+        nan_max=nan_max, thread_row=thread_row, thread_col=thread_col, load_q_tile=load_q_tile,
+        load_kv_tile=load_kv_tile, score_tile=score_tile, last_visible_key=last_visible_key,
+        row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, mask_scores=mask_scores,
+        row_max=row_max, allreduce_sum=allreduce_sum, finite_or_zero=finite_or_zero,
+        exp_scores=exp_scores, pv_tile=pv_tile, rescale_row=rescale_row, zero=zero,
+        out_col=out_col, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,
+        reciprocal_or_zero=reciprocal_or_zero,
+    ).items():
+        setattr(ops, name, func)
     return ops

@@ -1,39 +1,129 @@
-"""Tile sizes: which (block_m, block_n) the kernels can run, and the tuned defaults.
+"""Tile sizes and the thread layout inside a tile: what the kernels can run, and the defaults.
 
-block_m: Q-tile rows = threads per block (one query row per thread).
-block_n: K/V-tile rows held in shared memory.
+block_m: Q-tile rows; block_n: K/V-tile rows. Both kernels share one layout per
+(head_dim, block_m, block_n), described by :class:`TileLayout`:
+
+- Register micro-tiles. Thread ``(ty, tx)`` (``tid = ty * threads_per_row + tx``) owns
+  ``rows_per_thread`` query rows, ``ty + (block_m / rows_per_thread) * i``; of each row it
+  owns the score columns ``tx + threads_per_row * j`` (strided: the threads of a row read
+  consecutive K rows, conflict-free) and the output columns
+  ``4 * tx + 4 * threads_per_row * g + u`` (groups of four: one 128-bit shared load of V).
+  So one shared-memory load feeds several FMAs: 4 rows x 4 keys per Q/K load pair.
+- The threads of a row are consecutive lanes of one warp, so row statistics (max, sum)
+  combine with warp shuffles (``row_reduce``).
+- The head dim is padded with zeros to ``padded_dim``, a power of two and a multiple of
+  ``4 * threads_per_row`` (exact for the fast head dims 16 to 128).
+- Shared-memory rows are padded so that the 128-bit loads of one warp hit distinct banks:
+  Q_i and K_j rows by 4 floats (neighbouring rows start 4 banks apart), P~ rows by
+  ``max(threads_per_row, 4)`` (a warp's 4 x 8 stores of P~ cover the 32 banks once).
 
 Limits, both kernels alike:
-- block_m is a power of two from 1 to 256 (one thread a row; 256 threads x 255
-  registers is the register file of one SM);
-- block_n is a power of two from 1 to 128;
-- shared memory per block, ``4 * (2 * block_n * head_dim + block_n * block_m)`` bytes
-  (K_j and V_j tiles plus the score column of each thread, all float32), must fit the
-  48 KiB that a kernel may use statically.
+- block_m and block_n are powers of two, 1 to 256 and 1 to 128;
+- shared memory per block (:func:`smem_bytes`: Q_i, K_j, V_j and P~ tiles, float32) must fit
+  the 48 KiB that a kernel may use statically.
 """
 
 from __future__ import annotations
 
+import functools
 import operator
+from dataclasses import dataclass
 
 BLOCK_M_CHOICES = tuple(2**p for p in range(0, 9))  # 1 .. 256
 BLOCK_N_CHOICES = tuple(2**p for p in range(0, 8))  # 1 .. 128
 STATIC_SMEM_LIMIT = 48 * 1024
 MAX_HEAD_DIM = 128
+ROWS_PER_THREAD = 4  # query rows a thread owns (fewer when block_m < 4)
+THREADS_PER_ROW = 8  # threads that share a query row (fewer when block_n < 8)
+VEC = 4  # floats per 128-bit shared load
+
+
+@dataclass(frozen=True)
+class TileLayout:
+    """Sizes derived from (head_dim, block_m, block_n); all compile-time constants."""
+
+    head_dim: int
+    block_m: int
+    block_n: int
+    rows_per_thread: int  # TM
+    threads_per_row: int  # TX
+    threads: int  # threads per block: (block_m / TM) * TX
+    cols_per_thread: int  # TN: score columns of a row that one thread owns
+    padded_dim: int  # DP: head dim rounded up to a power of two >= 4 * TX (zero-filled)
+    dim_groups: int  # DG: groups of four output columns a thread owns
+    q_stride: int  # floats per Q row in shared memory (DP + 4)
+    k_stride: int  # floats per K row in shared memory (DP + 4)
+    p_stride: int  # floats per P~ row in shared memory (block_n + max(TX, 4))
+    key_chunk: int  # keys per step of the P~V loop (one 128-bit load of P~ per row)
+
+    @property
+    def q_floats(self) -> int:
+        return self.block_m * self.q_stride
+
+    @property
+    def k_floats(self) -> int:
+        return self.block_n * self.k_stride
+
+    @property
+    def v_floats(self) -> int:
+        return self.block_n * self.padded_dim
+
+    @property
+    def p_floats(self) -> int:
+        return self.block_m * self.p_stride
+
+    @property
+    def kv_loads(self) -> int:
+        """Elements of K_j (and of V_j) each thread copies from global memory."""
+        copy_threads = min(self.threads, self.padded_dim)  # across d; the rest across rows
+        rows_per_pass = self.threads // copy_threads
+        return -(-self.block_n // rows_per_pass) * (self.padded_dim // copy_threads)
+
+    @property
+    def smem_bytes(self) -> int:
+        return 4 * (self.q_floats + self.k_floats + self.v_floats + self.p_floats)
+
+
+@functools.lru_cache(maxsize=None)
+def tile_layout(head_dim: int, block_m: int, block_n: int) -> TileLayout:
+    """The thread layout for one specialisation (see the module docstring)."""
+    tm = min(ROWS_PER_THREAD, block_m)
+    tx = min(THREADS_PER_ROW, block_n)
+    dp = max(VEC * tx, 1 << (head_dim - 1).bit_length())  # a power of two
+    return TileLayout(
+        head_dim=head_dim,
+        block_m=block_m,
+        block_n=block_n,
+        rows_per_thread=tm,
+        threads_per_row=tx,
+        threads=(block_m // tm) * tx,
+        cols_per_thread=block_n // tx,
+        padded_dim=dp,
+        dim_groups=dp // (VEC * tx),
+        q_stride=dp + VEC,
+        k_stride=dp + VEC,
+        p_stride=block_n + max(tx, VEC),
+        key_chunk=min(VEC, block_n),
+    )
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
-    """Static shared memory of one block: K_j and V_j (block_n x D) and S (block_n x block_m)."""
-    return 4 * (2 * block_n * head_dim + block_n * block_m)
+    """Static shared memory of one block: the Q_i, K_j, V_j and P~ tiles (float32)."""
+    return tile_layout(head_dim, block_m, block_n).smem_bytes
+
+
+def threads_per_block(head_dim: int, block_m: int, block_n: int) -> int:
+    return tile_layout(head_dim, block_m, block_n).threads
 
 
 def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) -> tuple[int, int]:
     """The tuned (block_m, block_n) for a problem class (measured on an H200, see docs)."""
-    del algorithm, dtype_name, causal  # one choice fits all for now; see docs/results.md
-    # H200, 2026-11-29 (docs/performance-log.md): at D = 64, within run-to-run noise of the
-    # best (128 x 16); at D = 128 the best (9.9 TFLOP/s against 7.7 for 64 x 16; it fills
-    # the 48 KiB exactly). `numba-flash autotune` caches a per-GPU choice instead.
-    return 128, 32
+    del algorithm, dtype_name, causal  # one choice per head dim; see docs/performance-log.md
+    # 64 x 32 at D <= 64: 128 threads, 40.5 KiB, 5 blocks/SM by shared memory.
+    if head_dim <= 64:
+        return 64, 32
+    # D = 128 needs 4 x (32*128 + 16*132 + 16*128 + 32*16) B = 34.5 KiB at 32 x 16.
+    return 32, 16
 
 
 def check_tiles(head_dim: int, block_m: int, block_n: int) -> None:
@@ -51,9 +141,9 @@ def check_tiles(head_dim: int, block_m: int, block_n: int) -> None:
                 f"{name}={value!r} is not supported: {name} must be a power of two from "
                 f"{choices[0]} to {choices[-1]}, one of {list(choices)}"
             )
-    need = smem_bytes(head_dim, block_m, block_n)
+    need = smem_bytes(head_dim, int(block_m), int(block_n))
     if need > STATIC_SMEM_LIMIT:
-        fitting = [n for n in BLOCK_N_CHOICES if smem_bytes(head_dim, block_m, n) <= STATIC_SMEM_LIMIT]
+        fitting = [n for n in BLOCK_N_CHOICES if smem_bytes(head_dim, int(block_m), n) <= STATIC_SMEM_LIMIT]
         raise ValueError(
             f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {need} bytes of "
             f"shared memory, more than the {STATIC_SMEM_LIMIT} a block can have; with this "
@@ -62,11 +152,8 @@ def check_tiles(head_dim: int, block_m: int, block_n: int) -> None:
 
 
 def register_cap(head_dim: int) -> int | None:
-    """Registers per thread the FA-2 kernel is held to (``None``: the compiler's choice).
+    """Registers per thread the kernels are held to (``None``: the compiler's choice).
 
-    Up to D = 64 the kernel needs ~167 registers (q row and O row, 2 x D, plus
-    addressing); 168 lets three 128-thread blocks share an SM. Without the cap the causal
-    kernel, whose mask bound differs per thread, was given 222 registers by ptxas and
-    ran two blocks per SM (H200, 2026-11-29). Above D = 64 nothing fits: no cap.
+    128 lets four 128-thread blocks share an SM's 64K registers.
     """
-    return 168 if head_dim <= 64 else None
+    return 128 if head_dim <= 64 else None

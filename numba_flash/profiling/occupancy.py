@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from itertools import product
 
-from numba_flash.kernels.tiles import STATIC_SMEM_LIMIT, register_cap, smem_bytes
+from numba_flash.kernels.tiles import STATIC_SMEM_LIMIT, register_cap, smem_bytes, threads_per_block
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,7 @@ def _kernel(cfg):
 
 
 def _row(cfg, regs, smem, local, blocks, limiter, max_warps, source) -> dict:
-    threads = cfg["block_m"]
+    threads = threads_per_block(cfg["head_dim"], cfg["block_m"], cfg["block_n"])
     warps = blocks * -(-threads // 32)
     return dict(
         cfg, threads=threads, regs=regs, smem_bytes=smem, local_bytes=local, blocks_per_sm=blocks,
@@ -143,7 +143,7 @@ def _driver_row(cfg, cc) -> dict:
     from numba_flash.profiling.resources import compiled_resources
 
     compiled = _kernel(cfg).compile(signature(cfg["algorithm"], cfg["head_dim"], cfg["dtype"]))
-    res = compiled_resources(compiled, cfg["block_m"])
+    res = compiled_resources(compiled, threads_per_block(cfg["head_dim"], cfg["block_m"], cfg["block_n"]))
     arch = ARCH.get(cuda.get_current_device().compute_capability, ArchLimits())
     _, limiter = occupancy_from_resources(res.regs, res.smem_bytes, res.threads, arch)
     return _row(cfg, res.regs, res.smem_bytes, res.local_bytes, res.blocks_per_sm, limiter, arch.max_warps, "driver")
@@ -151,10 +151,11 @@ def _driver_row(cfg, cc) -> dict:
 
 def _ptxas_row(cfg, cc) -> dict:
     ptx = compile_ptx(cfg, cc)
-    cap = register_cap(cfg["head_dim"]) if cfg["algorithm"] == "fa2" else None
+    cap = register_cap(cfg["head_dim"])
     regs, smem, local = ptxas_resources(ptx, cc, cap)
     arch = ARCH[cc]
-    blocks, limiter = occupancy_from_resources(regs, smem, cfg["block_m"], arch)
+    threads = threads_per_block(cfg["head_dim"], cfg["block_m"], cfg["block_n"])
+    blocks, limiter = occupancy_from_resources(regs, smem, threads, arch)
     return _row(cfg, regs, smem, local, blocks, limiter, arch.max_warps, f"ptxas sm_{cc[0]}{cc[1]}")
 
 
