@@ -12,11 +12,13 @@ import math
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, dtype_name, kind_of
+from numba_flash.arrays import ArrayContext, as_cupy_view, dtype_name, kind_of
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles, threads_per_block
+from numba_flash.launch import device_array
+from numba_flash.launch import launch as direct_launch
 
 ALGORITHMS = tuple(KERNEL_FACTORIES)  # ("fa1", "fa2")
 DTYPES = ("float16", "float32")
@@ -104,6 +106,7 @@ def forward(
     on the real kernels. ``out`` / ``lse_out``: preallocated results of the caller's
     kind (tests poison them to prove every element is written).
     """
+    q, k, v = (as_cupy_view(x) for x in (q, k, v))  # CAI / DLPack objects: CuPy views
     call = _validate(q, k, v, causal, scale, algorithm, block_m, block_n)
     ctx = ArrayContext(call["kind"], q)
     B, H, Nq, D = call["q_shape"]
@@ -233,37 +236,43 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
     B, H, Nq, D = call["q_shape"]
     bm, bn = call["block_m"], call["block_n"]
     q_scale = np.float32(call["scale"] * LOG2E)
-    stream = ctx.stream()
-
-    threads = threads_per_block(D, bm, bn)
-
-    def launch(grid):
-        return kernel[grid, threads] if stream is None else kernel[grid, threads, stream]
-
-    qd, kd, vd = (ctx.to_kernel(x) for x in (q, k, v))
-    od, lsed = ctx.out_to_kernel(o), ctx.out_to_kernel(lse)
     permuted = order is not None
     if not permuted:
         order = _placeholder(1, "int32")  # not read by a kernel compiled unpermuted
     elif not simulated():
-        order = cuda.to_device(order, stream=stream)
+        order = cuda.to_device(order)
 
     kernel = kernel_for(call["algorithm"], D, bm, bn, call["causal"], call["dtype"], permuted)
+    # The array arguments in order: ("in", x) read, ("out", x) written (both of the
+    # caller's kind), ("own", x) already numba's (placeholders, the tile order).
     if call["algorithm"] == "fa2":
-        n_q_tiles = -(-Nq // bm)
-        launch((n_q_tiles * B * H,))(qd, kd, vd, od, lsed, q_scale, order)
+        grid = (-(-Nq // bm) * B * H,)
+        results = [("out", o), ("out", lse)]
     else:
+        grid = (B * H,)
         cast_out = casts_output(call["dtype"])
-        work_o = _scratch(ctx, (B, H, Nq, D)) if cast_out else od
-        work_l = _scratch(ctx, (B, H, Nq))
-        work_m = _scratch(ctx, (B, H, Nq))
-        # Not casting, the kernel never reads `o`; a placeholder avoids passing od twice.
-        out_o = od if cast_out else _placeholder((1, 1, 1, 1), "float32")
-        launch((B * H,))(qd, kd, vd, work_o, work_l, work_m, out_o, lsed, q_scale, order)
+        scratch_o = ("out", ctx.empty((B, H, Nq, D), "float32")) if cast_out else ("out", o)
+        # Not casting, the kernel never reads `o`; a placeholder avoids passing o twice.
+        out_o = ("out", o) if cast_out else ("own", _placeholder((1, 1, 1, 1), "float32"))
+        scratch_lm = [("out", ctx.empty((B, H, Nq), "float32")) for _ in range(2)]  # FA-1's l, m
+        results = [scratch_o, *scratch_lm, out_o, ("out", lse)]
+    arrays = [("in", q), ("in", k), ("in", v), *results, ("own", order)]
+    threads = threads_per_block(D, bm, bn)
 
+    if ctx.direct_launch:  # CuPy / torch on a GPU: skip numba's per-call dispatch
+        args = [device_array(x, ctx.kind if role != "own" else "numba") for role, x in arrays]
+        direct_launch(kernel, grid, (threads,), ctx.stream_ptr(), [*args[:-1], q_scale, args[-1]])
+        return
+
+    convert = {"in": ctx.to_kernel, "out": ctx.out_to_kernel, "own": lambda x: x}
+    kernel_args = [convert[role](x) for role, x in arrays]
+    stream = ctx.stream()
+    launcher = kernel[grid, threads] if stream is None else kernel[grid, threads, stream]
+    launcher(*kernel_args[:-1], q_scale, kernel_args[-1])
     if ctx.on_host and not simulated():  # NumPy in, GPU run: copy the results back
-        od.copy_to_host(o)
-        lsed.copy_to_host(lse)
+        for (role, x), arg in zip(arrays, kernel_args):
+            if role == "out" and (x is o or x is lse):
+                arg.copy_to_host(x)
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,9 +282,3 @@ def _placeholder(shape, dtype):
 
     placeholder = np.zeros(shape, dtype=dtype)
     return placeholder if simulated() else cuda.to_device(placeholder)
-
-
-def _scratch(ctx: ArrayContext, shape):
-    """float32 scratch for FA-1's O, l, m in global memory, from the caller's library
-    (CuPy's or PyTorch's memory pool on the caller's device; NumPy in the simulator)."""
-    return ctx.out_to_kernel(ctx.empty(shape, "float32"))

@@ -7,8 +7,8 @@ Kinds:
 - ``torch``: CUDA tensors, in place, through ``__cuda_array_interface__``, on
   PyTorch's current stream.
 - ``cai``: any other object exposing ``__cuda_array_interface__``; ``dlpack``: any
-  other object exposing ``__dlpack__`` (read through CuPy). Results come back as CuPy
-  arrays for both.
+  other object exposing ``__dlpack__``. Both are viewed as CuPy arrays (no copy) before
+  anything else (:func:`as_cupy_view`), so results come back as CuPy arrays.
 
 Library modules are only imported when the caller already uses them.
 """
@@ -47,6 +47,16 @@ def kind_of(x) -> str:
     )
 
 
+def as_cupy_view(x):
+    """A CuPy view of a ``cai`` or ``dlpack`` object (no copy); any other array as it is."""
+    kind = kind_of(x)
+    if kind not in ("cai", "dlpack"):
+        return x
+    import cupy
+
+    return cupy.asarray(x) if kind == "cai" else cupy.from_dlpack(x)
+
+
 def dtype_name(x, kind: str) -> str:
     """'float16', 'float32', ... for any supported kind."""
     if kind == "torch":
@@ -71,10 +81,6 @@ class ArrayContext:
             # A device copy in both worlds (the simulator's too): the kernel never holds the
             # caller's buffer, so a read-only or strided input works and is never written.
             return cuda.to_device(np.ascontiguousarray(x))
-        if self.kind == "dlpack":
-            import cupy
-
-            x = cupy.from_dlpack(x)
         if self.kind == "torch":
             x = x.detach()  # a tensor that requires grad refuses __cuda_array_interface__
         return cuda.from_cuda_array_interface(x.__cuda_array_interface__, owner=x, sync=False)
@@ -98,18 +104,26 @@ class ArrayContext:
 
         return cupy.empty(shape, dtype=dtype_name_)
 
+    @property
+    def direct_launch(self) -> bool:
+        """Can the kernel be launched on this kind's own pointers (``numba_flash.launch``)?"""
+        return self.kind in ("cupy", "torch") and not simulated()
+
+    def stream_ptr(self) -> int:
+        """The caller's current stream handle (0: the default stream)."""
+        if self.kind == "torch":
+            import torch
+
+            return torch.cuda.current_stream(self.template.device).cuda_stream
+        if self.kind == "cupy":
+            import cupy
+
+            return cupy.cuda.get_current_stream().ptr
+        return 0
+
     def stream(self):
         """The caller's current stream as a numba stream (``None`` in the simulator)."""
         if simulated():
             return None
-        if self.kind == "torch":
-            import torch
-
-            ptr = torch.cuda.current_stream(self.template.device).cuda_stream
-        elif self.kind in ("cupy", "cai", "dlpack"):
-            import cupy
-
-            ptr = cupy.cuda.get_current_stream().ptr
-        else:
-            return cuda.default_stream()
+        ptr = self.stream_ptr()
         return cuda.external_stream(ptr) if ptr else cuda.default_stream()

@@ -177,3 +177,61 @@ def test_kv_order_on_gpu():
         a, _ = forward(q, k, v, algorithm=algorithm, block_n=32, causal=True)
         b, _ = forward(q, k, v, algorithm=algorithm, block_n=32, causal=True, kv_tile_order=order)
         assert float(cp.abs(a - b).max()) < 1e-5
+
+
+@pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
+@pytest.mark.parametrize("strided", [False, True])
+def test_direct_launch_matches_numba_dispatch(algorithm, strided, monkeypatch):
+    """The direct launcher (``numba_flash.launch``) packs numba's kernel ABI itself: its
+    results must be bitwise those of numba's own launch of the same kernel (contiguous
+    inputs: layout C; strided: layout A)."""
+    cp = _cupy()
+    from numba_flash.api import forward
+    from numba_flash.arrays import ArrayContext
+
+    q, k, v = _random((2, 4, 2, 777, 1031, 64), "float32", seed=4)
+    if strided:  # (B, N, H, D) buffers seen as (B, H, N, D)
+        q, k, v = (cp.ascontiguousarray(x.transpose(0, 2, 1, 3)).transpose(0, 2, 1, 3) for x in (q, k, v))
+        assert not q.flags.c_contiguous
+    o1, l1 = forward(q, k, v, causal=True, algorithm=algorithm)
+    monkeypatch.setattr(ArrayContext, "direct_launch", property(lambda self: False))
+    o2, l2 = forward(q, k, v, causal=True, algorithm=algorithm)
+    assert bool((o1 == o2).all()) and bool((l1 == l2).all())
+    ref = _reference64(q, k, v, True)
+    assert float(cp.linalg.norm(o1.astype(cp.float64) - ref) / cp.linalg.norm(ref)) < 1e-5
+
+
+def test_cuda_array_interface_objects_come_back_as_cupy():
+    cp = _cupy()
+    from numba_flash import attention
+
+    class Bare:  # nothing but the interface: no shape, no dtype attributes
+        def __init__(self, x):
+            self.__cuda_array_interface__ = x.__cuda_array_interface__
+            self.keep = x
+
+    q, k, v = _random((1, 2, 2, 300, 300, 64), "float32", seed=6)
+    o = attention(Bare(q), Bare(k), Bare(v))
+    assert isinstance(o, cp.ndarray) and bool((o == attention(q, k, v)).all())
+
+
+# (head_dim, block_m, block_n): blocks smaller than a warp, one key per tile, padded head
+# dims (24 -> 32, 100 -> 128), one row per thread, the D = 128 default, wide K/V tiles.
+LAYOUTS = [(24, 1, 1), (64, 2, 4), (100, 8, 2), (128, 16, 16), (32, 32, 64), (24, 128, 8)]
+
+
+@pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
+@pytest.mark.parametrize("head_dim, block_m, block_n", LAYOUTS, ids=lambda t: str(t))
+def test_every_tile_layout_on_gpu(head_dim, block_m, block_n, algorithm):
+    """Non-default tiles change the thread layout (rows per thread, threads per row, blocks
+    smaller than a warp, padded head dims): each must still be exact on the GPU. Causal,
+    Nq < Nk: unmasked, diagonal and tail tiles all occur."""
+    cp = _cupy()
+    from numba_flash.api import forward
+
+    q, k, v = _random((1, 4, 2, 203, 301, head_dim), "float32", seed=5)
+    o = cp.full(q.shape, cp.nan, dtype=cp.float32)
+    forward(q, k, v, causal=True, algorithm=algorithm, block_m=block_m, block_n=block_n, out=o)
+    ref = _reference64(q, k, v, True)
+    rel = float(cp.linalg.norm(o.astype(cp.float64) - ref) / cp.linalg.norm(ref))
+    assert rel < 1e-5, rel

@@ -1,0 +1,118 @@
+"""Launch a compiled kernel on device arrays without numba's per-call dispatch.
+
+``kernel[grid, block, stream](*args)`` types every argument, resolves the overload, wraps
+each foreign array as a numba device array (``from_cuda_array_interface``) and packs it:
+for the seven arguments of an attention kernel that is ~0.4 ms of host time per call on
+the H200 machine, far more than a small problem's kernel. For arrays whose pointer, shape
+and strides are at hand (CuPy, PyTorch CUDA tensors, numba device arrays), this module
+does the packing itself:
+
+- it compiles, once, the overload numba would pick for those arrays (dtype, ndim,
+  layout ``C`` or ``A``; ``dispatcher.compile`` caches it in ``dispatcher.overloads``);
+- it passes each array in numba's kernel ABI for arrays -- meminfo, parent, size,
+  itemsize, data pointer, shape..., strides in bytes... -- exactly as numba's
+  ``_Kernel._prepare_args`` does, and a float32 scalar as a C float;
+- it calls ``cuda.core.launch`` with the kernel numba loaded, on the caller's stream.
+
+Only the GPU uses it; the simulator (and NumPy inputs) go through numba's own launch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class DeviceArray:
+    """What a kernel needs to know about a device array."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]  # in bytes
+    dtype: str  # "float32", "float16", "int32"
+    size: int
+    c_contiguous: bool
+
+    def abi_fields(self) -> list:
+        """numba's kernel arguments for one array (``_Kernel._prepare_args``)."""
+        return [0, 0, self.size, np.dtype(self.dtype).itemsize, self.ptr, *self.shape, *self.strides]
+
+
+def device_array(x, kind: str) -> DeviceArray:
+    """Pointer, shape, strides and dtype of a CuPy array, a torch CUDA tensor or a numba
+    device array (``kind`` "cupy", "torch" or "numba")."""
+    if kind == "cupy":
+        return DeviceArray(x.data.ptr, x.shape, x.strides, x.dtype.name, x.size, x.flags.c_contiguous)
+    if kind == "torch":
+        item = x.element_size()
+        dtype = str(x.dtype).rsplit(".", 1)[-1]
+        strides = tuple(s * item for s in x.stride())
+        return DeviceArray(x.data_ptr(), tuple(x.shape), strides, dtype, x.numel(), x.is_contiguous())
+    ptr = x.device_ctypes_pointer.value or 0
+    return DeviceArray(ptr, tuple(x.shape), tuple(x.strides), np.dtype(x.dtype).name, x.size, x.is_c_contiguous())
+
+
+@functools.lru_cache(maxsize=None)
+def _numba_array_type(dtype: str, ndim: int, c_contiguous: bool):
+    from numba.cuda import types
+
+    return types.Array(getattr(types, dtype), ndim, "C" if c_contiguous else "A")
+
+
+@functools.lru_cache(maxsize=64)
+def _stream(ptr: int):
+    from numba_flash._cuda import cuda
+
+    return cuda.external_stream(ptr) if ptr else cuda.default_stream()
+
+
+def _signature(args) -> tuple:
+    from numba.cuda import types
+
+    sig = []
+    for a in args:
+        if isinstance(a, DeviceArray):
+            sig.append(_numba_array_type(a.dtype, len(a.shape), a.c_contiguous))
+        elif isinstance(a, np.float32):
+            sig.append(types.float32)
+        else:
+            raise TypeError(f"no direct launch for an argument of type {type(a).__name__}")
+    return tuple(sig)
+
+
+_KERNELS: dict = {}  # (dispatcher id, argument kinds) -> (dispatcher, cuda.core kernel)
+
+
+def compiled_kernel(dispatcher, args):
+    """The cuda.core kernel of ``dispatcher`` specialised for ``args`` (compiled once)."""
+    key = (id(dispatcher), *((a.dtype, len(a.shape), a.c_contiguous) if isinstance(a, DeviceArray) else type(a) for a in args))
+    hit = _KERNELS.get(key)
+    if hit is None or hit[0] is not dispatcher:
+        overload = dispatcher.compile(_signature(args))
+        hit = _KERNELS[key] = (dispatcher, overload._codelibrary.get_cufunc().kernel)
+    return hit[1]
+
+
+@functools.lru_cache(maxsize=256)
+def _config(grid, block):
+    from cuda.core import LaunchConfig
+
+    return LaunchConfig(grid=grid, block=block)
+
+
+def launch(dispatcher, grid, block, stream_ptr: int, args) -> None:
+    """``dispatcher[grid, block, stream](*args)`` for ``DeviceArray`` and float32 arguments."""
+    from cuda.core import launch as core_launch
+
+    kernel = compiled_kernel(dispatcher, args)
+    params = []
+    for a in args:
+        if isinstance(a, DeviceArray):
+            params.extend(a.abi_fields())
+        else:
+            params.append(ctypes.c_float(a))
+    core_launch(_stream(stream_ptr), _config(grid, block), kernel, *params)
