@@ -23,12 +23,20 @@ from numba_flash._cuda import cuda
 from numba_flash._world import simulated
 
 
+_KIND_OF_TYPE: dict = {}  # array types whose kind is a property of the type (NumPy, CuPy)
+
+
 def kind_of(x) -> str:
     """The array kind of ``x``; ``TypeError`` for anything the kernels cannot read."""
+    kind = _KIND_OF_TYPE.get(type(x))
+    if kind is not None:
+        return kind
     module = type(x).__module__.split(".")[0]
     if isinstance(x, np.ndarray):
+        _KIND_OF_TYPE[type(x)] = "numpy"
         return "numpy"
     if module == "cupy":
+        _KIND_OF_TYPE[type(x)] = "cupy"
         return "cupy"
     if module == "torch":
         if not getattr(x, "is_cuda", False):
@@ -57,11 +65,16 @@ def as_cupy_view(x):
     return cupy.asarray(x) if kind == "cai" else cupy.from_dlpack(x)
 
 
+_NAMES: dict = {}  # dtype object -> "float32", ... (numpy's dtype.name is slow to compute)
+
+
 def dtype_name(x, kind: str) -> str:
     """'float16', 'float32', ... for any supported kind."""
-    if kind == "torch":
-        return str(x.dtype).rsplit(".", 1)[-1]
-    return np.dtype(x.dtype).name
+    dt = x.dtype
+    name = _NAMES.get(dt)
+    if name is None:
+        name = _NAMES[dt] = str(dt).rsplit(".", 1)[-1] if kind == "torch" else np.dtype(dt).name
+    return name
 
 
 @dataclass

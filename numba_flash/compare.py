@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.kernels.tiles import smem_bytes
+from numba_flash.kernels.tiles import smem_bytes, threads_per_block
 from numba_flash.profiling.timing import attention_flops, median_ms, tflops
 from numba_flash.profiling.traffic import traffic_bytes
 
@@ -98,7 +98,7 @@ def compare(args):
 
             ms = median_ms(run, repeats=args.repeats)
             row.update(ms=ms, tflops=tflops(flops, ms))
-            res = compiled_resources(kernel_for(alg, D, bm, bn, p["causal"], p["dtype"]), bm)
+            res = compiled_resources(kernel_for(alg, D, bm, bn, p["causal"], p["dtype"]), threads_per_block(D, bm, bn))
             row.update(res.as_dict())
         rows.append(row)
     if not sim:

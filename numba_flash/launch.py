@@ -21,39 +21,41 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 
+from numba_flash.arrays import dtype_name
 
-@dataclass(frozen=True)
-class DeviceArray:
+
+class DeviceArray(NamedTuple):
     """What a kernel needs to know about a device array."""
 
     ptr: int
-    shape: tuple[int, ...]
-    strides: tuple[int, ...]  # in bytes
+    shape: tuple
+    strides: tuple  # in bytes
     dtype: str  # "float32", "float16", "int32"
+    itemsize: int
     size: int
     c_contiguous: bool
 
     def abi_fields(self) -> list:
         """numba's kernel arguments for one array (``_Kernel._prepare_args``)."""
-        return [0, 0, self.size, np.dtype(self.dtype).itemsize, self.ptr, *self.shape, *self.strides]
+        return [0, 0, self.size, self.itemsize, self.ptr, *self.shape, *self.strides]
 
 
 def device_array(x, kind: str) -> DeviceArray:
     """Pointer, shape, strides and dtype of a CuPy array, a torch CUDA tensor or a numba
     device array (``kind`` "cupy", "torch" or "numba")."""
+    dtype = dtype_name(x, kind)
     if kind == "cupy":
-        return DeviceArray(x.data.ptr, x.shape, x.strides, x.dtype.name, x.size, x.flags.c_contiguous)
+        return DeviceArray(x.data.ptr, x.shape, x.strides, dtype, x.itemsize, x.size, x.flags.c_contiguous)
     if kind == "torch":
         item = x.element_size()
-        dtype = str(x.dtype).rsplit(".", 1)[-1]
         strides = tuple(s * item for s in x.stride())
-        return DeviceArray(x.data_ptr(), tuple(x.shape), strides, dtype, x.numel(), x.is_contiguous())
+        return DeviceArray(x.data_ptr(), tuple(x.shape), strides, dtype, item, x.numel(), x.is_contiguous())
     ptr = x.device_ctypes_pointer.value or 0
-    return DeviceArray(ptr, tuple(x.shape), tuple(x.strides), np.dtype(x.dtype).name, x.size, x.is_c_contiguous())
+    return DeviceArray(ptr, tuple(x.shape), tuple(x.strides), dtype, x.dtype.itemsize, x.size, x.is_c_contiguous())
 
 
 @functools.lru_cache(maxsize=None)
