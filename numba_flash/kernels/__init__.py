@@ -1,10 +1,14 @@
 """The two forward kernels and what they share.
 
 - ``tile_ops``: device functions both kernels call (tile loads, S = Q K^T for one
-  tile, P~ = exp(S - m) with rowsum and P~ V, NaN-propagating max).
+  tile as register micro-tiles, masking, row max, P~ = exp(S - m) and its row sums,
+  P~ V, NaN-propagating max).
+- ``row_reduce``: a row statistic combined across the threads of a row (warp shuffles;
+  shared memory in the simulator).
 - ``fa1``: FlashAttention Algorithm 1 (outer K/V, inner Q, O/l/m round-trip via HBM).
 - ``fa2``: FlashAttention-2 Algorithm 1 (outer Q, inner K/V, accumulators on chip).
-- ``tiles``: which (block_m, block_n) a kernel can run, and the tuned defaults.
+- ``tiles``: the thread layout of a tile, which (block_m, block_n) a kernel can run, and
+  the tuned defaults.
 - ``jit``: compile options that differ between the GPU and the simulator.
 """
 
