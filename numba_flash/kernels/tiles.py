@@ -144,10 +144,15 @@ def check_tiles(head_dim: int, block_m: int, block_n: int) -> None:
     need = smem_bytes(head_dim, int(block_m), int(block_n))
     if need > STATIC_SMEM_LIMIT:
         fitting = [n for n in BLOCK_N_CHOICES if smem_bytes(head_dim, int(block_m), n) <= STATIC_SMEM_LIMIT]
+        hint = (
+            f"with this block_m, block_n can be one of {fitting}"
+            if fitting
+            else f"no block_n fits with block_m={block_m}; block_m can be one of "
+            f"{[m for m in BLOCK_M_CHOICES if smem_bytes(head_dim, m, 1) <= STATIC_SMEM_LIMIT]}"
+        )
         raise ValueError(
             f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {need} bytes of "
-            f"shared memory, more than the {STATIC_SMEM_LIMIT} a block can have; with this "
-            f"block_m, block_n can be one of {fitting}"
+            f"shared memory, more than the {STATIC_SMEM_LIMIT} a block can have; {hint}"
         )
 
 

@@ -1,0 +1,103 @@
+"""The thread layout of a tile (``kernels.tiles.TileLayout``) and the direct launcher's
+argument packing (``numba_flash.launch``): properties that every kernel specialisation
+relies on, checked without running a kernel."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from numba_flash.kernels.tiles import (
+    BLOCK_M_CHOICES,
+    BLOCK_N_CHOICES,
+    STATIC_SMEM_LIMIT,
+    check_tiles,
+    default_tiles,
+    smem_bytes,
+    tile_layout,
+)
+
+head_dims = st.integers(1, 128)
+block_ms = st.sampled_from(BLOCK_M_CHOICES)
+block_ns = st.sampled_from(BLOCK_N_CHOICES)
+
+
+@given(head_dims, block_ms, block_ns)
+def test_layout_covers_the_tile_exactly(d, bm, bn):
+    L = tile_layout(d, bm, bn)
+    # every query row of the tile belongs to exactly one row of threads, every key to one lane
+    assert L.rows_per_thread * (L.threads // L.threads_per_row) == bm
+    assert L.threads_per_row * L.cols_per_thread == bn
+    # the threads of a row are lanes of one warp: shuffles stay inside it
+    assert L.threads_per_row <= 32 and 32 % L.threads_per_row == 0
+    assert L.threads <= 1024 and (L.threads & (L.threads - 1)) == 0
+    # the padded head dim holds D, is a power of two, and splits into 4-float groups per lane
+    assert d <= L.padded_dim and (L.padded_dim & (L.padded_dim - 1)) == 0
+    assert L.padded_dim == 4 * L.threads_per_row * L.dim_groups
+    # 128-bit loads need row strides in multiples of four floats
+    assert L.q_stride % 4 == 0 and L.k_stride % 4 == 0
+    assert L.p_stride % 4 == 0 or L.key_chunk < 4
+    assert L.key_chunk <= bn and bn % L.key_chunk == 0
+
+
+@given(head_dims, block_ms, block_ns)
+def test_copy_share_covers_each_kv_tile_once(d, bm, bn):
+    """Each thread copies ``kv_loads`` elements of a K/V tile (``tile_ops.make_row_copy``:
+    threads span the padded head dim, then step over rows); together they must cover
+    every (key, d) of the tile exactly once."""
+    L = tile_layout(d, bm, bn)
+    copy_threads = min(L.threads, L.padded_dim)
+    rows_per_pass = L.threads // copy_threads
+    seen = np.zeros((bn, L.padded_dim), dtype=int)
+    for tid in range(L.threads):
+        c_base, d_base = divmod(tid, copy_threads)
+        for n in range(L.kv_loads):
+            c = c_base + rows_per_pass * (n // (L.padded_dim // copy_threads))
+            dd = d_base + copy_threads * (n % (L.padded_dim // copy_threads))
+            if c < bn:
+                seen[c, dd] += 1
+    assert (seen == 1).all()
+
+
+def test_shared_memory_formula_by_hand():
+    # D = 64, 64 x 32: Q 64 x 68, K 32 x 68, V 32 x 64, P~ 64 x 40 floats
+    assert smem_bytes(64, 64, 32) == 4 * (64 * 68 + 32 * 68 + 32 * 64 + 64 * 40) == 44544
+    # D = 100 pads to 128; D = 128, 32 x 16
+    assert smem_bytes(100, 32, 16) == smem_bytes(128, 32, 16) == 4 * (32 * 132 + 16 * 132 + 16 * 128 + 32 * 24)
+
+
+@pytest.mark.parametrize("d", [1, 16, 32, 40, 64, 96, 128])
+def test_defaults_fit_and_are_accepted(d):
+    bm, bn = default_tiles("fa2", d, "float32", False)
+    assert smem_bytes(d, bm, bn) <= STATIC_SMEM_LIMIT
+    check_tiles(d, bm, bn)
+
+
+def test_too_much_shared_memory_names_the_fitting_block_n():
+    with pytest.raises(ValueError, match=r"block_n can be one of \[1, 2, 4, 8, 16\]"):
+        check_tiles(128, 32, 32)
+
+
+def test_too_large_block_m_says_which_block_m_fit():
+    with pytest.raises(ValueError, match=r"no block_n fits with block_m=256; block_m can be one of \[1, 2, 4, 8, 16, 32, 64\]"):
+        check_tiles(128, 256, 8)
+
+
+def test_direct_launch_packs_numbas_array_abi():
+    """numba passes an array as meminfo, parent, size, itemsize, data, shape..., strides...
+    (bytes); the layout in the signature is C only for C-contiguous arrays."""
+    from numba.cuda import types
+
+    from numba_flash.launch import DeviceArray, _signature
+
+    strided = DeviceArray(0xABC0, (2, 3, 5, 8), (960, 32, 192, 4), "float16", 2, 240, False)
+    dense = DeviceArray(0x1000, (2, 3), (12, 4), "float32", 4, 6, True)
+    assert strided.abi_fields() == [0, 0, 240, 2, 0xABC0, 2, 3, 5, 8, 960, 32, 192, 4]
+    sig = _signature([strided, dense, np.float32(0.5)])
+    assert sig[0] == types.Array(types.float16, 4, "A")
+    assert sig[1] == types.Array(types.float32, 2, "C")
+    assert sig[2] == types.float32
+    with pytest.raises(TypeError, match="no direct launch"):
+        _signature([1.5])
