@@ -118,11 +118,15 @@ def threads_per_block(head_dim: int, block_m: int, block_n: int) -> int:
 
 def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) -> tuple[int, int]:
     """The tuned (block_m, block_n) for a problem class (measured on an H200, see docs)."""
-    del algorithm, dtype_name, causal  # one choice per head dim; see docs/performance-log.md
-    # 64 x 32 at D <= 64: 128 threads, 40.5 KiB, 5 blocks/SM by shared memory.
+    # One choice per head dim: on the H200 (2026-11-29, docs/performance-log.md) the same
+    # tiles were best or within noise for FA-1 and FA-2, float32 and float16, causal or not.
+    del algorithm, dtype_name, causal
+    # D <= 64: 64 x 32, 128 threads, 43.5 KiB, 4 blocks/SM (FA-2 D=64: 29-30 TFLOP/s against
+    # 27-29 at 32 x 32 and 24-25 at 64 x 16).
     if head_dim <= 64:
         return 64, 32
-    # D = 128 needs 4 x (32*128 + 16*132 + 16*128 + 32*16) B = 34.5 KiB at 32 x 16.
+    # D > 64: 32 x 16, 64 threads, 35.8 KiB at D = 128 (26 TFLOP/s against 21 at 64 x 8);
+    # 32 x 32 would need 55 KiB, beyond the 48 KiB of static shared memory.
     return 32, 16
 
 
