@@ -106,7 +106,9 @@ def forward(
     on the real kernels. ``out`` / ``lse_out``: preallocated results of the caller's
     kind (tests poison them to prove every element is written).
     """
-    q, k, v = (as_cupy_view(x) for x in (q, k, v))  # CAI / DLPack objects: CuPy views
+    # CAI / DLPack objects: CuPy views (the caller's buffers, no copy)
+    q, k, v = (as_cupy_view(x) for x in (q, k, v))
+    out, lse_out = (None if x is None else as_cupy_view(x) for x in (out, lse_out))
     call = _validate(q, k, v, causal, scale, algorithm, block_m, block_n)
     ctx = ArrayContext(call["kind"], q)
     B, H, Nq, D = call["q_shape"]
@@ -240,7 +242,7 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
     if not permuted:
         order = _placeholder(1, "int32")  # not read by a kernel compiled unpermuted
     elif not simulated():
-        order = cuda.to_device(order)
+        order = cuda.to_device(order, stream=ctx.stream())  # ordered before the launch
 
     kernel = kernel_for(call["algorithm"], D, bm, bn, call["causal"], call["dtype"], permuted)
     # The array arguments in order: ("in", x) read, ("out", x) written (both of the

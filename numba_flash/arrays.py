@@ -89,7 +89,11 @@ class ArrayContext:
         return self.kind == "numpy"
 
     def to_kernel(self, x):
-        """An input the kernel can read: the object itself, a numba view, or a device copy."""
+        """An input the kernel can read: the object itself, a numba view, or a device copy.
+
+        Used for NumPy inputs and in the simulator; CuPy and torch arrays on a GPU are
+        launched directly (``direct_launch``), and reach this only when a test turns that
+        off to compare the two launch paths."""
         if self.kind == "numpy":
             # A device copy in both worlds (the simulator's too): the kernel never holds the
             # caller's buffer, so a read-only or strided input works and is never written.

@@ -2,19 +2,23 @@
 
 ``kernel[grid, block, stream](*args)`` types every argument, resolves the overload, wraps
 each foreign array as a numba device array (``from_cuda_array_interface``) and packs it:
-for the seven arguments of an attention kernel that is ~0.4 ms of host time per call on
-the H200 machine, far more than a small problem's kernel. For arrays whose pointer, shape
+for the arrays of an attention kernel (seven arguments for FA-2, ten for FA-1) that was
+0.3-0.4 ms of host time per call on the H200 machine, far more than a small problem's
+kernel. For arrays whose pointer, shape
 and strides are at hand (CuPy, PyTorch CUDA tensors, numba device arrays), this module
 does the packing itself:
 
-- it compiles, once, the overload numba would pick for those arrays (dtype, ndim,
-  layout ``C`` or ``A``; ``dispatcher.compile`` caches it in ``dispatcher.overloads``);
+- it compiles, once, an overload for those arrays (dtype, ndim, and layout ``C`` when
+  C-contiguous, else ``A``, valid for any strides, where numba itself might type an
+  F-contiguous array ``F``; ``dispatcher.compile`` caches it in ``dispatcher.overloads``);
 - it passes each array in numba's kernel ABI for arrays -- meminfo, parent, size,
   itemsize, data pointer, shape..., strides in bytes... -- exactly as numba's
   ``_Kernel._prepare_args`` does, and a float32 scalar as a C float;
 - it calls ``cuda.core.launch`` with the kernel numba loaded, on the caller's stream.
 
 Only the GPU uses it; the simulator (and NumPy inputs) go through numba's own launch.
+Kernels are cached per dispatcher, not per device: like the rest of the package, this
+assumes one GPU (numba's current device).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ import os
 import pathlib
 import tempfile
 
-from numba_flash.kernels.tiles import STATIC_SMEM_LIMIT, smem_bytes
+from numba_flash.kernels.tiles import STATIC_SMEM_LIMIT, check_tiles, smem_bytes
 
 CANDIDATES_M = (32, 64, 128, 256)
 CANDIDATES_N = (8, 16, 32, 64)
@@ -35,8 +35,13 @@ def _load() -> dict:
         return {}
 
 
+# Bumped when the kernels' tile layout changes: a choice timed on other kernels is stale
+# (2: register micro-tiles, 2026-11-29; entries of layout 1 are ignored).
+LAYOUT_VERSION = 2
+
+
 def _key(gpu: str, algorithm: str, head_dim: int, dtype: str, causal: bool) -> str:
-    return f"{gpu}|{algorithm}|d{head_dim}|{dtype}|{'causal' if causal else 'full'}"
+    return f"v{LAYOUT_VERSION}|{gpu}|{algorithm}|d{head_dim}|{dtype}|{'causal' if causal else 'full'}"
 
 
 @functools.lru_cache(maxsize=None)
@@ -50,7 +55,14 @@ def _gpu_name() -> str:
 def tuned_tiles(algorithm: str, head_dim: int, dtype: str, causal: bool):
     """The cached (block_m, block_n) for this GPU and problem class, or ``None``."""
     entry = _load().get(_key(_gpu_name(), algorithm, head_dim, dtype, causal))
-    return tuple(entry["tiles"]) if entry else None
+    if not entry:
+        return None
+    tiles = tuple(entry["tiles"])
+    try:
+        check_tiles(head_dim, *tiles)
+    except (ValueError, TypeError):
+        return None  # a hand-edited or foreign entry the kernels cannot run: use the defaults
+    return tiles
 
 
 def save(algorithm, head_dim, dtype, causal, tiles, tflops) -> pathlib.Path:

@@ -288,6 +288,7 @@ def relative_error(o, q, k, v, cfg: Config) -> tuple[float, str]:
 def kernel_info(cfg: Config, impl: str) -> dict:
     """Tiles, registers per thread and theoretical occupancy of the FA kernel just run."""
     from numba_flash.api import kernel_for
+    from numba_flash.kernels.tiles import threads_per_block
     from numba_flash.profiling.resources import compiled_resources
 
     bm, bn = default_tiles(impl, cfg.head_dim, cfg.dtype, cfg.causal)
@@ -297,7 +298,7 @@ def kernel_info(cfg: Config, impl: str) -> dict:
     # dtypes, so report only when the newest overload is this dtype's.
     newest = list(kernel.overloads)[-1] if kernel.overloads else ()
     if newest and cfg.dtype in str(newest[0]):
-        res = compiled_resources(kernel, bm)
+        res = compiled_resources(kernel, threads_per_block(cfg.head_dim, bm, bn))
         info.update(regs=res.regs, occupancy=res.occupancy)
     return info
 

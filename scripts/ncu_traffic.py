@@ -31,17 +31,24 @@ MARKER = "ncu_run_marker"
 BATCH, HEADS, HEAD_DIM = 4, 16, 64
 
 
+SWEEP_BLOCK_M = 32  # block_m of the block_n sweep: 32 x 8 ... 32 x 32 all fit at D = 64
+
+
 def plan(seqs, block_ns, standard_max_seq=4096):
-    """Runs: every algorithm over N at default tiles, then FA-1/FA-2 over block_n at N=4096."""
+    """Runs: every algorithm over N at the default tiles, then FA-1/FA-2 over block_n at
+    N=4096 with block_m = SWEEP_BLOCK_M."""
+    from numba_flash.kernels.tiles import default_tiles
+
+    bm, bn_default = default_tiles("fa2", HEAD_DIM, "float32", False)
     runs = []
     for n in seqs:
         for alg in ("fa1", "fa2", "standard"):
             if alg == "standard" and n > standard_max_seq:
                 continue
-            runs.append(dict(algorithm=alg, seq=n, block_m=128, block_n=32, sweep="seq"))
+            runs.append(dict(algorithm=alg, seq=n, block_m=bm, block_n=bn_default, sweep="seq"))
     for bn in block_ns:
         for alg in ("fa1", "fa2"):
-            runs.append(dict(algorithm=alg, seq=4096, block_m=128, block_n=bn, sweep="block_n"))
+            runs.append(dict(algorithm=alg, seq=4096, block_m=SWEEP_BLOCK_M, block_n=bn, sweep="block_n"))
     return runs
 
 

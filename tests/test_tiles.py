@@ -48,14 +48,14 @@ def test_copy_share_covers_each_kv_tile_once(d, bm, bn):
     threads span the padded head dim, then step over rows); together they must cover
     every (key, d) of the tile exactly once."""
     L = tile_layout(d, bm, bn)
-    copy_threads = min(L.threads, L.padded_dim)
-    rows_per_pass = L.threads // copy_threads
+    assert L.copy_threads * L.copy_rows_per_pass == L.threads
+    assert L.copy_threads * L.copy_d_passes == L.padded_dim
     seen = np.zeros((bn, L.padded_dim), dtype=int)
     for tid in range(L.threads):
-        c_base, d_base = divmod(tid, copy_threads)
+        c_base, d_base = divmod(tid, L.copy_threads)
         for n in range(L.kv_loads):
-            c = c_base + rows_per_pass * (n // (L.padded_dim // copy_threads))
-            dd = d_base + copy_threads * (n % (L.padded_dim // copy_threads))
+            c = c_base + L.copy_rows_per_pass * (n // L.copy_d_passes)
+            dd = d_base + L.copy_threads * (n % L.copy_d_passes)
             if c < bn:
                 seen[c, dd] += 1
     assert (seen == 1).all()

@@ -158,7 +158,9 @@ def fa1_kernel(
                             l_hbm[b, h, row] = l_new
                             m_hbm[b, h, row] = m_new
 
-        cuda.syncthreads()  # the last l_i, m_i writes are visible to the row's other threads
+        # Not needed for correctness (every value read below was written by the reading
+        # thread itself); kept, as in the kernel validated on the GPU.
+        cuda.syncthreads()
         # Line 16: return O (cast to q's dtype when O was kept in float32) and L = m + log l.
         for i_tile in range(n_q_tiles):
             for i in range(TM):

@@ -31,7 +31,7 @@ def kernel_jit(**gpu_only):
 
 def device_jit(func):
     """``cuda.jit(device=True)``, inlined at the NVVM level (``alwaysinline``) so that the
-    caller's local arrays (the Q row, the O accumulator) can stay in registers."""
+    caller's local arrays (the S and O micro-tiles, the copy registers) can stay in registers."""
     if simulated():
         return cuda.jit(device=True)(func)
     return cuda.jit(device=True, forceinline=True)(func)

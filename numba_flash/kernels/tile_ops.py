@@ -79,17 +79,16 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
         """This thread's position among the threads of its rows (tx)."""
         return cuda.threadIdx.x % TX
 
-    # Copies from global to shared memory: CT threads span the (padded) head dim, so a thread
-    # keeps one d (or a few, DP / CT) and steps over rows; NT and DP are powers of two.
-    CT = min(NT, DP)  # threads across d
-    RP = NT // CT  # rows per pass of the whole block
-    D_PASSES = DP // CT
+    # Copies from global to shared memory (tiles.TileLayout.copy_*): CT threads span the
+    # padded head dim, so a thread keeps one d (or D_PASSES of them) and steps over rows.
+    CT = L.copy_threads  # threads across d
+    RP = L.copy_rows_per_pass  # rows per pass of the whole block
+    D_PASSES = L.copy_d_passes
 
     def make_row_copy(tile_rows, stride, scaled):
         """fetch/store device functions for a ``tile_rows`` x D tile with row ``stride``."""
-        ROW_PASSES = -(-tile_rows // RP)
         EXACT = tile_rows % RP == 0  # every pass is a full one: no row test needed
-        LOADS = ROW_PASSES * D_PASSES
+        LOADS = L.copy_loads(tile_rows)
 
         def make_fetch(checked):
             @device_jit
@@ -140,7 +139,6 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
     fetch_q, store_q, Q_LOADS = make_row_copy(BM, QS, True)
     fetch_k, store_k, KV_LOADS = make_row_copy(BN, KS, False)
     fetch_v, store_v, _ = make_row_copy(BN, DP, False)
-    assert KV_LOADS == L.kv_loads  # the kernels size their register share by the layout
 
     @device_jit
     def load_q_tile(q, b, h, row0, n_q, q_scale, q_s):

@@ -12,7 +12,8 @@ block_m: Q-tile rows; block_n: K/V-tile rows. Both kernels share one layout per
 - The threads of a row are consecutive lanes of one warp, so row statistics (max, sum)
   combine with warp shuffles (``row_reduce``).
 - The head dim is padded with zeros to ``padded_dim``, a power of two and a multiple of
-  ``4 * threads_per_row`` (exact for the fast head dims 16 to 128).
+  ``4 * threads_per_row``: exact for D = 32, 64, 128; with 8 threads per row (block_n >= 8)
+  D = 16 is computed as 32.
 - Shared-memory rows are padded so that the 128-bit loads of one warp hit distinct banks:
   Q_i and K_j rows by 4 floats (neighbouring rows start 4 banks apart), P~ rows by
   ``max(threads_per_row, 4)`` (a warp's 4 x 8 stores of P~ cover the 32 banks once).
@@ -72,12 +73,28 @@ class TileLayout:
     def p_floats(self) -> int:
         return self.block_m * self.p_stride
 
+    # Copies from global to shared memory: ``copy_threads`` threads span the padded head dim
+    # (a thread keeps the same d, or d_passes of them), the rest of the block other rows.
+    @property
+    def copy_threads(self) -> int:
+        return min(self.threads, self.padded_dim)
+
+    @property
+    def copy_rows_per_pass(self) -> int:
+        return self.threads // self.copy_threads
+
+    @property
+    def copy_d_passes(self) -> int:
+        return self.padded_dim // self.copy_threads
+
+    def copy_loads(self, tile_rows: int) -> int:
+        """Elements each thread copies of a ``tile_rows`` x D tile."""
+        return -(-tile_rows // self.copy_rows_per_pass) * self.copy_d_passes
+
     @property
     def kv_loads(self) -> int:
         """Elements of K_j (and of V_j) each thread copies from global memory."""
-        copy_threads = min(self.threads, self.padded_dim)  # across d; the rest across rows
-        rows_per_pass = self.threads // copy_threads
-        return -(-self.block_n // rows_per_pass) * (self.padded_dim // copy_threads)
+        return self.copy_loads(self.block_n)
 
     @property
     def smem_bytes(self) -> int:
@@ -121,7 +138,7 @@ def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) 
     # One choice per head dim: on the H200 (2026-11-29, docs/performance-log.md) the same
     # tiles were best or within noise for FA-1 and FA-2, float32 and float16, causal or not.
     del algorithm, dtype_name, causal
-    # D <= 64: 64 x 32, 128 threads, 43.5 KiB, 4 blocks/SM (FA-2 D=64: 29-30 TFLOP/s against
+    # D <= 64: 64 x 32, 128 threads, 43.5 KiB, 4 blocks/SM by registers (FA-2 D=64: 29-30 TFLOP/s against
     # 27-29 at 32 x 32 and 24-25 at 64 x 16).
     if head_dim <= 64:
         return 64, 32

@@ -37,7 +37,7 @@ def plot_occupancy(rows, out_dir) -> list[str]:
             ax_o.plot(x, [100 * r["occupancy"] for r in pts], style, label=f"{alg.upper()} D={d}")
         for ax, ylabel in ((ax_r, "registers / thread"), (ax_o, "theoretical occupancy (%)")):
             ax.set_xscale("log", base=2)
-            ax.set_xlabel("block_m (query rows per block; threads = block_m / 4 x 8)")
+            ax.set_xlabel("block_m (query rows per block)")
             ax.set_ylabel(ylabel)
             ax.grid(True, alpha=0.3)
         ax_o.legend(fontsize=8)
