@@ -15,6 +15,7 @@ Library modules are only imported when the caller already uses them.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import numpy as np
@@ -140,7 +141,10 @@ class ArrayContext:
 
     def stream(self):
         """The caller's current stream as a numba stream (``None`` in the simulator)."""
-        if simulated():
-            return None
-        ptr = self.stream_ptr()
-        return cuda.external_stream(ptr) if ptr else cuda.default_stream()
+        return None if simulated() else numba_stream(self.stream_ptr())
+
+
+@functools.lru_cache(maxsize=64)
+def numba_stream(ptr: int):
+    """numba's stream object for a raw stream handle (0: the default stream)."""
+    return cuda.external_stream(ptr) if ptr else cuda.default_stream()

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numba_flash.arrays import dtype_name
+from numba_flash.arrays import dtype_name, numba_stream
 
 
 class DeviceArray(NamedTuple):
@@ -67,13 +67,6 @@ def _numba_array_type(dtype: str, ndim: int, c_contiguous: bool):
     from numba.cuda import types
 
     return types.Array(getattr(types, dtype), ndim, "C" if c_contiguous else "A")
-
-
-@functools.lru_cache(maxsize=64)
-def _stream(ptr: int):
-    from numba_flash._cuda import cuda
-
-    return cuda.external_stream(ptr) if ptr else cuda.default_stream()
 
 
 def _signature(args) -> tuple:
@@ -121,4 +114,4 @@ def launch(dispatcher, grid, block, stream_ptr: int, args) -> None:
             params.extend(a.abi_fields())
         else:
             params.append(ctypes.c_float(a))
-    core_launch(_stream(stream_ptr), _config(grid, block), kernel, *params)
+    core_launch(numba_stream(stream_ptr), _config(grid, block), kernel, *params)

@@ -128,8 +128,12 @@ def _kernel(cfg):
     return kernel_for(cfg["algorithm"], cfg["head_dim"], cfg["block_m"], cfg["block_n"], cfg["causal"], cfg["dtype"])
 
 
+def _threads(cfg) -> int:
+    return threads_per_block(cfg["head_dim"], cfg["block_m"], cfg["block_n"])
+
+
 def _row(cfg, regs, smem, local, blocks, limiter, max_warps, source) -> dict:
-    threads = threads_per_block(cfg["head_dim"], cfg["block_m"], cfg["block_n"])
+    threads = _threads(cfg)
     warps = blocks * -(-threads // 32)
     return dict(
         cfg, threads=threads, regs=regs, smem_bytes=smem, local_bytes=local, blocks_per_sm=blocks,
@@ -143,7 +147,7 @@ def _driver_row(cfg, cc) -> dict:
     from numba_flash.profiling.resources import compiled_resources
 
     compiled = _kernel(cfg).compile(signature(cfg["algorithm"], cfg["head_dim"], cfg["dtype"]))
-    res = compiled_resources(compiled, threads_per_block(cfg["head_dim"], cfg["block_m"], cfg["block_n"]))
+    res = compiled_resources(compiled, _threads(cfg))
     arch = ARCH.get(cuda.get_current_device().compute_capability, ArchLimits())
     _, limiter = occupancy_from_resources(res.regs, res.smem_bytes, res.threads, arch)
     return _row(cfg, res.regs, res.smem_bytes, res.local_bytes, res.blocks_per_sm, limiter, arch.max_warps, "driver")
@@ -154,8 +158,7 @@ def _ptxas_row(cfg, cc) -> dict:
     cap = register_cap(cfg["head_dim"])
     regs, smem, local = ptxas_resources(ptx, cc, cap)
     arch = ARCH[cc]
-    threads = threads_per_block(cfg["head_dim"], cfg["block_m"], cfg["block_n"])
-    blocks, limiter = occupancy_from_resources(regs, smem, threads, arch)
+    blocks, limiter = occupancy_from_resources(regs, smem, _threads(cfg), arch)
     return _row(cfg, regs, smem, local, blocks, limiter, arch.max_warps, f"ptxas sm_{cc[0]}{cc[1]}")
 
 
