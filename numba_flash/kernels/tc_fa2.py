@@ -1,0 +1,142 @@
+"""FlashAttention-2 forward (Dao 2023, Algorithm 1) on tensor cores, in numba.cuda.
+
+The loop nest of ``fa2`` (grid over Q tiles x batch x heads; each block walks the K/V tiles with
+O~, l, m on chip and rescales once at the end), with the tile steps of ``tc_ops``: products on
+``mma.sync``, Q_i's fragments in registers for the whole walk, P~ kept in registers and
+converted to the input type for P~V. Copies are ``cp.async``, and overlap the products: V_j is
+in flight while S = Q_i K_j^T is computed, K_{j+1} while O~ += P~ V_j is.
+
+Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (layout.threads,)``, dynamic shared
+memory ``layout.smem_bytes``. Arguments: ``q (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)`` (16-bit bit
+patterns as uint16 for f16/bf16, float32 for TF32; D a multiple of 8 resp. 4, rows 16-byte
+aligned), ``o (B,H,Nq,D)`` of the same element type, ``lse (B,H,Nq) float32``, ``q_scale =
+scale * log2(e)`` (float32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from numba_flash._cuda import cuda, float32, int32
+from numba_flash.kernels import mma
+from numba_flash.kernels.jit import NEG_INF, kernel_jit
+from numba_flash.kernels.row_reduce import scratch_floats as reduce_scratch_floats
+from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
+
+
+@functools.lru_cache(maxsize=None)
+def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool):
+    """The tensor-core FA-2 kernel for one specialisation (memoised)."""
+    CAUSAL = bool(causal)
+    ops = tc_ops(kind, head_dim, block_m, block_n)
+    L = ops.layout
+    BM, BN, D = block_m, block_n, head_dim
+    TM, NS, DT, KT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles, ops.q_frag_steps
+    Q_ELEMS, KV_ELEMS = L.q_elems, L.kv_elems
+    SMEM_TYPE = mma.uint16 if L.elem_bytes == 2 else float32
+    QF_SMALL = KT if kind == "tf32x3" else 1  # TF32 remainders of Q (tf32x3 only)
+    MMA_SCRATCH = mma.scratch_floats(L.threads)
+    ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
+
+    @kernel_jit(fastmath={"contract", "afn", "arcp"})
+    def tc_fa2_forward(q, k, v, o, lse, q_scale):
+        n_heads = q.shape[1]
+        n_q = q.shape[2]
+        n_k = k.shape[2]
+        group = n_heads // k.shape[1]  # query heads per kv head (GQA / MQA)
+        n_q_tiles = (n_q + BM - 1) // BM
+        n_kv_tiles = (n_k + BN - 1) // BN  # Tc (line 1)
+
+        # Line 3: for 1 <= i <= Tr -- the grid: this block is Q tile i of one (batch, head).
+        i_tile = cuda.blockIdx.x % n_q_tiles
+        bh = cuda.blockIdx.x // n_q_tiles
+        b = bh // n_heads
+        h = bh - b * n_heads
+        hk = h // group
+        row0 = i_tile * BM
+
+        smem = cuda.shared.array(0, SMEM_TYPE)  # dynamic: Q_i | K_j | V_j
+        q_s = smem[:Q_ELEMS]
+        k_s = smem[Q_ELEMS : Q_ELEMS + KV_ELEMS]
+        v_s = smem[Q_ELEMS + KV_ELEMS : Q_ELEMS + 2 * KV_ELEMS]
+        scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
+        rscratch = cuda.shared.array(ROW_SCRATCH, float32)  # simulated row reductions only
+
+        qf = cuda.local.array((KT, 4), mma.uint32)
+        qf_small = cuda.local.array((QF_SMALL, 4), mma.uint32)
+        s = cuda.local.array((NS, 4), float32)
+        acc = cuda.local.array((DT, 4), float32)
+        m = cuda.local.array(TM, float32)
+        l_part = cuda.local.array(TM, float32)
+        tile_max = cuda.local.array(TM, float32)
+        m_ref = cuda.local.array(TM, float32)
+        row_sums = cuda.local.array(TM, float32)
+        last_keys = cuda.local.array(TM, int32)
+
+        ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys)
+        tile_last_key = ops.last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL)
+        first_row_last_key = ops.last_visible_key(row0, n_q, n_k, CAUSAL)
+        # Causal: K/V tiles past the last key any row of this Q tile sees are skipped (3.1.1).
+        n_walk = min(n_kv_tiles, tile_last_key // BN + 1) if tile_last_key >= 0 else 0
+
+        # Line 4: load Q_i (and K_1) into shared memory.
+        ops.load_q_tile(q, b, h, row0, n_q, q_s)
+        if n_walk > 0:
+            ops.load_kv_tile(k, b, hk, 0, n_k, k_s)
+        ops.commit()
+        # Line 5: O~ = 0, l = 0, m = -inf, on chip.
+        ops.zero(acc)
+        for i in range(TM):
+            m[i] = float32(NEG_INF)
+            l_part[i] = float32(0.0)
+
+        for j in range(n_walk):  # Line 6: for 1 <= j <= Tc
+            col0 = j * BN
+            cuda.syncthreads()  # everyone is done reading V_{j-1}
+            ops.load_kv_tile(v, b, hk, col0, n_k, v_s)  # Line 7 (V_j, in flight during S)
+            ops.commit()
+            ops.wait_one()  # this thread's copies of Q_i and K_j have landed
+            cuda.syncthreads()  # ... and everyone's
+            if j == 0:
+                ops.load_q_frags(q_s, qf, qf_small)
+            ops.score_tile(qf, qf_small, k_s, s, scratch)  # Line 8: S = Q_i K_j^T
+            masked = ops.tile_needs_mask(col0, first_row_last_key)
+            ops.scale_mask(s, q_scale, col0, last_keys, masked)
+            # Line 9: m^(j) = max(m^(j-1), rowmax(S)); P~ = exp(S - m^(j)); l^(j) = ... + rowsum(P~).
+            ops.row_max(s, tile_max, rscratch)
+            for i in range(TM):
+                m_new = ops.nan_max(m[i], tile_max[i])
+                m_ref[i] = ops.finite_or_zero(m_new)
+                if m_new != m[i]:  # alpha == 1 when the max did not move: nothing to rescale
+                    alpha = ops.exp2_diff(m[i], m_ref[i])  # e^{m^(j-1) - m^(j)}
+                    l_part[i] *= alpha
+                    ops.rescale_row(acc, i, alpha)  # Line 10: diag(e^{m^(j-1) - m^(j)}) O~^(j-1)
+                m[i] = m_new
+            ops.exp_scores(s, m_ref, row_sums)
+            for i in range(TM):
+                l_part[i] += row_sums[i]
+            cuda.syncthreads()  # everyone is done reading K_j
+            if j + 1 < n_walk:
+                ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight during P~V
+                ops.commit()
+                ops.wait_one()  # V_j has landed
+            else:
+                ops.wait_all()
+            cuda.syncthreads()  # V_j is visible to everyone
+            ops.pv_tile(s, v_s, acc, scratch)  # Line 10: O~ += P~ V_j
+        ops.wait_all()  # no copy outlives the block (n_walk = 0: Q_i's)
+
+        ops.allreduce_sum(l_part, rscratch)  # l of each row: the sum of its four lanes' parts
+        for i in range(TM):
+            row = row0 + ops.thread_row(i)
+            if row < n_q:
+                inv_l = ops.reciprocal_or_zero(l_part[i])  # Line 12: O_i = diag(l)^-1 O~
+                for dt in range(DT):
+                    for e in range(2):
+                        d = ops.col_of(dt, e)
+                        if d < D:
+                            ops.store_out(o, b, h, row, d, acc[dt, 2 * i + e] * inv_l)  # Line 14
+                if ops.lane_t() == 0:  # Lines 13, 15: L_i = m + log(l)
+                    lse[b, h, row] = ops.log_sum_exp(m[i], l_part[i])
+
+    return tc_fa2_forward

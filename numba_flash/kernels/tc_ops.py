@@ -1,0 +1,422 @@
+"""Device functions of the tensor-core kernels: one (Q tile, K/V tile) step on ``mma.sync``.
+
+The tensor-core counterpart of ``tile_ops``: FA-1 and FA-2 (``tc_fa1``, ``tc_fa2``) call these
+and differ only in their loop nests. The layout (FlashAttention-2's "split-Q"): a block has
+``block_m / 16`` warps and warp ``w`` owns query rows ``16 w .. 16 w + 15`` of the Q tile; of
+them lane ``(g, t)`` holds rows ``g`` and ``g + 8`` (``rows_per_thread = 2``), and of every
+8-wide column tile of S and O the columns ``2t, 2t + 1`` (the mma accumulator layout, see
+``mma``). A row's four lanes are consecutive, so row statistics combine by ``row_reduce``.
+
+- :func:`load_tile_async`  rows of Q, K or V -> shared memory by 16-byte ``cp.async`` copies
+  (rows past N and columns past D are zero-filled; the caller commits and waits)
+- :func:`load_q_frags`     Q_i's A fragments into registers (kept for the whole K/V walk)
+- :func:`score_tile`       S = Q_i K_j^T on tensor cores (K_j fragments by ``ldmatrix``)
+- :func:`scale_mask`       S in log2 units (``scale * log2(e)``), masked keys -> -inf
+- :func:`row_max`, :func:`exp_scores`  rowmax(S), P~ = exp2(S - m) in place, rowsum(P~)
+- :func:`pv_tile`          O~ += P~ V_j: P~ is converted to the input type in registers (the
+  accumulator layout of S is the A-fragment layout of P~: no shared-memory round trip, as in
+  FlashAttention-2), V_j's fragments by ``ldmatrix.trans``
+
+Precision kinds: ``"f16"``, ``"bf16"`` (m16n8k16, tiles in shared memory as 16-bit patterns),
+``"tf32"`` and ``"tf32x3"`` (m16n8k8 on float32 tiles; ``tf32x3`` splits each operand into a
+TF32 ``big`` part and a TF32 ``small`` remainder and sums ``big*big + big*small + small*big``,
+which keeps the error close to float32's). For TF32 the keys of a P~ fragment are permuted
+(A column ``t`` is key ``2t``, column ``t + 4`` key ``2t + 1``, and V's fragment rows follow the
+same permutation), which lets P~ stay in the accumulator layout; the sum over keys does not
+depend on their order.
+
+Shared memory is dynamic (one buffer carved into Q_i, K_j, V_j; above 48 KiB the launcher opts
+in), rows padded by 16 bytes so a warp's ``ldmatrix`` rows fall in distinct banks.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+from types import ModuleType
+
+from numba_flash._cuda import cuda, float32
+from numba_flash.kernels import mma
+from numba_flash.kernels.jit import LN2, NEG_INF, device_jit
+from numba_flash.kernels.row_reduce import row_allreduce
+from numba_flash.kernels.tile_ops import add, nan_max
+
+KINDS = ("f16", "bf16", "tf32", "tf32x3")
+ROWS_PER_WARP = 16  # one m16 row tile per warp
+ROWS_PER_THREAD = 2  # g and g + 8
+BLOCK_M_CHOICES = (16, 32, 64, 128)  # 1 to 8 warps
+BLOCK_N_CHOICES = (16, 32, 64, 128)
+SMEM_OPTIN_LIMIT = 227 * 1024  # H100/H200 opt-in maximum per block (232448 B)
+MAX_HEAD_DIM = 128
+
+
+@dataclass(frozen=True)
+class TcLayout:
+    """Sizes of one tensor-core specialisation; all compile-time constants."""
+
+    kind: str
+    head_dim: int  # D of the arrays the kernel reads (a multiple of 8 for 16-bit, 4 for TF32)
+    block_m: int
+    block_n: int
+    warps: int
+    threads: int
+    padded_dim: int  # DP: head dim rounded up to the k-step (16) of the products
+    stride: int  # elements per shared row (DP + 16 bytes of padding)
+    elem_bytes: int  # 2 (16-bit kinds) or 4 (TF32)
+    chunk: int  # elements per 16-byte cp.async copy
+    score_tiles: int  # 8-wide key tiles of S: block_n / 8
+    out_tiles: int  # 8-wide head-dim tiles of O: DP / 8
+
+    @property
+    def tile_elems(self):
+        return self.stride  # per row
+
+    @property
+    def q_elems(self) -> int:
+        return self.block_m * self.stride
+
+    @property
+    def kv_elems(self) -> int:
+        return self.block_n * self.stride
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one block: Q_i, K_j, V_j."""
+        return (self.q_elems + 2 * self.kv_elems) * self.elem_bytes
+
+
+@functools.lru_cache(maxsize=None)
+def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int) -> TcLayout:
+    sixteen = kind in mma.HALF_KINDS
+    elem = 2 if sixteen else 4
+    dp = -(-head_dim // 16) * 16
+    warps = block_m // ROWS_PER_WARP
+    return TcLayout(
+        kind=kind,
+        head_dim=head_dim,
+        block_m=block_m,
+        block_n=block_n,
+        warps=warps,
+        threads=32 * warps,
+        padded_dim=dp,
+        stride=dp + 16 // elem,
+        elem_bytes=elem,
+        chunk=16 // elem,
+        score_tiles=block_n // 8,
+        out_tiles=dp // 8,
+    )
+
+
+def input_alignment(kind: str) -> int:
+    """Elements the head dim and every row stride of the inputs must be a multiple of
+    (16-byte ``cp.async`` copies); the API pads or copies inputs that are not."""
+    return 8 if kind in mma.HALF_KINDS else 4
+
+
+def check_tc_tiles(kind: str, head_dim: int, block_m, block_n) -> None:
+    """``ValueError`` naming the argument when the tensor-core kernels cannot run these tiles."""
+    for name, value, choices in (("block_m", block_m, BLOCK_M_CHOICES), ("block_n", block_n, BLOCK_N_CHOICES)):
+        if isinstance(value, bool) or value not in choices:
+            raise ValueError(
+                f"{name}={value!r} is not supported on tensor cores: {name} must be one of {list(choices)}"
+            )
+    need = tc_layout(kind, head_dim, int(block_m), int(block_n)).smem_bytes
+    if need > SMEM_OPTIN_LIMIT:
+        raise ValueError(
+            f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {need} bytes of shared "
+            f"memory on tensor cores, more than the {SMEM_OPTIN_LIMIT} a block can have"
+        )
+
+
+def default_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
+    """Tuned (block_m, block_n) for the tensor-core kernels (H200, docs/performance-log.md)."""
+    if kind in mma.HALF_KINDS:
+        return (128, 64) if head_dim <= 64 else (128, 64)
+    return (64, 32) if head_dim <= 64 else (64, 32)
+
+
+@functools.lru_cache(maxsize=None)
+def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
+    """Device functions for one (kind, head_dim, block_m, block_n) specialisation (memoised)."""
+    L = tc_layout(kind, head_dim, block_m, block_n)
+    D, BM, BN, DP, S = head_dim, block_m, block_n, L.padded_dim, L.stride
+    NT, NS, DT, CH = L.threads, L.score_tiles, L.out_tiles, L.chunk
+    TM = ROWS_PER_THREAD
+    SIXTEEN = kind in mma.HALF_KINDS
+    SPLIT = kind == "tf32x3"
+    KSTEP = 16 if SIXTEEN else 8  # k of one product
+    KT = DP // KSTEP  # products along the head dim
+    CHUNKS_PER_ROW = DP // CH
+    if SIXTEEN:
+        MMA, PACK, BITS = mma.MMA_16[kind], mma.PACK_16[kind], mma.BITS_16[kind]
+        copy16 = mma.cp_async16
+    else:
+        MMA = mma.mma_tf32
+        copy16 = mma.cp_async16_f32
+    to_tf32, tf32_value = mma.to_tf32, mma.tf32_value
+
+    def make_loader(tile_rows):
+        COPIES = -(-tile_rows * CHUNKS_PER_ROW // NT)  # copies per thread
+        EXACT = tile_rows * CHUNKS_PER_ROW % NT == 0
+
+        @device_jit
+        def load(x, b, h, first, n_valid, x_s):
+            """Rows ``first ..`` of ``x[b, h]`` -> ``x_s`` (``tile_rows`` x DP, row stride S);
+            rows at or past ``n_valid`` and columns past D are zero. Consecutive threads copy
+            consecutive 16-byte chunks of a row (coalesced). Asynchronous: commit and wait."""
+            tid = cuda.threadIdx.x
+            for n in range(COPIES):
+                c = tid + NT * n
+                if EXACT or c < tile_rows * CHUNKS_PER_ROW:
+                    r = c // CHUNKS_PER_ROW
+                    d = (c - r * CHUNKS_PER_ROW) * CH
+                    row = first + r
+                    valid = row < n_valid and d < D
+                    # an invalid copy reads nothing, but its source address must be in bounds
+                    copy16(x_s, r * S + d, x, b, h, min(row, n_valid - 1), min(d, D - CH), valid)
+
+        return load
+
+    load_q_tile = make_loader(BM)
+    load_kv_tile = make_loader(BN)
+
+    @device_jit
+    def warp_row0():
+        """First Q-tile row of this thread's warp."""
+        return (cuda.threadIdx.x >> 5) * 16
+
+    @device_jit
+    def thread_row(i):
+        """Q-tile row of this thread's i-th row (g, then g + 8)."""
+        return warp_row0() + ((cuda.threadIdx.x & 31) >> 2) + 8 * i
+
+    @device_jit
+    def lane_t():
+        return cuda.threadIdx.x & 3
+
+    @device_jit
+    def col_of(tile, e):
+        """Column (key in S, head-dim index in O) of accumulator element ``e`` of 8-wide tile ``tile``."""
+        return 8 * tile + 2 * lane_t() + (e & 1)
+
+    # ---------------------------------------------------------------- S = Q K^T
+
+    if SIXTEEN:
+
+        @device_jit
+        def load_q_frags(q_s, qf, qf_small):
+            """Q_i's A fragments of this warp's 16 rows, one per 16-wide step of the head dim."""
+            r0 = warp_row0()
+            for kt in range(KT):
+                a = mma.ldsm_x4(q_s, r0, KSTEP * kt, S)
+                for e in range(4):
+                    qf[kt, e] = a[e]
+
+        @device_jit
+        def score_tile(qf, qf_small, k_s, s, scratch):
+            """S = Q_i K_j^T (this warp's 16 rows x block_n keys), float32 accumulators."""
+            for nt in range(NS):
+                for e in range(4):
+                    s[nt, e] = float32(0.0)
+            for nt2 in range(NS // 2):  # 16 keys: two 8-key tiles per ldmatrix.x4
+                for kt in range(KT):
+                    kb = mma.ldsm_x4(k_s, 16 * nt2, KSTEP * kt, S)
+                    MMA(s, 2 * nt2, qf[kt, 0], qf[kt, 1], qf[kt, 2], qf[kt, 3], kb[0], kb[2], scratch)
+                    MMA(s, 2 * nt2 + 1, qf[kt, 0], qf[kt, 1], qf[kt, 2], qf[kt, 3], kb[1], kb[3], scratch)
+
+        @device_jit
+        def pv_tile(p, v_s, acc, scratch):
+            """O~ += P~ V_j: P~ (float32 accumulators) -> 16-bit A fragments in registers."""
+            for kk in range(NS // 2):  # 16 keys per product
+                a0 = PACK(p[2 * kk, 0], p[2 * kk, 1])  # row g, keys 2t, 2t+1
+                a1 = PACK(p[2 * kk, 2], p[2 * kk, 3])  # row g+8
+                a2 = PACK(p[2 * kk + 1, 0], p[2 * kk + 1, 1])  # row g, keys 8+2t, 8+2t+1
+                a3 = PACK(p[2 * kk + 1, 2], p[2 * kk + 1, 3])  # row g+8
+                for dt2 in range(DT // 2):
+                    vb = mma.ldsm_x4_trans(v_s, 16 * kk, 16 * dt2, S)
+                    MMA(acc, 2 * dt2, a0, a1, a2, a3, vb[0], vb[1], scratch)
+                    MMA(acc, 2 * dt2 + 1, a0, a1, a2, a3, vb[2], vb[3], scratch)
+
+        @device_jit
+        def store_out(o, b, h, row, d, x):
+            o[b, h, row, d] = BITS(x)
+
+    else:
+
+        @device_jit
+        def split(x, big, small, i, e):
+            """TF32 parts of ``x``: big[i, e] = tf32(x), small[i, e] = tf32(x - big)."""
+            hi = to_tf32(x)
+            big[i, e] = hi
+            if SPLIT:
+                small[i, e] = to_tf32(x - tf32_value(hi))
+
+        @device_jit
+        def tf32_product(acc, ci, a_big, a_small, ai, b0, b1, scratch):
+            """acc[ci] += A B with A = a_big[ai] (+ a_small[ai]) and B = (b0, b1) float32 values."""
+            hb0 = to_tf32(b0)
+            hb1 = to_tf32(b1)
+            if SPLIT:  # small terms first: they are the smallest in magnitude
+                MMA(acc, ci, a_small[ai, 0], a_small[ai, 1], a_small[ai, 2], a_small[ai, 3], hb0, hb1, scratch)
+                lb0 = to_tf32(b0 - tf32_value(hb0))
+                lb1 = to_tf32(b1 - tf32_value(hb1))
+                MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], lb0, lb1, scratch)
+            MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], hb0, hb1, scratch)
+
+        @device_jit
+        def load_q_frags(q_s, qf, qf_small):
+            """Q_i's A fragments (TF32 and, for tf32x3, the remainders), one per 8-wide step."""
+            r0 = warp_row0() + ((cuda.threadIdx.x & 31) >> 2)
+            t = lane_t()
+            for kt in range(KT):
+                c = KSTEP * kt + t
+                split(q_s[r0 * S + c], qf, qf_small, kt, 0)  # (g, t)
+                split(q_s[(r0 + 8) * S + c], qf, qf_small, kt, 1)  # (g+8, t)
+                split(q_s[r0 * S + c + 4], qf, qf_small, kt, 2)  # (g, t+4)
+                split(q_s[(r0 + 8) * S + c + 4], qf, qf_small, kt, 3)  # (g+8, t+4)
+
+        @device_jit
+        def score_tile(qf, qf_small, k_s, s, scratch):
+            """S = Q_i K_j^T: B fragment of key tile nt is (K[8nt + g, 8kt + t], K[.., 8kt + t + 4])."""
+            g = (cuda.threadIdx.x & 31) >> 2
+            t = lane_t()
+            for nt in range(NS):
+                for e in range(4):
+                    s[nt, e] = float32(0.0)
+            for nt in range(NS):
+                row = (8 * nt + g) * S + t
+                for kt in range(KT):
+                    tf32_product(s, nt, qf, qf_small, kt, k_s[row + KSTEP * kt], k_s[row + KSTEP * kt + 4], scratch)
+
+        @device_jit
+        def pv_tile(p, v_s, acc, scratch):
+            """O~ += P~ V_j with the keys of each 8-key step permuted (A column t <-> key 2t,
+            column t + 4 <-> key 2t + 1): P~'s A fragment is (p[.,0], p[.,2], p[.,1], p[.,3])."""
+            pb = cuda.local.array((1, 4), mma.uint32)
+            ps = cuda.local.array((1, 4), mma.uint32)
+            g = (cuda.threadIdx.x & 31) >> 2
+            t = lane_t()
+            for kk in range(NS):
+                split(p[kk, 0], pb, ps, 0, 0)  # (g, key 2t)
+                split(p[kk, 2], pb, ps, 0, 1)  # (g+8, key 2t)
+                split(p[kk, 1], pb, ps, 0, 2)  # (g, key 2t+1)
+                split(p[kk, 3], pb, ps, 0, 3)  # (g+8, key 2t+1)
+                row = (8 * kk + 2 * t) * S + g
+                for dt in range(DT):
+                    tf32_product(acc, dt, pb, ps, 0, v_s[row + 8 * dt], v_s[row + S + 8 * dt], scratch)
+
+        @device_jit
+        def store_out(o, b, h, row, d, x):
+            o[b, h, row, d] = x
+
+    # ---------------------------------------------------------------- online softmax
+
+    @device_jit
+    def last_visible_key(row, n_q, n_k, causal):
+        """Query i sees key j iff j <= i + (Nk - Nq) (bottom-right causal); else every key < Nk."""
+        if causal:
+            return min(n_k - 1, row + n_k - n_q)
+        return n_k - 1
+
+    @device_jit
+    def row_last_keys(row0, n_q, n_k, causal, last_keys):
+        for i in range(TM):
+            last_keys[i] = last_visible_key(row0 + thread_row(i), n_q, n_k, causal)
+
+    @device_jit
+    def tile_needs_mask(col0, first_row_last_key):
+        """Does any key of the tile at ``col0`` lie past some row's last visible key? (block-uniform)"""
+        return col0 + BN - 1 > first_row_last_key
+
+    @device_jit
+    def scale_mask(s, q_scale, col0, last_keys, masked):
+        """S *= scale * log2(e) (scores in log2 units, FA-2 section 3.1: exp is one exp2); keys
+        past a row's last visible key -> -inf (only in tiles that need the mask)."""
+        for nt in range(NS):
+            for e in range(4):
+                x = s[nt, e] * q_scale
+                if masked and col0 + col_of(nt, e) > last_keys[e >> 1]:
+                    x = float32(NEG_INF)
+                s[nt, e] = x
+
+    allreduce_max = row_allreduce(nan_max, TM, 4, NT)
+    allreduce_sum = row_allreduce(add, TM, 4, NT)
+
+    @device_jit
+    def row_max(s, out, rscratch):
+        """out[i] = rowmax(S) of row i over the tile (all threads must call)."""
+        for i in range(TM):
+            out[i] = float32(NEG_INF)
+        for nt in range(NS):
+            for e in range(4):
+                out[e >> 1] = nan_max(out[e >> 1], s[nt, e])
+        allreduce_max(out, rscratch)
+
+    @device_jit
+    def exp_scores(s, m_ref, row_sums):
+        """P~ = exp2(S - m) in place; this thread's part of rowsum(P~)."""
+        for i in range(TM):
+            row_sums[i] = float32(0.0)
+        for nt in range(NS):
+            for e in range(4):
+                p = math.exp2(s[nt, e] - m_ref[e >> 1])
+                s[nt, e] = p
+                row_sums[e >> 1] += p
+
+    @device_jit
+    def rescale_row(acc, i, alpha):
+        """Row i of O~ *= alpha (diag(e^{m_old - m_new}) O~)."""
+        for dt in range(DT):
+            acc[dt, 2 * i] *= alpha
+            acc[dt, 2 * i + 1] *= alpha
+
+    @device_jit
+    def zero(acc):
+        for dt in range(DT):
+            for e in range(4):
+                acc[dt, e] = float32(0.0)
+
+    @device_jit
+    def finite_or_zero(m):
+        """The max to subtract: 0 for a row that has seen only masked keys (exp2(-inf - 0) = 0)."""
+        if m == NEG_INF:
+            return float32(0.0)
+        return m
+
+    @device_jit
+    def exp2_diff(a, b):
+        """exp2(a - b) with exp2(-inf - anything) = 0 (a row that had seen no key)."""
+        if a == NEG_INF:
+            return float32(0.0)
+        return math.exp2(a - b)
+
+    @device_jit
+    def log_sum_exp(m, l_sum):
+        """Natural-log logsumexp of the scaled scores from log2-unit (m, l)."""
+        if l_sum == 0:
+            return float32(NEG_INF)
+        return (m + math.log2(l_sum)) * float32(LN2)
+
+    @device_jit
+    def reciprocal_or_zero(l_sum):
+        if l_sum == 0:
+            return float32(0.0)
+        return float32(1.0) / l_sum
+
+    ops = ModuleType(f"numba_flash.kernels.tc_ops_{kind}_d{D}_m{BM}_n{BN}")
+    ops.layout = L
+    ops.q_frag_steps = KT
+    ops.frag_dtype = mma.uint32
+    for name, func in dict(
+        load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,
+        score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0,
+        thread_row=thread_row, lane_t=lane_t, col_of=col_of, last_visible_key=last_visible_key,
+        row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
+        row_max=row_max, allreduce_sum=allreduce_sum, exp_scores=exp_scores, rescale_row=rescale_row,
+        zero=zero, finite_or_zero=finite_or_zero, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,
+        reciprocal_or_zero=reciprocal_or_zero, nan_max=nan_max,
+        commit=mma.cp_async_commit, wait_all=mma.cp_async_wait_all, wait_one=mma.cp_async_wait_one,
+    ).items():
+        setattr(ops, name, func)
+    return ops
