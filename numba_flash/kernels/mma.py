@@ -385,10 +385,13 @@ else:
                 aryty, idxty = signature.args
                 ptr = _element_ptr(context, builder, aryty, args[0], [idxty], [args[1]])
                 ret = ir.LiteralStructType([_I32] * 4)
+                # Volatile, and clobbering memory: the asm reads shared memory that the
+                # compiler cannot see, so it must not be hoisted out of a loop (the address of
+                # K_j is the same in every iteration), merged, or moved across a barrier.
                 r = _asm(
                     builder, ret, [_I32],
                     f"ldmatrix.sync.aligned.m8n8.x4{suffix}.shared.b16 {{$0,$1,$2,$3}}, [$4];",
-                    "=r,=r,=r,=r,r", [_shared_addr(builder, ptr)],
+                    "=r,=r,=r,=r,r,~{memory}", [_shared_addr(builder, ptr)], side_effect=True,
                 )
                 vals = [builder.extract_value(r, i) for i in range(4)]
                 return context.make_tuple(builder, signature.return_type, vals)
@@ -428,7 +431,7 @@ else:
             nbytes = builder.select(valid_v, ir.Constant(_I32, 16), ir.Constant(_I32, 0))
             _asm(
                 builder, ir.VoidType(), [_I32, ir.IntType(64), _I32],
-                "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
+                "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r,~{memory}",
                 [_shared_addr(builder, dptr), _global_addr(builder, sptr), nbytes], side_effect=True,
             )
             return context.get_dummy_value()
