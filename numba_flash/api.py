@@ -19,9 +19,10 @@ from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles, threads_per_block
 from numba_flash.launch import device_array
 from numba_flash.launch import launch as direct_launch
+from numba_flash.tensor_cores import launch_tc, regime, tc_tiles
 
 ALGORITHMS = tuple(KERNEL_FACTORIES)  # ("fa1", "fa2")
-DTYPES = ("float16", "float32")
+DTYPES = ("float16", "bfloat16", "float32")
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
@@ -36,6 +37,7 @@ def attention(
     block_m=None,
     block_n=None,
     return_lse=False,
+    precision=None,
 ):
     """Scaled dot-product attention, forward pass, by FlashAttention-1 or -2.
 
@@ -46,7 +48,7 @@ def attention(
         v: (B, Hkv, Nk, D)
 
     ``H % Hkv == 0``: query head ``h`` reads kv head ``h // (H // Hkv)`` (GQA, MQA).
-    Any strides. ``D`` from 1 to 128; float16 or float32 in, float32 accumulation.
+    Any strides. ``D`` from 1 to 128; float16, bfloat16 or float32 in, float32 accumulation.
 
     ``o[b, h, i] = sum_j softmax_j(scale * q_i . k_j) v_j`` over visible keys ``j``;
     ``lse[b, h, i] = log sum_j exp(scale * q_i . k_j)``; ``scale`` defaults to 1/sqrt(D).
@@ -70,6 +72,12 @@ def attention(
     ``block_m`` / ``block_n``: Q-tile and K/V-tile rows (``None``: tuned default);
     unsupported values raise ``ValueError`` listing the supported ones.
 
+    ``precision``: where the matrix products run. ``None``: float16 and bfloat16 on tensor
+    cores (``mma.sync``, float32 accumulation), float32 on CUDA cores (exact FFMA);
+    ``"ieee"``: CUDA cores for any dtype (the research baseline); ``"tf32"`` / ``"tf32x3"``:
+    float32 inputs on tensor cores, plain TF32 (about 1e-3 relative error) or split
+    precision (three TF32 products per product, error close to float32's).
+
     Array kinds: NumPy (simulator without a GPU, copied with one), CuPy (in place, on
     the current stream), PyTorch CUDA tensors, ``__cuda_array_interface__`` or DLPack
     objects. The result is of the caller's kind. Deterministic: the same inputs give
@@ -80,7 +88,8 @@ def attention(
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     o, lse = forward(
-        q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n
+        q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n,
+        precision=precision,
     )
     return (o, lse) if return_lse else o
 
@@ -98,6 +107,7 @@ def forward(
     kv_tile_order=None,
     out=None,
     lse_out=None,
+    precision=None,
 ):
     """:func:`attention` with the research knobs; always returns ``(o, lse)``.
 
@@ -109,7 +119,7 @@ def forward(
     # CAI / DLPack objects: CuPy views (the caller's buffers, no copy)
     q, k, v = (as_cupy_view(x) for x in (q, k, v))
     out, lse_out = (None if x is None else as_cupy_view(x) for x in (out, lse_out))
-    call = _validate(q, k, v, causal, scale, algorithm, block_m, block_n)
+    call = _validate(q, k, v, causal, scale, algorithm, block_m, block_n, precision)
     ctx = ArrayContext(call["kind"], q)
     B, H, Nq, D = call["q_shape"]
     Nk = call["n_k"]
@@ -118,17 +128,32 @@ def forward(
     o = out if out is not None else ctx.empty((B, H, Nq, D), call["dtype"])
     lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
     order = _check_order(kv_tile_order, Nk, call["block_n"])
+    if order is not None and call["regime"] != "ieee":
+        raise ValueError("kv_tile_order is a knob of the CUDA-core kernels: pass precision='ieee' with it")
     if B * H * Nq == 0:
         return o, lse
     if Nk == 0:  # nothing to attend to: o = 0, lse = -inf, as for a fully masked row
         o[...] = 0
         lse[...] = -math.inf
         return o, lse
-    _launch(ctx, call, q, k, v, o, lse, order)
+    if call["regime"] != "ieee":
+        launch_tc(ctx, call, q, k, v, o, lse)
+    elif call["dtype"] == "bfloat16":  # CUDA cores read float16 or float32: widen, then narrow
+        wide = [_widen(x, ctx.kind) for x in (q, k, v)]
+        o32 = ctx.empty((B, H, Nq, D), "float32")
+        _launch(ctx, dict(call, dtype="float32"), *wide, o32, lse, order)
+        o[...] = o32.to(o.dtype) if ctx.kind == "torch" else o32.astype(o.dtype)
+    else:
+        _launch(ctx, call, q, k, v, o, lse, order)
     return o, lse
 
 
-def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
+def _widen(x, kind):
+    """A float32 copy of a bfloat16 array of the caller's library."""
+    return x.float() if kind == "torch" else x.astype(np.float32)
+
+
+def _validate(q, k, v, causal, scale, algorithm, block_m, block_n, precision=None) -> dict:
     kinds = [kind_of(x) for x in (q, k, v)]
     if len(set(kinds)) != 1:
         raise TypeError(f"q, k and v must be arrays of one library; got {kinds[0]}, {kinds[1]}, {kinds[2]}")
@@ -153,7 +178,7 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
     dtypes = [dtype_name(x, kind) for x in (q, k, v)]
     for name, dt in zip("qkv", dtypes):
         if dt not in DTYPES:
-            raise TypeError(f"{name} must be float16 or float32; got {dt}")
+            raise TypeError(f"{name} must be float16, bfloat16 or float32; got {dt}")
     if len(set(dtypes)) != 1:
         raise TypeError(f"q, k and v must have one dtype; got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
     if algorithm not in ALGORITHMS:
@@ -166,11 +191,15 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
         raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
     elif not abs(float(scale)) * LOG2E < FLOAT32_MAX:  # scale * log2(e) is a float32 in the kernel
         raise ValueError(f"scale must be finite and below {FLOAT32_MAX / LOG2E:.3g} in magnitude; got {scale}")
-    bm_default, bn_default = default_tiles_for(algorithm, D, dtypes[0], bool(causal))
-    block_m = bm_default if block_m is None else block_m
-    block_n = bn_default if block_n is None else block_n
-    check_tiles(D, block_m, block_n)
-    block_m, block_n = int(block_m), int(block_n)
+    mode = regime(precision, dtypes[0])
+    if mode != "ieee":
+        block_m, block_n = tc_tiles(mode, D, block_m, block_n)
+    else:
+        bm_default, bn_default = default_tiles_for(algorithm, D, dtypes[0], bool(causal))
+        block_m = bm_default if block_m is None else block_m
+        block_n = bn_default if block_n is None else block_n
+        check_tiles(D, block_m, block_n)
+        block_m, block_n = int(block_m), int(block_n)
     return dict(
         kind=kind,
         q_shape=(B, H, Nq, D),
@@ -181,6 +210,7 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n) -> dict:
         algorithm=algorithm,
         block_m=block_m,
         block_n=block_n,
+        regime=mode,
     )
 
 

@@ -113,6 +113,10 @@ class ArrayContext:
     def empty(self, shape, dtype_name_: str):
         """An uninitialised result array of the caller's library."""
         if self.kind == "numpy":
+            if dtype_name_ == "bfloat16":  # NumPy's bfloat16 comes from ml_dtypes
+                import ml_dtypes
+
+                return np.empty(shape, dtype=ml_dtypes.bfloat16)
             return np.empty(shape, dtype=dtype_name_)
         if self.kind == "torch":
             import torch

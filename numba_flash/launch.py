@@ -86,32 +86,54 @@ def _signature(args) -> tuple:
 _KERNELS: dict = {}  # (dispatcher id, argument kinds) -> (dispatcher, cuda.core kernel)
 
 
-def compiled_kernel(dispatcher, args):
-    """The cuda.core kernel of ``dispatcher`` specialised for ``args`` (compiled once)."""
+STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
+
+
+def opt_in_shared_memory(cufunc, nbytes: int) -> None:
+    """Let a compiled kernel launch with ``nbytes`` of dynamic shared memory (above 48 KiB a
+    kernel must opt in: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``; numba-cuda has
+    no API for it, so this sets it through the driver binding numba itself uses)."""
+    if nbytes <= STATIC_SHARED_LIMIT:
+        return
+    from numba.cuda.cudadrv.driver import binding, driver
+
+    from numba_flash._cuda import cuda
+
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cuda.get_current_device().id)
+
+
+def compiled_kernel(dispatcher, args, shared_mem_bytes: int = 0):
+    """The cuda.core kernel of ``dispatcher`` specialised for ``args`` (compiled once), allowed
+    ``shared_mem_bytes`` of dynamic shared memory."""
     key = (id(dispatcher), *((a.dtype, len(a.shape), a.c_contiguous) if isinstance(a, DeviceArray) else type(a) for a in args))
     hit = _KERNELS.get(key)
-    if hit is None or hit[0] is not dispatcher:
+    if hit is None or hit[0] is not dispatcher or hit[2] < shared_mem_bytes:
         overload = dispatcher.compile(_signature(args))
-        hit = _KERNELS[key] = (dispatcher, overload._codelibrary.get_cufunc().kernel)
+        cufunc = overload._codelibrary.get_cufunc()
+        opt_in_shared_memory(cufunc, shared_mem_bytes)
+        allowed = max(shared_mem_bytes, 0 if hit is None or hit[0] is not dispatcher else hit[2])
+        hit = _KERNELS[key] = (dispatcher, cufunc.kernel, allowed)
     return hit[1]
 
 
 @functools.lru_cache(maxsize=256)
-def _config(grid, block):
+def _config(grid, block, shared_mem_bytes=0):
     from cuda.core import LaunchConfig
 
-    return LaunchConfig(grid=grid, block=block)
+    return LaunchConfig(grid=grid, block=block, shmem_size=shared_mem_bytes)
 
 
-def launch(dispatcher, grid, block, stream_ptr: int, args) -> None:
-    """``dispatcher[grid, block, stream](*args)`` for ``DeviceArray`` and float32 arguments."""
+def launch(dispatcher, grid, block, stream_ptr: int, args, shared_mem_bytes: int = 0) -> None:
+    """``dispatcher[grid, block, stream, shared_mem_bytes](*args)`` for ``DeviceArray`` and
+    float32 arguments."""
     from cuda.core import launch as core_launch
 
-    kernel = compiled_kernel(dispatcher, args)
+    kernel = compiled_kernel(dispatcher, args, shared_mem_bytes)
     params = []
     for a in args:
         if isinstance(a, DeviceArray):
             params.extend(a.abi_fields())
         else:
             params.append(ctypes.c_float(a))
-    core_launch(numba_stream(stream_ptr), _config(grid, block), kernel, *params)
+    core_launch(numba_stream(stream_ptr), _config(grid, block, shared_mem_bytes), kernel, *params)

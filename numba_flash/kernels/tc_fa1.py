@@ -32,10 +32,10 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
     ops = tc_ops(kind, head_dim, block_m, block_n)
     L = ops.layout
     BM, BN, D = block_m, block_n, head_dim
-    TM, NS, DT, KT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles, ops.q_frag_steps
+    TM, NS, DT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles
+    QF_ROWS, QF_SMALL = ops.q_frag_rows, ops.q_small_rows  # Q_i fragments kept in registers
     Q_ELEMS, KV_ELEMS = L.q_elems, L.kv_elems
     SMEM_TYPE = mma.uint16 if L.elem_bytes == 2 else float32
-    QF_SMALL = KT if kind == "tf32x3" else 1
     MMA_SCRATCH = mma.scratch_floats(L.threads)
     ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
 
@@ -59,7 +59,7 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
         rscratch = cuda.shared.array(ROW_SCRATCH, float32)  # simulated row reductions only
 
-        qf = cuda.local.array((KT, 4), mma.uint32)
+        qf = cuda.local.array((QF_ROWS, 4), mma.uint32)
         qf_small = cuda.local.array((QF_SMALL, 4), mma.uint32)
         s = cuda.local.array((NS, 4), float32)
         acc = cuda.local.array((DT, 4), float32)
@@ -102,7 +102,7 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                 ops.wait_all()
                 cuda.syncthreads()  # Q_i (and K_j, V_j) in shared memory
                 ops.load_q_frags(q_s, qf, qf_small)
-                ops.score_tile(qf, qf_small, k_s, s, scratch)  # Line 9: S_ij = Q_i K_j^T
+                ops.score_tile(qf, qf_small, q_s, k_s, s, scratch)  # Line 9: S_ij = Q_i K_j^T
                 ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys)
                 first_row_last_key = ops.last_visible_key(row0, n_q, n_k, CAUSAL)
                 masked = ops.tile_needs_mask(col0, first_row_last_key)

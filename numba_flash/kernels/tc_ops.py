@@ -147,6 +147,10 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     SPLIT = kind == "tf32x3"
     KSTEP = 16 if SIXTEEN else 8  # k of one product
     KT = DP // KSTEP  # products along the head dim
+    # Q_i's A fragments stay in registers for the whole K/V walk unless they would crowd out
+    # the accumulators (tf32x3 keeps two per element: at D = 128 that is 128 registers).
+    Q_IN_REGS = KT * 4 * (2 if SPLIT else 1) <= 64
+    Q_FRAG_ROWS = KT if Q_IN_REGS else 1
     CHUNKS_PER_ROW = DP // CH
     if SIXTEEN:
         MMA, PACK, BITS = mma.MMA_16[kind], mma.PACK_16[kind], mma.BITS_16[kind]
@@ -214,7 +218,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                     qf[kt, e] = a[e]
 
         @device_jit
-        def score_tile(qf, qf_small, k_s, s, scratch):
+        def score_tile(qf, qf_small, q_s, k_s, s, scratch):
             """S = Q_i K_j^T (this warp's 16 rows x block_n keys), float32 accumulators."""
             for nt in range(NS):
                 for e in range(4):
@@ -265,29 +269,44 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
             MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], hb0, hb1, scratch)
 
         @device_jit
-        def load_q_frags(q_s, qf, qf_small):
-            """Q_i's A fragments (TF32 and, for tf32x3, the remainders), one per 8-wide step."""
+        def split_q_step(q_s, qf, qf_small, kt, at):
+            """Q_i's A fragment of head-dim step ``kt`` (TF32 and, for tf32x3, the remainders)
+            into row ``at`` of ``qf`` / ``qf_small``."""
             r0 = warp_row0() + ((cuda.threadIdx.x & 31) >> 2)
-            t = lane_t()
-            for kt in range(KT):
-                c = KSTEP * kt + t
-                split(q_s[r0 * S + c], qf, qf_small, kt, 0)  # (g, t)
-                split(q_s[(r0 + 8) * S + c], qf, qf_small, kt, 1)  # (g+8, t)
-                split(q_s[r0 * S + c + 4], qf, qf_small, kt, 2)  # (g, t+4)
-                split(q_s[(r0 + 8) * S + c + 4], qf, qf_small, kt, 3)  # (g+8, t+4)
+            c = KSTEP * kt + lane_t()
+            split(q_s[r0 * S + c], qf, qf_small, at, 0)  # (g, t)
+            split(q_s[(r0 + 8) * S + c], qf, qf_small, at, 1)  # (g+8, t)
+            split(q_s[r0 * S + c + 4], qf, qf_small, at, 2)  # (g, t+4)
+            split(q_s[(r0 + 8) * S + c + 4], qf, qf_small, at, 3)  # (g+8, t+4)
 
         @device_jit
-        def score_tile(qf, qf_small, k_s, s, scratch):
-            """S = Q_i K_j^T: B fragment of key tile nt is (K[8nt + g, 8kt + t], K[.., 8kt + t + 4])."""
+        def load_q_frags(q_s, qf, qf_small):
+            """Q_i's A fragments, one per 8-wide step, when they stay in registers."""
+            if Q_IN_REGS:
+                for kt in range(KT):
+                    split_q_step(q_s, qf, qf_small, kt, kt)
+
+        @device_jit
+        def score_tile(qf, qf_small, q_s, k_s, s, scratch):
+            """S = Q_i K_j^T: B fragment of key tile nt is (K[8nt + g, 8kt + t], K[.., 8kt + t + 4]).
+            Without room for Q_i's fragments in registers (tf32x3, large D) each step's fragment
+            is split from shared memory again, once per step for all key tiles."""
             g = (cuda.threadIdx.x & 31) >> 2
             t = lane_t()
             for nt in range(NS):
                 for e in range(4):
                     s[nt, e] = float32(0.0)
-            for nt in range(NS):
-                row = (8 * nt + g) * S + t
+            if Q_IN_REGS:
+                for nt in range(NS):
+                    for kt in range(KT):
+                        row = (8 * nt + g) * S + t + KSTEP * kt
+                        tf32_product(s, nt, qf, qf_small, kt, k_s[row], k_s[row + 4], scratch)
+            else:
                 for kt in range(KT):
-                    tf32_product(s, nt, qf, qf_small, kt, k_s[row + KSTEP * kt], k_s[row + KSTEP * kt + 4], scratch)
+                    split_q_step(q_s, qf, qf_small, kt, 0)
+                    for nt in range(NS):
+                        row = (8 * nt + g) * S + t + KSTEP * kt
+                        tf32_product(s, nt, qf, qf_small, 0, k_s[row], k_s[row + 4], scratch)
 
         @device_jit
         def pv_tile(p, v_s, acc, scratch):
@@ -406,7 +425,8 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
 
     ops = ModuleType(f"numba_flash.kernels.tc_ops_{kind}_d{D}_m{BM}_n{BN}")
     ops.layout = L
-    ops.q_frag_steps = KT
+    ops.q_frag_rows = Q_FRAG_ROWS  # rows of the kernel's qf / qf_small arrays
+    ops.q_small_rows = Q_FRAG_ROWS if SPLIT else 1
     ops.frag_dtype = mma.uint32
     for name, func in dict(
         load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,

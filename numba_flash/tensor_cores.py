@@ -1,0 +1,207 @@
+"""The precision regime of a call, and the launch of the tensor-core kernels.
+
+``attention(..., precision=None)`` (API.md section 2a) picks one of two regimes:
+
+- ``"ieee"``: the CUDA-core kernels (``kernels.fa1``, ``kernels.fa2``), exact FFMA; the research
+  baseline. float32 by default; any dtype with ``precision="ieee"`` (bfloat16 inputs are
+  widened to float32 for it, and the output narrowed back).
+- tensor cores (``kernels.tc_fa1``, ``kernels.tc_fa2``): ``"f16"`` / ``"bf16"`` for float16 /
+  bfloat16 inputs by default (``mma.sync`` m16n8k16, float32 accumulation), ``"tf32"`` /
+  ``"tf32x3"`` for float32 inputs that ask for them (m16n8k8).
+
+The tensor-core kernels read 16-byte chunks with ``cp.async``: the head dim and every row
+stride must be multiples of 16 bytes, and the data 16-byte aligned. Inputs that are not (an
+odd head dim, a strided slice) are copied once into zero-padded contiguous buffers here; the
+output is then written into a padded buffer and copied into the caller's. 16-bit inputs reach
+the kernel as ``uint16`` views of their bit patterns (one kernel source for float16 and
+bfloat16; the products and conversions know which).
+
+bfloat16 arrays: PyTorch CUDA tensors (``torch.bfloat16``) and NumPy arrays whose dtype is
+``ml_dtypes.bfloat16`` (the simulator without a GPU, or copied to the GPU). CuPy has no
+bfloat16 dtype; pass a torch tensor or a DLPack/CAI object of one.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from numba_flash._world import simulated
+from numba_flash.kernels.tc_ops import check_tc_tiles, default_tc_tiles, input_alignment, tc_layout
+
+PRECISIONS = (None, "ieee", "tf32", "tf32x3")
+_TC_OF_DTYPE = {"float16": "f16", "bfloat16": "bf16"}
+
+
+def regime(precision, dtype: str) -> str:
+    """``"ieee"`` (CUDA cores) or the tensor-core kind for this precision and input dtype."""
+    if precision is None:
+        return _TC_OF_DTYPE.get(dtype, "ieee")
+    if isinstance(precision, str) and precision == "ieee":
+        return "ieee"
+    if isinstance(precision, str) and precision in ("tf32", "tf32x3"):
+        if dtype != "float32":
+            raise ValueError(
+                f"precision={precision!r} is for float32 inputs; got {dtype} (float16 and bfloat16 "
+                "use tensor cores with precision=None)"
+            )
+        return precision
+    raise ValueError(f"precision must be one of None, 'ieee', 'tf32', 'tf32x3'; got {precision!r}")
+
+
+def tc_tiles(kind: str, head_dim: int, block_m, block_n) -> tuple[int, int]:
+    """(block_m, block_n) for the tensor-core kernels: the caller's, checked, or the defaults."""
+    dm, dn = default_tc_tiles(kind, kernel_head_dim(kind, head_dim))
+    block_m = dm if block_m is None else block_m
+    block_n = dn if block_n is None else block_n
+    check_tc_tiles(kind, kernel_head_dim(kind, head_dim), block_m, block_n)
+    return int(block_m), int(block_n)
+
+
+def kernel_head_dim(kind: str, head_dim: int) -> int:
+    """The head dim the kernel is compiled for: D rounded up to the 16-byte copy width."""
+    a = input_alignment(kind)
+    return -(-head_dim // a) * a
+
+
+def tc_kernel(algorithm: str, kind: str, head_dim: int, block_m: int, block_n: int, causal: bool):
+    """The compiled-kernel dispatcher of a tensor-core configuration (``head_dim``: the kernel's)."""
+    if algorithm == "fa2":
+        from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
+
+        return tc_fa2_kernel(kind, head_dim, block_m, block_n, bool(causal))
+    from numba_flash.kernels.tc_fa1 import tc_fa1_kernel
+
+    return tc_fa1_kernel(kind, head_dim, block_m, block_n, bool(causal))
+
+
+# ------------------------------------------------------------------------------------------
+# Arrays: bit-pattern views and 16-byte alignment
+# ------------------------------------------------------------------------------------------
+
+
+def _bits_view(x, kind_of_array: str, sixteen: bool):
+    """``x`` as the kernel's element type: uint16 bit patterns (16-bit kinds) or float32.
+    torch tensors become CuPy views (torch has no uint16 before 2.3; CuPy can view int16)."""
+    if kind_of_array == "torch":
+        import cupy
+        import torch
+
+        x = x.detach()
+        x = cupy.asarray(x.view(torch.int16) if sixteen else x)
+        return x.view(cupy.uint16) if sixteen else x
+    if not sixteen:
+        return x
+    return x.view(np.uint16) if kind_of_array == "numpy" else x.view("uint16")
+
+
+def _aligned(x, head_dim: int, width: int) -> bool:
+    """Can ``cp.async`` read ``x`` (4-D, kernel element type) in ``width``-element chunks?"""
+    item = x.itemsize
+    if head_dim % width or x.strides[3] != item:
+        return False
+    if any(s % (width * item) for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1):
+        return False
+    ptr = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+    return ptr % 16 == 0
+
+
+def _padded_copy(x, dim: int):
+    """A zero-padded C-contiguous copy of ``x`` with head dim ``dim``."""
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    out = xp.zeros((*x.shape[:3], dim), dtype=x.dtype)
+    out[..., : x.shape[3]] = x
+    return out
+
+
+def kernel_inputs(kind: str, kind_of_array: str, q, k, v):
+    """q, k, v as the tensor-core kernel reads them (views when they can be, else padded copies)."""
+    sixteen = kind in _TC_OF_DTYPE.values()
+    dim = kernel_head_dim(kind, int(q.shape[3]))
+    width = input_alignment(kind)
+    out = []
+    for x in (q, k, v):
+        x = _bits_view(x, kind_of_array, sixteen)
+        if x.shape[3] != dim or not _aligned(x, dim, width):
+            x = _padded_copy(x, dim)
+        out.append(x)
+    return out
+
+
+def launch_tc(ctx, call: dict, q, k, v, o, lse) -> None:
+    """Run the tensor-core kernel of ``call`` (validated by ``api``) into ``o`` and ``lse``;
+    on a GPU every copy and launch is queued on the caller's stream."""
+    if ctx.kind in ("cupy", "torch"):
+        import cupy
+
+        with cupy.cuda.ExternalStream(ctx.stream_ptr()):
+            _launch_tc(ctx, call, q, k, v, o, lse)
+    else:
+        _launch_tc(ctx, call, q, k, v, o, lse)
+
+
+def _launch_tc(ctx, call: dict, q, k, v, o, lse) -> None:
+    from numba_flash.launch import device_array, launch
+
+    kind = call["regime"]
+    sixteen = kind in _TC_OF_DTYPE.values()
+    B, H, Nq, D = call["q_shape"]
+    bm, bn = call["block_m"], call["block_n"]
+    dim = kernel_head_dim(kind, D)
+    L = tc_layout(kind, dim, bm, bn)
+    kq, kk, kv = kernel_inputs(kind, ctx.kind, q, k, v)
+    # The output: the caller's buffer viewed as the kernel's element type, or a padded one.
+    o_view = _bits_view(o, ctx.kind, sixteen)
+    padded_out = dim != D  # the kernel writes O element by element: any strides will do
+    if padded_out:
+        xp = np if ctx.kind == "numpy" else __import__("cupy")
+        o_kernel = xp.empty((B, H, Nq, dim), dtype=o_view.dtype)
+    else:
+        o_kernel = o_view
+    lse_kernel = _bits_view(lse, ctx.kind, False)
+    kernel = tc_kernel(call["algorithm"], kind, dim, bm, bn, call["causal"])
+    q_scale = np.float32(call["scale"] * 1.4426950408889634)  # log2(e): scores in log2 units
+    if call["algorithm"] == "fa2":
+        grid = (-(-Nq // bm) * B * H,)
+        arrays = [kq, kk, kv, o_kernel, lse_kernel]
+    else:
+        xp = np if ctx.kind == "numpy" else __import__("cupy")
+        grid = (B * H,)
+        scratch = [xp.empty((B, H, Nq, dim), np.float32), xp.empty((B, H, Nq), np.float32), xp.empty((B, H, Nq), np.float32)]
+        arrays = [kq, kk, kv, *scratch, o_kernel, lse_kernel]
+    written = [o_kernel, lse_kernel] + ([] if call["algorithm"] == "fa2" else scratch)
+    if ctx.direct_launch:
+        args = [device_array(x, "cupy") for x in arrays]
+        launch(kernel, grid, (L.threads,), ctx.stream_ptr(), [*args, q_scale], shared_mem_bytes=L.smem_bytes)
+    else:
+        _numba_launch(ctx, kernel, grid, L, arrays, written, q_scale)
+    if padded_out:
+        o_view[...] = o_kernel[..., :D]
+
+
+def _numba_launch(ctx, kernel, grid, L, arrays, written, q_scale) -> None:
+    """numba's own launch: NumPy arrays (the simulator, or copied to and from a GPU)."""
+    from numba_flash._cuda import cuda
+    from numba_flash.launch import STATIC_SHARED_LIMIT
+
+    host = ctx.kind == "numpy"
+    if host and not simulated():
+        dev = [cuda.to_device(np.ascontiguousarray(x)) if not any(x is w for w in written) else cuda.device_array(x.shape, x.dtype) for x in arrays]
+    elif host:
+        dev = list(arrays)  # the simulator writes NumPy arguments back after the launch
+    else:
+        dev = [cuda.as_cuda_array(x) for x in arrays]
+    stream = ctx.stream()
+    if not simulated() and L.smem_bytes > STATIC_SHARED_LIMIT:
+        from numba_flash.launch import opt_in_shared_memory
+
+        from numba import typeof
+
+        overload = kernel.compile(tuple(typeof(x) for x in [*dev, q_scale]))
+        opt_in_shared_memory(overload._codelibrary.get_cufunc(), L.smem_bytes)
+    kernel[grid, L.threads, stream or 0, L.smem_bytes](*dev, q_scale)
+    if host and not simulated():
+        for x, d in zip(arrays, dev):
+            if any(x is w for w in written):
+                d.copy_to_host(x, stream=stream)
+        if stream is not None:
+            stream.synchronize()
