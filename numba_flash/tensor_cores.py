@@ -50,7 +50,8 @@ def regime(precision, dtype: str) -> str:
 
 def tc_tiles(kind: str, head_dim: int, block_m, block_n) -> tuple[int, int]:
     """(block_m, block_n) for the tensor-core kernels: the caller's, checked, or the defaults."""
-    dm, dn = default_tc_tiles(kind, kernel_head_dim(kind, head_dim))
+    # In the simulator every thread is a Python thread and every product a barrier: one warp.
+    dm, dn = (16, 16) if simulated() else default_tc_tiles(kind, kernel_head_dim(kind, head_dim))
     block_m = dm if block_m is None else block_m
     block_n = dn if block_n is None else block_n
     check_tc_tiles(kind, kernel_head_dim(kind, head_dim), block_m, block_n)

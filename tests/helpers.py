@@ -41,26 +41,27 @@ def lse_matches(lse, ref_lse, atol=1e-4, rtol=1e-5) -> bool:
     )
 
 
-def plain_fp16_attention(q, k, v, causal=False, scale=None):
-    """Attention as a plain float16 implementation does it (the FlashAttention baseline).
+def plain_fp16_attention(q, k, v, causal=False, scale=None, dtype=np.float16):
+    """Attention as a plain float16 implementation does it (the FlashAttention baseline);
+    ``dtype=ml_dtypes.bfloat16`` gives the plain bfloat16 one.
 
     Matmuls accumulate in float32 and round to float16 (as cuBLAS does); S, P, the
     softmax and O are float16 values. Its error against float64 sets the bar: a kernel
     passes when its own error is at most twice this one's.
     """
-    q, k, v = (to_numpy(x).astype(np.float16) for x in (q, k, v))
+    q, k, v = (to_numpy(x).astype(dtype) for x in (q, k, v))
     B, H, Nq, D = q.shape
     Nk = k.shape[2]
     g = H // k.shape[1]
     k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
     scale = 1 / np.sqrt(D) if scale is None else scale
-    s = (np.einsum("bhid,bhjd->bhij", q.astype(np.float32), k.astype(np.float32)) * scale).astype(np.float16)
+    s = (np.einsum("bhid,bhjd->bhij", q.astype(np.float32), k.astype(np.float32)) * scale).astype(dtype)
     if causal:
         i, j = np.arange(Nq)[:, None], np.arange(Nk)[None, :]
-        s = np.where(j <= i + (Nk - Nq), s, np.float16(-np.inf))
+        s = np.where(j <= i + (Nk - Nq), s, np.asarray(-np.inf, dtype))
     m = s.max(axis=-1, keepdims=True)
-    m = np.where(np.isfinite(m), m, np.float16(0))
-    p = np.exp(s - m).astype(np.float16)
+    m = np.where(np.isfinite(m), m, np.asarray(0, dtype))
+    p = np.exp(s - m).astype(dtype)
     l = p.astype(np.float32).sum(axis=-1, keepdims=True)
-    p = (p / np.where(l > 0, l, 1).astype(np.float16)).astype(np.float16)
-    return np.einsum("bhij,bhjd->bhid", p.astype(np.float32), v.astype(np.float32)).astype(np.float16)
+    p = (p / np.where(l > 0, l, 1).astype(dtype)).astype(dtype)
+    return np.einsum("bhij,bhjd->bhid", p.astype(np.float32), v.astype(np.float32)).astype(dtype)

@@ -58,7 +58,7 @@ def test_batch_mismatch(rng):
 @pytest.mark.parametrize("dtype", ["float64", "int32", "bool"])
 def test_unsupported_dtype(qkv, dtype):
     q, k, v = qkv
-    with pytest.raises(TypeError, match="q must be float16 or float32"):
+    with pytest.raises(TypeError, match="q must be float16, bfloat16 or float32"):
         attention(q.astype(dtype), k, v)
 
 
