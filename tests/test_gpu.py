@@ -64,10 +64,15 @@ def _random(shape_qkv, dtype, seed):
 
 
 @pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
-@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize(
+    "dtype, precision",
+    # the defaults (float32: CUDA cores, float16: tensor cores), then the other regime of each
+    [("float32", None), ("float16", None), ("float32", "tf32x3"), ("float16", "ieee")],
+    ids=["float32", "float16-tc", "float32-tf32x3", "float16-ieee"],
+)
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}/{}Nq{}Nk{}D{}".format(*s))
-def test_large_shapes(shape, causal, dtype, algorithm):
+def test_large_shapes(shape, causal, dtype, precision, algorithm):
     cp = _cupy()
     from numba_flash.api import forward
 
@@ -77,7 +82,7 @@ def test_large_shapes(shape, causal, dtype, algorithm):
     B, H, Nq, D = q.shape
     o = cp.full((B, H, Nq, D), cp.nan, dtype=dtype)
     lse = cp.full((B, H, Nq), cp.nan, dtype=cp.float32)
-    forward(q, k, v, causal=causal, algorithm=algorithm, out=o, lse_out=lse)
+    forward(q, k, v, causal=causal, algorithm=algorithm, out=o, lse_out=lse, precision=precision)
     ref = _reference64(q, k, v, causal)
     assert not cp.isnan(o).any(), "unwritten or NaN output"
     err = float(cp.abs(o.astype(cp.float64) - ref).max())

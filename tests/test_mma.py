@@ -26,6 +26,7 @@ def examples_or(n: int) -> int:
 
 
 STRIDE = 24  # 16 columns + 16 bytes of padding, as the kernels' shared rows
+TILE = 16 * STRIDE  # a constant: numba needs a shared array's size at compile time
 
 
 def _bf16(x):
@@ -42,9 +43,9 @@ def product16_kernel(kind: str, a_from_registers: bool):
     @cuda.jit
     def product16(a_bits, a_f32, bt_bits, b_bits, c_k, c_v):
         """c_k = A @ Bt^T (B from an n x k tile), c_v = A @ B (B from a k x n tile); 16 x 16 each."""
-        a_s = cuda.shared.array(16 * STRIDE, mma.uint16)
-        bt_s = cuda.shared.array(16 * STRIDE, mma.uint16)
-        b_s = cuda.shared.array(16 * STRIDE, mma.uint16)
+        a_s = cuda.shared.array(TILE, mma.uint16)
+        bt_s = cuda.shared.array(TILE, mma.uint16)
+        b_s = cuda.shared.array(TILE, mma.uint16)
         scratch = cuda.shared.array(SCRATCH, float32)
         lane = cuda.threadIdx.x
         for i in range(lane, 256, 32):
