@@ -43,7 +43,8 @@ def cupy_attention(q, k, v, causal=False, scale=None):
 def torch_sdpa_backends(dtype: str) -> dict:
     """``{name: fn(q, k, v, causal) -> o}`` for each SDPA backend usable with ``dtype``.
 
-    Takes CuPy arrays (shared through DLPack, no copy). Empty when torch is missing.
+    Takes CuPy arrays (shared through DLPack, no copy) or torch tensors. Empty when torch is
+    missing.
     """
     try:
         import torch
@@ -53,13 +54,13 @@ def torch_sdpa_backends(dtype: str) -> dict:
     if not torch.cuda.is_available():
         return {}
     names = {"math": SDPBackend.MATH, "mem_efficient": SDPBackend.EFFICIENT_ATTENTION}
-    if dtype == "float16":
+    if dtype in ("float16", "bfloat16"):
         names.update(flash=SDPBackend.FLASH_ATTENTION, cudnn=SDPBackend.CUDNN_ATTENTION)
     backends = {}
     for name, backend in names.items():
 
         def run(q, k, v, causal, _backend=backend):
-            tq, tk, tv = (torch.from_dlpack(x) for x in (q, k, v))
+            tq, tk, tv = (x if isinstance(x, torch.Tensor) else torch.from_dlpack(x) for x in (q, k, v))
             enable_gqa = tq.shape[1] != tk.shape[1]
             with sdpa_kernel(_backend):
                 return torch.nn.functional.scaled_dot_product_attention(

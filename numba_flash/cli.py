@@ -39,7 +39,12 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--seq-k", type=_positive, help="key length when it differs from --seq")
     cmp.add_argument("--head-dim", type=_positive)
     cmp.add_argument("--causal", action="store_true")
-    cmp.add_argument("--dtype", choices=["float32", "float16"], default="float32")
+    cmp.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    cmp.add_argument(
+        "--precision", choices=["default", "ieee", "tf32", "tf32x3"], default="default",
+        help="where the products run: default = tensor cores for float16/bfloat16, CUDA cores "
+        "for float32; ieee = CUDA cores; tf32/tf32x3 = float32 on tensor cores",
+    )
     cmp.add_argument("--block-m", type=int)
     cmp.add_argument("--block-n", type=int)
     cmp.add_argument("--repeats", type=_positive, default=20, help="timed runs (median reported)")
@@ -52,7 +57,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     occ.add_argument("--algorithm", nargs="+", default=["fa1", "fa2"], choices=["fa1", "fa2"])
     occ.add_argument("--head-dim", nargs="+", type=int, default=[32, 64, 128])
-    occ.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "float16"])
+    occ.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "float16", "bfloat16"])
+    occ.add_argument(
+        "--precision", nargs="+", default=["default"], choices=["default", "ieee", "tf32", "tf32x3"],
+        help="regimes to profile (default: tensor cores for 16-bit dtypes, CUDA cores for float32)",
+    )
     occ.add_argument("--block-m", nargs="+", type=int, default=[32, 64, 128, 256])
     occ.add_argument("--block-n", nargs="+", type=int, default=[16, 32])
     occ.add_argument("--causal", action="store_true")
@@ -129,8 +138,9 @@ def _occupancy(args) -> int:
     from numba_flash.profiling.occupancy import ROW_KEYS, configurations, profile
 
     cc = tuple(int(x) for x in args.cc.split("."))
+    precisions = [None if p == "default" else p for p in args.precision]
     configs = configurations(
-        args.algorithm, args.head_dim, args.dtype, args.block_m, args.block_n, (args.causal,)
+        args.algorithm, args.head_dim, args.dtype, args.block_m, args.block_n, (args.causal,), precisions
     )
     try:
         rows = profile(configs, cc=cc, source=source, progress=lambda m: print(m, file=sys.stderr, flush=True))

@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.kernels.tiles import smem_bytes, threads_per_block
+from numba_flash.specs import kernel_spec
+from numba_flash.tensor_cores import regime, tc_tiles
 from numba_flash.profiling.timing import attention_flops, median_ms, tflops
 from numba_flash.profiling.traffic import traffic_bytes
 
@@ -35,6 +36,8 @@ def _problem(args) -> dict:
     p["seq_k"] = p["seq"] if args.seq_k is None else args.seq_k
     p["causal"] = bool(args.causal)
     p["dtype"] = args.dtype
+    precision = getattr(args, "precision", "default")
+    p["precision"] = None if precision in (None, "default") else precision
     return p
 
 
@@ -47,8 +50,9 @@ def compare(args):
     p = _problem(args)
     B, H, Hkv, Nq, Nk, D = p["batch"], p["heads"], p["kv_heads"], p["seq"], p["seq_k"], p["head_dim"]
     rng = np.random.default_rng(args.seed)
+    mode = regime(p["precision"], p["dtype"])  # ValueError for a combination that does not exist
     host = [
-        rng.standard_normal(shape).astype(p["dtype"])
+        rng.standard_normal(shape).astype(np.float32).astype(_numpy_dtype(p["dtype"]))
         for shape in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D))
     ]
     sim = simulated()
@@ -60,7 +64,16 @@ def compare(args):
             "occupancy; errors and modelled traffic are real)."
         )
         q, k, v = host
-        ref_o, _ = reference.attention(q, k, v, causal=p["causal"])
+        ref_o, _ = reference.attention(*(x.astype(np.float64) for x in host), causal=p["causal"])
+    elif p["dtype"] == "bfloat16":  # CuPy has no bfloat16: torch tensors
+        import torch as xp
+
+        from numba_flash.baselines import cupy_attention
+
+        q, k, v = (xp.as_tensor(x.astype(np.float32), device="cuda").to(xp.bfloat16) for x in host)
+        import cupy
+
+        ref_o = xp.as_tensor(cupy_attention(*(cupy.asarray(x.astype(np.float64)) for x in host), causal=p["causal"]), device="cuda")
     else:
         import cupy as xp
 
@@ -72,33 +85,38 @@ def compare(args):
     flops = attention_flops(B, H, Nq, Nk, D, p["causal"])
     rows = []
     for alg in ALGORITHMS:
-        bm_d, bn_d = default_tiles_for(alg, D, p["dtype"], p["causal"])  # autotuned if cached
-        bm, bn = p["block_m"] or bm_d, p["block_n"] or bn_d
+        if mode == "ieee":
+            bm_d, bn_d = default_tiles_for(alg, D, p["dtype"], p["causal"])  # autotuned if cached
+            bm, bn = p["block_m"] or bm_d, p["block_n"] or bn_d
+        else:
+            bm, bn = tc_tiles(mode, D, p["block_m"], p["block_n"])
+        spec = kernel_spec(alg, D, p["dtype"], bm, bn, p["causal"], mode)
 
         def run(alg=alg, bm=bm, bn=bn):
-            return forward(q, k, v, causal=p["causal"], algorithm=alg, block_m=bm, block_n=bn)
+            return forward(q, k, v, causal=p["causal"], algorithm=alg, block_m=bm, block_n=bn, precision=p["precision"])
 
         o, _ = run()
-        diff = o.astype(xp.float64) - ref_o
+        diff = o.double() - ref_o if p["dtype"] == "bfloat16" and not sim else o.astype(np.float64) - ref_o
         row = dict(
             algorithm=alg,
+            regime="CUDA cores (FFMA)" if mode == "ieee" else f"tensor cores ({_MMA_NAME[mode]})",
             shape=f"B{B} H{H}/{Hkv} Nq{Nq} Nk{Nk} D{D}",
             dtype=p["dtype"],
             causal=p["causal"],
             block_m=bm,
             block_n=bn,
-            max_abs_err=float(xp.abs(diff).max()),
-            rel_err=float(xp.linalg.norm(diff) / xp.linalg.norm(ref_o)),
-            modelled_bytes=traffic_bytes(alg, B, H, Hkv, Nq, Nk, D, bm, bn, p["dtype"], p["causal"]),
-            smem_bytes=smem_bytes(D, bm, bn),  # static; the driver's figure replaces it on a GPU
+            max_abs_err=float(abs(diff).max()),
+            rel_err=float(_norm(diff) / _norm(ref_o)),
+            modelled_bytes=traffic_bytes(alg, B, H, Hkv, Nq, Nk, D, bm, bn, p["dtype"], p["causal"], tensor_cores=mode != "ieee"),
+            smem_bytes=spec.smem_bytes,  # the driver's figure replaces it on a GPU
+            threads=spec.threads,
         )
         if not sim:
-            from numba_flash.api import kernel_for
             from numba_flash.profiling.resources import compiled_resources
 
             ms = median_ms(run, repeats=args.repeats)
             row.update(ms=ms, tflops=tflops(flops, ms))
-            res = compiled_resources(kernel_for(alg, D, bm, bn, p["causal"], p["dtype"]), threads_per_block(D, bm, bn))
+            res = compiled_resources(spec.kernel, spec.threads, spec.dynamic_smem)
             row.update(res.as_dict())
         rows.append(row)
     if not sim:
@@ -108,11 +126,30 @@ def compare(args):
     return rows, notes
 
 
+_MMA_NAME = {"f16": "mma.sync f16", "bf16": "mma.sync bf16", "tf32": "mma.sync tf32", "tf32x3": "mma.sync 3xTF32"}
+
+
+def _numpy_dtype(name: str):
+    if name == "bfloat16":
+        import ml_dtypes
+
+        return ml_dtypes.bfloat16
+    return np.dtype(name)
+
+
+def _norm(x) -> float:
+    """Frobenius norm of a NumPy, CuPy or torch array, in float64."""
+    if hasattr(x, "double"):  # torch
+        return float(x.double().norm())
+    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
+    return float(xp.linalg.norm(x.astype(np.float64).ravel()))
+
+
 def _peers(q, k, v, p, flops, repeats) -> list[str]:
     """Time the CuPy baseline and torch SDPA backends on the same inputs."""
     from numba_flash.baselines import cupy_attention, torch_sdpa_backends
 
-    peers = {"cupy matmul-softmax-matmul": lambda: cupy_attention(q, k, v, causal=p["causal"])}
+    peers = {} if p["dtype"] == "bfloat16" else {"cupy matmul-softmax-matmul": lambda: cupy_attention(q, k, v, causal=p["causal"])}
     for name, fn in torch_sdpa_backends(p["dtype"]).items():
         peers[name] = lambda fn=fn: fn(q, k, v, p["causal"])
     lines = []
@@ -127,6 +164,7 @@ def _peers(q, k, v, p, flops, repeats) -> list[str]:
 
 
 _FORMATS = [
+    ("regime", "regime", "{}"),
     ("shape", "shape", "{}"),
     ("dtype", "dtype", "{}"),
     ("causal", "causal", "{}"),

@@ -30,7 +30,8 @@ import tempfile
 from dataclasses import dataclass
 from itertools import product
 
-from numba_flash.kernels.tiles import STATIC_SMEM_LIMIT, register_cap, smem_bytes, threads_per_block
+from numba_flash.kernels.tiles import STATIC_SMEM_LIMIT, smem_bytes
+from numba_flash.specs import kernel_spec
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ ARCH = {
 }
 
 ROW_KEYS = (
-    "algorithm", "head_dim", "dtype", "causal", "block_m", "block_n", "threads", "regs",
+    "algorithm", "precision", "head_dim", "dtype", "causal", "block_m", "block_n", "threads", "regs",
     "smem_bytes", "local_bytes", "blocks_per_sm", "warps_per_sm", "occupancy", "limiter", "source",
 )
 
@@ -82,25 +83,27 @@ def occupancy_from_resources(regs: int, smem: int, threads: int, arch: ArchLimit
 
 
 def signature(algorithm: str, head_dim: int, dtype: str):
-    """The argument types ``attention`` launches the kernel with for CuPy inputs."""
-    from numba import types
-
-    elem = {"float32": types.float32, "float16": types.float16}[dtype]
-    a4, f4 = types.Array(elem, 4, "C"), types.Array(types.float32, 4, "C")
-    f3, order = types.Array(types.float32, 3, "C"), types.Array(types.int32, 1, "C")
-    if algorithm == "fa2":  # q, k, v, o, lse, q_scale, kv_order
-        return (a4, a4, a4, a4, f3, types.float32, order)
-    from numba_flash.kernels.fa1 import casts_output
-
-    out = a4 if casts_output(dtype) else f4  # q, k, v, o_hbm, l, m, o, lse, q_scale, kv_order
-    return (a4, a4, a4, f4, f3, f3, out, f3, types.float32, order)
+    """The argument types ``attention`` launches the CUDA-core kernel with for CuPy inputs."""
+    return kernel_spec(algorithm, head_dim, dtype, 1, 1).signature()
 
 
-def configurations(algorithms, head_dims, dtypes, block_ms, block_ns, causal=(False,)):
-    """Every runnable combination (tiles beyond shared memory are left out)."""
-    for alg, d, dt, bm, bn, c in product(algorithms, head_dims, dtypes, block_ms, block_ns, causal):
-        if smem_bytes(d, bm, bn) <= STATIC_SMEM_LIMIT:
-            yield dict(algorithm=alg, head_dim=d, dtype=dt, block_m=bm, block_n=bn, causal=c)
+def configurations(algorithms, head_dims, dtypes, block_ms, block_ns, causal=(False,), precisions=(None,)):
+    """Every runnable combination (tiles a kernel cannot run are left out). ``precisions``:
+    the ``attention`` argument (``None``: tensor cores for 16-bit dtypes, CUDA cores for float32)."""
+    from numba_flash.kernels.tc_ops import BLOCK_M_CHOICES, BLOCK_N_CHOICES, SMEM_OPTIN_LIMIT
+    from numba_flash.tensor_cores import regime
+
+    for alg, d, dt, bm, bn, c, prec in product(algorithms, head_dims, dtypes, block_ms, block_ns, causal, precisions):
+        try:
+            mode = regime(prec, dt)
+        except ValueError:
+            continue  # e.g. tf32 asked of float16
+        cfg = dict(algorithm=alg, precision=mode, head_dim=d, dtype=dt, block_m=bm, block_n=bn, causal=c)
+        if mode == "ieee":
+            if dt in ("float16", "float32") and smem_bytes(d, bm, bn) <= STATIC_SMEM_LIMIT:
+                yield cfg
+        elif bm in BLOCK_M_CHOICES and bn in BLOCK_N_CHOICES and _spec(cfg).smem_bytes <= SMEM_OPTIN_LIMIT:
+            yield cfg
 
 
 def profile(configs, cc=(9, 0), source=None, progress=None) -> list[dict]:
@@ -122,14 +125,19 @@ def profile(configs, cc=(9, 0), source=None, progress=None) -> list[dict]:
     return rows
 
 
-def _kernel(cfg):
-    from numba_flash.api import kernel_for
+def _spec(cfg):
+    return kernel_spec(
+        cfg["algorithm"], cfg["head_dim"], cfg["dtype"], cfg["block_m"], cfg["block_n"], cfg["causal"],
+        cfg.get("precision") or "ieee",
+    )
 
-    return kernel_for(cfg["algorithm"], cfg["head_dim"], cfg["block_m"], cfg["block_n"], cfg["causal"], cfg["dtype"])
+
+def _kernel(cfg):
+    return _spec(cfg).kernel
 
 
 def _threads(cfg) -> int:
-    return threads_per_block(cfg["head_dim"], cfg["block_m"], cfg["block_n"])
+    return _spec(cfg).threads
 
 
 def _row(cfg, regs, smem, local, blocks, limiter, max_warps, source) -> dict:
@@ -146,19 +154,21 @@ def _driver_row(cfg, cc) -> dict:
 
     from numba_flash.profiling.resources import compiled_resources
 
-    compiled = _kernel(cfg).compile(signature(cfg["algorithm"], cfg["head_dim"], cfg["dtype"]))
-    res = compiled_resources(compiled, _threads(cfg))
+    spec = _spec(cfg)
+    compiled = spec.kernel.compile(spec.signature())
+    res = compiled_resources(compiled, spec.threads, spec.dynamic_smem)
     arch = ARCH.get(cuda.get_current_device().compute_capability, ArchLimits())
     _, limiter = occupancy_from_resources(res.regs, res.smem_bytes, res.threads, arch)
     return _row(cfg, res.regs, res.smem_bytes, res.local_bytes, res.blocks_per_sm, limiter, arch.max_warps, "driver")
 
 
 def _ptxas_row(cfg, cc) -> dict:
+    spec = _spec(cfg)
     ptx = compile_ptx(cfg, cc)
-    cap = register_cap(cfg["head_dim"])
-    regs, smem, local = ptxas_resources(ptx, cc, cap)
+    regs, smem, local = ptxas_resources(ptx, cc, spec.register_cap)
+    smem += spec.dynamic_smem  # ptxas sees only the static part
     arch = ARCH[cc]
-    blocks, limiter = occupancy_from_resources(regs, smem, _threads(cfg), arch)
+    blocks, limiter = occupancy_from_resources(regs, smem, spec.threads, arch)
     return _row(cfg, regs, smem, local, blocks, limiter, arch.max_warps, f"ptxas sm_{cc[0]}{cc[1]}")
 
 
@@ -194,14 +204,10 @@ def compile_ptx(cfg, cc=(9, 0)) -> str:
             "PTX compilation needs numba's CUDA target, not the simulator: run with "
             "NUMBA_ENABLE_CUDASIM=0 (`numba-flash occupancy` does this itself)"
         )
-    kernel = _kernel(cfg)
+    spec = _spec(cfg)
+    kernel = spec.kernel
     with _no_device_compilation(cc):
-        ptx, _ = cuda.compile_ptx(
-            kernel.py_func,
-            signature(cfg["algorithm"], cfg["head_dim"], cfg["dtype"]),
-            cc=cc,
-            fastmath=kernel.targetoptions.get("fastmath"),
-        )
+        ptx, _ = cuda.compile_ptx(kernel.py_func, spec.signature(), cc=cc, fastmath=kernel.targetoptions.get("fastmath"))
     return ptx
 
 

@@ -24,7 +24,7 @@ F32 = 4
 
 
 def _itemsize(dtype: str) -> int:
-    return np.dtype(dtype).itemsize
+    return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
 def _visible_counts(n_q: int, n_k: int, block_m: int, block_n: int, causal: bool):
@@ -53,8 +53,13 @@ def traffic_bytes(
     block_n: int,
     dtype: str = "float32",
     causal: bool = False,
+    tensor_cores: bool = False,
 ) -> int:
-    """Modelled global-memory bytes (reads + writes) of one forward pass."""
+    """Modelled global-memory bytes (reads + writes) of one forward pass.
+
+    ``tensor_cores``: the tensor-core kernels, whose loop nests are the same; they differ in
+    that FA-1 keeps O in a float32 buffer for every dtype (float32 too) and casts it at the end.
+    """
     e = _itemsize(dtype)
     d = head_dim
     bh = batch * heads
@@ -81,7 +86,7 @@ def traffic_bytes(
                     per_head += 2 * rows * d * F32  # lines 8, 12: O_i read and written
                     per_head += 4 * rows * F32  # lines 8, 13: l_i, m_i read and written
         per_head += n_q * 2 * F32 + n_q * F32  # line 16: read l, m; write L
-        if e != F32:  # O kept in float32, cast to the output dtype at the end
+        if e != F32 or tensor_cores:  # O kept in float32, cast to the output dtype at the end
             per_head += n_q * d * (F32 + e)
         return bh * per_head
     raise ValueError(f"algorithm must be 'standard', 'fa1' or 'fa2'; got {algorithm!r}")

@@ -1,0 +1,100 @@
+"""What it takes to launch each kernel: one place, read by the API, occupancy, compare, benchmarks.
+
+A :class:`KernelSpec` names a compiled-kernel dispatcher and its launch shape: threads per block,
+dynamic shared memory, the grid for a problem, and the compile signature for CuPy inputs.
+Two regimes (``tensor_cores.regime``):
+
+- ``"ieee"``: the CUDA-core kernels (``kernels.fa1``, ``kernels.fa2``): static shared memory,
+  inputs in their own dtype (float16 or float32), a register cap at D <= 64;
+- a tensor-core kind (``"f16"``, ``"bf16"``, ``"tf32"``, ``"tf32x3"``; ``kernels.tc_fa1``,
+  ``kernels.tc_fa2``): dynamic shared memory (opted in above 48 KiB), 16-bit inputs as uint16
+  bit patterns, the head dim rounded up to 16 bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from numba_flash.kernels.tiles import register_cap, smem_bytes, threads_per_block
+
+
+@dataclass(frozen=True)
+class KernelSpec:
+    algorithm: str  # "fa1" or "fa2"
+    regime: str  # "ieee" or a tensor-core kind
+    head_dim: int  # the head dim the kernel is compiled for
+    dtype: str  # the inputs' dtype
+    block_m: int
+    block_n: int
+    causal: bool
+    threads: int
+    static_smem: int  # bytes of static shared memory (the CUDA-core tiles)
+    dynamic_smem: int  # bytes of dynamic shared memory per block (the tensor-core tiles)
+    register_cap: int | None  # registers per thread the kernel is compiled under
+
+    @property
+    def tensor_cores(self) -> bool:
+        return self.regime != "ieee"
+
+    @property
+    def smem_bytes(self) -> int:
+        return self.static_smem + self.dynamic_smem
+
+    def grid(self, batch: int, heads: int, n_q: int) -> tuple:
+        """FA-1: one block per (batch, head); FA-2: one per Q tile of each (batch, head)."""
+        if self.algorithm == "fa1":
+            return (batch * heads,)
+        return (-(-n_q // self.block_m) * batch * heads,)
+
+    @property
+    def kernel(self):
+        """The dispatcher (compiled on first use for the arguments it is launched with)."""
+        if self.tensor_cores:
+            from numba_flash.tensor_cores import tc_kernel
+
+            return tc_kernel(self.algorithm, self.regime, self.head_dim, self.block_m, self.block_n, self.causal)
+        from numba_flash.kernels import KERNEL_FACTORIES
+        from numba_flash.kernels.fa1 import casts_output
+
+        if self.algorithm == "fa2":
+            return KERNEL_FACTORIES["fa2"](self.head_dim, self.block_m, self.block_n, self.causal, False)
+        return KERNEL_FACTORIES["fa1"](
+            self.head_dim, self.block_m, self.block_n, self.causal, False, casts_output(self.dtype)
+        )
+
+    def signature(self):
+        """The argument types of a launch on C-contiguous CuPy arrays (as ``attention`` makes)."""
+        from numba import types
+
+        f4, f3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
+        if self.tensor_cores:
+            elem = types.float32 if self.regime.startswith("tf32") else types.uint16
+            a4 = types.Array(elem, 4, "C")
+            if self.algorithm == "fa2":  # q, k, v, o, lse, q_scale
+                return (a4, a4, a4, a4, f3, types.float32)
+            return (a4, a4, a4, f4, f3, f3, a4, f3, types.float32)  # + o_hbm, l, m before o
+        from numba_flash.kernels.fa1 import casts_output
+
+        elem = {"float32": types.float32, "float16": types.float16}[self.dtype]
+        a4, order = types.Array(elem, 4, "C"), types.Array(types.int32, 1, "C")
+        if self.algorithm == "fa2":  # q, k, v, o, lse, q_scale, kv_order
+            return (a4, a4, a4, a4, f3, types.float32, order)
+        out = a4 if casts_output(self.dtype) else f4  # q, k, v, o_hbm, l, m, o, lse, q_scale, kv_order
+        return (a4, a4, a4, f4, f3, f3, out, f3, types.float32, order)
+
+
+def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regime="ieee") -> KernelSpec:
+    """The launch specification of one configuration (tiles as the caller gives them; ``api``
+    checks them). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
+    rounded up to its copy width."""
+    if regime != "ieee":
+        from numba_flash.kernels.tc_ops import tc_layout
+        from numba_flash.tensor_cores import kernel_head_dim
+
+        d = kernel_head_dim(regime, head_dim)
+        layout = tc_layout(regime, d, block_m, block_n)
+        return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes, None)
+    return KernelSpec(
+        algorithm, "ieee", head_dim, dtype, block_m, block_n, bool(causal), threads_per_block(head_dim, block_m, block_n),
+        smem_bytes(head_dim, block_m, block_n), 0, register_cap(head_dim),
+    )

@@ -1,0 +1,61 @@
+"""Launch specifications (``numba_flash.specs``): one description of each kernel's launch, the
+one that ``attention``, ``occupancy`` and ``compare`` read; and the occupancy of the tensor-core
+kernels without a GPU (ptxas), with their dynamic shared memory counted."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from test_occupancy import _ptxas_available
+
+from numba_flash.kernels.tc_ops import tc_layout
+from numba_flash.kernels.tiles import smem_bytes, threads_per_block
+from numba_flash.specs import kernel_spec
+
+
+@pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
+@pytest.mark.parametrize("regime, dtype", [("ieee", "float32"), ("ieee", "float16"), ("f16", "float16"), ("bf16", "bfloat16"), ("tf32x3", "float32")])
+def test_signature_has_one_type_per_kernel_parameter(algorithm, regime, dtype):
+    spec = kernel_spec(algorithm, 40, dtype, 16 if regime != "ieee" else 4, 16, causal=True, regime=regime)
+    params = inspect.signature(spec.kernel.py_func).parameters
+    assert len(spec.signature()) == len(params)
+
+
+def test_grids_follow_the_loop_orders():
+    fa1 = kernel_spec("fa1", 64, "float16", 64, 64, regime="f16")
+    fa2 = kernel_spec("fa2", 64, "float16", 64, 64, regime="f16")
+    assert fa1.grid(2, 3, 1000) == (6,)  # one block per (batch, head)
+    assert fa2.grid(2, 3, 1000) == (16 * 6,)  # one per Q tile of each (batch, head)
+
+
+def test_shared_memory_and_threads_of_each_regime():
+    cc = kernel_spec("fa2", 100, "float32", 32, 16)
+    assert (cc.threads, cc.static_smem, cc.dynamic_smem) == (threads_per_block(100, 32, 16), smem_bytes(100, 32, 16), 0)
+    tc = kernel_spec("fa2", 100, "float16", 128, 64, regime="f16")
+    layout = tc_layout("f16", 104, 128, 64)  # D = 100 is compiled as 104 (16-byte copies)
+    assert tc.head_dim == 104 and tc.threads == 256 and tc.dynamic_smem == layout.smem_bytes
+    assert tc.dynamic_smem == (128 + 2 * 64) * (112 + 8) * 2  # rows padded by 16 bytes
+    split = kernel_spec("fa2", 64, "float32", 64, 32, regime="tf32x3")
+    assert split.dynamic_smem == (64 + 4 * 32) * (64 + 4) * 4  # K_j, V_j and their remainders
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="needs numba-flash[occupancy] (libNVVM and ptxas)")
+def test_occupancy_of_tensor_core_kernels_without_gpu():
+    """`numba-flash occupancy --precision default` on float16 profiles the tensor-core kernels:
+    threads from the warp count, shared memory = the dynamic tiles, no spills."""
+    env = dict(os.environ)
+    env.pop("NUMBA_ENABLE_CUDASIM", None)
+    out = subprocess.run(
+        [sys.executable, "-m", "numba_flash", "occupancy", "--json", "--source", "ptxas", "--algorithm", "fa2",
+         "--dtype", "float16", "--head-dim", "64", "--block-m", "64", "--block-n", "64"],
+        capture_output=True, text=True, env=env, check=True,
+    ).stdout
+    (row,) = json.loads(out)
+    assert row["precision"] == "f16" and row["threads"] == 128
+    assert row["smem_bytes"] >= (64 + 2 * 64) * 72 * 2 and row["local_bytes"] == 0
+    assert 1 <= row["blocks_per_sm"] <= 4 and row["regs"] <= 255
