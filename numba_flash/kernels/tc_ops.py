@@ -132,10 +132,13 @@ def check_tc_tiles(kind: str, head_dim: int, block_m, block_n) -> None:
 
 
 def default_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
-    """Tuned (block_m, block_n) for the tensor-core kernels (H200, docs/performance-log.md)."""
-    if kind in mma.HALF_KINDS:
-        return (128, 64) if head_dim <= 64 else (128, 64)
-    return (64, 32) if head_dim <= 64 else (64, 32)
+    """Tuned (block_m, block_n) for the tensor-core kernels (H200 sweep, B4 H16 N4096,
+    2026-11-30; docs/performance-log.md version 8)."""
+    if kind in mma.HALF_KINDS:  # f16 D64: 64x64 187-200 TFLOP/s; D128: 64x32 216 (64x64 196)
+        return (64, 64) if head_dim <= 64 else (64, 32)
+    if kind == "tf32":  # D64: 128x64 88 TFLOP/s; D128: 64x64 80
+        return (128, 64) if head_dim <= 64 else (64, 64)
+    return (128, 32)  # tf32x3: D64 41 TFLOP/s (128x64 alike), D128 35 before the per-tile split
 
 
 @functools.lru_cache(maxsize=None)
