@@ -12,7 +12,7 @@ import math
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, as_cupy_view, dtype_name, kind_of
+from numba_flash.arrays import ArrayContext, as_cupy_view, device_id_of, dtype_name, kind_of
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
@@ -20,6 +20,7 @@ from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles, 
 from numba_flash.launch import device_array
 from numba_flash.launch import launch as direct_launch
 from numba_flash.tensor_cores import launch_tc, regime, tc_tiles
+from numba_flash.tile_cache import tuned_tiles
 
 ALGORITHMS = tuple(KERNEL_FACTORIES)  # ("fa1", "fa2")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -195,7 +196,7 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n, precision=Non
     if mode != "ieee":
         block_m, block_n = tc_tiles(mode, D, block_m, block_n)
     else:
-        bm_default, bn_default = default_tiles_for(algorithm, D, dtypes[0], bool(causal))
+        bm_default, bn_default = default_tiles_for(algorithm, D, dtypes[0], bool(causal), device_id_of(q, kind))
         block_m = bm_default if block_m is None else block_m
         block_n = bn_default if block_n is None else block_n
         check_tiles(D, block_m, block_n)
@@ -229,12 +230,12 @@ def _check_out(buf, name, shape, dtype, kind) -> None:
         raise ValueError(f"{name} must be C-contiguous and writeable")
 
 
-def default_tiles_for(algorithm, head_dim, dtype, causal):
-    """The autotuned tiles cached for this GPU (``numba-flash autotune``), else the defaults."""
-    if not simulated():  # the simulator has nothing to tune
-        from numba_flash.tuning import tuned_tiles
+def default_tiles_for(algorithm, head_dim, dtype, causal, device_id=None):
+    """The autotuned tiles cached for this GPU (``numba-flash autotune``), else the defaults.
 
-        tuned = tuned_tiles(algorithm, head_dim, dtype, causal)
+    ``device_id``: the GPU the arrays live on (``None``: numba's current device)."""
+    if not simulated():  # the simulator has nothing to tune
+        tuned = tuned_tiles(algorithm, head_dim, dtype, causal, device_id)
         if tuned is not None:
             return tuned
     return default_tiles(algorithm, head_dim, dtype, causal)

@@ -66,6 +66,16 @@ def as_cupy_view(x):
     return cupy.asarray(x) if kind == "cai" else cupy.from_dlpack(x)
 
 
+def device_id_of(x, kind: str):
+    """The GPU a CuPy array or torch tensor lives on, read from the array (no driver call);
+    ``None`` for NumPy arrays (they run on numba's current device, or in the simulator)."""
+    if kind == "cupy":
+        return x.device.id
+    if kind == "torch":
+        return x.device.index
+    return None
+
+
 _NAMES: dict = {}  # dtype object -> "float32", ... (numpy's dtype.name is slow to compute)
 
 
