@@ -6,13 +6,15 @@ Every check runs before any launch, and inputs are never written.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
+import warnings
 
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, as_cupy_view, device_id_of, dtype_name, kind_of
+from numba_flash.arrays import ArrayContext, as_cupy_view, device_id_of, dtype_name, kind_of, may_overlap
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
@@ -126,6 +128,7 @@ def forward(
     Nk = call["n_k"]
     _check_out(out, "out", (B, H, Nq, D), call["dtype"], call["kind"])
     _check_out(lse_out, "lse_out", (B, H, Nq), "float32", call["kind"])
+    _check_no_overlap(call["kind"], q, k, v, out, lse_out)
     o = out if out is not None else ctx.empty((B, H, Nq, D), call["dtype"])
     lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
     order = _check_order(kv_tile_order, Nk, call["block_n"])
@@ -138,15 +141,34 @@ def forward(
         lse[...] = -math.inf
         return o, lse
     if call["regime"] != "ieee":
-        launch_tc(ctx, call, q, k, v, o, lse)
+        with _quiet_kernels():
+            launch_tc(ctx, call, q, k, v, o, lse)
     elif call["dtype"] == "bfloat16":  # CUDA cores read float16 or float32: widen, then narrow
         wide = [_widen(x, ctx.kind) for x in (q, k, v)]
         o32 = ctx.empty((B, H, Nq, D), "float32")
-        _launch(ctx, dict(call, dtype="float32"), *wide, o32, lse, order)
+        with _quiet_kernels():
+            _launch(ctx, dict(call, dtype="float32"), *wide, o32, lse, order)
         o[...] = o32.to(o.dtype) if ctx.kind == "torch" else o32.astype(o.dtype)
     else:
-        _launch(ctx, call, q, k, v, o, lse, order)
+        with _quiet_kernels():
+            _launch(ctx, call, q, k, v, o, lse, order)
     return o, lse
+
+
+@contextlib.contextmanager
+def _quiet_kernels():
+    """In the simulator the kernels run as Python, so NumPy's RuntimeWarnings about their
+    documented handling of inf and NaN (``inf - inf`` in a masked or NaN row, which the
+    kernels turn into the right result) would reach the user quoting kernel source lines.
+    Silenced for the launch only, in the simulator only (on a GPU no Python runs there).
+    A warnings filter, not ``np.errstate``: the simulator's threads do not inherit the
+    caller's NumPy error state."""
+    if not simulated():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
 
 
 def _widen(x, kind):
@@ -228,6 +250,17 @@ def _check_out(buf, name, shape, dtype, kind) -> None:
     contiguous = buf.is_contiguous() if kind == "torch" else buf.flags.c_contiguous
     if not contiguous or (kind == "numpy" and not buf.flags.writeable):
         raise ValueError(f"{name} must be C-contiguous and writeable")
+
+
+def _check_no_overlap(kind, q, k, v, out, lse_out) -> None:
+    """Result buffers must not share memory with an input or with each other: the kernels
+    read their inputs tile by tile while writing results (FA-1 even uses ``out`` as its
+    running O), so an aliased buffer would be read after it was overwritten."""
+    buffers = [(name, x) for name, x in (("out", out), ("lse_out", lse_out)) if x is not None]
+    for i, (name, buf) in enumerate(buffers):
+        for other, x in [("q", q), ("k", k), ("v", v), *buffers[:i]]:
+            if may_overlap(buf, x, kind):
+                raise ValueError(f"{name} must not share memory with {other}; pass a separate buffer")
 
 
 def default_tiles_for(algorithm, head_dim, dtype, causal, device_id=None):

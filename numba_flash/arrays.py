@@ -76,6 +76,42 @@ def device_id_of(x, kind: str):
     return None
 
 
+def byte_extent(ptr: int, shape, strides, itemsize: int) -> tuple[int, int]:
+    """The half-open byte range ``[lo, hi)`` that an array with this data pointer, shape and
+    strides (in bytes, any sign) can touch; empty (``lo == hi``) for an array with no elements."""
+    if any(n == 0 for n in shape):
+        return ptr, ptr
+    lo = ptr + sum((n - 1) * s for n, s in zip(shape, strides) if s < 0)
+    hi = ptr + sum((n - 1) * s for n, s in zip(shape, strides) if s > 0) + itemsize
+    return lo, hi
+
+
+def extents_overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
+    """Do two byte ranges ``[lo, hi)`` share a byte? (Empty ranges share none.)"""
+    return a[0] < a[1] and b[0] < b[1] and a[0] < b[1] and b[0] < a[1]
+
+
+def _device_extent(x, kind: str) -> tuple[int, int]:
+    if kind == "torch":
+        item = x.element_size()
+        return byte_extent(x.data_ptr(), tuple(x.shape), tuple(s * item for s in x.stride()), item)
+    return byte_extent(x.data.ptr, x.shape, x.strides, x.itemsize)  # CuPy
+
+
+def may_overlap(a, b, kind: str) -> bool:
+    """Can writing ``a`` change ``b``? NumPy: exactly (``np.shares_memory``, bounded work;
+    too hard to decide counts as overlapping); CuPy and torch: their byte ranges intersect
+    (conservative for interleaved strided views, exact for separate buffers)."""
+    if kind == "numpy":
+        if not np.may_share_memory(a, b):
+            return False
+        try:
+            return bool(np.shares_memory(a, b, max_work=10**6))
+        except getattr(np, "exceptions", np).TooHardError:  # np.exceptions: NumPy >= 1.25
+            return True
+    return extents_overlap(_device_extent(a, kind), _device_extent(b, kind))
+
+
 _NAMES: dict = {}  # dtype object -> "float32", ... (numpy's dtype.name is slow to compute)
 
 

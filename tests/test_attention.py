@@ -178,3 +178,21 @@ def test_causal_mask_hides_nan_values_of_future_keys(algorithm, xp, rng):
     assert np.isfinite(o[0, 0, :2]).all(), "NaN of a future key leaked through the causal mask"
     assert np.isnan(o[0, 0, 2:, 1]).all() and np.isfinite(o[0, 0, 2:, [0, 2, 3, 4, 5, 6, 7]]).all()
     np.testing.assert_allclose(o[0, 0, :2], ref_o[0, 0, :2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("precision, dtype", [("ieee", "float32"), (None, "float16")], ids=["cuda-cores", "tensor-cores"])
+def test_no_warning_reaches_the_caller(algorithm, precision, dtype, xp, rng):
+    """inf in the inputs (an inf key score, a row of -inf queries) makes the simulated kernels
+    compute inf - inf on purpose; no RuntimeWarning quoting kernel source may reach the user."""
+    import warnings
+
+    q, k, v = (to_numpy(x).copy() for x in random_qkv(rng, 1, 1, 1, 4, 8, 8, dtype, np))
+    k[0, 0, 1, 0] = np.inf
+    q[0, 0, 2, :] = -np.inf
+    q, k, v = (xp.asarray(x) for x in (q, k, v))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        forward(q, k, v, algorithm=algorithm, precision=precision, block_m=16 if precision is None else 4,
+                block_n=16 if precision is None else 4)
+    assert not caught, [f"{w.category.__name__}: {w.message} ({w.filename}:{w.lineno})" for w in caught]

@@ -160,3 +160,66 @@ def test_result_buffers_are_checked(qkv, name, make, err, match):
 
     with pytest.raises(err, match=match):
         forward(*qkv, **{name: make()})
+
+
+def _packed(rng, n=5):
+    """q, k, v and spare room as views of one (4, 1, 2, n, 4) float32 buffer."""
+    buf = rng.standard_normal((4, 1, 2, n, 4)).astype(np.float32)
+    return buf, buf[0], buf[1, :, :1], buf[2, :, :1]
+
+
+@pytest.mark.parametrize("target", ["q", "k", "v"])
+def test_out_overlapping_an_input_is_refused(rng, target):
+    """FA-1 uses ``out`` as its running O: an aliased input would be read after being
+    overwritten. Refused before any launch, and the inputs stay untouched."""
+    from numba_flash.api import forward
+
+    buf, q, k, v = _packed(rng)
+    before = buf.copy()
+    out = {"q": q, "k": buf[1], "v": buf[2]}[target]  # q itself; the slabs that hold k and v
+    with pytest.raises(ValueError, match=f"out must not share memory with {target}"):
+        forward(q, k, v, out=out, algorithm="fa1")
+    assert np.array_equal(buf, before)
+
+
+def test_lse_out_overlapping_an_input_or_out_is_refused(rng):
+    from numba_flash.api import forward
+
+    buf, q, k, v = _packed(rng)
+    lse_in_q = q.reshape(-1)[: 2 * 5].reshape(1, 2, 5)  # q's first ten floats
+    with pytest.raises(ValueError, match="lse_out must not share memory with q"):
+        forward(q, k, v, lse_out=lse_in_q)
+    out = np.empty((1, 2, 5, 4), np.float32)
+    lse_in_out = out.reshape(-1)[:10].reshape(1, 2, 5)
+    with pytest.raises(ValueError, match="lse_out must not share memory with out"):
+        forward(q, k, v, out=out, lse_out=lse_in_out)
+
+
+def test_separate_buffers_next_to_the_inputs_are_accepted(rng):
+    """Only real sharing is refused: the unused fourth slab of the packed buffer is fine."""
+    from numba_flash.api import forward
+
+    buf, q, k, v = _packed(rng)
+    out = buf[3]  # (1, 2, 5, 4), C-contiguous, disjoint from q, k, v
+    o, _ = forward(q, k, v, out=out, block_m=4, block_n=4)
+    assert o is out and np.isfinite(out).all()
+
+
+def test_byte_ranges_of_device_arrays():
+    """The overlap test of CuPy/torch buffers: byte ranges from pointer, shape and strides."""
+    from types import SimpleNamespace
+
+    from numba_flash.arrays import byte_extent, extents_overlap, may_overlap
+
+    assert byte_extent(1000, (2, 3), (12, 4), 4) == (1000, 1024)
+    assert byte_extent(1000, (2, 3), (-12, 4), 4) == (988, 1012)  # negative strides reach back
+    assert byte_extent(1000, (0, 3), (12, 4), 4) == (1000, 1000)  # empty: touches nothing
+    assert extents_overlap((0, 10), (9, 20)) and not extents_overlap((0, 10), (10, 20))
+    assert not extents_overlap((5, 5), (0, 10))
+
+    def cupy_like(ptr, shape, strides, itemsize=4):
+        return SimpleNamespace(data=SimpleNamespace(ptr=ptr), shape=shape, strides=strides, itemsize=itemsize)
+
+    q = cupy_like(4096, (1, 2, 5, 4), (160, 80, 16, 4))  # 160 bytes
+    assert may_overlap(cupy_like(4096 + 156, (1,), (4,)), q, "cupy")  # its last float
+    assert not may_overlap(cupy_like(4096 + 160, (1, 2, 5, 4), (160, 80, 16, 4)), q, "cupy")
