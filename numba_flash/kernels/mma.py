@@ -119,11 +119,6 @@ if simulated():
         return float32(_f32_value(bits))
 
     @device_jit
-    def f32_bits(x):
-        """The bit pattern of a float32 (a TF32 operand when its 13 low mantissa bits are 0)."""
-        return int(np.asarray(x, np.float32).view(np.uint32))
-
-    @device_jit
     def f16_bits(x):
         return _f16_bits(x)
 
@@ -360,20 +355,6 @@ else:
     @device_jit
     def tf32_value(bits):
         return _bits_as_f32(bits)
-
-    @intrinsic
-    def _f32_as_bits(typingctx, x):
-        sig = types.uint32(types.float32)
-
-        def codegen(context, builder, signature, args):
-            return builder.bitcast(args[0], _I32)
-
-        return sig, codegen
-
-    @device_jit
-    def f32_bits(x):
-        """The bit pattern of a float32 (a TF32 operand when its 13 low mantissa bits are 0)."""
-        return _f32_as_bits(x)
 
     @device_jit
     def f16_bits(x):

@@ -35,7 +35,6 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
     TM, NS, DT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles
     QF_ROWS, QF_SMALL = ops.q_frag_rows, ops.q_small_rows  # Q_i fragments kept in registers
     Q_ELEMS, KV_ELEMS = L.q_elems, L.kv_elems
-    LO_K, LO_V = (2 * KV_ELEMS, 3 * KV_ELEMS) if L.split_tiles else (0, KV_ELEMS)  # K_lo, V_lo offsets past Q_i
     SMEM_TYPE = mma.uint16 if L.elem_bytes == 2 else float32
     MMA_SCRATCH = mma.scratch_floats(L.threads)
     ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
@@ -57,9 +56,6 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         q_s = smem[:Q_ELEMS]
         k_s = smem[Q_ELEMS : Q_ELEMS + KV_ELEMS]
         v_s = smem[Q_ELEMS + KV_ELEMS : Q_ELEMS + 2 * KV_ELEMS]
-        # tf32x3: the TF32 remainders of K_j and V_j (other kinds never read them)
-        k_lo = smem[Q_ELEMS + LO_K : Q_ELEMS + LO_K + KV_ELEMS]
-        v_lo = smem[Q_ELEMS + LO_V : Q_ELEMS + LO_V + KV_ELEMS]
         scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
         rscratch = cuda.shared.array(ROW_SCRATCH, float32)  # simulated row reductions only
 
@@ -90,14 +86,11 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
 
         for j in range(n_kv_tiles):  # Line 5: for 1 <= j <= Tc
             col0 = j * BN
+            ops.wait_all()  # (a no-op: every copy was waited for in the Q loop)
             cuda.syncthreads()  # everyone is done with K_{j-1}, V_{j-1}
             ops.load_kv_tile(k, b, hk, col0, n_k, k_s)  # Line 6: load K_j, V_j
             ops.load_kv_tile(v, b, hk, col0, n_k, v_s)
             ops.commit()
-            ops.wait_all()
-            cuda.syncthreads()  # K_j, V_j in shared memory
-            ops.prepare_tile(k_s, k_lo)  # TF32: operands converted once per tile
-            ops.prepare_tile(v_s, v_lo)
             for i_tile in range(n_q_tiles):  # Line 7: for 1 <= i <= Tr
                 row0 = i_tile * BM
                 # causal: skip Q tiles for which every key of K_j is masked (block-uniform)
@@ -107,9 +100,9 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                 ops.load_q_tile(q, b, h, row0, n_q, q_s)  # Line 8: load Q_i
                 ops.commit()
                 ops.wait_all()
-                cuda.syncthreads()  # Q_i in shared memory
+                cuda.syncthreads()  # Q_i (and K_j, V_j) in shared memory
                 ops.load_q_frags(q_s, qf, qf_small)
-                ops.score_tile(qf, qf_small, q_s, k_s, k_lo, s, scratch)  # Line 9: S_ij = Q_i K_j^T
+                ops.score_tile(qf, qf_small, q_s, k_s, s, scratch)  # Line 9: S_ij = Q_i K_j^T
                 ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys)
                 first_row_last_key = ops.last_visible_key(row0, n_q, n_k, CAUSAL)
                 masked = ops.tile_needs_mask(col0, first_row_last_key)
@@ -128,7 +121,7 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                         m_old[i] = m_hbm[b, h, row]
                 cuda.syncthreads()  # every lane has read l_i, m_i
                 ops.zero(acc)
-                ops.pv_tile(s, v_s, v_lo, acc, scratch)  # acc = P~_ij V_j
+                ops.pv_tile(s, v_s, acc, scratch)  # acc = P~_ij V_j
                 for i in range(TM):
                     row = row0 + ops.thread_row(i)
                     if row < n_q and tile_max[i] != NEG_INF:  # else the tile adds nothing

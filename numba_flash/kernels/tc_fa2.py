@@ -34,7 +34,6 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
     TM, NS, DT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles
     QF_ROWS, QF_SMALL = ops.q_frag_rows, ops.q_small_rows  # Q_i fragments kept in registers
     Q_ELEMS, KV_ELEMS = L.q_elems, L.kv_elems
-    LO_K, LO_V = (2 * KV_ELEMS, 3 * KV_ELEMS) if L.split_tiles else (0, KV_ELEMS)  # K_lo, V_lo offsets past Q_i
     SMEM_TYPE = mma.uint16 if L.elem_bytes == 2 else float32
     MMA_SCRATCH = mma.scratch_floats(L.threads)
     ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
@@ -60,9 +59,6 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         q_s = smem[:Q_ELEMS]
         k_s = smem[Q_ELEMS : Q_ELEMS + KV_ELEMS]
         v_s = smem[Q_ELEMS + KV_ELEMS : Q_ELEMS + 2 * KV_ELEMS]
-        # tf32x3: the TF32 remainders of K_j and V_j (other kinds never read them)
-        k_lo = smem[Q_ELEMS + LO_K : Q_ELEMS + LO_K + KV_ELEMS]
-        v_lo = smem[Q_ELEMS + LO_V : Q_ELEMS + LO_V + KV_ELEMS]
         scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
         rscratch = cuda.shared.array(ROW_SCRATCH, float32)  # simulated row reductions only
 
@@ -101,10 +97,9 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
             ops.commit()
             ops.wait_one()  # this thread's copies of Q_i and K_j have landed
             cuda.syncthreads()  # ... and everyone's
-            ops.prepare_tile(k_s, k_lo)  # TF32: operands converted once per tile
             if j == 0:
                 ops.load_q_frags(q_s, qf, qf_small)
-            ops.score_tile(qf, qf_small, q_s, k_s, k_lo, s, scratch)  # Line 8: S = Q_i K_j^T
+            ops.score_tile(qf, qf_small, q_s, k_s, s, scratch)  # Line 8: S = Q_i K_j^T
             masked = ops.tile_needs_mask(col0, first_row_last_key)
             ops.scale_mask(s, q_scale, col0, last_keys, masked)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S)); P~ = exp(S - m^(j)); l^(j) = ... + rowsum(P~).
@@ -128,8 +123,7 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
             else:
                 ops.wait_all()
             cuda.syncthreads()  # V_j is visible to everyone
-            ops.prepare_tile(v_s, v_lo)
-            ops.pv_tile(s, v_s, v_lo, acc, scratch)  # Line 10: O~ += P~ V_j
+            ops.pv_tile(s, v_s, acc, scratch)  # Line 10: O~ += P~ V_j
         ops.wait_all()  # no copy outlives the block (n_walk = 0: Q_i's)
 
         ops.allreduce_sum(l_part, rscratch)  # l of each row: the sum of its four lanes' parts

@@ -64,7 +64,6 @@ class TcLayout:
     padded_dim: int  # DP: head dim rounded up to the k-step (16) of the products
     stride: int  # elements per shared row (DP + 16 bytes of padding)
     elem_bytes: int  # 2 (16-bit kinds) or 4 (TF32)
-    split_tiles: bool  # tf32x3: K_j and V_j also kept as their TF32 remainders (K_lo, V_lo)
     chunk: int  # elements per 16-byte cp.async copy
     score_tiles: int  # 8-wide key tiles of S: block_n / 8
     out_tiles: int  # 8-wide head-dim tiles of O: DP / 8
@@ -83,8 +82,8 @@ class TcLayout:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of one block: Q_i, K_j, V_j (and K_lo, V_lo for tf32x3)."""
-        return (self.q_elems + (4 if self.split_tiles else 2) * self.kv_elems) * self.elem_bytes
+        """Dynamic shared memory of one block: Q_i, K_j, V_j."""
+        return (self.q_elems + 2 * self.kv_elems) * self.elem_bytes
 
 
 @functools.lru_cache(maxsize=None)
@@ -103,7 +102,6 @@ def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int) -> TcLayout:
         padded_dim=dp,
         stride=dp + 16 // elem,
         elem_bytes=elem,
-        split_tiles=kind == "tf32x3",
         chunk=16 // elem,
         score_tiles=block_n // 8,
         out_tiles=dp // 8,
@@ -163,8 +161,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     else:
         MMA = mma.mma_tf32
         copy16 = mma.cp_async16_f32
-    to_tf32, tf32_value, f32_bits = mma.to_tf32, mma.tf32_value, mma.f32_bits
-    TILE_ELEMS = BN * S  # elements of one K_j or V_j tile in shared memory
+    to_tf32, tf32_value = mma.to_tf32, mma.tf32_value
 
     def make_loader(tile_rows):
         COPIES = -(-tile_rows * CHUNKS_PER_ROW // NT)  # copies per thread
@@ -224,7 +221,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                     qf[kt, e] = a[e]
 
         @device_jit
-        def score_tile(qf, qf_small, q_s, k_s, k_lo, s, scratch):
+        def score_tile(qf, qf_small, q_s, k_s, s, scratch):
             """S = Q_i K_j^T (this warp's 16 rows x block_n keys), float32 accumulators."""
             for nt in range(NS):
                 for e in range(4):
@@ -236,7 +233,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                     MMA(s, 2 * nt2 + 1, qf[kt, 0], qf[kt, 1], qf[kt, 2], qf[kt, 3], kb[1], kb[3], scratch)
 
         @device_jit
-        def pv_tile(p, v_s, v_lo, acc, scratch):
+        def pv_tile(p, v_s, acc, scratch):
             """O~ += P~ V_j: P~ (float32 accumulators) -> 16-bit A fragments in registers."""
             for kk in range(NS // 2):  # 16 keys per product
                 a0 = PACK(p[2 * kk, 0], p[2 * kk, 1])  # row g, keys 2t, 2t+1
@@ -252,11 +249,6 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
         def store_out(o, b, h, row, d, x):
             o[b, h, row, d] = BITS(x)
 
-        @device_jit
-        def prepare_tile(x_s, x_lo):
-            """Nothing to prepare: 16-bit tiles are the products' operands as they are."""
-            pass
-
     else:
 
         @device_jit
@@ -268,26 +260,15 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                 small[i, e] = to_tf32(x - tf32_value(hi))
 
         @device_jit
-        def prepare_tile(x_s, x_lo):
-            """K_j or V_j in shared memory -> TF32 operands, once per tile for every warp:
-            x_s <- tf32(x) and, for tf32x3, x_lo <- tf32(x - tf32(x)). Then a barrier."""
-            for i in range(cuda.threadIdx.x, TILE_ELEMS, NT):
-                x = x_s[i]
-                hi = tf32_value(to_tf32(x))
-                if SPLIT:
-                    x_lo[i] = tf32_value(to_tf32(x - hi))
-                x_s[i] = hi
-            cuda.syncthreads()  # every operand is converted before anyone reads it
-
-        @device_jit
-        def tf32_product(acc, ci, a_big, a_small, ai, x_s, x_lo, i0, i1, scratch):
-            """acc[ci] += A B with A = a_big[ai] (+ a_small[ai]) and B's fragment the prepared
-            TF32 operands x_s[i0], x_s[i1] (+ their remainders in x_lo)."""
-            hb0 = f32_bits(x_s[i0])
-            hb1 = f32_bits(x_s[i1])
+        def tf32_product(acc, ci, a_big, a_small, ai, b0, b1, scratch):
+            """acc[ci] += A B with A = a_big[ai] (+ a_small[ai]) and B = (b0, b1) float32 values."""
+            hb0 = to_tf32(b0)
+            hb1 = to_tf32(b1)
             if SPLIT:  # small terms first: they are the smallest in magnitude
                 MMA(acc, ci, a_small[ai, 0], a_small[ai, 1], a_small[ai, 2], a_small[ai, 3], hb0, hb1, scratch)
-                MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], f32_bits(x_lo[i0]), f32_bits(x_lo[i1]), scratch)
+                lb0 = to_tf32(b0 - tf32_value(hb0))
+                lb1 = to_tf32(b1 - tf32_value(hb1))
+                MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], lb0, lb1, scratch)
             MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], hb0, hb1, scratch)
 
         @device_jit
@@ -309,7 +290,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                     split_q_step(q_s, qf, qf_small, kt, kt)
 
         @device_jit
-        def score_tile(qf, qf_small, q_s, k_s, k_lo, s, scratch):
+        def score_tile(qf, qf_small, q_s, k_s, s, scratch):
             """S = Q_i K_j^T: B fragment of key tile nt is (K[8nt + g, 8kt + t], K[.., 8kt + t + 4]).
             Without room for Q_i's fragments in registers (tf32x3, large D) each step's fragment
             is split from shared memory again, once per step for all key tiles."""
@@ -322,16 +303,16 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                 for nt in range(NS):
                     for kt in range(KT):
                         row = (8 * nt + g) * S + t + KSTEP * kt
-                        tf32_product(s, nt, qf, qf_small, kt, k_s, k_lo, row, row + 4, scratch)
+                        tf32_product(s, nt, qf, qf_small, kt, k_s[row], k_s[row + 4], scratch)
             else:
                 for kt in range(KT):
                     split_q_step(q_s, qf, qf_small, kt, 0)
                     for nt in range(NS):
                         row = (8 * nt + g) * S + t + KSTEP * kt
-                        tf32_product(s, nt, qf, qf_small, 0, k_s, k_lo, row, row + 4, scratch)
+                        tf32_product(s, nt, qf, qf_small, 0, k_s[row], k_s[row + 4], scratch)
 
         @device_jit
-        def pv_tile(p, v_s, v_lo, acc, scratch):
+        def pv_tile(p, v_s, acc, scratch):
             """O~ += P~ V_j with the keys of each 8-key step permuted (A column t <-> key 2t,
             column t + 4 <-> key 2t + 1): P~'s A fragment is (p[.,0], p[.,2], p[.,1], p[.,3])."""
             pb = cuda.local.array((1, 4), mma.uint32)
@@ -345,7 +326,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                 split(p[kk, 3], pb, ps, 0, 3)  # (g+8, key 2t+1)
                 row = (8 * kk + 2 * t) * S + g
                 for dt in range(DT):
-                    tf32_product(acc, dt, pb, ps, 0, v_s, v_lo, row + 8 * dt, row + S + 8 * dt, scratch)
+                    tf32_product(acc, dt, pb, ps, 0, v_s[row + 8 * dt], v_s[row + S + 8 * dt], scratch)
 
         @device_jit
         def store_out(o, b, h, row, d, x):
@@ -457,7 +438,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
         row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
         row_max=row_max, allreduce_sum=allreduce_sum, exp_scores=exp_scores, rescale_row=rescale_row,
         zero=zero, finite_or_zero=finite_or_zero, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,
-        reciprocal_or_zero=reciprocal_or_zero, nan_max=nan_max, prepare_tile=prepare_tile,
+        reciprocal_or_zero=reciprocal_or_zero, nan_max=nan_max,
         commit=mma.cp_async_commit, wait_all=mma.cp_async_wait_all, wait_one=mma.cp_async_wait_one,
     ).items():
         setattr(ops, name, func)
