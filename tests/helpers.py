@@ -1,8 +1,25 @@
-"""Shared test helpers: random inputs, poisoned outputs, error measures, plain float16."""
+"""Shared test helpers: random inputs, poisoned outputs, error measures and bounds, plain
+float16, example counts that follow the Hypothesis profile."""
 
 from __future__ import annotations
 
 import numpy as np
+
+CI_EXAMPLES = 40  # max_examples of the "ci" profile (conftest.py): the scale of examples()
+FLOAT32_UNIT_ROUNDOFF = 2.0**-24  # u: a float32 operation's relative rounding error is <= u
+
+
+def examples(n: int) -> int:
+    """``max_examples`` for a property test that is worth ``n`` examples in CI.
+
+    An explicit ``@settings(max_examples=n)`` would override the profile; this scales ``n`` by
+    the loaded profile's count over the "ci" profile's: ``n`` under "ci", 25 n under
+    "thorough" (1000 / 40), never fewer than ``n``. Evaluated when the test module is
+    imported, after conftest.py has loaded the profile.
+    """
+    from hypothesis import settings
+
+    return max(n, round(n * settings.default.max_examples / CI_EXAMPLES))
 
 
 def to_numpy(x) -> np.ndarray:
@@ -31,6 +48,51 @@ def rel_err(got, ref) -> float:
     ref = np.asarray(ref, dtype=np.float64)
     denom = np.linalg.norm(ref)
     return float(np.linalg.norm(got - ref) / denom) if denom > 0 else float(np.linalg.norm(got))
+
+
+def score_rounding_bound(q, k, scale=None, causal=False):
+    """Per query row, how far float32 rounding alone can move the scores (natural-log units).
+
+    The kernels compute ``s_ij = sum_d (q_id * scale * log2 e) k_jd`` in float32 and then
+    ``exp2(s_ij - m_i)``. Each of the ``D`` products and ``D - 1`` additions, the scaling of
+    q and the subtraction of the row max rounds once (relative error <= u = 2^-24), so
+    ``|s^_ij - s_ij| <= (D + 4) u scale sum_d |q_id| |k_jd|`` (Higham's dot-product bound,
+    one u for the scaling, two for the log2 conversion and the max subtraction). Returns
+    ``delta_i``, that bound's maximum over the keys row ``i`` sees: shape (B, H, Nq).
+    It grows with the score magnitude: at scores ~1e4 it is ~1e-2, far above any constant
+    tolerance fit for unit-sized scores.
+    """
+    q, k = (to_numpy(x).astype(np.float64) for x in (q, k))
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    k = np.repeat(k, H // k.shape[1], axis=1)
+    scale = 1 / np.sqrt(D) if scale is None else scale
+    mag = abs(scale) * np.einsum("bhid,bhjd->bhij", np.abs(q), np.abs(k))
+    if causal:
+        i, j = np.arange(Nq)[:, None], np.arange(Nk)[None, :]
+        mag = np.where(j <= i + (Nk - Nq), mag, 0.0)
+    return (D + 4) * FLOAT32_UNIT_ROUNDOFF * mag.max(axis=-1, initial=0.0)
+
+
+def output_rounding_bound(q, k, v, ref_o, scale=None, causal=False):
+    """Per output element, the error that score rounding alone can cause in ``o``.
+
+    With every score of row i off by at most ``delta_i`` (:func:`score_rounding_bound`), each
+    softmax weight and the logsumexp move by a factor within ``exp(+-delta_i)``, so each
+    normalised weight by a factor within ``exp(+-2 delta_i)``; since the weights sum to 1 in
+    both, ``|o^_id - o_id| = |sum_j (w^_j - w_j)(v_jd - o_id)|
+    <= (exp(2 delta_i) - 1) max_j |v_jd - o_id|`` over the keys the row sees.
+    """
+    q, k, v = (to_numpy(x).astype(np.float64) for x in (q, k, v))
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    v = np.repeat(v, H // v.shape[1], axis=1)
+    delta = score_rounding_bound(q, k, scale, causal)
+    spread = np.abs(v[:, :, None, :, :] - np.asarray(ref_o, np.float64)[:, :, :, None, :])  # (B,H,Nq,Nk,D)
+    if causal:
+        i, j = np.arange(Nq)[:, None], np.arange(Nk)[None, :]
+        spread = np.where((j <= i + (Nk - Nq))[None, None, :, :, None], spread, 0.0)
+    return np.expm1(2 * delta)[..., None] * spread.max(axis=3, initial=0.0)
 
 
 def lse_matches(lse, ref_lse, atol=1e-4, rtol=1e-5) -> bool:

@@ -9,7 +9,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import lse_matches, plain_fp16_attention, poisoned, random_qkv, rel_err, to_numpy
+from helpers import (
+    examples,
+    lse_matches,
+    output_rounding_bound,
+    plain_fp16_attention,
+    poisoned,
+    random_qkv,
+    rel_err,
+    score_rounding_bound,
+    to_numpy,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -39,11 +49,18 @@ def check_against_reference(q, k, v, o, lse, causal, scale=None):
         err = np.abs(o_np.astype(np.float64) - ref_o).max()
         assert err <= 2 * base + 1e-6, f"float16 error {err:.3g} > 2 x plain float16 error {base:.3g}"
     else:
-        assert rel_err(o_np, ref_o) < 2e-6, rel_err(o_np, ref_o)
-    assert lse_matches(lse, ref_lse), (to_numpy(lse), ref_lse)
+        # float32: rounding the scores alone moves o by up to output_rounding_bound, which grows
+        # with the score magnitude (a constant fit for unit scores fails at scores ~1e4); what
+        # the kernel gets wrong beyond that must stay within 2e-6 of the reference, norm-wise.
+        allowed = output_rounding_bound(q, k, v, ref_o, scale, causal)
+        excess = np.maximum(np.abs(o_np.astype(np.float64) - ref_o) - allowed, 0.0)
+        ref_norm, excess_norm = float(np.linalg.norm(ref_o)), float(np.linalg.norm(excess))
+        assert excess_norm <= 2e-6 * ref_norm, (rel_err(o_np, ref_o), excess_norm, float(allowed.max()))
+    delta = score_rounding_bound(q, k, scale, causal)  # lse = m + log l moves by at most delta
+    assert lse_matches(lse, ref_lse, atol=1e-4 + delta), (to_numpy(lse), ref_lse)
 
 
-@settings(max_examples=12)
+@settings(max_examples=examples(12))
 @given(
     algorithm=st.sampled_from(ALGORITHMS),
     batch=st.integers(1, 2),

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import random_qkv, rel_err, to_numpy
+from helpers import examples, random_qkv, rel_err, to_numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -32,7 +32,7 @@ def problems(draw):
     )
 
 
-@settings(max_examples=10)
+@settings(max_examples=examples(10))
 @given(p=problems())
 def test_any_tile_order_gives_the_same_output(p, xp):
     rng = np.random.default_rng(p["seed"])

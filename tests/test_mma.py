@@ -14,15 +14,12 @@ import functools
 
 import numpy as np
 import pytest
+from helpers import examples
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from numba_flash._cuda import cuda, float32
 from numba_flash.kernels import mma
-
-def examples_or(n: int) -> int:
-    """``n`` examples under the default profile; the loaded profile's count when it asks for more."""
-    return max(n, settings.default.max_examples // 10) if settings.default.max_examples > 40 else n
 
 
 STRIDE = 24  # 16 columns + 16 bytes of padding, as the kernels' shared rows
@@ -99,7 +96,7 @@ def _close(got, want):
     assert np.abs(got - want).max() <= tol, np.abs(got - want).max()
 
 
-@settings(max_examples=examples_or(6), deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(kind=st.sampled_from(["f16", "bf16"]), a_from_registers=st.booleans(), seed=st.integers(0, 2**32 - 1))
 def test_m16n8k16_fragments_equal_numpy_matmul(kind, a_from_registers, seed):
     rng = np.random.default_rng(seed)
@@ -142,7 +139,7 @@ def _tf32(x):
     return np.array([mma._tf32_bits(v) for v in np.asarray(x, np.float32).ravel()], np.uint32).view(np.float32).reshape(np.shape(x))
 
 
-@settings(max_examples=examples_or(4), deadline=None)
+@settings(max_examples=examples(4), deadline=None)
 @given(seed=st.integers(0, 2**32 - 1))
 def test_m16n8k8_tf32_fragments_equal_numpy_matmul(seed):
     rng = np.random.default_rng(seed)
@@ -153,7 +150,7 @@ def test_m16n8k8_tf32_fragments_equal_numpy_matmul(seed):
     _close(c.copy_to_host(), _tf32(a).astype(np.float64) @ _tf32(bt).astype(np.float64).T)
 
 
-@settings(max_examples=examples_or(40), deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(x=st.floats(width=32, allow_nan=False, allow_infinity=False))
 def test_tf32_rounding_keeps_ten_mantissa_bits_and_splits_exactly(x):
     """tf32(x) has its 13 low mantissa bits clear, is within half a TF32 ulp of x, and the

@@ -11,7 +11,7 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 import pytest
-from helpers import lse_matches, plain_fp16_attention, poisoned, random_qkv, rel_err, to_numpy
+from helpers import examples, lse_matches, plain_fp16_attention, poisoned, random_qkv, rel_err, to_numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -23,10 +23,6 @@ ALGORITHMS = ["fa1", "fa2"]
 NUMPY_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 PRECISION_OF = {"f16": ("float16", None), "bf16": ("bfloat16", None), "tf32": ("float32", "tf32"), "tf32x3": ("float32", "tf32x3")}
 
-
-def examples_or(n: int) -> int:
-    """``n`` examples under the default profile; more when the loaded profile asks for more."""
-    return max(n, settings.default.max_examples // 10) if settings.default.max_examples > 40 else n
 
 
 def qkv(rng, batch, heads, kv_heads, n_q, n_k, head_dim, dtype, scale=1.0):
@@ -58,7 +54,7 @@ def check(q, k, v, o, lse, causal, kind, scale=None):
     assert lse_matches(lse, ref_lse, atol=lse_tol, rtol=lse_tol), (to_numpy(lse), ref_lse)
 
 
-@settings(max_examples=examples_or(6), deadline=None)
+@settings(max_examples=examples(6), deadline=None)
 @given(
     kind=st.sampled_from(["f16", "bf16", "tf32", "tf32x3"]),
     algorithm=st.sampled_from(ALGORITHMS),
