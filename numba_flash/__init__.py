@@ -9,9 +9,14 @@ Importing the package does not import numba.cuda: that happens on first use of
 real GPU and Numba's CUDA simulator (``numba_flash._world``).
 """
 
+from importlib import metadata as _metadata
+
 from numba_flash import online, reference
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("numba-flash")  # the installed distribution's version
+except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
+    __version__ = "0+unknown"
 __all__ = ["attention", "online", "reference", "__version__"]
 
 

@@ -19,67 +19,97 @@ import numpy as np
 from numba_flash._world import choose_world
 
 
-
-def _positive(text: str) -> int:
-    value = int(text)
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (its name is what argparse shows for a bad value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="numba-flash", description=__doc__.split("\n\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default after its help, except where there is none to show (a flag
+    that is off unless given, or a default that depends on the machine and is said in words)."""
 
-    cmp = sub.add_parser("compare", help="FA-1 and FA-2 on the same inputs, side by side")
-    cmp.add_argument("--batch", type=_positive)
-    cmp.add_argument("--heads", type=_positive)
-    cmp.add_argument("--kv-heads", type=_positive, help="K/V heads (GQA); default: --heads")
-    cmp.add_argument("--seq", type=_positive, help="query and key length")
-    cmp.add_argument("--seq-k", type=_positive, help="key length when it differs from --seq")
-    cmp.add_argument("--head-dim", type=_positive)
-    cmp.add_argument("--causal", action="store_true")
-    cmp.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32")
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    from numba_flash import __version__
+
+    return __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="numba-flash",
+        description="FlashAttention-1 and FlashAttention-2 in numba.cuda, side by side "
+        "(also: python -m numba_flash). Without a GPU the kernels run in Numba's CUDA simulator.",
+        epilog="numba-flash COMMAND --help describes a command's options.",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, help_text):
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+
+    cmp = add("compare", "FA-1 and FA-2 on the same inputs, side by side")
+    cmp.add_argument("--batch", type=positive_int, metavar="B", help="batch size (default: 4 on a GPU, 1 in the simulator)")
+    cmp.add_argument("--heads", type=positive_int, metavar="H", help="query heads (default: 16 on a GPU, 2 in the simulator)")
+    cmp.add_argument("--kv-heads", type=positive_int, metavar="HKV", help="K/V heads, a divisor of --heads (GQA) (default: --heads)")
+    cmp.add_argument("--seq", type=positive_int, metavar="N", help="query and key length (default: 4096 on a GPU, 48 in the simulator)")
+    cmp.add_argument("--seq-k", type=positive_int, metavar="NK", help="key length when it differs from --seq (default: --seq)")
+    cmp.add_argument("--head-dim", type=positive_int, metavar="D", help="head dimension, 1 to 128 (default: 64 on a GPU, 16 in the simulator)")
+    cmp.add_argument("--causal", action="store_true", help="causal mask, bottom-right aligned")
+    cmp.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="input and output dtype")
     cmp.add_argument(
         "--precision", choices=["default", "ieee", "tf32", "tf32x3"], default="default",
         help="where the products run: default = tensor cores for float16/bfloat16, CUDA cores "
-        "for float32; ieee = CUDA cores; tf32/tf32x3 = float32 on tensor cores",
+        "for float32; ieee = CUDA cores; tf32/tf32x3 = float32 on tensor cores (default: default)",
     )
-    cmp.add_argument("--block-m", type=int)
-    cmp.add_argument("--block-n", type=int)
-    cmp.add_argument("--repeats", type=_positive, default=20, help="timed runs (median reported)")
-    cmp.add_argument("--seed", type=int, default=0)
-    cmp.add_argument("--json", action="store_true", help="print the rows as JSON")
+    cmp.add_argument("--block-m", type=int, metavar="BM", help="Q-tile rows, a power of two (default: tuned per head dim)")
+    cmp.add_argument("--block-n", type=int, metavar="BN", help="K/V-tile rows, a power of two (default: tuned per head dim)")
+    cmp.add_argument("--repeats", type=positive_int, default=20, help="timed runs on a GPU (median reported)")
+    cmp.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    cmp.add_argument("--json", action="store_true", help="print the rows as JSON (progress and notes go to stderr)")
 
-    occ = sub.add_parser(
-        "occupancy",
-        help="registers, shared memory and occupancy per tile configuration (GPU or ptxas)",
-    )
-    occ.add_argument("--algorithm", nargs="+", default=["fa1", "fa2"], choices=["fa1", "fa2"])
-    occ.add_argument("--head-dim", nargs="+", type=int, default=[32, 64, 128])
-    occ.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "float16", "bfloat16"])
+    occ = add("occupancy", "registers, shared memory and occupancy per tile configuration (GPU or ptxas)")
+    occ.add_argument("--algorithm", nargs="+", default=["fa1", "fa2"], choices=["fa1", "fa2"], help="kernels to profile")
+    occ.add_argument("--head-dim", nargs="+", type=positive_int, default=[32, 64, 128], metavar="D", help="head dims")
+    occ.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "float16", "bfloat16"], help="input dtypes")
     occ.add_argument(
         "--precision", nargs="+", default=["default"], choices=["default", "ieee", "tf32", "tf32x3"],
         help="regimes to profile (default: tensor cores for 16-bit dtypes, CUDA cores for float32)",
     )
-    occ.add_argument("--block-m", nargs="+", type=int, default=[32, 64, 128, 256])
-    occ.add_argument("--block-n", nargs="+", type=int, default=[16, 32])
-    occ.add_argument("--causal", action="store_true")
-    occ.add_argument("--source", choices=["driver", "ptxas"], help="default: driver on a GPU, else ptxas")
-    occ.add_argument("--cc", default="9.0", help="compute capability for ptxas (default 9.0, H100/H200)")
+    occ.add_argument("--block-m", nargs="+", type=positive_int, default=[32, 64, 128, 256], metavar="BM", help="Q-tile rows")
+    occ.add_argument("--block-n", nargs="+", type=positive_int, default=[16, 32], metavar="BN", help="K/V-tile rows")
+    occ.add_argument("--causal", action="store_true", help="profile the causal kernels")
+    occ.add_argument("--source", choices=["driver", "ptxas"],
+                     help="driver: the GPU's own figures; ptxas: compile offline, no GPU needed (default: driver on a GPU, else ptxas)")
+    occ.add_argument("--cc", type=compute_capability, default="9.0", metavar="MAJOR.MINOR",
+                     help="compute capability to compile for with ptxas (9.0: H100/H200)")
     occ.add_argument("--json", action="store_true", help="print a JSON list of row objects")
     occ.add_argument("--plot", metavar="DIR", help="write occupancy/registers-vs-tile PNGs here")
 
-    tune = sub.add_parser("autotune", help="time tile candidates on this GPU and cache the fastest")
-    tune.add_argument("--algorithm", nargs="+", default=["fa2", "fa1"], choices=["fa1", "fa2"])
-    tune.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
-    tune.add_argument("--dtype", nargs="+", default=["float32", "float16"], choices=["float32", "float16"])
-    tune.add_argument("--causal", choices=["both", "on", "off"], default="both")
-    tune.add_argument("--seq", type=int, default=4096)
-    tune.add_argument("--batch", type=int, default=4)
-    tune.add_argument("--heads", type=int, default=16)
+    tune = add("autotune", "time tile candidates on this GPU and cache the fastest")
+    tune.add_argument("--algorithm", nargs="+", default=["fa2", "fa1"], choices=["fa1", "fa2"], help="kernels to tune")
+    tune.add_argument("--head-dim", nargs="+", type=positive_int, default=[64, 128], metavar="D", help="head dims to tune")
+    tune.add_argument("--dtype", nargs="+", default=["float32", "float16"], choices=["float32", "float16"], help="dtypes to tune")
+    tune.add_argument("--causal", choices=["both", "on", "off"], default="both", help="tune the causal kernels, the full ones, or both")
+    tune.add_argument("--seq", type=positive_int, default=4096, metavar="N", help="sequence length of the timed problem")
+    tune.add_argument("--batch", type=positive_int, default=4, metavar="B", help="batch size of the timed problem")
+    tune.add_argument("--heads", type=positive_int, default=16, metavar="H", help="heads of the timed problem")
 
-    sub.add_parser("demo", help="the online-softmax worked example of the seed, step by step")
+    add("demo", "the online-softmax worked example of the seed, step by step")
     return parser
 
 
@@ -135,9 +165,14 @@ def _occupancy(args) -> int:
     source = args.source or ("driver" if gpu_present() else "ptxas")
     if source == "ptxas" and "numba.cuda" not in sys.modules:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real; no GPU is touched
-    from numba_flash.profiling.occupancy import ROW_KEYS, configurations, profile
+    from numba_flash.profiling.occupancy import ROW_KEYS, configurations, missing_toolchain, profile
 
-    cc = tuple(int(x) for x in args.cc.split("."))
+    missing = missing_toolchain() if source == "ptxas" else []
+    blocking = [m for m in missing if not m.startswith("ptxas")]  # an old ptxas may still do
+    if blocking:
+        _toolchain_error("cannot compile the kernels without a GPU here", missing)
+        return 2
+    cc = args.cc
     precisions = [None if p == "default" else p for p in args.precision]
     configs = configurations(
         args.algorithm, args.head_dim, args.dtype, args.block_m, args.block_n, (args.causal,), precisions
@@ -147,11 +182,7 @@ def _occupancy(args) -> int:
     except Exception as exc:
         if source != "ptxas":
             raise
-        print(
-            f"numba-flash occupancy: compiling without a GPU failed ({type(exc).__name__}: {exc}).\n"
-            "It needs libNVVM and a recent ptxas: pip install 'numba-flash[occupancy]'",
-            file=sys.stderr,
-        )
+        _toolchain_error(f"compiling without a GPU failed: {type(exc).__name__}: {str(exc).strip()}", missing)
         return 2
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -163,6 +194,26 @@ def _occupancy(args) -> int:
         for path in plot_occupancy(rows, args.plot):
             print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _toolchain_error(what: str, missing: list[str]) -> None:
+    from numba_flash.profiling.occupancy import OCCUPANCY_EXTRA
+
+    lines = [f"numba-flash occupancy: {what}"]
+    if missing:
+        lines.append("Missing here:")
+        lines += [f"  - {m}" for m in missing]
+    lines.append(f"All of them come with the occupancy extra: {OCCUPANCY_EXTRA}")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def compute_capability(text: str) -> tuple[int, int]:
+    """argparse type: ``MAJOR.MINOR``, e.g. 9.0."""
+    try:
+        major, minor = (int(x) for x in text.split("."))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR such as 9.0, got {text!r}") from None
+    return major, minor
 
 
 def _markdown(rows, keys) -> str:

@@ -17,14 +17,16 @@ import numba_flash
 
 
 def main():
-    import cupy as cp
-
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--seq", type=int, default=128)
-    ap.add_argument("--head-dim", type=int, default=64)
-    ap.add_argument("--calls", type=int, default=2000)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0] + " Needs a GPU and CuPy.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--seq", type=int, default=128, help="query and key length")
+    ap.add_argument("--head-dim", type=int, default=64, help="head dimension")
+    ap.add_argument("--calls", type=int, default=2000, help="back-to-back calls timed in the loop")
     ap.add_argument("--profile", action="store_true", help="also print where an FA-2 call spends its time (cProfile)")
     a = ap.parse_args()
+    import cupy as cp  # after parsing: --help works without CuPy or a GPU
     q, k, v = (cp.random.standard_normal((1, 1, a.seq, a.head_dim), dtype=cp.float32) for _ in range(3))
     rows = []
     for name, fn in (

@@ -21,4 +21,7 @@ def worked_example(file: TextIO | None = None) -> None:
 
 
 if __name__ == "__main__":
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     worked_example(sys.stdout)

@@ -48,3 +48,126 @@ def test_autotune_needs_a_gpu(capsys):
         pytest.skip("on a GPU autotune would run for minutes")
     assert main(["autotune"]) == 2
     assert "GPU" in capsys.readouterr().err
+
+
+def test_version_comes_from_the_package_metadata(capsys):
+    from importlib import metadata
+
+    import numba_flash
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out.strip() == f"numba-flash {numba_flash.__version__}"
+    assert numba_flash.__version__ == metadata.version("numba-flash")
+
+
+@pytest.mark.parametrize("argv, flag", [(["compare", "--seq", "abc"], "--seq"), (["compare", "--heads", "0"], "--heads"),
+                                        (["occupancy", "--cc", "nine"], "--cc"), (["autotune", "--seq", "-3"], "--seq")])
+def test_bad_values_are_named_without_private_names(argv, flag, capsys):
+    """argparse names the type function of a bad value: it must read well, not `_positive`."""
+    import re
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert f"argument {flag}:" in err and not re.search(r"(^|[\s'(])_[a-z]", err), err
+
+
+def _subcommands():
+    from numba_flash.cli import _parser
+
+    parser = _parser()
+    sub = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
+    return parser, sub.choices
+
+
+def test_every_flag_has_help_and_shows_its_default():
+    """Each option of each subcommand says what it does; a default that is a value is shown
+    as ``(default: ...)`` (and one that depends on the machine is said in words)."""
+    import argparse
+
+    parser, commands = _subcommands()
+    assert set(commands) >= {"compare", "occupancy", "autotune", "demo"}
+    for name, sub in commands.items():
+        text = sub.format_help()
+        assert sub.description, name
+        for action in sub._actions:
+            if isinstance(action, argparse._HelpAction):
+                continue
+            flag = action.option_strings[0]
+            assert action.help, f"{name} {flag} has no help"
+            if action.default is not None and action.default is not False:
+                shown = sub._get_formatter()._get_help_string(action) % {"default": action.default}
+                assert "default:" in shown, f"{name} {flag} does not show its default"
+                assert "(default:" in text
+
+
+def test_scripts_help_works_without_gpu_or_cupy():
+    """Every research script answers --help with CuPy and torch unimportable (as on a
+    machine without a GPU) and exits 0."""
+    import pathlib
+    import subprocess
+    import sys
+
+    scripts = sorted((pathlib.Path(__file__).parent.parent / "scripts").glob("*.py"))
+    assert len(scripts) >= 5
+    code = ("import runpy, sys\nsys.modules['cupy'] = None\nsys.modules['torch'] = None\n"
+            "sys.argv = [sys.argv[1], '--help']\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
+    for script in scripts:
+        done = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0 and "usage:" in done.stdout, f"{script.name}: {done.stderr[-2000:]}"
+
+
+def test_occupancy_says_what_is_missing(monkeypatch, capsys):
+    """No libNVVM/NVRTC here: the command names each missing piece and the extra that gives it,
+    before compiling anything."""
+    from numba_flash.profiling import occupancy
+
+    monkeypatch.setattr(occupancy, "missing_toolchain", lambda: [
+        f"{occupancy.TOOLCHAIN['nvrtc']}: not found", f"{occupancy.TOOLCHAIN['ptxas']}: not found"])
+    monkeypatch.setattr(occupancy, "profile", lambda *a, **k: pytest.fail("compiled despite a missing compiler"))
+    assert main(["occupancy", "--source", "ptxas", "--head-dim", "16"]) == 2
+    err = capsys.readouterr().err
+    assert "NVRTC" in err and "nvidia-cuda-nvrtc" in err and "nvidia-cuda-nvcc" in err
+    assert "pip install 'numba-flash[occupancy]'" in err
+
+
+def test_missing_toolchain_names_nvvm_and_nvrtc(monkeypatch):
+    import cuda.pathfinder
+
+    from numba_flash.profiling import occupancy
+
+    def not_found(lib):
+        raise cuda.pathfinder.DynamicLibNotFoundError(f"lib{lib}.so not found")
+
+    monkeypatch.setattr(cuda.pathfinder, "load_nvidia_dynamic_lib", not_found)
+    missing = " ".join(occupancy.missing_toolchain())
+    assert "libNVVM" in missing and "NVRTC" in missing
+
+
+def test_ptxas_failure_shows_ptxas_own_message(monkeypatch, tmp_path):
+    """An old ptxas exits 255 on new PTX; its own words must reach the user."""
+    from numba_flash.profiling import occupancy
+
+    fake = tmp_path / "ptxas"
+    fake.write_text("#!/bin/sh\necho \"ptxas fatal   : Unsupported .version 9.5; current version is '9.0'\" >&2\nexit 255\n")
+    fake.chmod(0o755)
+    monkeypatch.setattr(occupancy, "find_ptxas", lambda: str(fake))
+    with pytest.raises(RuntimeError, match=r"exit status 255.*Unsupported \.version 9\.5"):
+        occupancy.ptxas_resources(".version 9.5\n")
+
+
+def test_the_wheel_ptxas_wins_over_path(monkeypatch, tmp_path):
+    """An older ptxas first on PATH must not shadow the one the occupancy extra installs."""
+    from numba_flash.profiling import occupancy
+
+    wheel = occupancy._wheel_ptxas()
+    if wheel is None:
+        pytest.skip("the nvidia-cuda-nvcc wheel is not installed (numba-flash[occupancy])")
+    old = tmp_path / "ptxas"
+    old.write_text("#!/bin/sh\nexit 255\n")
+    old.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
+    assert occupancy.find_ptxas() == wheel

@@ -211,17 +211,63 @@ def compile_ptx(cfg, cc=(9, 0)) -> str:
     return ptx
 
 
-def find_ptxas() -> str:
-    """A ptxas new enough for numba-cuda's PTX: the nvidia-cuda-nvcc wheel's, else PATH's."""
-    for base in sys.path:
+OCCUPANCY_EXTRA = "pip install 'numba-flash[occupancy]'"
+# What compiling a kernel without a GPU needs, and which package provides it.
+TOOLCHAIN = {
+    "nvvm": "libNVVM (numba-cuda's compiler: Python -> PTX), from the CUDA 13 wheels of numba-cuda[cu13]",
+    "nvrtc": "NVRTC (numba-cuda compiles its C++ helpers with it), from nvidia-cuda-nvrtc in numba-cuda[cu13]",
+    "ptxas": "ptxas of CUDA >= 13.5 (PTX -> SASS and the resource report), from the nvidia-cuda-nvcc wheel",
+}
+
+
+def _wheel_ptxas() -> str | None:
+    """The ptxas of the ``nvidia-cuda-nvcc`` wheel (``nvidia/cu13/bin``; ``nvidia/cuda_nvcc/bin``
+    for CUDA 12), wherever ``nvidia`` is installed."""
+    bases = list(sys.path)
+    try:
+        import nvidia
+
+        bases = [os.path.dirname(p) for p in nvidia.__path__] + bases
+    except ImportError:
+        pass
+    for base in bases:
         for sub in ("nvidia/cu13/bin/ptxas", "nvidia/cuda_nvcc/bin/ptxas"):
             path = os.path.join(base, sub)
-            if os.path.isfile(path):
+            if os.path.isfile(path) and os.access(path, os.X_OK):
                 return path
-    path = shutil.which("ptxas")
+    return None
+
+
+def find_ptxas() -> str:
+    """A ptxas new enough for numba-cuda's PTX: the nvidia-cuda-nvcc wheel's (which the
+    ``occupancy`` extra installs, matching numba-cuda's libNVVM), else the first on PATH
+    (often an older CUDA's, which then refuses the PTX: its message says so)."""
+    path = _wheel_ptxas() or shutil.which("ptxas")
     if path:
         return path
-    raise RuntimeError("ptxas not found: pip install 'numba-flash[occupancy]' (nvidia-cuda-nvcc)")
+    raise RuntimeError(f"ptxas not found: {TOOLCHAIN['ptxas']}: {OCCUPANCY_EXTRA}")
+
+
+def missing_toolchain() -> list[str]:
+    """What offline compilation lacks here, each with the package that provides it ([] when
+    nothing is known to be missing)."""
+    missing = []
+    try:
+        from cuda.pathfinder import load_nvidia_dynamic_lib
+    except ImportError:  # older cuda-bindings: cannot tell, compilation will say
+        load_nvidia_dynamic_lib = None
+    for lib in ("nvvm", "nvrtc"):
+        if load_nvidia_dynamic_lib is None:
+            break
+        try:
+            load_nvidia_dynamic_lib(lib)
+        except Exception:  # DynamicLibNotFoundError and kin
+            missing.append(f"{TOOLCHAIN[lib]}: not found")
+    if _wheel_ptxas() is None:
+        found = shutil.which("ptxas")
+        where = f"only {found} on PATH, which may be too old for the PTX" if found else "not found"
+        missing.append(f"{TOOLCHAIN['ptxas']}: {where}")
+    return missing
 
 
 _RESOURCE_RE = {
@@ -240,7 +286,11 @@ def ptxas_resources(ptx: str, cc=(9, 0), max_registers=None) -> tuple[int, int, 
         cmd = [find_ptxas(), "-v", f"-arch=sm_{cc[0]}{cc[1]}", src, "-o", os.path.join(tmp, "k.cubin")]
         if max_registers:
             cmd.insert(2, f"-maxrregcount={max_registers}")
-        out = subprocess.run(cmd, capture_output=True, text=True, check=True).stderr
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        out = done.stderr
+        if done.returncode != 0:
+            message = (done.stderr.strip() or done.stdout.strip() or "(no message)").splitlines()
+            raise RuntimeError(f"{cmd[0]} failed with exit status {done.returncode}: " + " / ".join(message[-5:]))
     found = {k: r.search(out) for k, r in _RESOURCE_RE.items()}
     if found["regs"] is None:
         raise RuntimeError(f"could not read ptxas output:\n{out}")
