@@ -95,6 +95,15 @@ def output_rounding_bound(q, k, v, ref_o, scale=None, causal=False):
     return np.expm1(2 * delta)[..., None] * spread.max(axis=3, initial=0.0)
 
 
+def assert_equal_up_to_rounding(got, want, ref_o, allowed, rel):
+    """``got`` and ``want`` (two float32 results) differ by at most ``allowed`` elementwise (the
+    score-rounding bound, which grows with |score|) plus ``rel`` times ``|ref_o|``, norm-wise."""
+    got, want = (to_numpy(x).astype(np.float64) for x in (got, want))
+    excess = np.maximum(np.abs(got - want) - allowed, 0.0)
+    ref_norm = float(np.linalg.norm(ref_o))
+    assert float(np.linalg.norm(excess)) <= rel * ref_norm, (rel_err(got, want), float(np.asarray(allowed).max(initial=0)))
+
+
 def lse_matches(lse, ref_lse, atol=1e-4, rtol=1e-5) -> bool:
     """Finite entries close, -inf exactly where the reference is -inf, no NaN."""
     lse = to_numpy(lse).astype(np.float64)

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import examples, random_qkv, rel_err, to_numpy
+from helpers import (
+    assert_equal_up_to_rounding,
+    examples,
+    output_rounding_bound,
+    random_qkv,
+    score_rounding_bound,
+    to_numpy,
+)
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -41,9 +48,17 @@ def test_any_tile_order_gives_the_same_output(p, xp):
     o_fwd, lse_fwd = forward(q, k, v, **kw)
     o_perm, lse_perm = forward(q, k, v, kv_tile_order=p["order"], **kw)
     ref_o, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=p["causal"])
-    assert rel_err(o_perm, to_numpy(o_fwd)) < 1e-6
-    assert rel_err(o_perm, ref_o) < 2e-6
-    np.testing.assert_allclose(to_numpy(lse_perm), to_numpy(lse_fwd), rtol=1e-6, atol=1e-6)
+    # Each walk is within the score-rounding bound of the exact result (it grows with |score|),
+    # so the two are within twice that of each other; beyond it, rounding of the sums only.
+    allowed = output_rounding_bound(q, k, v, ref_o, None, p["causal"])
+    assert_equal_up_to_rounding(o_perm, o_fwd, ref_o, 2 * allowed, 1e-6)
+    assert_equal_up_to_rounding(o_perm, ref_o, ref_o, allowed, 2e-6)
+    delta = score_rounding_bound(q, k, None, p["causal"])
+    lse_perm, lse_fwd = to_numpy(lse_perm), to_numpy(lse_fwd)
+    assert np.array_equal(np.isneginf(lse_perm), np.isneginf(lse_fwd))
+    fin = np.isfinite(lse_fwd)
+    gap = np.abs(lse_perm[fin] - lse_fwd[fin]) - (1e-6 + 1e-6 * np.abs(lse_fwd[fin]) + 2 * delta[fin])
+    assert (gap <= 0).all(), (lse_perm, lse_fwd, delta)
 
 
 def test_reverse_order_really_changes_the_walk(xp, rng):
@@ -54,7 +69,8 @@ def test_reverse_order_really_changes_the_walk(xp, rng):
     o_fwd, _ = forward(q, k, v, algorithm="fa2", block_m=8, block_n=1)
     o_rev, _ = forward(q, k, v, algorithm="fa2", block_m=8, block_n=1, kv_tile_order=list(range(n_tiles))[::-1])
     assert not np.array_equal(to_numpy(o_fwd), to_numpy(o_rev))
-    assert rel_err(o_rev, to_numpy(o_fwd)) < 1e-5
+    ref_o, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v))
+    assert_equal_up_to_rounding(o_rev, o_fwd, ref_o, 2 * output_rounding_bound(q, k, v, ref_o), 1e-5)
 
 
 @pytest.mark.parametrize("order", [[0, 0, 1], [0, 1], [1, 2, 3], [[0, 1, 2]]])
