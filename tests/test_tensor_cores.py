@@ -77,6 +77,18 @@ def test_tensor_core_kernels_match_reference(kind, algorithm, kv_heads, group, n
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
+@pytest.mark.parametrize("kind, causal", [("f16", True), ("f16", False), ("bf16", True), ("tf32", True), ("tf32x3", True)])
+def test_every_kind_over_many_kv_tiles(kind, causal, algorithm, rng):
+    """Three K/V tiles and two Q tiles, keys not a tile multiple: the running max moves between
+    tiles (FA-2's rescale, FA-1's O round trip are exercised), diagonal and tail tiles masked."""
+    dtype, precision = PRECISION_OF[kind]
+    q, k, v = qkv(rng, 1, 1, 1, 18, 40, 12, dtype)
+    k[..., 28:, :] *= 3  # later keys score higher: the max moves after the first tiles
+    o, lse = run_poisoned(q, k, v, causal=causal, algorithm=algorithm, precision=precision, block_m=16, block_n=16)
+    check(q, k, v, o, lse, causal, kind)
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
 def test_masked_rows_give_zero_and_minus_inf(algorithm, rng):
     """Causal with Nq > Nk: the first Nq - Nk rows see no key: o = 0, lse = -inf, never NaN."""
     q, k, v = qkv(rng, 1, 2, 1, 21, 5, 16, "float16")
