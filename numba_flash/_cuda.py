@@ -10,4 +10,8 @@ choose_world()
 
 from numba import cuda, float32, int32, uint64  # noqa: E402
 
+from numba_flash import simulator  # noqa: E402
+
+simulator.install()  # in the simulator only: a block scheduler without polling, cheap device calls
+
 __all__ = ["cuda", "float32", "int32", "uint64"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import sys
 import warnings
 
 import numpy as np
@@ -18,7 +19,7 @@ from numba_flash.arrays import ArrayContext, as_cupy_view, device_id_of, dtype_n
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
-from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles, threads_per_block
+from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles, threads_per_block, tile_layout
 from numba_flash.launch import device_array
 from numba_flash.launch import launch as direct_launch
 from numba_flash.tensor_cores import launch_tc, regime, tc_tiles
@@ -140,6 +141,8 @@ def forward(
         o[...] = 0
         lse[...] = -math.inf
         return o, lse
+    if simulated():
+        _warn_if_slow(call)
     if call["regime"] != "ieee":
         with _quiet_kernels():
             launch_tc(ctx, call, q, k, v, o, lse)
@@ -153,6 +156,45 @@ def forward(
         with _quiet_kernels():
             _launch(ctx, call, q, k, v, o, lse, order)
     return o, lse
+
+
+def simulated_seconds(call: dict) -> float:
+    """About how long the simulator takes for a validated call (``simulator.estimate_seconds``)."""
+    from numba_flash.simulator import estimate_seconds
+    from numba_flash.specs import kernel_spec
+
+    B, H, Nq, D = call["q_shape"]
+    bm, bn = call["block_m"], call["block_n"]
+    spec = kernel_spec(call["algorithm"], D, call["dtype"], bm, bn, call["causal"], call["regime"])
+    padded = tile_layout(D, bm, bn).padded_dim if call["regime"] == "ieee" else spec.head_dim
+    return estimate_seconds(call["algorithm"], B, H, Nq, call["n_k"], D, bm, bn, call["causal"],
+                            spec.threads, padded, call["regime"] != "ieee")
+
+
+def _warn_if_slow(call: dict) -> None:
+    """Say so before a simulated call that will take minutes (no GPU here)."""
+    from numba_flash.simulator import SLOW_SECONDS, SimulatorSlowWarning, format_seconds
+
+    seconds = simulated_seconds(call)
+    if seconds < SLOW_SECONDS:
+        return
+    B, H, Nq, D = call["q_shape"]
+    warnings.warn(
+        SimulatorSlowWarning(
+            f"no GPU: this {call['algorithm'].upper().replace('FA', 'FA-')} call (B={B} H={H} Nq={Nq} Nk={call['n_k']} D={D}) runs in "
+            f"Numba's CUDA simulator and will take about {format_seconds(seconds)}; problems of a few dozen "
+            "rows take seconds there"
+        ),
+        stacklevel=_caller_stacklevel(),
+    )
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` that points a warning at the first frame outside this module."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_globals.get("__name__") == __name__:
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 @contextlib.contextmanager

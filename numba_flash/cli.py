@@ -128,7 +128,7 @@ def main(argv=None) -> int:
     from numba_flash.compare import compare, format_table
 
     try:
-        rows, notes = compare(args)
+        rows, notes = compare(args, progress=lambda line: print(f"numba-flash compare: {line}", file=sys.stderr, flush=True))
     except (ValueError, TypeError) as exc:  # a problem the kernels refuse, said in one line
         print(f"numba-flash compare: error: {exc}", file=sys.stderr)
         return 2

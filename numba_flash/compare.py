@@ -41,11 +41,19 @@ def _problem(args) -> dict:
     return p
 
 
-def compare(args):
-    """Run both algorithms on one problem; return (rows, notes) for :func:`format_table`."""
+def compare(args, progress=None):
+    """Run both algorithms on one problem; return (rows, notes) for :func:`format_table`.
+
+    ``progress``: called with a line per stage (the CLI prints them to stderr as they come)."""
+    import time
+    import warnings
+
     from numba_flash import reference
     from numba_flash.api import default_tiles_for
     from numba_flash.api import forward
+    from numba_flash.simulator import SimulatorSlowWarning, format_seconds
+
+    say = progress or (lambda line: None)
 
     p = _problem(args)
     B, H, Hkv, Nq, Nk, D = p["batch"], p["heads"], p["kv_heads"], p["seq"], p["seq_k"], p["head_dim"]
@@ -83,8 +91,16 @@ def compare(args):
         ref_o = cupy_attention(*(x.astype(xp.float64) for x in (q, k, v)), causal=p["causal"])
 
     flops = attention_flops(B, H, Nq, Nk, D, p["causal"])
+    shape = f"B{B} H{H}/{Hkv} Nq{Nq} Nk{Nk} D{D} {p['dtype']}{' causal' if p['causal'] else ''}"
+    if sim:
+        estimate = _simulated_seconds(q, k, v, p)
+        say(f"no GPU: running {shape} in Numba's CUDA simulator, about {format_seconds(estimate)} for both algorithms"
+            + ("; smaller --seq/--head-dim/--batch/--heads run faster" if estimate >= 60 else ""))
     rows = []
-    for alg in ALGORITHMS:
+    for n, alg in enumerate(ALGORITHMS, 1):
+        name = alg.upper().replace("FA", "FA-")
+        started = time.perf_counter()
+        say(f"[{n}/{len(ALGORITHMS)}] {name}: {'simulating' if sim else 'compiling and checking against float64'} ...")
         if mode == "ieee":
             bm_d, bn_d = default_tiles_for(alg, D, p["dtype"], p["causal"])  # autotuned if cached
             bm, bn = p["block_m"] or bm_d, p["block_n"] or bn_d
@@ -95,7 +111,9 @@ def compare(args):
         def run(alg=alg, bm=bm, bn=bn):
             return forward(q, k, v, causal=p["causal"], algorithm=alg, block_m=bm, block_n=bn, precision=p["precision"])
 
-        o, _ = run()
+        with warnings.catch_warnings():  # the estimate was said above, for both algorithms
+            warnings.simplefilter("ignore", SimulatorSlowWarning)
+            o, _ = run()
         diff = o.double() - ref_o if p["dtype"] == "bfloat16" and not sim else o.astype(np.float64) - ref_o
         row = dict(
             algorithm=alg,
@@ -114,16 +132,30 @@ def compare(args):
         if not sim:
             from numba_flash.profiling.resources import compiled_resources
 
+            say(f"[{n}/{len(ALGORITHMS)}] {name}: timing {args.repeats} runs ...")
             ms = median_ms(run, repeats=args.repeats)
             row.update(ms=ms, tflops=tflops(flops, ms))
             res = compiled_resources(spec.kernel, spec.threads, spec.dynamic_smem)
             row.update(res.as_dict())
         rows.append(row)
+        say(f"[{n}/{len(ALGORITHMS)}] {name}: done in {time.perf_counter() - started:.1f} s, relative error {row['rel_err']:.1e}")
     if not sim:
+        say("timing the peers (CuPy matmul-softmax-matmul, PyTorch SDPA backends) ...")
         notes.extend(_peers(q, k, v, p, flops, args.repeats))
         fa1, fa2 = rows
         notes.append(f"FA-2 / FA-1 speed: {fa1['ms'] / fa2['ms']:.2f}x")
     return rows, notes
+
+
+def _simulated_seconds(q, k, v, p) -> float:
+    """The simulator's cost model for both algorithms on this problem (``api.simulated_seconds``)."""
+    from numba_flash.api import _validate, simulated_seconds
+
+    total = 0.0
+    for alg in ALGORITHMS:
+        call = _validate(q, k, v, p["causal"], None, alg, p["block_m"], p["block_n"], p["precision"])
+        total += simulated_seconds(call)
+    return total
 
 
 _MMA_NAME = {"f16": "mma.sync f16", "bf16": "mma.sync bf16", "tf32": "mma.sync tf32", "tf32x3": "mma.sync 3xTF32"}

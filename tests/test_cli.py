@@ -171,3 +171,36 @@ def test_the_wheel_ptxas_wins_over_path(monkeypatch, tmp_path):
     old.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{__import__('os').environ['PATH']}")
     assert occupancy.find_ptxas() == wheel
+
+
+def test_compare_prints_a_line_per_stage(capsys):
+    """Progress on stderr as each stage starts and ends (stdout keeps the table or JSON)."""
+    assert main(["compare", "--seq", "6", "--head-dim", "3", "--block-m", "2", "--block-n", "2", "--json"]) == 0
+    captured = capsys.readouterr()
+    json.loads(captured.out)
+    err = captured.err
+    for stage in ("[1/2] FA-1:", "[2/2] FA-2:", "done in"):
+        assert stage in err, err
+    from numba_flash._world import simulated
+
+    if simulated():
+        assert "Numba's CUDA simulator, about" in err
+
+
+def test_default_simulated_compare_is_expected_within_a_minute():
+    """The README's main job without a GPU: the default problem, by the simulator's cost model."""
+    import argparse
+
+    import numpy as np
+
+    from numba_flash._world import simulated
+    from numba_flash.compare import _problem, _simulated_seconds
+
+    if not simulated():
+        pytest.skip("the simulator's default problem")
+    args = argparse.Namespace(batch=None, heads=None, kv_heads=None, seq=None, seq_k=None, head_dim=None,
+                              block_m=None, block_n=None, causal=False, dtype="float32", precision="default")
+    p = _problem(args)
+    shapes = ((p["batch"], p["heads"], p["seq"], p["head_dim"]), (p["batch"], p["kv_heads"], p["seq_k"], p["head_dim"]))
+    q, k = (np.zeros(s, np.float32) for s in shapes)
+    assert _simulated_seconds(q, k, k, p) < 30
