@@ -23,7 +23,7 @@ from helpers import (
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from numba_flash import reference
+from numba_flash import reference, tiled
 from numba_flash.api import attention, forward
 
 ALGORITHMS = ["fa1", "fa2"]
@@ -40,8 +40,12 @@ def run_poisoned(xp, q, k, v, **kw):
     return forward(q, k, v, out=o, lse_out=lse, **kw)
 
 
-def check_against_reference(q, k, v, o, lse, causal, scale=None):
-    ref_o, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, scale=scale)
+def check_against_reference(q, k, v, o, lse, causal, scale=None, oracle=None):
+    """``o`` and ``lse`` against the float64 reference (or another float64 ``oracle``'s pair)."""
+    if oracle is None:
+        ref_o, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, scale=scale)
+    else:
+        ref_o, ref_lse = oracle
     o_np = to_numpy(o)
     assert not np.isnan(o_np).any(), "an output element was not written (or is NaN)"
     if q.dtype == np.float16:
@@ -81,6 +85,10 @@ def test_matches_reference(algorithm, batch, kv_heads, group, n_q, n_k, head_dim
     o, lse = run_poisoned(xp, q, k, v, causal=causal, algorithm=algorithm, block_m=block_m, block_n=block_n)
     assert o.dtype == q.dtype and lse.dtype == np.float32
     check_against_reference(q, k, v, o, lse, causal)
+    # Second oracle: the same loop nest and tiles on the online-softmax algebra (numba_flash.tiled).
+    loop_nest = {"fa1": tiled.fa1_tiled, "fa2": tiled.fa2_tiled}[algorithm]
+    tiled_o, tiled_lse = loop_nest(*(to_numpy(x) for x in (q, k, v)), block_m, block_n, causal)
+    check_against_reference(q, k, v, o, lse, causal, oracle=(tiled_o, tiled_lse))
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

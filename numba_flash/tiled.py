@@ -1,0 +1,92 @@
+"""FA-1's and FA-2's loop nests in NumPy, tile by tile, on the online-softmax algebra.
+
+The kernels (``numba_flash.kernels``) and these functions walk the same tiles in the same
+order and keep the same per-row state; here every step is a call of :mod:`numba_flash.online`
+in float64, so they are the tile-level oracle the kernels are tested against (besides the
+materialised-S reference), and the plainest statement of what each algorithm does:
+
+- :func:`fa2_tiled` (FlashAttention-2, Algorithm 1): for each Q tile, walk the K/V tiles with
+  :func:`~numba_flash.online.update` -- unnormalised accumulator on chip, one final division
+  (:func:`~numba_flash.online.finalize`).
+- :func:`fa1_tiled` (FlashAttention, Algorithm 1): for each K/V tile, walk the Q tiles; each
+  step reads O_i (normalised), l_i, m_i from "HBM", computes the tile's own state
+  (``update`` of the empty state: m~_ij, l~_ij, P~_ij V_j, lines 9-10), combines them with
+  :func:`~numba_flash.online.merge` (line 11) and writes O_i normalised again (lines 12-13).
+
+Scores are ``scale * q . k`` with ``-inf`` where the causal mask (bottom-right aligned) hides
+a key; the kernels skip K/V tiles that are masked for a whole Q tile, which here is an update
+by all ``-inf`` scores: the identity. Shapes as ``attention``: q (B, H, Nq, D), k and v
+(B, Hkv, Nk, D), GQA by ``h // (H // Hkv)``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from numba_flash.online import SoftmaxState, empty_state, finalize, merge, update
+
+__all__ = ["fa1_tiled", "fa2_tiled"]
+
+
+def _prepare(q, k, v, scale):
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    B, H, Nq, D = q.shape
+    group = H // k.shape[1]
+    scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
+    return q, k, v, B, H, Nq, k.shape[2], D, group, scale
+
+
+def _scores(q_tile, k_tile, rows, cols, n_q, n_k, scale, causal):
+    """S_ij = scale Q_i K_j^T, -inf where query row i may not see key j."""
+    s = scale * (q_tile @ k_tile.T)
+    if causal:
+        visible = cols[None, :] <= rows[:, None] + (n_k - n_q)
+        s = np.where(visible, s, -np.inf)
+    return s
+
+
+def _tiles(n: int, size: int):
+    return [np.arange(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def fa2_tiled(q, k, v, block_m, block_n, causal=False, scale=None, return_state=False):
+    """FlashAttention-2's loop nest: ``(o, lse)``, or ``(o, lse, m, l)`` with ``return_state``
+    (``m``, ``l``: each row's final running max and denominator, natural-log units)."""
+    q, k, v, B, H, Nq, Nk, D, group, scale = _prepare(q, k, v, scale)
+    o, lse = np.zeros((B, H, Nq, D)), np.full((B, H, Nq), -np.inf)
+    m, l = np.full((B, H, Nq), -np.inf), np.zeros((B, H, Nq))  # noqa: E741
+    for b in range(B):
+        for h in range(H):
+            hk = h // group
+            for rows in _tiles(Nq, block_m):  # line 3: one thread block per Q tile
+                state = empty_state(len(rows), D)  # line 5: O~ = 0, l = 0, m = -inf
+                for cols in _tiles(Nk, block_n):  # line 6: the K/V tiles, in order
+                    s = _scores(q[b, h, rows], k[b, hk, cols], rows, cols, Nq, Nk, scale, causal)
+                    state = update(state, s, v[b, hk, cols])  # lines 8-10
+                o[b, h, rows], lse[b, h, rows] = finalize(state)  # lines 12-13: divide once
+                m[b, h, rows], l[b, h, rows] = state.m, state.l
+    return (o, lse, m, l) if return_state else (o, lse)
+
+
+def fa1_tiled(q, k, v, block_m, block_n, causal=False, scale=None, return_state=False):
+    """FlashAttention's (FA-1) loop nest: ``(o, lse)``, or ``(o, lse, m, l)`` with
+    ``return_state`` (the O, l, m that the kernel keeps in global memory, l and m at the end)."""
+    q, k, v, B, H, Nq, Nk, D, group, scale = _prepare(q, k, v, scale)
+    # Line 2: O = 0, l = 0, m = -inf in HBM.
+    o_hbm, l_hbm, m_hbm = np.zeros((B, H, Nq, D)), np.zeros((B, H, Nq)), np.full((B, H, Nq), -np.inf)
+    for b in range(B):
+        for h in range(H):  # one thread block per (batch, head)
+            hk = h // group
+            for cols in _tiles(Nk, block_n):  # line 5: outer loop over K/V tiles (line 6: load K_j, V_j)
+                for rows in _tiles(Nq, block_m):  # line 7: inner loop over Q tiles
+                    # Line 8: read O_i (normalised), l_i, m_i; as a state, acc = O_i l_i.
+                    stored = SoftmaxState(m_hbm[b, h, rows], l_hbm[b, h, rows], o_hbm[b, h, rows] * l_hbm[b, h, rows, None])
+                    s = _scores(q[b, h, rows], k[b, hk, cols], rows, cols, Nq, Nk, scale, causal)
+                    tile = update(empty_state(len(rows), D), s, v[b, hk, cols])  # lines 9-10: m~, l~, P~ V
+                    new = merge(stored, tile)  # line 11: m_new, l_new
+                    o_hbm[b, h, rows], _ = finalize(new)  # line 12: O_i normalised, back to HBM
+                    m_hbm[b, h, rows], l_hbm[b, h, rows] = new.m, new.l  # line 13
+    lse = np.where(np.isneginf(m_hbm), -np.inf, m_hbm + np.log(np.where(l_hbm > 0, l_hbm, 1.0)))
+    return (o_hbm, lse, m_hbm, l_hbm) if return_state else (o_hbm, lse)
