@@ -130,32 +130,33 @@ def forward(
     _check_out(out, "out", (B, H, Nq, D), call["dtype"], call["kind"])
     _check_out(lse_out, "lse_out", (B, H, Nq), "float32", call["kind"])
     _check_no_overlap(call["kind"], q, k, v, out, lse_out)
-    o = out if out is not None else ctx.empty((B, H, Nq, D), call["dtype"])
-    lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
-    order = _check_order(kv_tile_order, Nk, call["block_n"])
-    if order is not None and call["regime"] != "ieee":
-        raise ValueError("kv_tile_order is a knob of the CUDA-core kernels: pass precision='ieee' with it")
-    if B * H * Nq == 0:
+    with ctx.on_device():  # arrays on another GPU than the current one: results and launch there
+        o = out if out is not None else ctx.empty((B, H, Nq, D), call["dtype"])
+        lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
+        order = _check_order(kv_tile_order, Nk, call["block_n"])
+        if order is not None and call["regime"] != "ieee":
+            raise ValueError("kv_tile_order is a knob of the CUDA-core kernels: pass precision='ieee' with it")
+        if B * H * Nq == 0:
+            return o, lse
+        if Nk == 0:  # nothing to attend to: o = 0, lse = -inf, as for a fully masked row
+            o[...] = 0
+            lse[...] = -math.inf
+            return o, lse
+        if simulated():
+            _warn_if_slow(call)
+        if call["regime"] != "ieee":
+            with _quiet_kernels():
+                launch_tc(ctx, call, q, k, v, o, lse)
+        elif call["dtype"] == "bfloat16":  # CUDA cores read float16 or float32: widen, then narrow
+            wide = [_widen(x, ctx.kind) for x in (q, k, v)]
+            o32 = ctx.empty((B, H, Nq, D), "float32")
+            with _quiet_kernels():
+                _launch(ctx, dict(call, dtype="float32"), *wide, o32, lse, order)
+            o[...] = o32.to(o.dtype) if ctx.kind == "torch" else o32.astype(o.dtype)
+        else:
+            with _quiet_kernels():
+                _launch(ctx, call, q, k, v, o, lse, order)
         return o, lse
-    if Nk == 0:  # nothing to attend to: o = 0, lse = -inf, as for a fully masked row
-        o[...] = 0
-        lse[...] = -math.inf
-        return o, lse
-    if simulated():
-        _warn_if_slow(call)
-    if call["regime"] != "ieee":
-        with _quiet_kernels():
-            launch_tc(ctx, call, q, k, v, o, lse)
-    elif call["dtype"] == "bfloat16":  # CUDA cores read float16 or float32: widen, then narrow
-        wide = [_widen(x, ctx.kind) for x in (q, k, v)]
-        o32 = ctx.empty((B, H, Nq, D), "float32")
-        with _quiet_kernels():
-            _launch(ctx, dict(call, dtype="float32"), *wide, o32, lse, order)
-        o[...] = o32.to(o.dtype) if ctx.kind == "torch" else o32.astype(o.dtype)
-    else:
-        with _quiet_kernels():
-            _launch(ctx, call, q, k, v, o, lse, order)
-    return o, lse
 
 
 def simulated_seconds(call: dict) -> float:
@@ -346,7 +347,7 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
     q_scale = np.float32(call["scale"] * LOG2E)
     permuted = order is not None
     if not permuted:
-        order = _placeholder(1, "int32")  # not read by a kernel compiled unpermuted
+        order = _placeholder(1, "int32", ctx.device_id)  # not read by a kernel compiled unpermuted
     elif not simulated():
         order = cuda.to_device(order, stream=ctx.stream())  # ordered before the launch
 
@@ -361,7 +362,7 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
         cast_out = casts_output(call["dtype"])
         scratch_o = ("out", ctx.empty((B, H, Nq, D), "float32")) if cast_out else ("out", o)
         # Not casting, the kernel never reads `o`; a placeholder avoids passing o twice.
-        out_o = ("out", o) if cast_out else ("own", _placeholder((1, 1, 1, 1), "float32"))
+        out_o = ("out", o) if cast_out else ("own", _placeholder((1, 1, 1, 1), "float32", ctx.device_id))
         scratch_lm = [("out", ctx.empty((B, H, Nq), "float32")) for _ in range(2)]  # FA-1's l, m
         results = [scratch_o, *scratch_lm, out_o, ("out", lse)]
     arrays = [("in", q), ("in", k), ("in", v), *results, ("own", order)]
@@ -369,7 +370,7 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
 
     if ctx.direct_launch:  # CuPy / torch on a GPU: skip numba's per-call dispatch
         args = [device_array(x, ctx.kind if role != "own" else "numba") for role, x in arrays]
-        direct_launch(kernel, grid, (threads,), ctx.stream_ptr(), [*args[:-1], q_scale, args[-1]])
+        direct_launch(kernel, grid, (threads,), ctx.stream_ptr(), [*args[:-1], q_scale, args[-1]], device_id=ctx.device_id)
         return
 
     convert = {"in": ctx.to_kernel, "out": ctx.out_to_kernel, "own": lambda x: x}
@@ -384,9 +385,15 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
 
 
 @functools.lru_cache(maxsize=None)
-def _placeholder(shape, dtype):
-    """A tiny array for a kernel argument that its specialisation never reads."""
+def _placeholder(shape, dtype, device_id=None):
+    """A tiny array for a kernel argument that its specialisation never reads (one per device;
+    ``None``: numba's current device, for NumPy inputs)."""
     from numba_flash._cuda import cuda
 
     placeholder = np.zeros(shape, dtype=dtype)
-    return placeholder if simulated() else cuda.to_device(placeholder)
+    if simulated():
+        return placeholder
+    if device_id is None:
+        return cuda.to_device(placeholder)
+    with cuda.gpus[device_id]:
+        return cuda.to_device(placeholder)

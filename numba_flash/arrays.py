@@ -15,6 +15,7 @@ Library modules are only imported when the caller already uses them.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass
 
@@ -135,6 +136,25 @@ class ArrayContext:
     def on_host(self) -> bool:
         return self.kind == "numpy"
 
+    @property
+    def device_id(self):
+        """The GPU the caller's arrays live on (``None`` for NumPy), read from the arrays."""
+        return device_id_of(self.template, self.kind)
+
+    def on_device(self):
+        """A context in which the arrays' GPU is the current device, so that results are
+        allocated and kernels launched there (CuPy and torch arrays on a second GPU). With
+        one GPU in the process it does nothing (no runtime call on the hot path)."""
+        if self.kind not in ("cupy", "torch") or simulated() or gpu_count(self.kind) < 2:
+            return contextlib.nullcontext()
+        if self.kind == "cupy":
+            import cupy
+
+            return cupy.cuda.Device(self.device_id)
+        import torch
+
+        return torch.cuda.device(self.device_id)
+
     def to_kernel(self, x):
         """An input the kernel can read: the object itself, a numba view, or a device copy.
 
@@ -192,6 +212,18 @@ class ArrayContext:
     def stream(self):
         """The caller's current stream as a numba stream (``None`` in the simulator)."""
         return None if simulated() else numba_stream(self.stream_ptr())
+
+
+@functools.lru_cache(maxsize=None)
+def gpu_count(kind: str) -> int:
+    """GPUs visible to the array library ``kind`` (asked once per process)."""
+    if kind == "torch":
+        import torch
+
+        return torch.cuda.device_count()
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
 
 
 @functools.lru_cache(maxsize=64)

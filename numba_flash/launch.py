@@ -16,9 +16,16 @@ does the packing itself:
   ``_Kernel._prepare_args`` does, and a float32 scalar as a C float;
 - it calls ``cuda.core.launch`` with the kernel numba loaded, on the caller's stream.
 
-Only the GPU uses it; the simulator (and NumPy inputs) go through numba's own launch.
-Kernels are cached per dispatcher, not per device: like the rest of the package, this
-assumes one GPU (numba's current device).
+Only the GPU uses it; the simulator (and NumPy inputs) go through numba's own launch
+(:func:`numba_launch` adds dynamic shared memory to it).
+
+Per device, looked up once: compiled kernels are cached per (dispatcher, argument types,
+device id), loaded into that device's context and opted in to their dynamic shared memory
+there; the device id comes from the caller's arrays (``arrays.device_id_of``), so the hot path
+asks the driver nothing. The stream is cuda.core's own ``Stream`` for the caller's handle,
+made once per (device, handle): handing cuda.core a foreign stream object through the
+``__cuda_stream__`` protocol is deprecated there. The caller makes the arrays' device
+current for the launch (``ArrayContext.on_device``).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numba_flash.arrays import dtype_name, numba_stream
+from numba_flash.arrays import dtype_name
 
 
 class DeviceArray(NamedTuple):
@@ -83,35 +90,54 @@ def _signature(args) -> tuple:
     return tuple(sig)
 
 
-_KERNELS: dict = {}  # (dispatcher id, argument kinds) -> (dispatcher, cuda.core kernel)
+_KERNELS: dict = {}  # (dispatcher id, device id, argument kinds) -> (dispatcher, cuda.core kernel, smem allowed)
 
 
 STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
 
 
-def opt_in_shared_memory(cufunc, nbytes: int) -> None:
-    """Let a compiled kernel launch with ``nbytes`` of dynamic shared memory (above 48 KiB a
-    kernel must opt in: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``; numba-cuda has
-    no API for it, so this sets it through the driver binding numba itself uses)."""
+def _current_device_id() -> int:
+    """numba's current device (a driver call: only for callers that do not say which device)."""
+    from numba_flash._cuda import cuda
+
+    return cuda.get_current_device().id
+
+
+def opt_in_shared_memory(cufunc, nbytes: int, device_id: int | None = None) -> None:
+    """Let a compiled kernel launch with ``nbytes`` of dynamic shared memory on ``device_id``
+    (above 48 KiB a kernel must opt in: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``;
+    numba-cuda has no API for it, so this sets it through the driver binding numba itself uses)."""
     if nbytes <= STATIC_SHARED_LIMIT:
         return
     from numba.cuda.cudadrv.driver import binding, driver
 
+    device_id = _current_device_id() if device_id is None else device_id
+    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, device_id)
+
+
+def _on_numba_device(device_id: int):
+    """numba's context manager that makes ``device_id`` current (used when compiling and
+    loading a kernel for a device: once per kernel and device)."""
     from numba_flash._cuda import cuda
 
-    attr = binding.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    driver.cuKernelSetAttribute(attr, nbytes, cufunc.handle, cuda.get_current_device().id)
+    return cuda.gpus[device_id]
 
 
-def compiled_kernel(dispatcher, args, shared_mem_bytes: int = 0):
-    """The cuda.core kernel of ``dispatcher`` specialised for ``args`` (compiled once), allowed
-    ``shared_mem_bytes`` of dynamic shared memory."""
-    key = (id(dispatcher), *((a.dtype, len(a.shape), a.c_contiguous) if isinstance(a, DeviceArray) else type(a) for a in args))
+def compiled_kernel(dispatcher, args, shared_mem_bytes: int = 0, device_id: int | None = None):
+    """The cuda.core kernel of ``dispatcher`` specialised for ``args`` and loaded on
+    ``device_id`` (``None``: numba's current device), allowed ``shared_mem_bytes`` of dynamic
+    shared memory; compiled, loaded and opted in once per (kernel, device)."""
+    if device_id is None:
+        device_id = _current_device_id()
+    key = (id(dispatcher), device_id,
+           *((a.dtype, len(a.shape), a.c_contiguous) if isinstance(a, DeviceArray) else type(a) for a in args))
     hit = _KERNELS.get(key)
     if hit is None or hit[0] is not dispatcher or hit[2] < shared_mem_bytes:
-        overload = dispatcher.compile(_signature(args))
-        cufunc = overload._codelibrary.get_cufunc()
-        opt_in_shared_memory(cufunc, shared_mem_bytes)
+        with _on_numba_device(device_id):
+            overload = dispatcher.compile(_signature(args))
+            cufunc = overload._codelibrary.get_cufunc()  # numba loads it into this device's context
+            opt_in_shared_memory(cufunc, shared_mem_bytes, device_id)
         allowed = max(shared_mem_bytes, 0 if hit is None or hit[0] is not dispatcher else hit[2])
         hit = _KERNELS[key] = (dispatcher, cufunc.kernel, allowed)
     return hit[1]
@@ -124,16 +150,57 @@ def _config(grid, block, shared_mem_bytes=0):
     return LaunchConfig(grid=grid, block=block, shmem_size=shared_mem_bytes)
 
 
-def launch(dispatcher, grid, block, stream_ptr: int, args, shared_mem_bytes: int = 0) -> None:
+@functools.lru_cache(maxsize=128)
+def core_stream(stream_ptr: int, device_id: int):
+    """cuda.core's own ``Stream`` for a raw stream handle (0: the legacy default stream), made
+    once per (device, handle). Not the caller's object through ``__cuda_stream__``: cuda.core
+    deprecates that. The handle is borrowed: the caller's stream must outlive its use, as it
+    must for any launch on it."""
+    from cuda.core import Stream
+
+    return Stream.from_handle(int(stream_ptr))
+
+
+def launch(dispatcher, grid, block, stream_ptr: int, args, shared_mem_bytes: int = 0,
+           device_id: int | None = None) -> None:
     """``dispatcher[grid, block, stream, shared_mem_bytes](*args)`` for ``DeviceArray`` and
-    float32 arguments."""
+    float32 arguments, on the stream with handle ``stream_ptr``.
+
+    ``shared_mem_bytes``: dynamic shared memory per block (above 48 KiB the kernel is opted in,
+    once per kernel and device). ``device_id``: the GPU the arrays live on, which must be the
+    current device (``None``: numba's current device, asked of the driver: pass it)."""
     from cuda.core import launch as core_launch
 
-    kernel = compiled_kernel(dispatcher, args, shared_mem_bytes)
+    if device_id is None:
+        device_id = _current_device_id()
+    kernel = compiled_kernel(dispatcher, args, shared_mem_bytes, device_id)
     params = []
     for a in args:
         if isinstance(a, DeviceArray):
             params.extend(a.abi_fields())
         else:
             params.append(ctypes.c_float(a))
-    core_launch(numba_stream(stream_ptr), _config(grid, block, shared_mem_bytes), kernel, *params)
+    core_launch(core_stream(stream_ptr, device_id), _config(grid, block, shared_mem_bytes), kernel, *params)
+
+
+_OPTED_IN: dict = {}  # (dispatcher id, signature, device id) -> dynamic shared bytes allowed
+
+
+def numba_launch(dispatcher, grid, block, stream, args, shared_mem_bytes: int = 0) -> None:
+    """numba's own launch, ``dispatcher[grid, block, stream, shared_mem_bytes](*args)``, with
+    dynamic shared memory: above 48 KiB the overload for ``args`` is opted in first (once per
+    kernel, signature and device). ``stream``: a numba stream or ``None`` (the default stream).
+    Works in the simulator too (no opt-in there: ``cuda.shared.array(0, dtype)`` gets the size)."""
+    from numba_flash._world import simulated
+
+    if shared_mem_bytes > STATIC_SHARED_LIMIT and not simulated():
+        from numba import typeof
+
+        sig = tuple(typeof(a) for a in args)
+        device_id = _current_device_id()
+        key = (id(dispatcher), sig, device_id)
+        if _OPTED_IN.get(key, 0) < shared_mem_bytes:
+            overload = dispatcher.compile(sig)
+            opt_in_shared_memory(overload._codelibrary.get_cufunc(), shared_mem_bytes, device_id)
+            _OPTED_IN[key] = shared_mem_bytes
+    dispatcher[grid, block, 0 if stream is None else stream, shared_mem_bytes](*args)

@@ -172,7 +172,8 @@ def _launch_tc(ctx, call: dict, q, k, v, o, lse) -> None:
     written = [o_kernel, lse_kernel] + ([] if call["algorithm"] == "fa2" else scratch)
     if ctx.direct_launch:
         args = [device_array(x, "cupy") for x in arrays]
-        launch(kernel, grid, (L.threads,), ctx.stream_ptr(), [*args, q_scale], shared_mem_bytes=L.smem_bytes)
+        launch(kernel, grid, (L.threads,), ctx.stream_ptr(), [*args, q_scale], shared_mem_bytes=L.smem_bytes,
+               device_id=ctx.device_id)
     else:
         _numba_launch(ctx, kernel, grid, L, arrays, written, q_scale)
     if padded_out:
