@@ -1,0 +1,299 @@
+"""Run every kernel under compute-sanitizer (memcheck, racecheck) on small awkward shapes.
+
+    python scripts/sanitize.py                        # memcheck and racecheck, CUDA-core kernels
+    python scripts/sanitize.py --tool memcheck --precision ieee f16 tf32 tf32x3
+    python scripts/sanitize.py --list                 # the cases, without running anything
+
+The script re-invokes itself as a child process under ``compute-sanitizer --tool TOOL``; the
+child runs each case (``CASES``: a list of (name, callable)) on the GPU and synchronises after
+it. The parent parses the sanitizer's report and exits non-zero on any kernel error: an
+"Invalid ..." (or misaligned, out-of-range, uninitialised, barrier) access, a racecheck hazard,
+a kernel fault surfacing as a sticky CUDA error, an error count the report does not explain,
+a case that fails, or a child that does not finish. Host API errors (e.g. a driver entry
+point looked up and refused) are listed but do not fail the run.
+
+Cases: FA-1 and FA-2, causal and not, float16 and float32, Nq and Nk of 1, 17 and 33 (not
+multiples of any tile), head dims 8, 40, 64, 100 and 128, GQA (4 query heads on 2 K/V heads),
+batch 2, default tiles (``--tiles all`` adds layouts of one-row tiles, blocks smaller than a
+warp and wide K/V tiles). ``--precision`` picks the regimes: ``ieee`` (CUDA cores, the
+default), and the tensor-core ones (``f16``: float16 on ``mma.sync``; ``tf32``, ``tf32x3``:
+float32); a new regime or kernel is one more entry in ``REGIMES`` or in :func:`build_cases`.
+
+Needs a GPU, CuPy and compute-sanitizer (``--compute-sanitizer`` or PATH); ``--help`` and
+``--list`` need none of them. Run it on the GPU whenever a kernel changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+import zlib
+
+# regime name -> (dtypes, the `precision` argument of attention)
+REGIMES = {
+    "ieee": (("float32", "float16"), "ieee"),
+    "f16": (("float16",), None),
+    "tf32": (("float32",), "tf32"),
+    "tf32x3": (("float32",), "tf32x3"),
+}
+ALGORITHMS = ("fa1", "fa2")
+HEAD_DIMS = (8, 40, 64, 100, 128)
+LENGTHS = ((1, 33), (33, 1), (17, 33), (33, 17), (17, 17))  # (Nq, Nk)
+BATCH, HEADS, KV_HEADS = 2, 4, 2
+EXTRA_TILES = ((1, 1), (2, 4), (8, 2), (16, 16), (32, 64), (128, 8))  # --tiles all (CUDA cores)
+
+CHILD_DONE = "SANITIZE-CHILD-DONE"
+PROGRESS = "SANITIZE-PROGRESS"
+CASE_FAILED = "SANITIZE-CASE-FAILED"
+
+
+# ------------------------------------------------------------------------------------------
+# The cases
+# ------------------------------------------------------------------------------------------
+
+
+def build_cases(precisions=("ieee",), tiles="default", xp=None):
+    """[(name, callable)] for every kernel configuration and shape; ``xp``: the array module
+    the callables use (CuPy on a GPU; NumPy runs them in the simulator, for tests)."""
+    cases = []
+    for precision in precisions:
+        dtypes, precision_arg = REGIMES[precision]
+        tile_choices = [(None, None)]
+        if tiles == "all" and precision == "ieee":
+            tile_choices += list(EXTRA_TILES)
+        for algorithm in ALGORITHMS:
+            for dtype in dtypes:
+                for causal in (False, True):
+                    for head_dim in HEAD_DIMS:
+                        for block_m, block_n in tile_choices:
+                            if block_m is not None and not _tiles_fit(head_dim, block_m, block_n):
+                                continue
+                            for n_q, n_k in LENGTHS:
+                                tile = "" if block_m is None else f"-{block_m}x{block_n}"
+                                name = (f"{precision}-{algorithm}-{dtype}-{'causal' if causal else 'full'}-D{head_dim}"
+                                        f"-Nq{n_q}-Nk{n_k}-B{BATCH}H{HEADS}/{KV_HEADS}{tile}")
+                                spec = dict(algorithm=algorithm, dtype=dtype, causal=causal, head_dim=head_dim,
+                                            n_q=n_q, n_k=n_k, block_m=block_m, block_n=block_n,
+                                            precision=precision_arg)
+                                cases.append((name, _case(spec, xp)))
+    return cases
+
+
+def _tiles_fit(head_dim, block_m, block_n) -> bool:
+    from numba_flash.kernels.tiles import check_tiles
+
+    try:
+        check_tiles(head_dim, block_m, block_n)
+    except ValueError:
+        return False
+    return True
+
+
+def _case(spec, xp):
+    def run():
+        import numpy as np
+
+        from numba_flash import reference
+        from numba_flash.api import forward
+
+        arrays = xp or __import__("cupy")
+        rng = np.random.default_rng(zlib.crc32(repr(sorted(spec.items())).encode()))
+        shapes = ((BATCH, HEADS, spec["n_q"], spec["head_dim"]), (BATCH, KV_HEADS, spec["n_k"], spec["head_dim"]))
+        host = [rng.standard_normal(s).astype(spec["dtype"]) for s in (shapes[0], shapes[1], shapes[1])]
+        q, k, v = (arrays.asarray(x) for x in host)
+        out = arrays.full(q.shape, np.nan, dtype=spec["dtype"])
+        lse = arrays.full(q.shape[:3], np.nan, dtype=np.float32)
+        forward(q, k, v, causal=spec["causal"], algorithm=spec["algorithm"], block_m=spec["block_m"],
+                block_n=spec["block_n"], precision=spec["precision"], out=out, lse_out=lse)
+        if arrays is not np:
+            arrays.cuda.Device().synchronize()
+        got = out.get() if hasattr(out, "get") else np.asarray(out)
+        ref, _ = reference.attention(*(x.astype(np.float64) for x in host), causal=spec["causal"])
+        if np.isnan(got).any():
+            raise AssertionError("unwritten (NaN) output elements")
+        err = float(np.abs(got.astype(np.float64) - ref).max())
+        if err > 0.05:  # garbage, not rounding (float16 and TF32 included)
+            raise AssertionError(f"max |o - ref| = {err:.3g}")
+
+    return run
+
+
+def run_child(names, precisions, tiles) -> int:
+    """Run the cases (all, or those named) in this process; report each failure on stdout."""
+    failures = 0
+    selected = set(names or ())
+    started = time.perf_counter()
+    cases = [(n, c) for n, c in build_cases(precisions, tiles) if not selected or n in selected]
+    for i, (name, case) in enumerate(cases, 1):
+        if i == 1 or i % 20 == 0 or i == len(cases):
+            print(f"{PROGRESS} case {i}/{len(cases)} ({time.perf_counter() - started:.0f} s): {name}", flush=True)
+        try:
+            case()
+        except Exception as exc:  # noqa: BLE001 -- reported, and the parent fails the run
+            failures += 1
+            print(f"{CASE_FAILED} {name}: {type(exc).__name__}: {str(exc)[:300]}", flush=True)
+    print(f"{CHILD_DONE} {len(cases)} cases, {failures} failed, {time.perf_counter() - started:.0f} s", flush=True)
+    return 1 if failures else 0
+
+
+# ------------------------------------------------------------------------------------------
+# compute-sanitizer's report
+# ------------------------------------------------------------------------------------------
+
+_PREFIX = r"^=+\s*"
+# Accesses and faults inside a kernel (memcheck, synccheck, initcheck).
+_KERNEL_ERROR = re.compile(
+    _PREFIX + r"(Invalid (__global__|__shared__|__local__|global|shared|local|generic)|Invalid .*(read|write|access)"
+    r"|Misaligned|Out-of-range|Uninitialized|Barrier error|Illegal|Warp .*(error|illegal)|Hardware exception"
+    r"|Malformed|Stack overflow|Race reported|Error: Race)",
+    re.I,
+)
+# CUDA errors that only a faulting kernel causes (they then surface on a later API call).
+_KERNEL_FAULT = re.compile(
+    _PREFIX + r"Program hit (CUDA_ERROR_(ILLEGAL_ADDRESS|LAUNCH_FAILED|MISALIGNED_ADDRESS|ILLEGAL_INSTRUCTION"
+    r"|HARDWARE_STACK_ERROR|INVALID_PC|INVALID_ADDRESS_SPACE|ASSERT|LAUNCH_TIMEOUT)"
+    r"|cudaError(IllegalAddress|LaunchFailure|MisalignedAddress|IllegalInstruction|Assert))"
+)
+_HOST_ERROR = re.compile(_PREFIX + r"Program hit (CUDA_ERROR_\w+|cudaError\w+).*on CUDA API call to (\w+)")
+_ERROR_SUMMARY = re.compile(_PREFIX + r"ERROR SUMMARY:\s*(\d+) error")
+_RACE_SUMMARY = re.compile(_PREFIX + r"RACECHECK SUMMARY:\s*(\d+) hazard")
+
+
+@dataclasses.dataclass
+class Report:
+    tool: str
+    kernel_errors: list
+    host_errors: list
+    hazards: int
+    error_summary: int | None
+    case_failures: list
+    child_done: bool
+
+    @property
+    def unexplained(self) -> int:
+        """Errors the summary counts that no kernel or host line accounts for."""
+        if self.error_summary is None:
+            return 0
+        return max(0, self.error_summary - len(self.kernel_errors) - len(self.host_errors))
+
+    @property
+    def ok(self) -> bool:
+        return (not self.kernel_errors and self.hazards == 0 and self.unexplained == 0
+                and not self.case_failures and self.child_done)
+
+    def lines(self) -> list[str]:
+        out = [f"{self.tool}: {'clean' if self.ok else 'KERNEL ERRORS'}"
+               f" (kernel errors {len(self.kernel_errors)}, hazards {self.hazards}, host API errors "
+               f"{len(self.host_errors)}, error summary {self.error_summary}, unexplained {self.unexplained}, "
+               f"failed cases {len(self.case_failures)}, child finished {self.child_done})"]
+        out += [f"  kernel: {e}" for e in self.kernel_errors[:20]]
+        out += [f"  case: {e}" for e in self.case_failures[:20]]
+        calls = sorted({m.group(1) for e in self.host_errors if (m := re.search(r"on CUDA API call to (\w+)", e))})
+        if self.host_errors:
+            out.append(f"  host API errors (not failing the run) on: {', '.join(calls) or '?'}")
+        return out
+
+
+def parse_report(text: str, tool: str) -> Report:
+    """Classify compute-sanitizer's output (and the child's own lines) for one tool."""
+    kernel, host, case_failures = [], [], []
+    hazards, summary, done = 0, None, False
+    for raw in text.splitlines():
+        line = raw.rstrip()
+        if line.startswith(CASE_FAILED):
+            case_failures.append(line[len(CASE_FAILED):].strip())
+        elif line.startswith(CHILD_DONE):
+            done = True
+        elif m := _RACE_SUMMARY.match(line):
+            hazards += int(m.group(1))
+        elif m := _ERROR_SUMMARY.match(line):
+            summary = int(m.group(1))
+        elif _KERNEL_FAULT.match(line) or _KERNEL_ERROR.match(line):
+            kernel.append(line.lstrip("= "))
+        elif _HOST_ERROR.match(line):
+            host.append(line.lstrip("= "))
+    return Report(tool, kernel, host, hazards, summary, case_failures, done)
+
+
+# ------------------------------------------------------------------------------------------
+# The parent
+# ------------------------------------------------------------------------------------------
+
+
+def find_sanitizer(given: str | None) -> str | None:
+    for candidate in (given, shutil.which("compute-sanitizer"), "/usr/local/cuda/bin/compute-sanitizer"):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    return None
+
+
+def run_tool(sanitizer, tool, args) -> Report:
+    cmd = [sanitizer, "--tool", tool, "--print-limit", "200"]
+    if tool == "racecheck":
+        cmd += ["--racecheck-report", "all"]
+    cmd += [sys.executable, os.path.abspath(__file__), "--child", "--precision", *args.precision, "--tiles", args.tiles]
+    for name in args.case or ():
+        cmd += ["--case", name]
+    print(f"$ {' '.join(cmd)}", flush=True)
+    lines = []
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as child:
+        for line in child.stdout:
+            lines.append(line)
+            if line.startswith((PROGRESS, CASE_FAILED, CHILD_DONE)):
+                print(f"  [{tool}] {line.rstrip()}", file=sys.stderr, flush=True)
+    text = "".join(lines)
+    if args.log:
+        os.makedirs(args.log, exist_ok=True)
+        with open(os.path.join(args.log, f"{tool}.log"), "w") as f:
+            f.write(text)
+    return parse_report(text, tool)
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(
+        prog="sanitize.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    ap.add_argument("--tool", nargs="+", default=["memcheck", "racecheck"],
+                    choices=["memcheck", "racecheck", "synccheck", "initcheck"], help="compute-sanitizer tools to run")
+    ap.add_argument("--precision", nargs="+", default=["ieee"], choices=sorted(REGIMES),
+                    help="regimes: ieee = CUDA-core kernels; f16, tf32, tf32x3 = tensor-core kernels")
+    ap.add_argument("--tiles", choices=["default", "all"], default="default",
+                    help="default tiles only, or also the extra CUDA-core layouts")
+    ap.add_argument("--case", action="append", metavar="NAME", help="run only this case (repeatable; see --list)")
+    ap.add_argument("--list", action="store_true", help="print the case names and exit (no GPU needed)")
+    ap.add_argument("--compute-sanitizer", metavar="PATH", help="the compute-sanitizer binary (default: PATH, then /usr/local/cuda/bin)")
+    ap.add_argument("--log", metavar="DIR", help="also write each tool's full report to DIR/TOOL.log")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.list:
+        for name, _ in build_cases(args.precision, args.tiles, xp=False):
+            print(name)
+        return 0
+    if args.child:
+        return run_child(args.case, args.precision, args.tiles)
+    sanitizer = find_sanitizer(args.compute_sanitizer)
+    if sanitizer is None:
+        print("sanitize.py: compute-sanitizer not found (pass --compute-sanitizer PATH; it comes with the CUDA "
+              "toolkit, e.g. /usr/local/cuda/bin/compute-sanitizer)", file=sys.stderr)
+        return 2
+    reports = [run_tool(sanitizer, tool, args) for tool in args.tool]
+    for report in reports:
+        print("\n".join(report.lines()))
+    ok = all(r.ok for r in reports)
+    print("sanitize.py: " + ("no kernel errors" if ok else "KERNEL ERRORS FOUND"))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
