@@ -202,7 +202,10 @@ def test_causal_mask_hides_nan_values_of_future_keys(algorithm, xp, rng):
     ref_o, _ = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=True)
     assert np.isfinite(o[0, 0, :2]).all(), "NaN of a future key leaked through the causal mask"
     assert np.isnan(o[0, 0, 2:, 1]).all() and np.isfinite(o[0, 0, 2:, [0, 2, 3, 4, 5, 6, 7]]).all()
-    np.testing.assert_allclose(o[0, 0, :2], ref_o[0, 0, :2], rtol=1e-5, atol=1e-6)
+    # Rows 0-1 see keys 0-1 only (the same causal mask on the first two rows and keys): within
+    # the float32 score-rounding bound of the reference.
+    allowed = output_rounding_bound(q[:, :, :2], k[:, :, :2], v[:, :, :2], ref_o[:, :, :2], None, True)
+    assert (np.abs(o[0, 0, :2] - ref_o[0, 0, :2]) <= allowed[0, 0] + 2e-6 * np.abs(ref_o[0, 0, :2]).max()).all()
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)
