@@ -24,8 +24,14 @@ arrived; an exception in one thread aborts the block and is re-raised; each CUDA
 fresh Python thread, so thread-locals start empty in every block). They apply to numba-cuda
 0.30 (``setup.cfg`` pins it), are installed when the simulator is chosen (``_cuda``), and
 ``NUMBA_FLASH_FAST_SIMULATOR=0`` keeps the stock simulator. Measured on a 2-core machine:
-FA-2 (1, 1, 128, 64) 23 s -> ~10 s, FA-1 82 s -> ~10 s, tensor-core FA-2 (1, 1, 64, 64)
+FA-2 (1, 1, 128, 64) 23 s -> 8 s, FA-1 82 s -> 9 s, tensor-core FA-2 (1, 1, 64, 64)
 float16 11 s -> 2 s.
+
+Simulator-friendly tiles were measured too, and are not a lever: with numba's scheduler, fewer
+threads per block meant more blocks and more barriers (FA-2 on (1, 1, 128, 64): 23 s at the
+default 64 x 32 / 128 threads, 62 s at 16 x 16 / 32 threads, 111 s at 4 x 4 / 4 threads); with
+the fast paths every tile shape tried from 4 x 64 to 64 x 32 takes 7-14 s (8 x 8: 21 s), the
+work of the tile loops themselves. So the defaults stay those tuned on the GPU.
 
 :func:`estimate_seconds` is a cost model of a simulated attention call (shared-memory reads
 and multiply-adds of the tile loops, which dominate once the scheduler is fixed), calibrated
