@@ -131,13 +131,32 @@ def kernel_inputs(kind: str, kind_of_array: str, q, k, v):
 def launch_tc(ctx, call: dict, q, k, v, o, lse) -> None:
     """Run the tensor-core kernel of ``call`` (validated by ``api``) into ``o`` and ``lse``;
     on a GPU every copy and launch is queued on the caller's stream."""
-    if ctx.kind in ("cupy", "torch"):
-        import cupy
-
-        with cupy.cuda.ExternalStream(ctx.stream_ptr()):
+    if ctx.kind == "torch":  # the CuPy copies of this call (padding, views) on torch's stream
+        with _cupy_stream(ctx.stream_ptr()):
             _launch_tc(ctx, call, q, k, v, o, lse)
-    else:
+    else:  # CuPy: its current stream is the caller's already
         _launch_tc(ctx, call, q, k, v, o, lse)
+
+
+class _StreamHandle:
+    """A raw stream handle as an object of the CUDA stream protocol."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+def _cupy_stream(ptr: int):
+    """A CuPy stream for a foreign handle (CuPy 14 deprecates ``ExternalStream`` for
+    ``Stream.from_external``; older CuPy has only the former)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr)
 
 
 def _launch_tc(ctx, call: dict, q, k, v, o, lse) -> None:
