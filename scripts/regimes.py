@@ -53,8 +53,9 @@ def main(argv=None) -> int:
     def record(**row):
         rows.append(row)
         ratio = f" ({row['vs_peer']:.2f}x {row['peer']})" if row.get("vs_peer") else ""
+        err = f"  rel err {row['rel_err']:.1e}" if "rel_err" in row else ""
         print(f"[{time.time() - started:6.1f}s] D={row['D']} N={row['N']} {row['dtype']:8s} {row['name']:28s} "
-              f"{row['tflops']:7.1f} TFLOP/s  rel err {row.get('rel_err', float('nan')):.1e}{ratio}", flush=True)
+              f"{row['tflops']:7.1f} TFLOP/s{err}{ratio}", flush=True)
 
     def sdpa(backend, causal):
         def run(q, k, v):
