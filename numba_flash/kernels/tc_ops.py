@@ -38,8 +38,9 @@ from types import ModuleType
 
 from numba_flash._cuda import cuda, float32
 from numba_flash.kernels import mma
-from numba_flash.kernels.jit import LN2, NEG_INF, device_jit
+from numba_flash.kernels.jit import NEG_INF, device_jit
 from numba_flash.kernels.row_reduce import row_allreduce
+from numba_flash.kernels.row_state import exp2_diff, finite_or_zero, last_visible_key, log_sum_exp, reciprocal_or_zero
 from numba_flash.kernels.tile_ops import add, nan_max
 
 KINDS = ("f16", "bf16", "tf32", "tf32x3")
@@ -356,13 +357,6 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     # ---------------------------------------------------------------- online softmax
 
     @device_jit
-    def last_visible_key(row, n_q, n_k, causal):
-        """Query i sees key j iff j <= i + (Nk - Nq) (bottom-right causal); else every key < Nk."""
-        if causal:
-            return min(n_k - 1, row + n_k - n_q)
-        return n_k - 1
-
-    @device_jit
     def row_last_keys(row0, n_q, n_k, causal, last_keys):
         for i in range(TM):
             last_keys[i] = last_visible_key(row0 + thread_row(i), n_q, n_k, causal)
@@ -419,33 +413,6 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
         for dt in range(DT):
             for e in range(4):
                 acc[dt, e] = float32(0.0)
-
-    @device_jit
-    def finite_or_zero(m):
-        """The max to subtract: 0 for a row that has seen only masked keys (exp2(-inf - 0) = 0)."""
-        if m == NEG_INF:
-            return float32(0.0)
-        return m
-
-    @device_jit
-    def exp2_diff(a, b):
-        """exp2(a - b) with exp2(-inf - anything) = 0 (a row that had seen no key)."""
-        if a == NEG_INF:
-            return float32(0.0)
-        return math.exp2(a - b)
-
-    @device_jit
-    def log_sum_exp(m, l_sum):
-        """Natural-log logsumexp of the scaled scores from log2-unit (m, l)."""
-        if l_sum == 0:
-            return float32(NEG_INF)
-        return (m + math.log2(l_sum)) * float32(LN2)
-
-    @device_jit
-    def reciprocal_or_zero(l_sum):
-        if l_sum == 0:
-            return float32(0.0)
-        return float32(1.0) / l_sum
 
     ops = ModuleType(f"numba_flash.kernels.tc_ops_{kind}_d{D}_m{BM}_n{BN}")
     ops.layout = L

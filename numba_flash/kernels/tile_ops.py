@@ -30,8 +30,9 @@ from types import ModuleType
 
 from numba_flash._cuda import cuda, float32, uint64
 
-from numba_flash.kernels.jit import LN2, NEG_INF, device_jit
+from numba_flash.kernels.jit import NEG_INF, device_jit
 from numba_flash.kernels.row_reduce import row_allreduce
+from numba_flash.kernels.row_state import exp2_diff, finite_or_zero, last_visible_key, log_sum_exp, reciprocal_or_zero
 from numba_flash.kernels.tiles import VEC, tile_layout
 
 
@@ -180,16 +181,6 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
                         s[i, j] += qf[i, e] * kf[e]
 
     @device_jit
-    def last_visible_key(row, n_q, n_k, causal):
-        """Index of the last key query ``row`` may see (bottom-right causal alignment).
-
-        Query i sees key j iff j <= i + (Nk - Nq); without the mask, every key < Nk.
-        """
-        if causal:
-            return min(n_k - 1, row + n_k - n_q)
-        return n_k - 1
-
-    @device_jit
     def row_last_keys(row0, n_q, n_k, causal, last_keys):
         """``last_visible_key`` of each of this thread's rows (tile rows from ``row0``)."""
         for i in range(TM):
@@ -222,14 +213,6 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
                 x = nan_max(x, s[i, j])
             out[i] = x
         allreduce_max(out, scratch)
-
-    @device_jit
-    def finite_or_zero(m):
-        """The max to subtract: ``m``, or 0 for a row that has seen only masked keys (then
-        every score is -inf and exp2(-inf - 0) = 0, where exp2(-inf - -inf) would be NaN)."""
-        if m == NEG_INF:
-            return float32(0.0)
-        return m
 
     @device_jit
     def exp_scores(s, m_ref, p_s, row_sums):
@@ -297,27 +280,6 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
     def out_col(g, u):
         """Head-dim index of this thread's output column ``VEC * g + u``."""
         return VEC * thread_col() + VEC * TX * g + u
-
-    @device_jit
-    def exp2_diff(a, b):
-        """exp2(a - b) with exp2(-inf - anything) = 0 (a row that had seen no key)."""
-        if a == NEG_INF:
-            return float32(0.0)
-        return math.exp2(a - b)
-
-    @device_jit
-    def log_sum_exp(m, l_sum):
-        """The natural-log logsumexp of the scaled scores from log2-unit (m, l)."""
-        if l_sum == 0:
-            return float32(NEG_INF)
-        return (m + math.log2(l_sum)) * float32(LN2)
-
-    @device_jit
-    def reciprocal_or_zero(l_sum):
-        """1 / l, or 0 for a row that saw no key (so O = 0 there, never NaN)."""
-        if l_sum == 0:
-            return float32(0.0)
-        return float32(1.0) / l_sum
 
     # A module object, so that kernels can call ``ops.score_tile(...)``: numba resolves
     # attributes of a module at compile time (it cannot do that for other objects).
