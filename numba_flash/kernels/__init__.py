@@ -10,6 +10,15 @@
 - ``tiles``: the thread layout of a tile, which (block_m, block_n) a kernel can run, and
   the tuned defaults.
 - ``jit``: compile options that differ between the GPU and the simulator.
+- ``row_state``: the per-row online-softmax edge cases (no key seen, causal alignment), shared
+  by both regimes.
+
+Tensor cores (``precision``, API.md section 2a):
+
+- ``mma``: the primitives (``mma.sync``, ``ldmatrix``, ``cp.async``, conversions) as inline
+  PTX, each with a simulator twin of the same per-lane semantics.
+- ``tc_ops``: one (Q tile, K/V tile) step on them (split-Q warps, P~ kept in registers).
+- ``tc_fa1``, ``tc_fa2``: the two loop nests on ``tc_ops``.
 """
 
 from numba_flash.kernels.fa1 import fa1_kernel
