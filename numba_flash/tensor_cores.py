@@ -202,7 +202,7 @@ def _launch_tc(ctx, call: dict, q, k, v, o, lse) -> None:
 def _numba_launch(ctx, kernel, grid, L, arrays, written, q_scale) -> None:
     """numba's own launch: NumPy arrays (the simulator, or copied to and from a GPU)."""
     from numba_flash._cuda import cuda
-    from numba_flash.launch import STATIC_SHARED_LIMIT
+    from numba_flash.launch import numba_launch
 
     host = ctx.kind == "numpy"
     if host and not simulated():
@@ -212,14 +212,7 @@ def _numba_launch(ctx, kernel, grid, L, arrays, written, q_scale) -> None:
     else:
         dev = [cuda.as_cuda_array(x) for x in arrays]
     stream = ctx.stream()
-    if not simulated() and L.smem_bytes > STATIC_SHARED_LIMIT:
-        from numba_flash.launch import opt_in_shared_memory
-
-        from numba import typeof
-
-        overload = kernel.compile(tuple(typeof(x) for x in [*dev, q_scale]))
-        opt_in_shared_memory(overload._codelibrary.get_cufunc(), L.smem_bytes)
-    kernel[grid, L.threads, stream or 0, L.smem_bytes](*dev, q_scale)
+    numba_launch(kernel, grid, L.threads, stream, [*dev, q_scale], shared_mem_bytes=L.smem_bytes)
     if host and not simulated():
         for x, d in zip(arrays, dev):
             if any(x is w for w in written):
