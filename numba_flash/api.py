@@ -133,9 +133,9 @@ def forward(
     with ctx.on_device():  # arrays on another GPU than the current one: results and launch there
         o = out if out is not None else ctx.empty((B, H, Nq, D), call["dtype"])
         lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
-        order = _check_order(kv_tile_order, Nk, call["block_n"])
-        if order is not None and call["regime"] != "ieee":
+        if kv_tile_order is not None and call["regime"] != "ieee":
             raise ValueError("kv_tile_order is a knob of the CUDA-core kernels: pass precision='ieee' with it")
+        order = _check_order(kv_tile_order, Nk, call["block_n"])
         if B * H * Nq == 0:
             return o, lse
         if Nk == 0:  # nothing to attend to: o = 0, lse = -inf, as for a fully masked row
@@ -290,6 +290,8 @@ def _check_out(buf, name, shape, dtype, kind) -> None:
         raise ValueError(f"{name} must have shape {shape}; got {tuple(buf.shape)}")
     if dtype_name(buf, kind) != dtype:
         raise TypeError(f"{name} must be {dtype}; got {dtype_name(buf, kind)}")
+    if kind == "numpy" and not buf.dtype.isnative:
+        raise ValueError(f"{name} must be in the machine's byte order; got {buf.dtype.str}")
     contiguous = buf.is_contiguous() if kind == "torch" else buf.flags.c_contiguous
     if not contiguous or (kind == "numpy" and not buf.flags.writeable):
         raise ValueError(f"{name} must be C-contiguous and writeable")

@@ -23,7 +23,7 @@ class KernelSpec:
     algorithm: str  # "fa1" or "fa2"
     regime: str  # "ieee" or a tensor-core kind
     head_dim: int  # the head dim the kernel is compiled for
-    dtype: str  # the inputs' dtype
+    dtype: str  # the dtype the kernel reads (bfloat16 inputs of the CUDA-core kernels: float32)
     block_m: int
     block_n: int
     causal: bool
@@ -94,6 +94,8 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
         d = kernel_head_dim(regime, head_dim)
         layout = tc_layout(regime, d, block_m, block_n)
         return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes, None)
+    if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
+        dtype = "float32"
     return KernelSpec(
         algorithm, "ieee", head_dim, dtype, block_m, block_n, bool(causal), threads_per_block(head_dim, block_m, block_n),
         smem_bytes(head_dim, block_m, block_n), 0, register_cap(head_dim),

@@ -90,9 +90,9 @@ def _bits_view(x, kind_of_array: str, sixteen: bool):
         x = x.detach()
         x = cupy.asarray(x.view(torch.int16) if sixteen else x)
         return x.view(cupy.uint16) if sixteen else x
-    if not sixteen:
-        return x
-    return x.view(np.uint16) if kind_of_array == "numpy" else x.view("uint16")
+    if kind_of_array == "numpy":
+        return x.view(np.uint16) if sixteen else x
+    return x.view("uint16") if sixteen else x
 
 
 def _aligned(x, head_dim: int, width: int) -> bool:
@@ -121,6 +121,8 @@ def kernel_inputs(kind: str, kind_of_array: str, q, k, v):
     width = input_alignment(kind)
     out = []
     for x in (q, k, v):
+        if kind_of_array == "numpy":  # a '>f2' array would view as byte-swapped bits
+            x = x.astype(x.dtype.newbyteorder("="), copy=False)
         x = _bits_view(x, kind_of_array, sixteen)
         if x.shape[3] != dim or not _aligned(x, dim, width):
             x = _padded_copy(x, dim)
@@ -208,7 +210,9 @@ def _numba_launch(ctx, kernel, grid, L, arrays, written, q_scale) -> None:
     if host and not simulated():
         dev = [cuda.to_device(np.ascontiguousarray(x)) if not any(x is w for w in written) else cuda.device_array(x.shape, x.dtype) for x in arrays]
     elif host:
-        dev = list(arrays)  # the simulator writes NumPy arguments back after the launch
+        # The simulator copies every NumPy argument back after the launch: outputs go as they
+        # are (that is how they are written), inputs as copies (never written, read-only works).
+        dev = [x if any(x is w for w in written) else np.array(x) for x in arrays]
     else:
         dev = [cuda.as_cuda_array(x) for x in arrays]
     stream = ctx.stream()

@@ -59,3 +59,10 @@ def test_occupancy_of_tensor_core_kernels_without_gpu():
     assert row["precision"] == "f16" and row["threads"] == 128
     assert row["smem_bytes"] >= (64 + 2 * 64) * 72 * 2 and row["local_bytes"] == 0
     assert 1 <= row["blocks_per_sm"] <= 4 and row["regs"] <= 255
+
+
+def test_bfloat16_on_cuda_cores_is_the_float32_kernel():
+    """api widens bfloat16 for the CUDA-core kernels: the spec names the kernel it launches."""
+    bf = kernel_spec("fa1", 64, "bfloat16", 4, 4, regime="ieee")
+    assert bf.kernel is kernel_spec("fa1", 64, "float32", 4, 4).kernel
+    assert bf.signature() == kernel_spec("fa1", 64, "float32", 4, 4).signature()

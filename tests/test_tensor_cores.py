@@ -163,6 +163,27 @@ def test_tile_order_knob_needs_the_cuda_core_kernels(rng):
     q, k, v = qkv(rng, 1, 1, 1, 2, 20, 4, "float16")
     with pytest.raises(ValueError, match="precision='ieee'"):
         forward(q, k, v, kv_tile_order=[1, 0], block_n=16)
+    with pytest.raises(ValueError, match="precision='ieee'"):  # an order for CUDA-core tiles
+        forward(q, k, v, kv_tile_order=[4, 3, 2, 1, 0])
+
+
+@pytest.mark.parametrize("order", ["native", "swapped"])
+@pytest.mark.parametrize("kind", ["f16", "tf32x3"])
+def test_read_only_and_big_endian_inputs_are_read_as_they_are(kind, order, rng):
+    """Inputs are never written (read-only NumPy works), and non-native byte order is honoured."""
+    dtype, precision = PRECISION_OF[kind]
+    q, k, v = qkv(rng, 1, 2, 1, 7, 9, 8, dtype)
+    foreign = ">" if np.little_endian else "<"
+    swapped = [x.astype(x.dtype.newbyteorder(foreign if order == "swapped" else "=")) for x in (q, k, v)]
+    for x in swapped:
+        x.setflags(write=False)
+    before = [x.copy() for x in swapped]
+    o = np.full(q.shape, np.nan, dtype=q.dtype)  # results in the machine's byte order
+    o, lse = forward(*swapped, causal=True, precision=precision, out=o)
+    check(q, k, v, o, lse, True, kind)
+    assert all(np.array_equal(x, b) for x, b in zip(swapped, before))
+    with pytest.raises(ValueError, match="byte order"):
+        forward(*swapped, precision=precision, out=np.empty(q.shape, q.dtype.newbyteorder(foreign)))
 
 
 def test_strided_and_odd_head_dim_inputs_are_untouched(rng):
