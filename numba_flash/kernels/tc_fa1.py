@@ -20,7 +20,7 @@ import functools
 
 from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mma
-from numba_flash.kernels.jit import NEG_INF, kernel_jit
+from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, kernel_jit
 from numba_flash.kernels.row_reduce import scratch_floats as reduce_scratch_floats
 from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
@@ -52,7 +52,7 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         hk = h // group
         first_of_row = ops.lane_t() == 0
 
-        smem = cuda.shared.array(0, SMEM_TYPE)  # dynamic: Q_i | K_j | V_j
+        smem = cuda.shared.array(0, SMEM_TYPE, SMEM_ALIGN)  # dynamic: Q_i | K_j | V_j (16-byte aligned for cp.async, ldmatrix)
         q_s = smem[:Q_ELEMS]
         k_s = smem[Q_ELEMS : Q_ELEMS + KV_ELEMS]
         v_s = smem[Q_ELEMS + KV_ELEMS : Q_ELEMS + 2 * KV_ELEMS]
