@@ -50,9 +50,11 @@ class KernelSpec:
     def kernel(self):
         """The dispatcher (compiled on first use for the arguments it is launched with)."""
         if self.tensor_cores:
-            from numba_flash.tensor_cores import tc_kernel
+            from numba_flash.kernels.tc_fa1 import tc_fa1_kernel
+            from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
 
-            return tc_kernel(self.algorithm, self.regime, self.head_dim, self.block_m, self.block_n, self.causal)
+            factory = tc_fa2_kernel if self.algorithm == "fa2" else tc_fa1_kernel
+            return factory(self.regime, self.head_dim, self.block_m, self.block_n, self.causal)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
 
@@ -88,8 +90,7 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
     checks them). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
     rounded up to its copy width."""
     if regime != "ieee":
-        from numba_flash.kernels.tc_ops import tc_layout
-        from numba_flash.tensor_cores import kernel_head_dim
+        from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout
 
         d = kernel_head_dim(regime, head_dim)
         layout = tc_layout(regime, d, block_m, block_n)

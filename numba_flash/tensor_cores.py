@@ -26,9 +26,8 @@ from __future__ import annotations
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.kernels.tc_ops import check_tc_tiles, default_tc_tiles, input_alignment, tc_layout
+from numba_flash.kernels.tc_ops import check_tc_tiles, default_tc_tiles, input_alignment, kernel_head_dim
 
-PRECISIONS = (None, "ieee", "tf32", "tf32x3")
 _TC_OF_DTYPE = {"float16": "f16", "bfloat16": "bf16"}
 
 
@@ -56,23 +55,6 @@ def tc_tiles(kind: str, head_dim: int, block_m, block_n) -> tuple[int, int]:
     block_n = dn if block_n is None else block_n
     check_tc_tiles(kind, kernel_head_dim(kind, head_dim), block_m, block_n)
     return int(block_m), int(block_n)
-
-
-def kernel_head_dim(kind: str, head_dim: int) -> int:
-    """The head dim the kernel is compiled for: D rounded up to the 16-byte copy width."""
-    a = input_alignment(kind)
-    return -(-head_dim // a) * a
-
-
-def tc_kernel(algorithm: str, kind: str, head_dim: int, block_m: int, block_n: int, causal: bool):
-    """The compiled-kernel dispatcher of a tensor-core configuration (``head_dim``: the kernel's)."""
-    if algorithm == "fa2":
-        from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
-
-        return tc_fa2_kernel(kind, head_dim, block_m, block_n, bool(causal))
-    from numba_flash.kernels.tc_fa1 import tc_fa1_kernel
-
-    return tc_fa1_kernel(kind, head_dim, block_m, block_n, bool(causal))
 
 
 # ------------------------------------------------------------------------------------------
@@ -106,10 +88,18 @@ def _aligned(x, head_dim: int, width: int) -> bool:
     return ptr % 16 == 0
 
 
+def _xp(x_or_kind):
+    """NumPy for NumPy arrays (or kind "numpy"), else CuPy (torch arrays are CuPy views here)."""
+    if isinstance(x_or_kind, np.ndarray) or x_or_kind == "numpy":
+        return np
+    import cupy
+
+    return cupy
+
+
 def _padded_copy(x, dim: int):
     """A zero-padded C-contiguous copy of ``x`` with head dim ``dim``."""
-    xp = np if isinstance(x, np.ndarray) else __import__("cupy")
-    out = xp.zeros((*x.shape[:3], dim), dtype=x.dtype)
+    out = _xp(x).zeros((*x.shape[:3], dim), dtype=x.dtype)
     out[..., : x.shape[3]] = x
     return out
 
@@ -162,46 +152,39 @@ def _cupy_stream(ptr: int):
 
 
 def _launch_tc(ctx, call: dict, q, k, v, o, lse) -> None:
+    from numba_flash.kernels.jit import LOG2E
     from numba_flash.launch import device_array, launch
+    from numba_flash.specs import kernel_spec
 
-    kind = call["regime"]
-    sixteen = kind in _TC_OF_DTYPE.values()
     B, H, Nq, D = call["q_shape"]
-    bm, bn = call["block_m"], call["block_n"]
-    dim = kernel_head_dim(kind, D)
-    L = tc_layout(kind, dim, bm, bn)
-    kq, kk, kv = kernel_inputs(kind, ctx.kind, q, k, v)
-    # The output: the caller's buffer viewed as the kernel's element type, or a padded one.
+    spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"])
+    sixteen = spec.regime in _TC_OF_DTYPE.values()
+    dim, xp = spec.head_dim, _xp(ctx.kind)
+    kq, kk, kv = kernel_inputs(spec.regime, ctx.kind, q, k, v)
+    # The output: the caller's buffer viewed as the kernel's element type, or a padded one
+    # (the kernel writes O element by element: any strides will do).
     o_view = _bits_view(o, ctx.kind, sixteen)
-    padded_out = dim != D  # the kernel writes O element by element: any strides will do
-    if padded_out:
-        xp = np if ctx.kind == "numpy" else __import__("cupy")
-        o_kernel = xp.empty((B, H, Nq, dim), dtype=o_view.dtype)
-    else:
-        o_kernel = o_view
+    o_kernel = o_view if dim == D else xp.empty((B, H, Nq, dim), dtype=o_view.dtype)
     lse_kernel = _bits_view(lse, ctx.kind, False)
-    kernel = tc_kernel(call["algorithm"], kind, dim, bm, bn, call["causal"])
-    q_scale = np.float32(call["scale"] * 1.4426950408889634)  # log2(e): scores in log2 units
-    if call["algorithm"] == "fa2":
-        grid = (-(-Nq // bm) * B * H,)
-        arrays = [kq, kk, kv, o_kernel, lse_kernel]
+    q_scale = np.float32(call["scale"] * LOG2E)  # scores in log2 units
+    written = [o_kernel, lse_kernel]
+    if spec.algorithm == "fa1":  # the paper's O, l, m in global memory (float32)
+        written += [xp.empty((B, H, Nq, dim), np.float32), xp.empty((B, H, Nq), np.float32), xp.empty((B, H, Nq), np.float32)]
+        arrays = [kq, kk, kv, *written[2:], o_kernel, lse_kernel]
     else:
-        xp = np if ctx.kind == "numpy" else __import__("cupy")
-        grid = (B * H,)
-        scratch = [xp.empty((B, H, Nq, dim), np.float32), xp.empty((B, H, Nq), np.float32), xp.empty((B, H, Nq), np.float32)]
-        arrays = [kq, kk, kv, *scratch, o_kernel, lse_kernel]
-    written = [o_kernel, lse_kernel] + ([] if call["algorithm"] == "fa2" else scratch)
+        arrays = [kq, kk, kv, o_kernel, lse_kernel]
+    grid = spec.grid(B, H, Nq)
     if ctx.direct_launch:
         args = [device_array(x, "cupy") for x in arrays]
-        launch(kernel, grid, (L.threads,), ctx.stream_ptr(), [*args, q_scale], shared_mem_bytes=L.smem_bytes,
-               device_id=ctx.device_id)
+        launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(), [*args, q_scale],
+               shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
     else:
-        _numba_launch(ctx, kernel, grid, L, arrays, written, q_scale)
-    if padded_out:
+        _numba_launch(ctx, spec, grid, arrays, written, q_scale)
+    if o_kernel is not o_view:
         o_view[...] = o_kernel[..., :D]
 
 
-def _numba_launch(ctx, kernel, grid, L, arrays, written, q_scale) -> None:
+def _numba_launch(ctx, spec, grid, arrays, written, q_scale) -> None:
     """numba's own launch: NumPy arrays (the simulator, or copied to and from a GPU)."""
     from numba_flash._cuda import cuda
     from numba_flash.launch import numba_launch
@@ -216,7 +199,7 @@ def _numba_launch(ctx, kernel, grid, L, arrays, written, q_scale) -> None:
     else:
         dev = [cuda.as_cuda_array(x) for x in arrays]
     stream = ctx.stream()
-    numba_launch(kernel, grid, L.threads, stream, [*dev, q_scale], shared_mem_bytes=L.smem_bytes)
+    numba_launch(spec.kernel, grid, spec.threads, stream, [*dev, q_scale], shared_mem_bytes=spec.dynamic_smem)
     if host and not simulated():
         for x, d in zip(arrays, dev):
             if any(x is w for w in written):

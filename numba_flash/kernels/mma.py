@@ -126,14 +126,6 @@ if simulated():
     def bf16_bits(x):
         return _bf16_bits(x)
 
-    @device_jit
-    def f16_to_f32(bits):
-        return float32(_f16_value(bits))
-
-    @device_jit
-    def bf16_to_f32(bits):
-        return float32(_bf16_value(bits))
-
     # ----------------------------------------------------------------------------------------
     # ldmatrix and cp.async: per-thread, no exchange needed
     # ----------------------------------------------------------------------------------------
@@ -325,21 +317,6 @@ else:
     _f16_bits16 = _half_bits("f16")
     _bf16_bits16 = _half_bits("bf16")
 
-    def _half_value(mnemonic):
-        @intrinsic
-        def value(typingctx, bits):
-            sig = types.float32(types.uint16)
-
-            def codegen(context, builder, signature, args):
-                return _asm(builder, _F32, [_I16], f"cvt.f32.{mnemonic} $0, $1;", "=f,h", [args[0]])
-
-            return sig, codegen
-
-        return value
-
-    _f16_value16 = _half_value("f16")
-    _bf16_value16 = _half_value("bf16")
-
     @device_jit
     def pack_f16x2(lo, hi):
         return _pack_f16(lo, hi)
@@ -363,14 +340,6 @@ else:
     @device_jit
     def bf16_bits(x):
         return _bf16_bits16(x)
-
-    @device_jit
-    def f16_to_f32(bits):
-        return _f16_value16(bits)
-
-    @device_jit
-    def bf16_to_f32(bits):
-        return _bf16_value16(bits)
 
     # ---------------------------------- ldmatrix -------------------------------------------
 
@@ -525,4 +494,3 @@ else:
 MMA_16 = {"f16": mma_f16, "bf16": mma_bf16}  # m16n8k16 product of a 16-bit kind
 PACK_16 = {"f16": pack_f16x2, "bf16": pack_bf16x2}  # two float32 -> two 16-bit in a uint32
 BITS_16 = {"f16": f16_bits, "bf16": bf16_bits}  # float32 -> one 16-bit pattern (uint16)
-VALUE_16 = {"f16": f16_to_f32, "bf16": bf16_to_f32}  # one 16-bit pattern -> float32

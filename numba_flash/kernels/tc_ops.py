@@ -70,10 +70,6 @@ class TcLayout:
     out_tiles: int  # 8-wide head-dim tiles of O: DP / 8
 
     @property
-    def tile_elems(self):
-        return self.stride  # per row
-
-    @property
     def q_elems(self) -> int:
         return self.block_m * self.stride
 
@@ -113,6 +109,12 @@ def input_alignment(kind: str) -> int:
     """Elements the head dim and every row stride of the inputs must be a multiple of
     (16-byte ``cp.async`` copies); the API pads or copies inputs that are not."""
     return 8 if kind in mma.HALF_KINDS else 4
+
+
+def kernel_head_dim(kind: str, head_dim: int) -> int:
+    """The head dim a tensor-core kernel is compiled for: D rounded up to the copy width."""
+    a = input_alignment(kind)
+    return -(-head_dim // a) * a
 
 
 def check_tc_tiles(kind: str, head_dim: int, block_m, block_n) -> None:
@@ -418,7 +420,6 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     ops.layout = L
     ops.q_frag_rows = Q_FRAG_ROWS  # rows of the kernel's qf / qf_small arrays
     ops.q_small_rows = Q_FRAG_ROWS if SPLIT else 1
-    ops.frag_dtype = mma.uint32
     for name, func in dict(
         load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,
         score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0,
