@@ -258,14 +258,7 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n, precision=Non
     elif not abs(float(scale)) * LOG2E < FLOAT32_MAX:  # scale * log2(e) is a float32 in the kernel
         raise ValueError(f"scale must be finite and below {FLOAT32_MAX / LOG2E:.3g} in magnitude; got {scale}")
     mode = regime(precision, dtypes[0])
-    if mode != "ieee":
-        block_m, block_n = tc_tiles(mode, D, block_m, block_n)
-    else:
-        bm_default, bn_default = default_tiles_for(algorithm, D, dtypes[0], bool(causal), device_id_of(q, kind))
-        block_m = bm_default if block_m is None else block_m
-        block_n = bn_default if block_n is None else block_n
-        check_tiles(D, block_m, block_n)
-        block_m, block_n = int(block_m), int(block_n)
+    block_m, block_n = choose_tiles(mode, algorithm, D, dtypes[0], bool(causal), block_m, block_n, device_id_of(q, kind))
     return dict(
         kind=kind,
         q_shape=(B, H, Nq, D),
@@ -278,6 +271,19 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n, precision=Non
         block_n=block_n,
         regime=mode,
     )
+
+
+def choose_tiles(mode, algorithm, head_dim, dtype, causal, block_m=None, block_n=None, device_id=None):
+    """(block_m, block_n) of a call: the caller's, checked (``ValueError`` naming the argument),
+    or the defaults of the regime (``mode``: ``"ieee"`` or a tensor-core kind); the CUDA-core
+    defaults come from this GPU's autotune cache when it has them."""
+    if mode != "ieee":
+        return tc_tiles(mode, head_dim, block_m, block_n)
+    bm_default, bn_default = default_tiles_for(algorithm, head_dim, dtype, causal, device_id)
+    block_m = bm_default if block_m is None else block_m
+    block_n = bn_default if block_n is None else block_n
+    check_tiles(head_dim, block_m, block_n)
+    return int(block_m), int(block_n)
 
 
 def _check_out(buf, name, shape, dtype, kind) -> None:

@@ -13,7 +13,7 @@ import numpy as np
 
 from numba_flash._world import simulated
 from numba_flash.specs import kernel_spec
-from numba_flash.tensor_cores import regime, tc_tiles
+from numba_flash.tensor_cores import regime
 from numba_flash.profiling.timing import attention_flops, median_ms, tflops
 from numba_flash.profiling.traffic import traffic_bytes
 
@@ -49,7 +49,7 @@ def compare(args, progress=None):
     import warnings
 
     from numba_flash import reference
-    from numba_flash.api import default_tiles_for
+    from numba_flash.api import choose_tiles
     from numba_flash.api import forward
     from numba_flash.simulator import SimulatorSlowWarning, format_seconds
 
@@ -101,11 +101,7 @@ def compare(args, progress=None):
         name = alg.upper().replace("FA", "FA-")
         started = time.perf_counter()
         say(f"[{n}/{len(ALGORITHMS)}] {name}: {'simulating' if sim else 'compiling and checking against float64'} ...")
-        if mode == "ieee":
-            bm_d, bn_d = default_tiles_for(alg, D, p["dtype"], p["causal"])  # autotuned if cached
-            bm, bn = p["block_m"] or bm_d, p["block_n"] or bn_d
-        else:
-            bm, bn = tc_tiles(mode, D, p["block_m"], p["block_n"])
+        bm, bn = choose_tiles(mode, alg, D, p["dtype"], p["causal"], p["block_m"], p["block_n"])  # as attention does
         spec = kernel_spec(alg, D, p["dtype"], bm, bn, p["causal"], mode)
 
         def run(alg=alg, bm=bm, bn=bn):
