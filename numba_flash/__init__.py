@@ -1,6 +1,7 @@
 """numba_flash: FlashAttention-1 and FlashAttention-2 in numba.cuda, side by side.
 
-``numba_flash.attention`` is the entry point (see ``numba_flash.api``);
+``numba_flash.attention`` is the entry point (see ``numba_flash.api``), ``numba_flash.decode``
+its form for a few queries against a KV cache (``numba_flash.decoding``);
 ``numba_flash.online`` states the online-softmax algebra in NumPy and
 ``numba_flash.reference`` is the float64 oracle.
 
@@ -17,7 +18,7 @@ try:
     __version__ = _metadata.version("numba-flash")  # the installed distribution's version
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
-__all__ = ["attention", "online", "reference", "__version__"]
+__all__ = ["attention", "decode", "online", "reference", "__version__"]
 
 
 def __getattr__(name):
@@ -25,4 +26,8 @@ def __getattr__(name):
         from numba_flash.api import attention
 
         return attention
+    if name == "decode":
+        from numba_flash.decoding import decode
+
+        return decode
     raise AttributeError(f"module 'numba_flash' has no attribute {name!r}")

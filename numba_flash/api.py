@@ -22,6 +22,7 @@ from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles, threads_per_block, tile_layout
 from numba_flash.launch import device_array
 from numba_flash.launch import launch as direct_launch
+from numba_flash.split_kv import check_num_splits, choose_num_splits, combine
 from numba_flash.tensor_cores import launch_tc, regime, tc_tiles
 from numba_flash.tile_cache import tuned_tiles
 
@@ -42,6 +43,7 @@ def attention(
     block_n=None,
     return_lse=False,
     precision=None,
+    num_splits=None,
 ):
     """Scaled dot-product attention, forward pass, by FlashAttention-1 or -2.
 
@@ -82,6 +84,11 @@ def attention(
     float32 inputs on tensor cores, plain TF32 (about 1e-3 relative error) or split
     precision (three TF32 products per product, error close to float32's).
 
+    ``num_splits`` (FA-2): cut the keys into that many contiguous ranges, run them as
+    separate blocks into partial (o, lse) and merge those (split-KV; ``numba_flash.split_kv``).
+    ``None``: split only when the grid would leave the GPU idle; 1: never. Any value gives the
+    unsplit result within float32 rounding. ``"fa1"`` takes ``None`` or 1.
+
     Array kinds: NumPy (simulator without a GPU, copied with one), CuPy (in place, on
     the current stream), PyTorch CUDA tensors, ``__cuda_array_interface__`` or DLPack
     objects. The result is of the caller's kind. Deterministic: the same inputs give
@@ -93,7 +100,7 @@ def attention(
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     o, lse = forward(
         q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n,
-        precision=precision,
+        precision=precision, num_splits=num_splits,
     )
     return (o, lse) if return_lse else o
 
@@ -112,6 +119,7 @@ def forward(
     out=None,
     lse_out=None,
     precision=None,
+    num_splits=None,
 ):
     """:func:`attention` with the research knobs; always returns ``(o, lse)``.
 
@@ -124,6 +132,7 @@ def forward(
     q, k, v = (as_cupy_view(x) for x in (q, k, v))
     out, lse_out = (None if x is None else as_cupy_view(x) for x in (out, lse_out))
     call = _validate(q, k, v, causal, scale, algorithm, block_m, block_n, precision)
+    call["num_splits"] = check_num_splits(num_splits, algorithm)
     ctx = ArrayContext(call["kind"], q)
     B, H, Nq, D = call["q_shape"]
     Nk = call["n_k"]
@@ -144,19 +153,68 @@ def forward(
             return o, lse
         if simulated():
             _warn_if_slow(call)
-        if call["regime"] != "ieee":
-            with _quiet_kernels():
-                launch_tc(ctx, call, q, k, v, o, lse)
-        elif call["dtype"] == "bfloat16":  # CUDA cores read float16 or float32: widen, then narrow
-            wide = [_widen(x, ctx.kind) for x in (q, k, v)]
-            o32 = ctx.empty((B, H, Nq, D), "float32")
-            with _quiet_kernels():
-                _launch(ctx, dict(call, dtype="float32"), *wide, o32, lse, order)
-            o[...] = o32.to(o.dtype) if ctx.kind == "torch" else o32.astype(o.dtype)
-        else:
-            with _quiet_kernels():
-                _launch(ctx, call, q, k, v, o, lse, order)
+        run(ctx, call, q, k, v, o, lse, order)
         return o, lse
+
+
+def run(ctx: ArrayContext, call: dict, q, k, v, o, lse, order=None, seqlens=None, rows_per_query=1) -> None:
+    """Launch a validated call into ``o`` and ``lse``: the regime's kernel, split (partials, then
+    the combine) when ``call["num_splits"]`` or its heuristic says so. ``seqlens``: valid keys
+    per batch (``decode``); ``rows_per_query``: query rows packed per position (``decode``)."""
+    from numba_flash.specs import kernel_spec
+
+    B, H, Nq, D = call["q_shape"]
+    spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
+                       ragged=seqlens is not None)
+    splits = choose_num_splits(call["num_splits"], spec, B, H, Nq, call["n_k"], ctx.device_id)
+    walk = dict(seqlens=seqlens, n_splits=splits, rows_per_query=rows_per_query)
+    if splits == 1:
+        _run_kernel(ctx, call, q, k, v, o, lse, order, walk)
+        return
+    # Split-KV: float32 partials (kernels.kv_split), merged by kernels.combine.
+    o_parts = ctx.empty((splits * B, H, Nq, spec.head_dim), "float32")
+    lse_parts = ctx.empty((splits * B, H, Nq), "float32")
+    _run_kernel(ctx, call, q, k, v, o_parts, lse_parts, order, walk)
+    bf16 = call["dtype"] == "bfloat16"
+    target = ctx.empty((B, H, Nq, D), "float32") if bf16 and (call["regime"] == "ieee" or ctx.on_host) else o
+    with _quiet_kernels():
+        if bf16 and target is o:  # the tensor-core path's bfloat16: written as bit patterns
+            combine(ctx, o_parts, lse_parts, _as_bits(o, ctx.kind), lse, bits="bf16")
+        else:
+            combine(ctx, o_parts, lse_parts, target, lse)
+    if target is not o:
+        o[...] = _narrow(target, o, ctx.kind)
+
+
+def _run_kernel(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, walk) -> None:
+    """One launch of the call's kernel into ``o`` and ``lse`` (final, or float32 partials)."""
+    if call["regime"] != "ieee":
+        with _quiet_kernels():
+            launch_tc(ctx, call, q, k, v, o, lse, **walk)
+    elif call["dtype"] == "bfloat16":  # CUDA cores read float16 or float32: widen, then narrow
+        B, H, Nq, D = call["q_shape"]
+        wide = [_widen(x, ctx.kind) for x in (q, k, v)]
+        narrow = dtype_name(o, ctx.kind) == "bfloat16"
+        o32 = ctx.empty((B, H, Nq, D), "float32") if narrow else o
+        with _quiet_kernels():
+            _launch(ctx, dict(call, dtype="float32"), *wide, o32, lse, order, **walk)
+        if narrow:
+            o[...] = _narrow(o32, o, ctx.kind)
+    else:
+        with _quiet_kernels():
+            _launch(ctx, call, q, k, v, o, lse, order, **walk)
+
+
+def _narrow(x32, like, kind):
+    """``x32`` (float32) in ``like``'s dtype, of the call's library."""
+    return x32.to(like.dtype) if kind == "torch" else x32.astype(like.dtype)
+
+
+def _as_bits(x, kind):
+    """A uint16 view of a 16-bit array (torch tensors: a CuPy view)."""
+    from numba_flash.tensor_cores import bits_view
+
+    return bits_view(x, kind, True)
 
 
 def simulated_seconds(call: dict) -> float:
@@ -338,16 +396,16 @@ def _check_order(kv_tile_order, n_k: int, block_n: int):
     return order.astype(np.int32)
 
 
-def kernel_for(algorithm, head_dim, block_m, block_n, causal, dtype, permuted=False):
+def kernel_for(algorithm, head_dim, block_m, block_n, causal, dtype, permuted=False, ragged=False):
     """The compiled-kernel dispatcher ``attention`` launches for this configuration."""
     if algorithm == "fa2":
-        return KERNEL_FACTORIES["fa2"](head_dim, block_m, block_n, bool(causal), bool(permuted))
+        return KERNEL_FACTORIES["fa2"](head_dim, block_m, block_n, bool(causal), bool(permuted), bool(ragged))
     return KERNEL_FACTORIES["fa1"](
         head_dim, block_m, block_n, bool(causal), bool(permuted), casts_output(dtype)
     )
 
 
-def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
+def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None, n_splits=1, rows_per_query=1) -> None:
     from numba_flash._cuda import cuda
 
     B, H, Nq, D = call["q_shape"]
@@ -359,11 +417,13 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
     elif not simulated():
         order = cuda.to_device(order, stream=ctx.stream())  # ordered before the launch
 
-    kernel = kernel_for(call["algorithm"], D, bm, bn, call["causal"], call["dtype"], permuted)
+    ragged = seqlens is not None
+    kernel = kernel_for(call["algorithm"], D, bm, bn, call["causal"], call["dtype"], permuted, ragged)
     # The array arguments in order: ("in", x) read, ("out", x) written (both of the
     # caller's kind), ("own", x) already numba's (placeholders, the tile order).
+    scalars_after = 1  # q_scale goes before the last array argument (kv_order)
     if call["algorithm"] == "fa2":
-        grid = (-(-Nq // bm) * B * H,)
+        grid = (-(-Nq // bm) * B * H * n_splits,)
         results = [("out", o), ("out", lse)]
     else:
         grid = (B * H,)
@@ -374,18 +434,27 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order) -> None:
         scratch_lm = [("out", ctx.empty((B, H, Nq), "float32")) for _ in range(2)]  # FA-1's l, m
         results = [scratch_o, *scratch_lm, out_o, ("out", lse)]
     arrays = [("in", q), ("in", k), ("in", v), *results, ("own", order)]
+    tail = []  # FA-2's split-KV arguments (kernels.kv_split): seqlens, n_splits, rows_per_query
+    if call["algorithm"] == "fa2":
+        lengths = ("in", seqlens) if ragged else ("own", _placeholder(1, "int32", ctx.device_id))
+        arrays.append(lengths)
+        tail = [np.int32(n_splits), np.int32(rows_per_query)]
+        scalars_after = 2  # q_scale before kv_order and seqlens
     threads = threads_per_block(D, bm, bn)
+
+    def ordered(args):  # q, k, v, results..., q_scale, kv_order[, seqlens, n_splits, rows_per_query]
+        return [*args[:-scalars_after], q_scale, *args[-scalars_after:], *tail]
 
     if ctx.direct_launch:  # CuPy / torch on a GPU: skip numba's per-call dispatch
         args = [device_array(x, ctx.kind if role != "own" else "numba") for role, x in arrays]
-        direct_launch(kernel, grid, (threads,), ctx.stream_ptr(), [*args[:-1], q_scale, args[-1]], device_id=ctx.device_id)
+        direct_launch(kernel, grid, (threads,), ctx.stream_ptr(), ordered(args), device_id=ctx.device_id)
         return
 
     convert = {"in": ctx.to_kernel, "out": ctx.out_to_kernel, "own": lambda x: x}
     kernel_args = [convert[role](x) for role, x in arrays]
     stream = ctx.stream()
     launcher = kernel[grid, threads] if stream is None else kernel[grid, threads, stream]
-    launcher(*kernel_args[:-1], q_scale, kernel_args[-1])
+    launcher(*ordered(kernel_args))
     if ctx.on_host and not simulated():  # NumPy in, GPU run: copy the results back
         for (role, x), arg in zip(arrays, kernel_args):
             if role == "out" and (x is o or x is lse):

@@ -13,7 +13,7 @@ does the packing itself:
   F-contiguous array ``F``; ``dispatcher.compile`` caches it in ``dispatcher.overloads``);
 - it passes each array in numba's kernel ABI for arrays -- meminfo, parent, size,
   itemsize, data pointer, shape..., strides in bytes... -- exactly as numba's
-  ``_Kernel._prepare_args`` does, and a float32 scalar as a C float;
+  ``_Kernel._prepare_args`` does, and a float32 (int32) scalar as a C float (int);
 - it calls ``cuda.core.launch`` with the kernel numba loaded, on the caller's stream.
 
 Only the GPU uses it; the simulator (and NumPy inputs) go through numba's own launch
@@ -85,6 +85,8 @@ def _signature(args) -> tuple:
             sig.append(_numba_array_type(a.dtype, len(a.shape), a.c_contiguous))
         elif isinstance(a, np.float32):
             sig.append(types.float32)
+        elif isinstance(a, np.int32):
+            sig.append(types.int32)
         else:
             raise TypeError(f"no direct launch for an argument of type {type(a).__name__}")
     return tuple(sig)
@@ -163,8 +165,8 @@ def core_stream(stream_ptr: int, device_id: int):
 
 def launch(dispatcher, grid, block, stream_ptr: int, args, shared_mem_bytes: int = 0,
            device_id: int | None = None) -> None:
-    """``dispatcher[grid, block, stream, shared_mem_bytes](*args)`` for ``DeviceArray`` and
-    float32 arguments, on the stream with handle ``stream_ptr``.
+    """``dispatcher[grid, block, stream, shared_mem_bytes](*args)`` for ``DeviceArray``,
+    float32 and int32 arguments, on the stream with handle ``stream_ptr``.
 
     ``shared_mem_bytes``: dynamic shared memory per block (above 48 KiB the kernel is opted in,
     once per kernel and device). ``device_id``: the GPU the arrays live on, which must be the
@@ -178,6 +180,8 @@ def launch(dispatcher, grid, block, stream_ptr: int, args, shared_mem_bytes: int
     for a in args:
         if isinstance(a, DeviceArray):
             params.extend(a.abi_fields())
+        elif isinstance(a, np.int32):
+            params.append(ctypes.c_int32(a))
         else:
             params.append(ctypes.c_float(a))
     core_launch(core_stream(stream_ptr, device_id), _config(grid, block, shared_mem_bytes), kernel, *params)

@@ -47,7 +47,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-__all__ = ["SoftmaxState", "empty_state", "update", "merge", "finalize"]
+__all__ = ["SoftmaxState", "empty_state", "update", "merge", "finalize", "combine"]
 
 _NEG_INF = -np.inf
 
@@ -248,3 +248,33 @@ def finalize(st: SoftmaxState) -> tuple[np.ndarray, np.ndarray]:
         np.divide(st.acc, st.l[:, None], out=o, where=~empty[:, None])
         np.add(st.m, np.log(st.l, where=~empty, out=np.zeros_like(st.l)), out=lse, where=~empty)
     return o, lse
+
+
+def combine(o_parts, lse_parts) -> tuple[np.ndarray, np.ndarray]:
+    """Merge finalised partial results over disjoint key ranges (split-KV): ``(o, lse)``.
+
+    ``o_parts``: ``(splits, rows, head_dim)``, ``lse_parts``: ``(splits, rows)``, split ``s``
+    the :func:`finalize` of the keys of its range. A finalised partial is the state
+    ``(m = lse_s, l = 1, acc = o_s)`` (``o_s`` already divided by its ``l``, in units of
+    ``exp(lse_s)``); folding :func:`merge` over the splits and finalising once gives::
+
+        lse = m + log sum_s exp(lse_s - m)        m = max_s lse_s
+        o   = sum_s exp(lse_s - lse) o_s
+
+    the formula ``kernels.combine`` computes on the GPU (this is its NumPy twin). An empty
+    partial (``lse_s = -inf``) contributes nothing; all empty gives ``o = 0``, ``lse = -inf``.
+    """
+    o_parts = _as_float64(o_parts, "o_parts")
+    lse_parts = _as_float64(lse_parts, "lse_parts")
+    _check_ndim(o_parts, 3, "o_parts", "(splits, rows, head_dim)")
+    _check_ndim(lse_parts, 2, "lse_parts", "(splits, rows)")
+    if lse_parts.shape != o_parts.shape[:2]:
+        raise ValueError(
+            f"lse_parts must have shape (splits, rows) = {o_parts.shape[:2]}; got {lse_parts.shape}"
+        )
+    splits, rows, head_dim = o_parts.shape
+    st = empty_state(rows, head_dim)
+    for o_s, lse_s in zip(o_parts, lse_parts):
+        weight = np.where(lse_s == _NEG_INF, 0.0, 1.0)  # an empty partial's l is 0, not 1
+        st = merge(st, SoftmaxState(lse_s, weight, o_s * weight[:, None]))
+    return finalize(st)

@@ -31,6 +31,8 @@ class KernelSpec:
     static_smem: int  # bytes of static shared memory (the CUDA-core tiles)
     dynamic_smem: int  # bytes of dynamic shared memory per block (the tensor-core tiles)
     register_cap: int | None  # registers per thread the kernel is compiled under
+    ragged: bool = False  # FA-2: reads a valid key count per batch (``decode``'s cache_seqlens)
+    split_out: bool = False  # FA-2: writes float32 partials for the combine (num_splits > 1)
 
     @property
     def tensor_cores(self) -> bool:
@@ -40,11 +42,12 @@ class KernelSpec:
     def smem_bytes(self) -> int:
         return self.static_smem + self.dynamic_smem
 
-    def grid(self, batch: int, heads: int, n_q: int) -> tuple:
-        """FA-1: one block per (batch, head); FA-2: one per Q tile of each (batch, head)."""
+    def grid(self, batch: int, heads: int, n_q: int, n_splits: int = 1) -> tuple:
+        """FA-1: one block per (batch, head); FA-2: one per Q tile of each (batch, head) and
+        split of the K/V tiles (``kernels.kv_split``)."""
         if self.algorithm == "fa1":
             return (batch * heads,)
-        return (-(-n_q // self.block_m) * batch * heads,)
+        return (-(-n_q // self.block_m) * batch * heads * n_splits,)
 
     @property
     def kernel(self):
@@ -53,13 +56,15 @@ class KernelSpec:
             from numba_flash.kernels.tc_fa1 import tc_fa1_kernel
             from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
 
-            factory = tc_fa2_kernel if self.algorithm == "fa2" else tc_fa1_kernel
-            return factory(self.regime, self.head_dim, self.block_m, self.block_n, self.causal)
+            if self.algorithm == "fa2":
+                return tc_fa2_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal,
+                                     self.ragged, self.split_out)
+            return tc_fa1_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
 
         if self.algorithm == "fa2":
-            return KERNEL_FACTORIES["fa2"](self.head_dim, self.block_m, self.block_n, self.causal, False)
+            return KERNEL_FACTORIES["fa2"](self.head_dim, self.block_m, self.block_n, self.causal, False, self.ragged)
         return KERNEL_FACTORIES["fa1"](
             self.head_dim, self.block_m, self.block_n, self.causal, False, casts_output(self.dtype)
         )
@@ -69,35 +74,40 @@ class KernelSpec:
         from numba import types
 
         f4, f3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
+        i1, i4 = types.Array(types.int32, 1, "C"), types.int32
         if self.tensor_cores:
             elem = types.float32 if self.regime.startswith("tf32") else types.uint16
             a4 = types.Array(elem, 4, "C")
-            if self.algorithm == "fa2":  # q, k, v, o, lse, q_scale
-                return (a4, a4, a4, a4, f3, types.float32)
+            if self.algorithm == "fa2":  # q, k, v, o, lse, q_scale, seqlens, n_splits, rows_per_query
+                return (a4, a4, a4, f4 if self.split_out else a4, f3, types.float32, i1, i4, i4)
             return (a4, a4, a4, f4, f3, f3, a4, f3, types.float32)  # + o_hbm, l, m before o
         from numba_flash.kernels.fa1 import casts_output
 
         elem = {"float32": types.float32, "float16": types.float16}[self.dtype]
-        a4, order = types.Array(elem, 4, "C"), types.Array(types.int32, 1, "C")
-        if self.algorithm == "fa2":  # q, k, v, o, lse, q_scale, kv_order
-            return (a4, a4, a4, a4, f3, types.float32, order)
+        a4, order = types.Array(elem, 4, "C"), i1
+        if self.algorithm == "fa2":  # q, k, v, o, lse, q_scale, kv_order, seqlens, n_splits, rows_per_query
+            return (a4, a4, a4, f4 if self.split_out else a4, f3, types.float32, order, i1, i4, i4)
         out = a4 if casts_output(self.dtype) else f4  # q, k, v, o_hbm, l, m, o, lse, q_scale, kv_order
         return (a4, a4, a4, f4, f3, f3, out, f3, types.float32, order)
 
 
-def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regime="ieee") -> KernelSpec:
+def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regime="ieee", ragged=False,
+                split_out=False) -> KernelSpec:
     """The launch specification of one configuration (tiles as the caller gives them; ``api``
     checks them). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
-    rounded up to its copy width."""
+    rounded up to its copy width. ``ragged`` and ``split_out`` (FA-2 only): a valid key count
+    per batch, and float32 partial outputs for the split-KV combine."""
+    ragged, split_out = bool(ragged) and algorithm == "fa2", bool(split_out) and algorithm == "fa2"
     if regime != "ieee":
         from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout
 
         d = kernel_head_dim(regime, head_dim)
         layout = tc_layout(regime, d, block_m, block_n)
-        return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes, None)
+        return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes,
+                          None, ragged, split_out)
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
     return KernelSpec(
         algorithm, "ieee", head_dim, dtype, block_m, block_n, bool(causal), threads_per_block(head_dim, block_m, block_n),
-        smem_bytes(head_dim, block_m, block_n), 0, register_cap(head_dim),
+        smem_bytes(head_dim, block_m, block_n), 0, register_cap(head_dim), ragged, split_out,
     )

@@ -23,6 +23,8 @@ bfloat16 dtype; pass a torch tensor or a DLPack/CAI object of one.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from numba_flash._world import simulated
@@ -62,7 +64,7 @@ def tc_tiles(kind: str, head_dim: int, block_m, block_n) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------
 
 
-def _bits_view(x, kind_of_array: str, sixteen: bool):
+def bits_view(x, kind_of_array: str, sixteen: bool):
     """``x`` as the kernel's element type: uint16 bit patterns (16-bit kinds) or float32.
     torch tensors become CuPy views (torch has no uint16 before 2.3; CuPy can view int16)."""
     if kind_of_array == "torch":
@@ -113,21 +115,24 @@ def kernel_inputs(kind: str, kind_of_array: str, q, k, v):
     for x in (q, k, v):
         if kind_of_array == "numpy":  # a '>f2' array would view as byte-swapped bits
             x = x.astype(x.dtype.newbyteorder("="), copy=False)
-        x = _bits_view(x, kind_of_array, sixteen)
+        x = bits_view(x, kind_of_array, sixteen)
         if x.shape[3] != dim or not _aligned(x, dim, width):
             x = _padded_copy(x, dim)
         out.append(x)
     return out
 
 
-def launch_tc(ctx, call: dict, q, k, v, o, lse) -> None:
+def launch_tc(ctx, call: dict, q, k, v, o, lse, seqlens=None, n_splits=1, rows_per_query=1) -> None:
     """Run the tensor-core kernel of ``call`` (validated by ``api``) into ``o`` and ``lse``;
-    on a GPU every copy and launch is queued on the caller's stream."""
+    on a GPU every copy and launch is queued on the caller's stream. With ``n_splits > 1``,
+    ``o`` and ``lse`` are the float32 partials ``(S*B, H, Nq, kernel head dim)`` of
+    ``kernels.kv_split``; ``seqlens`` (int32 ``(B,)``) and ``rows_per_query``: ``decode``'s."""
+    walk = (seqlens, n_splits, rows_per_query)
     if ctx.kind == "torch":  # the CuPy copies of this call (padding, views) on torch's stream
         with _cupy_stream(ctx.stream_ptr()):
-            _launch_tc(ctx, call, q, k, v, o, lse)
+            _launch_tc(ctx, call, q, k, v, o, lse, walk)
     else:  # CuPy: its current stream is the caller's already
-        _launch_tc(ctx, call, q, k, v, o, lse)
+        _launch_tc(ctx, call, q, k, v, o, lse, walk)
 
 
 class _StreamHandle:
@@ -151,40 +156,64 @@ def _cupy_stream(ptr: int):
     return cupy.cuda.ExternalStream(ptr)
 
 
-def _launch_tc(ctx, call: dict, q, k, v, o, lse) -> None:
+def _launch_tc(ctx, call: dict, q, k, v, o, lse, walk) -> None:
     from numba_flash.kernels.jit import LOG2E
     from numba_flash.launch import device_array, launch
     from numba_flash.specs import kernel_spec
 
+    seqlens, n_splits, rows_per_query = walk
     B, H, Nq, D = call["q_shape"]
-    spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"])
+    partial = n_splits > 1  # o, lse: float32 partials of the kernel's head dim
+    spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
+                       ragged=seqlens is not None, split_out=partial)
     sixteen = spec.regime in _TC_OF_DTYPE.values()
     dim, xp = spec.head_dim, _xp(ctx.kind)
     kq, kk, kv = kernel_inputs(spec.regime, ctx.kind, q, k, v)
     # The output: the caller's buffer viewed as the kernel's element type, or a padded one
     # (the kernel writes O element by element: any strides will do).
-    o_view = _bits_view(o, ctx.kind, sixteen)
-    o_kernel = o_view if dim == D else xp.empty((B, H, Nq, dim), dtype=o_view.dtype)
-    lse_kernel = _bits_view(lse, ctx.kind, False)
+    o_view = bits_view(o, ctx.kind, sixteen and not partial)
+    o_kernel = o_view if o_view.shape[3] == dim else xp.empty((B, H, Nq, dim), dtype=o_view.dtype)
+    lse_kernel = bits_view(lse, ctx.kind, False)
     q_scale = np.float32(call["scale"] * LOG2E)  # scores in log2 units
     written = [o_kernel, lse_kernel]
+    tail = []
     if spec.algorithm == "fa1":  # the paper's O, l, m in global memory (float32)
         written += [xp.empty((B, H, Nq, dim), np.float32), xp.empty((B, H, Nq), np.float32), xp.empty((B, H, Nq), np.float32)]
         arrays = [kq, kk, kv, *written[2:], o_kernel, lse_kernel]
-    else:
-        arrays = [kq, kk, kv, o_kernel, lse_kernel]
-    grid = spec.grid(B, H, Nq)
+    else:  # + the split-KV arguments (kernels.kv_split)
+        lengths = bits_view(seqlens, ctx.kind, False) if seqlens is not None else _unread_lengths(ctx.kind, ctx.device_id)
+        arrays = [kq, kk, kv, o_kernel, lse_kernel, lengths]
+        tail = [np.int32(n_splits), np.int32(rows_per_query)]
+    grid = spec.grid(B, H, Nq, n_splits)
     if ctx.direct_launch:
         args = [device_array(x, "cupy") for x in arrays]
-        launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(), [*args, q_scale],
+        launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(), _ordered(spec, args, q_scale, tail),
                shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
     else:
-        _numba_launch(ctx, spec, grid, arrays, written, q_scale)
+        _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail)
     if o_kernel is not o_view:
         o_view[...] = o_kernel[..., :D]
 
 
-def _numba_launch(ctx, spec, grid, arrays, written, q_scale) -> None:
+@functools.lru_cache(maxsize=None)
+def _unread_lengths(kind: str, device_id):
+    """The ``seqlens`` argument of a kernel compiled without it (never read): one per device."""
+    xp = _xp(kind)
+    if xp is np:
+        return np.zeros(1, np.int32)
+    with xp.cuda.Device(device_id if device_id is not None else xp.cuda.runtime.getDevice()):
+        return xp.zeros(1, np.int32)
+
+
+def _ordered(spec, arrays, q_scale, tail) -> list:
+    """The kernel's arguments in order: FA-1 ``(arrays..., q_scale)``; FA-2 ``(q, k, v, o, lse,
+    q_scale, seqlens, n_splits, rows_per_query)``."""
+    if spec.algorithm == "fa1":
+        return [*arrays, q_scale]
+    return [*arrays[:5], q_scale, arrays[5], *tail]
+
+
+def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail) -> None:
     """numba's own launch: NumPy arrays (the simulator, or copied to and from a GPU)."""
     from numba_flash._cuda import cuda
     from numba_flash.launch import numba_launch
@@ -199,7 +228,7 @@ def _numba_launch(ctx, spec, grid, arrays, written, q_scale) -> None:
     else:
         dev = [cuda.as_cuda_array(x) for x in arrays]
     stream = ctx.stream()
-    numba_launch(spec.kernel, grid, spec.threads, stream, [*dev, q_scale], shared_mem_bytes=spec.dynamic_smem)
+    numba_launch(spec.kernel, grid, spec.threads, stream, _ordered(spec, dev, q_scale, tail), shared_mem_bytes=spec.dynamic_smem)
     if host and not simulated():
         for x, d in zip(arrays, dev):
             if any(x is w for w in written):

@@ -116,7 +116,7 @@ def fa1_kernel(
                 ops.load_q_tile(q, b, h, row0, n_q, q_scale, q_s)  # Line 8: load Q_i
                 cuda.syncthreads()  # Q_i (and K_j, V_j) in shared memory
                 ops.score_tile(q_s, k_s, s)  # Line 9: S_ij = Q_i K_j^T
-                ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys)
+                ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
                 first_row_last_key = ops.last_visible_key(row0, n_q, n_k, CAUSAL)
                 masked = ops.tile_needs_mask(col0, first_row_last_key)
                 if masked:

@@ -20,24 +20,29 @@ import functools
 from numba_flash._cuda import cuda, float32, int32
 
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, kernel_jit
+from numba_flash.kernels.kv_split import split_of_block, split_tiles, valid_keys
 from numba_flash.kernels.row_reduce import scratch_floats
 from numba_flash.kernels.tile_ops import tile_ops
 from numba_flash.kernels.tiles import VEC, register_cap
 
 
 @functools.lru_cache(maxsize=None)
-def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False):
-    """The FA-2 kernel specialised for (head_dim, block_m, block_n, causal, permuted) (memoised).
+def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, ragged: bool = False):
+    """The FA-2 kernel specialised for (head_dim, block_m, block_n, causal, permuted, ragged) (memoised).
 
-    Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (tile_layout(...).threads,)``.
-    Arguments: ``q (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``, ``o (B,H,Nq,D)`` out,
-    ``lse (B,H,Nq) float32`` out, ``q_scale = scale * log2(e)`` as float32, and
-    ``kv_order``: an int32 permutation of the K/V tiles, read only when ``permuted``
-    (the research knob; otherwise tiles go in order and any int32 array will do).
+    Launch: ``grid = (ceil(Nq / block_m) * B * H * n_splits,)``, ``block = (tile_layout(...).threads,)``.
+    Arguments: ``q (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``, ``o (S*B,H,Nq,D)`` out,
+    ``lse (S*B,H,Nq) float32`` out (``S = n_splits``; ``kv_split``), ``q_scale = scale * log2(e)``
+    as float32, ``kv_order``: an int32 permutation of the K/V tiles, read only when ``permuted``
+    (the research knob; otherwise tiles go in order and any int32 array will do),
+    ``seqlens``: int32 ``(B,)`` valid keys per batch, read only when ``ragged``, ``n_splits``
+    (int32, 1: unsplit) and ``rows_per_query`` (int32: consecutive rows of one query position,
+    1 unless the query heads of a KV head are packed as rows; ``row_state``).
     """
     D, BM, BN = head_dim, block_m, block_n
     CAUSAL = bool(causal)
     PERMUTED = bool(permuted)
+    RAGGED = bool(ragged)
     ops = tile_ops(D, BM, BN)  # the tile steps both kernels share
     L = ops.layout
     TM, TN, DG = L.rows_per_thread, L.cols_per_thread, L.dim_groups
@@ -47,22 +52,25 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     KV_LOADS = L.kv_loads
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"}, max_registers=register_cap(D))
-    def fa2_forward(q, k, v, o, lse, q_scale, kv_order):
+    def fa2_forward(q, k, v, o, lse, q_scale, kv_order, seqlens, n_splits, rows_per_query):
+        n_batch = q.shape[0]
         n_heads = q.shape[1]
         n_q = q.shape[2]
-        n_k = k.shape[2]
         group = n_heads // k.shape[1]  # query heads per kv head (GQA / MQA)
         n_q_tiles = (n_q + BM - 1) // BM
-        n_kv_tiles = (n_k + BN - 1) // BN  # Tc (line 1)
 
         # Line 3: for 1 <= i <= Tr -- the outer loop is the grid: this block is Q tile i
-        # of one (batch, head).
-        i_tile = cuda.blockIdx.x % n_q_tiles
-        bh = cuda.blockIdx.x // n_q_tiles
+        # of one (batch, head), and one split of its K/V tiles (``kv_split``).
+        split, block = split_of_block(cuda.blockIdx.x, n_q_tiles * n_batch * n_heads)
+        i_tile = block % n_q_tiles
+        bh = block // n_q_tiles
         b = bh // n_heads
         h = bh - b * n_heads
         hk = h // group
+        ob = split * n_batch + b  # where this split's partial result goes
         row0 = i_tile * BM
+        n_k = valid_keys(seqlens, b, k.shape[2], RAGGED)
+        n_kv_tiles = (n_k + BN - 1) // BN  # Tc (line 1)
 
         q_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
         k_s = cuda.shared.array(K_FLOATS, float32, SMEM_ALIGN)
@@ -86,15 +94,17 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
         for i in range(TM):
             m[i] = float32(NEG_INF)
             l_part[i] = float32(0.0)
-        ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys)
+        ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, rows_per_query)
         # The last key any row of this Q tile sees: tiles after it are fully masked.
-        tile_last_key = ops.last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL)
-        first_row_last_key = ops.last_visible_key(row0, n_q, n_k, CAUSAL)
+        tile_last_key = ops.packed_last_visible_key(min(row0 + BM, n_q) - 1, rows_per_query, n_q, n_k, CAUSAL)
+        first_row_last_key = ops.packed_last_visible_key(row0, rows_per_query, n_q, n_k, CAUSAL)
 
         # The K/V tiles to walk: in order, up to the last one any row of this Q tile sees
-        # (causal: the rest are masked for every row, section 3.1.1); or all, permuted.
-        n_walk = n_kv_tiles if PERMUTED else min(n_kv_tiles, tile_last_key // BN + 1)
-        for jj in range(n_walk):  # Line 6: for 1 <= j <= Tc
+        # (causal: the rest are masked for every row, section 3.1.1); or all, permuted;
+        # of them, this split's range.
+        n_visible = n_kv_tiles if PERMUTED else max(0, min(n_kv_tiles, tile_last_key // BN + 1))
+        first, end = split_tiles(n_visible, n_splits, split)
+        for jj in range(first, end):  # Line 6: for 1 <= j <= Tc
             j = kv_order[jj] if PERMUTED else jj
             col0 = j * BN
             if col0 > tile_last_key:
@@ -132,8 +142,8 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
                     for u in range(VEC):
                         d = ops.out_col(g, u)
                         if d < D:
-                            o[b, h, row, d] = acc[i, VEC * g + u] * inv_l  # Line 14: write O_i
+                            o[ob, h, row, d] = acc[i, VEC * g + u] * inv_l  # Line 14: write O_i
                 if ops.thread_col() == 0:  # Lines 13, 15: L_i = m + log(l)
-                    lse[b, h, row] = ops.log_sum_exp(m[i], l_part[i])
+                    lse[ob, h, row] = ops.log_sum_exp(m[i], l_part[i])
 
     return fa2_forward

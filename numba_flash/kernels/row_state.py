@@ -5,7 +5,7 @@ A query row's state is (m, l, O~): the running max of its scores (log2 units: q 
 (``numba_flash.online`` states the same algebra in NumPy, natural-log units). These device
 functions handle the edge cases of that state once, for the CUDA-core (``tile_ops``) and the
 tensor-core (``tc_ops``) steps alike: a row that has seen no key (m = -inf, l = 0) gives O = 0
-and lse = -inf, never NaN; and the causal mask is bottom-right aligned.
+and lse = -inf, never NaN; and the causal mask is bottom-right aligned (also for rows packed several per query position).
 """
 
 from __future__ import annotations
@@ -26,6 +26,14 @@ def last_visible_key(row, n_q, n_k, causal):
     if causal:
         return min(n_k - 1, row + n_k - n_q)
     return n_k - 1
+
+
+@device_jit
+def packed_last_visible_key(row, rows_per_query, n_rows, n_k, causal):
+    """``last_visible_key`` of kernel row ``row`` when each query position owns
+    ``rows_per_query`` consecutive rows (decoding packs the query heads of one KV head that
+    way: row = position * group + head); ``n_rows`` rows in all. 1: one row per query."""
+    return last_visible_key(row // rows_per_query, n_rows // rows_per_query, n_k, causal)
 
 
 @device_jit

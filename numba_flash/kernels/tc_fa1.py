@@ -103,7 +103,7 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                 cuda.syncthreads()  # Q_i (and K_j, V_j) in shared memory
                 ops.load_q_frags(q_s, qf, qf_small)
                 ops.score_tile(qf, qf_small, q_s, k_s, s, scratch)  # Line 9: S_ij = Q_i K_j^T
-                ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys)
+                ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
                 first_row_last_key = ops.last_visible_key(row0, n_q, n_k, CAUSAL)
                 masked = ops.tile_needs_mask(col0, first_row_last_key)
                 ops.scale_mask(s, q_scale, col0, last_keys, masked)

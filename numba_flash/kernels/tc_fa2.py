@@ -9,8 +9,11 @@ in flight while S = Q_i K_j^T is computed, K_{j+1} while O~ += P~ V_j is.
 Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (layout.threads,)``, dynamic shared
 memory ``layout.smem_bytes``. Arguments: ``q (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)`` (16-bit bit
 patterns as uint16 for f16/bf16, float32 for TF32; D a multiple of 8 resp. 4, rows 16-byte
-aligned), ``o (B,H,Nq,D)`` of the same element type, ``lse (B,H,Nq) float32``, ``q_scale =
-scale * log2(e)`` (float32).
+aligned), ``o (S*B,H,Nq,D)`` of the same element type (float32 when compiled ``f32_out``, as
+split partials are), ``lse (S*B,H,Nq) float32``, ``q_scale = scale * log2(e)`` (float32),
+``seqlens`` (int32 ``(B,)``, read only when ``ragged``), ``n_splits`` and ``rows_per_query``
+(int32; the split launch of ``kv_split``, and the query rows packed per position of
+``row_state.packed_last_visible_key``: 1 and 1 for a plain call, grid times ``n_splits``).
 """
 
 from __future__ import annotations
@@ -20,14 +23,16 @@ import functools
 from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, kernel_jit
+from numba_flash.kernels.kv_split import split_of_block, split_tiles, valid_keys
 from numba_flash.kernels.row_reduce import scratch_floats as reduce_scratch_floats
 from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
 
 @functools.lru_cache(maxsize=None)
-def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool):
+def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, ragged: bool = False,
+                  f32_out: bool = False):
     """The tensor-core FA-2 kernel for one specialisation (memoised)."""
-    CAUSAL = bool(causal)
+    CAUSAL, RAGGED, F32_OUT = bool(causal), bool(ragged), bool(f32_out)
     ops = tc_ops(kind, head_dim, block_m, block_n)
     L = ops.layout
     BM, BN, D = block_m, block_n, head_dim
@@ -39,21 +44,25 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
     ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def tc_fa2_forward(q, k, v, o, lse, q_scale):
+    def tc_fa2_forward(q, k, v, o, lse, q_scale, seqlens, n_splits, rows_per_query):
+        n_batch = q.shape[0]
         n_heads = q.shape[1]
         n_q = q.shape[2]
-        n_k = k.shape[2]
         group = n_heads // k.shape[1]  # query heads per kv head (GQA / MQA)
         n_q_tiles = (n_q + BM - 1) // BM
-        n_kv_tiles = (n_k + BN - 1) // BN  # Tc (line 1)
 
-        # Line 3: for 1 <= i <= Tr -- the grid: this block is Q tile i of one (batch, head).
-        i_tile = cuda.blockIdx.x % n_q_tiles
-        bh = cuda.blockIdx.x // n_q_tiles
+        # Line 3: for 1 <= i <= Tr -- the grid: this block is Q tile i of one (batch, head),
+        # and one split of its K/V tiles (``kv_split``).
+        split, block = split_of_block(cuda.blockIdx.x, n_q_tiles * n_batch * n_heads)
+        i_tile = block % n_q_tiles
+        bh = block // n_q_tiles
         b = bh // n_heads
         h = bh - b * n_heads
         hk = h // group
+        ob = split * n_batch + b  # where this split's partial result goes
         row0 = i_tile * BM
+        n_k = valid_keys(seqlens, b, k.shape[2], RAGGED)
+        n_kv_tiles = (n_k + BN - 1) // BN  # Tc (line 1)
 
         smem = cuda.shared.array(0, SMEM_TYPE, SMEM_ALIGN)  # dynamic: Q_i | K_j | V_j (16-byte aligned for cp.async, ldmatrix)
         q_s = smem[:Q_ELEMS]
@@ -73,16 +82,18 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         row_sums = cuda.local.array(TM, float32)
         last_keys = cuda.local.array(TM, int32)
 
-        ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys)
-        tile_last_key = ops.last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL)
-        first_row_last_key = ops.last_visible_key(row0, n_q, n_k, CAUSAL)
-        # Causal: K/V tiles past the last key any row of this Q tile sees are skipped (3.1.1).
-        n_walk = min(n_kv_tiles, tile_last_key // BN + 1) if tile_last_key >= 0 else 0
+        ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, rows_per_query)
+        tile_last_key = ops.packed_last_visible_key(min(row0 + BM, n_q) - 1, rows_per_query, n_q, n_k, CAUSAL)
+        first_row_last_key = ops.packed_last_visible_key(row0, rows_per_query, n_q, n_k, CAUSAL)
+        # Causal: K/V tiles past the last key any row of this Q tile sees are skipped (3.1.1);
+        # of the others, this split walks its range.
+        n_visible = min(n_kv_tiles, tile_last_key // BN + 1) if tile_last_key >= 0 else 0
+        first, end = split_tiles(n_visible, n_splits, split)
 
-        # Line 4: load Q_i (and K_1) into shared memory.
+        # Line 4: load Q_i (and K_first) into shared memory.
         ops.load_q_tile(q, b, h, row0, n_q, q_s)
-        if n_walk > 0:
-            ops.load_kv_tile(k, b, hk, 0, n_k, k_s)
+        if end > first:
+            ops.load_kv_tile(k, b, hk, first * BN, n_k, k_s)
         ops.commit()
         # Line 5: O~ = 0, l = 0, m = -inf, on chip.
         ops.zero(acc)
@@ -90,14 +101,14 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
             m[i] = float32(NEG_INF)
             l_part[i] = float32(0.0)
 
-        for j in range(n_walk):  # Line 6: for 1 <= j <= Tc
+        for j in range(first, end):  # Line 6: for 1 <= j <= Tc
             col0 = j * BN
             cuda.syncthreads()  # everyone is done reading V_{j-1}
             ops.load_kv_tile(v, b, hk, col0, n_k, v_s)  # Line 7 (V_j, in flight during S)
             ops.commit()
             ops.wait_one()  # this thread's copies of Q_i and K_j have landed
             cuda.syncthreads()  # ... and everyone's
-            if j == 0:
+            if j == first:
                 ops.load_q_frags(q_s, qf, qf_small)
             ops.score_tile(qf, qf_small, q_s, k_s, s, scratch)  # Line 8: S = Q_i K_j^T
             masked = ops.tile_needs_mask(col0, first_row_last_key)
@@ -116,7 +127,7 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
             for i in range(TM):
                 l_part[i] += row_sums[i]
             cuda.syncthreads()  # everyone is done reading K_j
-            if j + 1 < n_walk:
+            if j + 1 < end:
                 ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight during P~V
                 ops.commit()
                 ops.wait_one()  # V_j has landed
@@ -124,7 +135,7 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                 ops.wait_all()
             cuda.syncthreads()  # V_j is visible to everyone
             ops.pv_tile(s, v_s, acc, scratch)  # Line 10: O~ += P~ V_j
-        ops.wait_all()  # no copy outlives the block (n_walk = 0: Q_i's)
+        ops.wait_all()  # no copy outlives the block (an empty range: Q_i's)
 
         ops.allreduce_sum(l_part, rscratch)  # l of each row: the sum of its four lanes' parts
         for i in range(TM):
@@ -135,8 +146,12 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                     for e in range(2):
                         d = ops.col_of(dt, e)
                         if d < D:
-                            ops.store_out(o, b, h, row, d, acc[dt, 2 * i + e] * inv_l)  # Line 14
+                            x = acc[dt, 2 * i + e] * inv_l
+                            if F32_OUT:  # a split's partial O_s, merged later in float32
+                                o[ob, h, row, d] = x
+                            else:
+                                ops.store_out(o, ob, h, row, d, x)  # Line 14: write O_i
                 if ops.lane_t() == 0:  # Lines 13, 15: L_i = m + log(l)
-                    lse[b, h, row] = ops.log_sum_exp(m[i], l_part[i])
+                    lse[ob, h, row] = ops.log_sum_exp(m[i], l_part[i])
 
     return tc_fa2_forward

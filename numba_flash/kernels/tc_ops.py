@@ -40,7 +40,9 @@ from numba_flash._cuda import cuda, float32
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import NEG_INF, device_jit
 from numba_flash.kernels.row_reduce import row_allreduce
-from numba_flash.kernels.row_state import exp2_diff, finite_or_zero, last_visible_key, log_sum_exp, reciprocal_or_zero
+from numba_flash.kernels.row_state import (
+    exp2_diff, finite_or_zero, last_visible_key, log_sum_exp, packed_last_visible_key, reciprocal_or_zero,
+)
 from numba_flash.kernels.tile_ops import add, nan_max
 
 KINDS = ("f16", "bf16", "tf32", "tf32x3")
@@ -359,9 +361,9 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     # ---------------------------------------------------------------- online softmax
 
     @device_jit
-    def row_last_keys(row0, n_q, n_k, causal, last_keys):
+    def row_last_keys(row0, n_q, n_k, causal, last_keys, rows_per_query):
         for i in range(TM):
-            last_keys[i] = last_visible_key(row0 + thread_row(i), n_q, n_k, causal)
+            last_keys[i] = packed_last_visible_key(row0 + thread_row(i), rows_per_query, n_q, n_k, causal)
 
     @device_jit
     def tile_needs_mask(col0, first_row_last_key):
@@ -423,7 +425,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     for name, func in dict(
         load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,
         score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0,
-        thread_row=thread_row, lane_t=lane_t, col_of=col_of, last_visible_key=last_visible_key,
+        thread_row=thread_row, lane_t=lane_t, col_of=col_of, last_visible_key=last_visible_key, packed_last_visible_key=packed_last_visible_key,
         row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
         row_max=row_max, allreduce_sum=allreduce_sum, exp_scores=exp_scores, rescale_row=rescale_row,
         zero=zero, finite_or_zero=finite_or_zero, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,

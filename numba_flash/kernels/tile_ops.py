@@ -32,7 +32,9 @@ from numba_flash._cuda import cuda, float32, uint64
 
 from numba_flash.kernels.jit import NEG_INF, device_jit
 from numba_flash.kernels.row_reduce import row_allreduce
-from numba_flash.kernels.row_state import exp2_diff, finite_or_zero, last_visible_key, log_sum_exp, reciprocal_or_zero
+from numba_flash.kernels.row_state import (
+    exp2_diff, finite_or_zero, last_visible_key, log_sum_exp, packed_last_visible_key, reciprocal_or_zero,
+)
 from numba_flash.kernels.tiles import VEC, tile_layout
 
 
@@ -181,10 +183,10 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
                         s[i, j] += qf[i, e] * kf[e]
 
     @device_jit
-    def row_last_keys(row0, n_q, n_k, causal, last_keys):
+    def row_last_keys(row0, n_q, n_k, causal, last_keys, rows_per_query):
         """``last_visible_key`` of each of this thread's rows (tile rows from ``row0``)."""
         for i in range(TM):
-            last_keys[i] = last_visible_key(row0 + thread_row(i), n_q, n_k, causal)
+            last_keys[i] = packed_last_visible_key(row0 + thread_row(i), rows_per_query, n_q, n_k, causal)
 
     @device_jit
     def tile_needs_mask(col0, first_row_last_key):
@@ -287,7 +289,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
     ops.layout = L
     for name, func in dict(
         nan_max=nan_max, thread_row=thread_row, thread_col=thread_col, load_q_tile=load_q_tile,
-        load_kv_tile=load_kv_tile, score_tile=score_tile, last_visible_key=last_visible_key,
+        load_kv_tile=load_kv_tile, score_tile=score_tile, last_visible_key=last_visible_key, packed_last_visible_key=packed_last_visible_key,
         row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, mask_scores=mask_scores,
         row_max=row_max, allreduce_sum=allreduce_sum, finite_or_zero=finite_or_zero,
         exp_scores=exp_scores, pv_tile=pv_tile, rescale_row=rescale_row, zero=zero,
