@@ -97,8 +97,11 @@ def _check_seqlens(cache_seqlens, batch: int, kind: str, ctx):
     """``cache_seqlens`` as an int32 ``(B,)`` array of the inputs' library (``None``: none)."""
     if cache_seqlens is None:
         return None
-    lengths = as_cupy_view(cache_seqlens)
-    lengths_kind = kind_of(lengths) if not isinstance(lengths, (list, tuple)) else "list"
+    if isinstance(cache_seqlens, (list, tuple)):
+        lengths, lengths_kind = cache_seqlens, "list"
+    else:
+        lengths = as_cupy_view(cache_seqlens)
+        lengths_kind = kind_of(lengths)
     if tuple(np.shape(lengths) if lengths_kind == "list" else lengths.shape) != (batch,):
         raise ValueError(f"cache_seqlens must have shape ({batch},); got {tuple(np.shape(lengths))}")
     if lengths_kind != kind or dtype_name(lengths, kind) != "int32" or not _contiguous(lengths, kind):

@@ -66,13 +66,15 @@ def tc_tiles(kind: str, head_dim: int, block_m, block_n) -> tuple[int, int]:
 
 def bits_view(x, kind_of_array: str, sixteen: bool):
     """``x`` as the kernel's element type: uint16 bit patterns (16-bit kinds) or float32.
-    torch tensors become CuPy views (torch has no uint16 before 2.3; CuPy can view int16)."""
+    torch tensors become CuPy views (torch has no uint16 before 2.3; CuPy can view int16),
+    through DLPack: importing ``__cuda_array_interface__`` would make CuPy synchronise the
+    host with torch's stream (the protocol's default), once per call."""
     if kind_of_array == "torch":
         import cupy
         import torch
 
         x = x.detach()
-        x = cupy.asarray(x.view(torch.int16) if sixteen else x)
+        x = cupy.from_dlpack(x.view(torch.int16) if sixteen else x)
         return x.view(cupy.uint16) if sixteen else x
     if kind_of_array == "numpy":
         return x.view(np.uint16) if sixteen else x

@@ -3,6 +3,7 @@
     python scripts/sanitize.py                        # memcheck and racecheck, CUDA-core kernels
     python scripts/sanitize.py --tool memcheck --precision ieee f16 tf32 tf32x3
     python scripts/sanitize.py --list                 # the cases, without running anything
+    python scripts/sanitize.py --split-kv --precision ieee f16   # split-KV, combine, decode
 
 The script re-invokes itself as a child process under ``compute-sanitizer --tool TOOL``; the
 child runs each case (``CASES``: a list of (name, callable)) on the GPU and synchronises after
@@ -58,9 +59,13 @@ CASE_FAILED = "SANITIZE-CASE-FAILED"
 # ------------------------------------------------------------------------------------------
 
 
-def build_cases(precisions=("ieee",), tiles="default", xp=None):
+def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False):
     """[(name, callable)] for every kernel configuration and shape; ``xp``: the array module
-    the callables use (CuPy on a GPU; NumPy runs them in the simulator, for tests)."""
+    the callables use (CuPy on a GPU; NumPy runs them in the simulator, for tests).
+    ``split_kv``: only the split-KV cases (FA-2 with ``num_splits=3``, its combine, and
+    ``decode`` on ragged caches), D 40 and 128."""
+    if split_kv:
+        return _split_kv_cases(precisions, xp)
     cases = []
     for precision in precisions:
         dtypes, precision_arg = REGIMES[precision]
@@ -83,6 +88,55 @@ def build_cases(precisions=("ieee",), tiles="default", xp=None):
                                             precision=precision_arg)
                                 cases.append((name, _case(spec, xp)))
     return cases
+
+
+def _split_kv_cases(precisions, xp):
+    cases = []
+    for precision in precisions:
+        dtypes, precision_arg = REGIMES[precision]
+        for dtype in dtypes:
+            for causal in (False, True):
+                for head_dim in (40, 128):
+                    for n_q, n_k in LENGTHS:
+                        name = (f"{precision}-fa2-split3-{dtype}-{'causal' if causal else 'full'}-D{head_dim}"
+                                f"-Nq{n_q}-Nk{n_k}-B{BATCH}H{HEADS}/{KV_HEADS}")
+                        spec = dict(algorithm="fa2", dtype=dtype, causal=causal, head_dim=head_dim, n_q=n_q, n_k=n_k,
+                                    block_m=None, block_n=None, precision=precision_arg, num_splits=3)
+                        cases.append((name, _case(spec, xp)))
+                    if precision_arg in (None, "ieee") and (precision == "ieee") == (dtype == "float32"):
+                        for n_q in (1, 3):  # decode runs float32 on CUDA cores, 16-bit on tensor cores
+                            name = f"decode-{dtype}-{'causal' if causal else 'full'}-D{head_dim}-Nq{n_q}-ragged"
+                            cases.append((name, _decode_case(dict(dtype=dtype, causal=causal, head_dim=head_dim, n_q=n_q), xp)))
+    return cases
+
+
+def _decode_case(spec, xp):
+    def run():
+        import numpy as np
+
+        import numba_flash
+        from numba_flash import reference
+
+        arrays = xp or __import__("cupy")
+        rng = np.random.default_rng(zlib.crc32(repr(sorted(spec.items())).encode()))
+        n_max, lens, D = 70, np.array([70, 23], np.int32), spec["head_dim"]
+        host = [rng.standard_normal((BATCH, HEADS, spec["n_q"], D)).astype(spec["dtype"])]
+        host += [rng.standard_normal((BATCH, KV_HEADS, n_max, D)).astype(spec["dtype"]) for _ in range(2)]
+        for x in host[1:]:
+            x[1, :, 23:] = np.nan  # past the valid length: never read
+        q, k, v = (arrays.asarray(x) for x in host)
+        o = numba_flash.decode(q, k, v, cache_seqlens=arrays.asarray(lens), causal=spec["causal"], num_splits=3)
+        if arrays is not np:
+            arrays.cuda.Device().synchronize()
+        got = o.get() if hasattr(o, "get") else np.asarray(o)
+        for b, n in enumerate(lens):
+            ref, _ = reference.attention(*(x[b : b + 1, :, :n].astype(np.float64) if i else x[b : b + 1].astype(np.float64)
+                                           for i, x in enumerate(host)), causal=spec["causal"])
+            err = float(np.abs(got[b : b + 1].astype(np.float64) - ref).max())
+            if not err <= 0.05:
+                raise AssertionError(f"batch {b}: max |o - ref| = {err:.3g}")
+
+    return run
 
 
 def _tiles_fit(head_dim, block_m, block_n) -> bool:
@@ -110,7 +164,8 @@ def _case(spec, xp):
         out = arrays.full(q.shape, np.nan, dtype=spec["dtype"])
         lse = arrays.full(q.shape[:3], np.nan, dtype=np.float32)
         forward(q, k, v, causal=spec["causal"], algorithm=spec["algorithm"], block_m=spec["block_m"],
-                block_n=spec["block_n"], precision=spec["precision"], out=out, lse_out=lse)
+                block_n=spec["block_n"], precision=spec["precision"], out=out, lse_out=lse,
+                num_splits=spec.get("num_splits"))
         if arrays is not np:
             arrays.cuda.Device().synchronize()
         got = out.get() if hasattr(out, "get") else np.asarray(out)
@@ -124,12 +179,12 @@ def _case(spec, xp):
     return run
 
 
-def run_child(names, precisions, tiles) -> int:
+def run_child(names, precisions, tiles, split_kv=False) -> int:
     """Run the cases (all, or those named) in this process; report each failure on stdout."""
     failures = 0
     selected = set(names or ())
     started = time.perf_counter()
-    cases = [(n, c) for n, c in build_cases(precisions, tiles) if not selected or n in selected]
+    cases = [(n, c) for n, c in build_cases(precisions, tiles, split_kv=split_kv) if not selected or n in selected]
     for i, (name, case) in enumerate(cases, 1):
         if i == 1 or i % 20 == 0 or i == len(cases):
             print(f"{PROGRESS} case {i}/{len(cases)} ({time.perf_counter() - started:.0f} s): {name}", flush=True)
@@ -238,6 +293,8 @@ def run_tool(sanitizer, tool, args) -> Report:
     if tool == "racecheck":
         cmd += ["--racecheck-report", "all"]
     cmd += [sys.executable, os.path.abspath(__file__), "--child", "--precision", *args.precision, "--tiles", args.tiles]
+    if args.split_kv:
+        cmd.append("--split-kv")
     for name in args.case or ():
         cmd += ["--case", name]
     print(f"$ {' '.join(cmd)}", flush=True)
@@ -266,6 +323,8 @@ def parse_args(argv=None):
                     help="regimes: ieee = CUDA-core kernels; f16, tf32, tf32x3 = tensor-core kernels")
     ap.add_argument("--tiles", choices=["default", "all"], default="default",
                     help="default tiles only, or also the extra CUDA-core layouts")
+    ap.add_argument("--split-kv", action="store_true",
+                    help="the split-KV cases instead (FA-2 with num_splits=3 and the combine; decode on ragged caches)")
     ap.add_argument("--case", action="append", metavar="NAME", help="run only this case (repeatable; see --list)")
     ap.add_argument("--list", action="store_true", help="print the case names and exit (no GPU needed)")
     ap.add_argument("--compute-sanitizer", metavar="PATH", help="the compute-sanitizer binary (default: PATH, then /usr/local/cuda/bin)")
@@ -277,11 +336,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
-        for name, _ in build_cases(args.precision, args.tiles, xp=False):
+        for name, _ in build_cases(args.precision, args.tiles, xp=False, split_kv=args.split_kv):
             print(name)
         return 0
     if args.child:
-        return run_child(args.case, args.precision, args.tiles)
+        return run_child(args.case, args.precision, args.tiles, args.split_kv)
     sanitizer = find_sanitizer(args.compute_sanitizer)
     if sanitizer is None:
         print("sanitize.py: compute-sanitizer not found (pass --compute-sanitizer PATH; it comes with the CUDA "

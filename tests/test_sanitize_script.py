@@ -111,3 +111,16 @@ def test_cases_run_in_the_simulator(sanitize):
     cases = dict(sanitize.build_cases(("ieee",), "all", xp=np))  # small tiles: fast in the simulator
     for name in ("ieee-fa1-float16-causal-D40-Nq33-Nk17-B2H4/2-8x2", "ieee-fa2-float32-full-D8-Nq1-Nk33-B2H4/2-2x4"):
         cases[name]()
+
+
+def test_split_kv_cases_run_in_the_simulator(sanitize):
+    """The split-KV cases (FA-2 with three splits, decode on a NaN-poisoned ragged cache) check
+    their own results; two of them, in the simulator."""
+    from numba_flash._world import simulated
+
+    if not simulated():
+        pytest.skip("the script's child runs them on the GPU")
+    cases = dict(sanitize.build_cases(("ieee", "f16"), "default", xp=np, split_kv=True))
+    assert any(n.startswith("decode-float16") for n in cases) and any("split3" in n for n in cases)
+    for name in ("ieee-fa2-split3-float32-causal-D40-Nq17-Nk33-B2H4/2", "decode-float32-causal-D40-Nq3-ragged"):
+        cases[name]()

@@ -1,0 +1,113 @@
+"""Split-KV and decoding on a real GPU (``pytest -m gpu``; skipped in the simulator).
+
+Long caches, ragged lengths with a NaN-poisoned tail, GQA packing, every dtype (bfloat16 and
+float16 through PyTorch, float32 through CuPy), splits chosen by the heuristic and forced: each
+against float64, float16/bfloat16 by FlashAttention's rule (at most twice the error of PyTorch's
+math SDPA in the same dtype).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _torch():
+    return pytest.importorskip("torch")
+
+
+def _reference(q, k, v, lens, causal, dtype=None):
+    """Per sequence: attention over its valid keys, in float64 (or ``dtype``: the plain
+    implementation of FlashAttention's rule); GQA by repetition; rows that see nothing: 0."""
+    torch = _torch()
+    outs, lses = [], []
+    g = q.shape[1] // k.shape[1]
+    for b, n in enumerate(lens):
+        qb, kb, vb = (x[b : b + 1].to(dtype or torch.float64) for x in (q, k[:, :, :n], v[:, :, :n]))
+        kb, vb = kb.repeat_interleave(g, dim=1), vb.repeat_interleave(g, dim=1)
+        s = (qb @ kb.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if causal:
+            i = torch.arange(qb.shape[2], device=q.device)[:, None]
+            j = torch.arange(n, device=q.device)[None, :]
+            s = s.masked_fill(j > i + (n - qb.shape[2]), -math.inf)
+        lse = torch.logsumexp(s.double(), dim=-1)
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        outs.append(p @ vb)
+        lses.append(lse)
+    return torch.cat(outs), torch.cat(lses)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+@pytest.mark.parametrize("causal, n_q", [(False, 1), (True, 4)])
+@pytest.mark.parametrize("num_splits", [None, 1, 13])
+def test_decode_long_ragged_cache(dtype, causal, n_q, num_splits):
+    torch = _torch()
+    import numba_flash
+
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    B, H, Hkv, N, D = 3, 32, 8, 20000, 128
+    dt = getattr(torch, dtype)
+    q = torch.randn(B, H, n_q, D, device="cuda", generator=gen).to(dt)
+    k = torch.randn(B, Hkv, N, D, device="cuda", generator=gen).to(dt)
+    v = torch.randn(B, Hkv, N, D, device="cuda", generator=gen).to(dt)
+    lens = [N, 7777, 0]
+    for b, n in enumerate(lens):
+        k[b, :, n:] = float("nan")
+        v[b, :, n:] = float("nan")
+    seqlens = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    o, lse = numba_flash.decode(q, k, v, cache_seqlens=seqlens, causal=causal, num_splits=num_splits, return_lse=True)
+    torch.cuda.synchronize()
+    ref_o, ref_lse = _reference(q, k, v, lens, causal)
+    assert o.dtype == dt and o.shape == q.shape
+    assert not torch.isnan(o).any()
+    assert (o[2] == 0).all() and torch.isinf(lse[2]).all()  # length 0: nothing seen
+    err = (o.double() - ref_o).abs().max().item()
+    if dtype == "float32":
+        assert err / ref_o.abs().max().item() < 1e-5
+    else:
+        plain, _ = _reference(q, k, v, lens, causal, dtype=dt)
+        base = (plain.double() - ref_o).abs().max().item()
+        assert err <= 2 * base + 1e-6, (err, base)
+    seen = torch.isfinite(ref_lse)
+    assert torch.allclose(lse.double()[seen], ref_lse[seen], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype, precision", [("float16", None), ("float32", None), ("float32", "tf32x3")])
+@pytest.mark.parametrize("causal", [False, True])
+def test_attention_split_equals_unsplit(dtype, precision, causal):
+    torch = _torch()
+    import numba_flash
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    dt = getattr(torch, dtype)
+    q = torch.randn(1, 4, 300, 64, device="cuda", generator=gen).to(dt)
+    k = torch.randn(1, 2, 30000, 64, device="cuda", generator=gen).to(dt)
+    v = torch.randn(1, 2, 30000, 64, device="cuda", generator=gen).to(dt)
+    o1, l1 = numba_flash.attention(q, k, v, causal=causal, precision=precision, num_splits=1, return_lse=True)
+    for splits in (None, 2, 37):
+        o, lse = numba_flash.attention(q, k, v, causal=causal, precision=precision, num_splits=splits, return_lse=True)
+        torch.cuda.synchronize()
+        assert not torch.isnan(o).any()
+        rel = ((o.double() - o1.double()).norm() / o1.double().norm()).item()
+        assert rel < (2e-3 if dtype == "float16" else 2e-6), (splits, rel)
+        assert torch.allclose(lse, l1, rtol=1e-5, atol=1e-5)
+    ref_o, _ = _reference(q, k, v, [k.shape[2]], causal)
+    assert ((o1.double() - ref_o).norm() / ref_o.norm()).item() < (1e-3 if dtype == "float16" else 1e-5)
+
+
+def test_decode_cupy_float32_and_list_lengths():
+    cp = pytest.importorskip("cupy")
+    import numba_flash
+
+    rng = cp.random.default_rng(1)
+    q = rng.standard_normal((2, 8, 1, 64), dtype=cp.float32)
+    k = rng.standard_normal((2, 2, 5000, 64), dtype=cp.float32)
+    v = rng.standard_normal((2, 2, 5000, 64), dtype=cp.float32)
+    o = numba_flash.decode(q, k, v, cache_seqlens=[5000, 1234])
+    assert isinstance(o, cp.ndarray)
+    for b, n in enumerate((5000, 1234)):
+        ref = numba_flash.attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], num_splits=1)
+        assert float(cp.abs(o[b : b + 1] - ref).max()) < 1e-5

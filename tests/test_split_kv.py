@@ -1,0 +1,187 @@
+"""Split-KV (API.md section 2b) on the real kernels, in the simulator.
+
+The claim under test is the seeds' algebra carried onto the GPU code: partial softmax states
+over disjoint key ranges, merged by ``kernels.combine`` (twin of ``online.combine``, itself a
+fold of ``online.merge``), give the single-pass result whatever the cut points and the order
+of the partials; a split that sees only masked keys contributes nothing and never a NaN.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from helpers import examples, poisoned, random_qkv, rel_err, to_numpy
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from numba_flash import online, reference
+from numba_flash.api import attention, forward
+from numba_flash.arrays import ArrayContext
+from numba_flash.split_kv import MAX_SPLITS, combine, num_splits_heuristic
+
+# (dtype, precision) of each regime the FA-2 kernel runs in
+REGIMES = [("float32", None), ("float16", None), ("float32", "tf32x3"), ("float16", "ieee")]
+TOL = {"float32": 2e-6, "float16": 2e-3}  # relative, split against unsplit (float32 partials)
+
+
+def run_split(q, k, v, **kw):
+    B, H, Nq, D = q.shape
+    o = np.full((B, H, Nq, D), np.nan, dtype=q.dtype)
+    lse = poisoned(np, (B, H, Nq), np.float32)
+    return forward(q, k, v, out=o, lse_out=lse, **kw)
+
+
+@settings(max_examples=examples(6), deadline=None)
+@given(
+    regime=st.sampled_from(REGIMES),
+    n_splits=st.integers(2, 6),
+    n_q=st.integers(1, 20),
+    n_k=st.integers(1, 70),
+    causal=st.booleans(),
+    gqa=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_split_equals_unsplit_and_reference(regime, n_splits, n_q, n_k, causal, gqa, seed):
+    dtype, precision = regime
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 1, 2, 1 if gqa else 2, n_q, n_k, 16, dtype)
+    kw = dict(causal=causal, precision=precision, block_m=16, block_n=16)
+    o1, l1 = run_split(q, k, v, num_splits=1, **kw)
+    o_s, l_s = run_split(q, k, v, num_splits=n_splits, **kw)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal)
+    got = o_s.astype(np.float64)
+    assert not np.isnan(got).any() and not np.isnan(l_s).any()
+    seen = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(l_s), seen)  # fully masked rows: -inf, o = 0
+    assert (got[~seen] == 0).all()
+    assert rel_err(got, o1.astype(np.float64)) <= TOL[dtype]
+    assert rel_err(got, ref_o) <= max(4 * rel_err(o1, ref_o), TOL[dtype])
+    np.testing.assert_allclose(l_s[seen], l1[seen], rtol=1e-6, atol=1e-6)
+
+
+def _device_combine(o_parts, lse_parts):
+    """``kernels.combine`` on NumPy partials ``(S, rows, D)``, ``(S, rows)``."""
+    S, rows, D = o_parts.shape
+    o = poisoned(np, (1, 1, rows, D), np.float32)
+    lse = poisoned(np, (1, 1, rows), np.float32)
+    combine(ArrayContext("numpy", o), o_parts.reshape(S, 1, rows, D).astype(np.float32),
+            lse_parts.reshape(S, 1, rows).astype(np.float32), o, lse)
+    return o[0, 0], lse[0, 0]
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(
+    n_k=st.integers(2, 60),
+    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_kernel_partials_at_random_cuts_combine_to_single_pass(n_k, data, seed):
+    """Cut the keys anywhere (not on tile boundaries), run the real FA-2 kernel on each piece,
+    merge the partials with the real combine kernel: the single-pass result."""
+    cuts = sorted(data.draw(st.sets(st.integers(1, n_k - 1), max_size=3)))
+    bounds = [0, *cuts, n_k]
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 1, 1, 1, 5, n_k, 16, "float32")
+    parts = [attention(q, k[:, :, a:b], v[:, :, a:b], return_lse=True, block_m=16, block_n=16)
+             for a, b in zip(bounds, bounds[1:])]
+    o_parts = np.stack([o[0, 0] for o, _ in parts])
+    lse_parts = np.stack([lse[0, 0] for _, lse in parts])
+    o, lse = _device_combine(o_parts, lse_parts)
+    whole_o, whole_lse = attention(q, k, v, return_lse=True, block_m=16, block_n=16)
+    assert rel_err(o, whole_o[0, 0]) < 2e-6
+    np.testing.assert_allclose(lse, whole_lse[0, 0], rtol=1e-6, atol=1e-6)
+    twin_o, twin_lse = online.combine(o_parts, lse_parts)  # the NumPy twin agrees
+    assert rel_err(o, twin_o) < 1e-6
+    np.testing.assert_allclose(lse, twin_lse, rtol=1e-6, atol=1e-6)
+
+
+lse_values = st.one_of(st.floats(-30, 30), st.just(-np.inf))
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(
+    lse_parts=st.lists(st.lists(lse_values, min_size=3, max_size=3), min_size=1, max_size=5),
+    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_combine_kernel_is_the_twin_and_order_invariant(lse_parts, data, seed):
+    lse_parts = np.array(lse_parts, dtype=np.float32)
+    S = lse_parts.shape[0]
+    rng = np.random.default_rng(seed)
+    o_parts = rng.standard_normal((S, 3, 8)).astype(np.float32)
+    o_parts[lse_parts == -np.inf] = 0.0  # an empty partial, as the kernel writes it
+    o, lse = _device_combine(o_parts, lse_parts)
+    twin_o, twin_lse = online.combine(o_parts, lse_parts)
+    np.testing.assert_allclose(o, twin_o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, twin_lse, rtol=1e-6, atol=1e-6)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    perm = data.draw(st.permutations(range(S)))
+    o_p, lse_p = _device_combine(o_parts[perm], lse_parts[perm])
+    np.testing.assert_allclose(o_p, o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse_p, lse, rtol=1e-6, atol=1e-6)
+
+
+def test_online_combine_is_merge_folded_then_finalized():
+    rng = np.random.default_rng(3)
+    states = []
+    for _ in range(4):
+        s = rng.standard_normal((2, 5)) * 3
+        states.append(online.update(online.empty_state(2, 4), s, rng.standard_normal((5, 4))))
+    parts = [online.finalize(st_) for st_ in states]
+    o, lse = online.combine(np.stack([p[0] for p in parts]), np.stack([p[1] for p in parts]))
+    merged = states[0]
+    for st_ in states[1:]:
+        merged = online.merge(merged, st_)
+    ref_o, ref_lse = online.finalize(merged)
+    np.testing.assert_allclose(o, ref_o, rtol=1e-12)
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
+
+
+def test_all_empty_partials_give_zero_and_minus_inf():
+    o_parts = np.zeros((3, 2, 4))
+    lse_parts = np.full((3, 2), -np.inf)
+    for o, lse in (online.combine(o_parts, lse_parts), _device_combine(o_parts, lse_parts)):
+        assert (np.asarray(o) == 0).all() and (np.asarray(lse) == -np.inf).all()
+
+
+def test_splits_past_the_causal_diagonal_contribute_nothing():
+    """Nq > Nk, causal: the first rows see no key; with 4 splits most partials are empty."""
+    rng = np.random.default_rng(5)
+    q, k, v = random_qkv(rng, 1, 1, 1, 40, 20, 16, "float32")
+    o, lse = run_split(q, k, v, causal=True, num_splits=4, block_m=16, block_n=16)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=True)
+    assert (o[0, 0, :20] == 0).all() and (lse[0, 0, :20] == -np.inf).all()
+    assert rel_err(o, ref_o) < 2e-6
+
+
+def test_more_splits_than_tiles_and_fa1_refusal():
+    rng = np.random.default_rng(6)
+    q, k, v = random_qkv(rng, 1, 1, 1, 3, 10, 8, "float32")
+    o, _ = run_split(q, k, v, num_splits=5, block_m=16, block_n=16)  # one tile, five splits
+    assert rel_err(o, reference.attention(q, k, v)[0]) < 2e-6
+    with pytest.raises(ValueError, match="fa1"):
+        attention(q, k, v, algorithm="fa1", num_splits=2)
+    attention(q, k, v, algorithm="fa1", num_splits=1, block_m=16, block_n=16)  # accepted
+
+
+@pytest.mark.parametrize("bad, error", [(0, ValueError), (MAX_SPLITS + 1, ValueError), (True, TypeError), (2.0, TypeError)])
+def test_bad_num_splits(bad, error):
+    q, k, v = random_qkv(np.random.default_rng(0), 1, 1, 1, 2, 4, 8, "float32")
+    with pytest.raises(error, match="num_splits"):
+        attention(q, k, v, num_splits=bad)
+
+
+def test_heuristic():
+    assert num_splits_heuristic(blocks=2000, slots=528, kv_tiles=64) == 1  # a full grid: no split
+    assert num_splits_heuristic(blocks=8, slots=132, kv_tiles=1) == 1
+    s = num_splits_heuristic(blocks=8, slots=660, kv_tiles=2048)  # decoding B1 Hkv8
+    assert 60 <= s <= MAX_SPLITS
+    waves = 8 * s / 660
+    assert waves / np.ceil(waves) >= 0.8  # fills most of a wave
+    for blocks, slots, tiles in itertools.product([1, 3, 8, 50], [132, 660], [2, 5, 17, 300]):
+        s = num_splits_heuristic(blocks, slots, tiles)
+        assert 1 <= s <= max(1, min(tiles, MAX_SPLITS))
+        if s > 1:  # never a count that only adds empty splits
+            assert -(-tiles // s) != -(-tiles // (s - 1))
