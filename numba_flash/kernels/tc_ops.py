@@ -256,34 +256,35 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
 
         @device_jit
         def split(x, big, small, i, e):
-            """TF32 parts of ``x``: big[i, e] = tf32(x), small[i, e] = tf32(x - big)."""
-            hi = to_tf32(x)
-            big[i, e] = hi
+            """TF32 operands of ``x``: big[i, e] = tf32(x); for tf32x3 small[i, e] = x - big
+            (``mma.split_tf32``: three integer/float instructions, the tensor core drops the
+            low bits of both)."""
             if SPLIT:
-                small[i, e] = to_tf32(x - tf32_value(hi))
+                hi, lo = mma.split_tf32(x)
+                big[i, e] = hi
+                small[i, e] = lo
+            else:
+                big[i, e] = to_tf32(x)
 
         @device_jit
         def tf32_product(acc, ci, a_big, a_small, ai, b0, b1, scratch):
             """acc[ci] += A B with A = a_big[ai] (+ a_small[ai]) and B = (b0, b1) float32 values."""
-            hb0 = to_tf32(b0)
-            hb1 = to_tf32(b1)
             if SPLIT:  # small terms first: they are the smallest in magnitude
+                hb0, lb0 = mma.split_tf32(b0)
+                hb1, lb1 = mma.split_tf32(b1)
                 MMA(acc, ci, a_small[ai, 0], a_small[ai, 1], a_small[ai, 2], a_small[ai, 3], hb0, hb1, scratch)
-                lb0 = to_tf32(b0 - tf32_value(hb0))
-                lb1 = to_tf32(b1 - tf32_value(hb1))
                 MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], lb0, lb1, scratch)
-            MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], hb0, hb1, scratch)
+                MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], hb0, hb1, scratch)
+            else:
+                MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], to_tf32(b0), to_tf32(b1), scratch)
 
         @device_jit
         def split_q_step(q_s, qf, qf_small, kt, at):
-            """Q_i's A fragment of head-dim step ``kt`` (TF32 and, for tf32x3, the remainders)
-            into row ``at`` of ``qf`` / ``qf_small``."""
-            r0 = warp_row0() + ((cuda.threadIdx.x & 31) >> 2)
-            c = KSTEP * kt + lane_t()
-            split(q_s[r0 * S + c], qf, qf_small, at, 0)  # (g, t)
-            split(q_s[(r0 + 8) * S + c], qf, qf_small, at, 1)  # (g+8, t)
-            split(q_s[r0 * S + c + 4], qf, qf_small, at, 2)  # (g, t+4)
-            split(q_s[(r0 + 8) * S + c + 4], qf, qf_small, at, 3)  # (g+8, t+4)
+            """Q_i's A fragment of head-dim step ``kt`` (one ``ldmatrix``: (g, t), (g+8, t),
+            (g, t+4), (g+8, t+4)), split into row ``at`` of ``qf`` / ``qf_small``."""
+            a = mma.ldsm_x4_f32(q_s, warp_row0(), KSTEP * kt, S)
+            for e in range(4):
+                split(a[e], qf, qf_small, at, e)
 
         @device_jit
         def load_q_frags(q_s, qf, qf_small):
@@ -294,25 +295,26 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
 
         @device_jit
         def score_tile(qf, qf_small, q_s, k_s, s, scratch):
-            """S = Q_i K_j^T: B fragment of key tile nt is (K[8nt + g, 8kt + t], K[.., 8kt + t + 4]).
+            """S = Q_i K_j^T: B fragment of key tile nt is (K[8nt + g, 8kt + t], K[.., 8kt + t + 4]),
+            two key tiles per ``ldmatrix`` (``ldsm_x4_f32`` of the 16 keys x 8 columns block).
             Without room for Q_i's fragments in registers (tf32x3, large D) each step's fragment
             is split from shared memory again, once per step for all key tiles."""
-            g = (cuda.threadIdx.x & 31) >> 2
-            t = lane_t()
             for nt in range(NS):
                 for e in range(4):
                     s[nt, e] = float32(0.0)
             if Q_IN_REGS:
-                for nt in range(NS):
+                for nt2 in range(NS // 2):
                     for kt in range(KT):
-                        row = (8 * nt + g) * S + t + KSTEP * kt
-                        tf32_product(s, nt, qf, qf_small, kt, k_s[row], k_s[row + 4], scratch)
+                        kb = mma.ldsm_x4_f32(k_s, 16 * nt2, KSTEP * kt, S)
+                        tf32_product(s, 2 * nt2, qf, qf_small, kt, kb[0], kb[2], scratch)
+                        tf32_product(s, 2 * nt2 + 1, qf, qf_small, kt, kb[1], kb[3], scratch)
             else:
                 for kt in range(KT):
                     split_q_step(q_s, qf, qf_small, kt, 0)
-                    for nt in range(NS):
-                        row = (8 * nt + g) * S + t + KSTEP * kt
-                        tf32_product(s, nt, qf, qf_small, 0, k_s[row], k_s[row + 4], scratch)
+                    for nt2 in range(NS // 2):
+                        kb = mma.ldsm_x4_f32(k_s, 16 * nt2, KSTEP * kt, S)
+                        tf32_product(s, 2 * nt2, qf, qf_small, 0, kb[0], kb[2], scratch)
+                        tf32_product(s, 2 * nt2 + 1, qf, qf_small, 0, kb[1], kb[3], scratch)
 
         @device_jit
         def pv_tile(p, v_s, acc, scratch):
