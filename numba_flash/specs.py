@@ -54,7 +54,7 @@ class KernelSpec:
             from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
 
             factory = tc_fa2_kernel if self.algorithm == "fa2" else tc_fa1_kernel
-            return factory(self.regime, self.head_dim, self.block_m, self.block_n, self.causal)
+            return factory(self.regime, self.head_dim, self.block_m, self.block_n, self.causal, self.register_cap)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
 
@@ -90,11 +90,12 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
     checks them). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
     rounded up to its copy width."""
     if regime != "ieee":
-        from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout
+        from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout, tc_register_cap
 
         d = kernel_head_dim(regime, head_dim)
         layout = tc_layout(regime, d, block_m, block_n)
-        return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes, None)
+        cap = tc_register_cap(regime, d, block_m, block_n)
+        return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes, cap)
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
     return KernelSpec(

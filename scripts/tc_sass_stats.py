@@ -63,7 +63,10 @@ def parse(sass):
     for line in sass.splitlines():
         m = LINE.search(line)
         if m:
-            out.append((int(m.group(1), 16), m.group(3), m.group(4)))
+            op = m.group(3)
+            if (m.group(2) or "").strip() == "@!UPT" and op == "UIADD3":
+                op = "NOP"  # never-executed filler ptxas puts between dependent HMMAs
+            out.append((int(m.group(1), 16), op, m.group(4)))
     return out
 
 
@@ -111,7 +114,7 @@ def mix(body):
     return dict(
         body=sum(w for w, _ in body), HMMA=hmma, LDS=lds, LDSM=ldsm, F2F=c["F2F"], FADD=c["FADD"], LOP3=c["LOP3"],
         conv=conv, VIADD=c["VIADD"], FSETP=c["FSETP"], SEL=c["SEL"], FMUL=c["FMUL"], FFMA=c["FFMA"], MUFU=c["MUFU"], IMAD=c["IMAD"], BAR=c["BAR"],
-        LDL=c["LDL"], STL=c["STL"], MOV=c["MOV"],
+        LDL=c["LDL"], STL=c["STL"], MOV=c["MOV"], NOP=c["NOP"],
     )
 
 
@@ -128,7 +131,9 @@ def stats(precision, head_dim, block_m, block_n, algorithm="fa2", causal=False, 
     cfg = dict(algorithm=algorithm, precision=precision, head_dim=head_dim, dtype="float32",
                block_m=block_m, block_n=block_n, causal=causal)
     spec = kernel_spec(algorithm, head_dim, "float32", block_m, block_n, causal, precision)
-    _, sass, res = compile_sass(cfg, max_registers)
+    if max_registers is None:  # the cap the kernel is launched with (tc_ops.tc_register_cap)
+        max_registers = spec.register_cap
+    _, sass, res = compile_sass(cfg, max_registers or None)
     L = tc_layout(precision, spec.head_dim, block_m, block_n)
     kstep = 16 if precision in ("f16", "bf16") else 8
     expected = (3 if precision == "tf32x3" else 1) * L.score_tiles * (L.padded_dim // kstep + L.out_tiles * 8 // kstep)
@@ -148,7 +153,8 @@ def main(argv=None):
     p.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
     p.add_argument("--tiles", nargs="+", default=["128x32"])
     p.add_argument("--algorithm", nargs="+", default=["fa2"])
-    p.add_argument("--max-registers", nargs="+", type=int, default=[0])
+    p.add_argument("--max-registers", nargs="+", type=int, default=[-1],
+                   help="ptxas -maxrregcount; -1: the kernel's own cap (default), 0: none")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--note", default="")
     p.add_argument("--dump", help="directory to write each SASS into")
@@ -158,7 +164,7 @@ def main(argv=None):
     print(f"# numba_flash from {os.path.dirname(numba_flash.__file__)}", file=sys.stderr)
     keys = ("algorithm", "precision", "head_dim", "block_m", "block_n", "maxrreg", "threads", "smem", "regs",
             "spill_stores", "spill_loads", "blocks", "limiter", "inner_loops", "HMMA", "conv", "FADD", "LOP3", "VIADD", "FSETP", "SEL", "LDS",
-            "LDSM", "FMUL", "FFMA", "IMAD", "MOV", "LDL", "STL", "BAR", "body", "note")
+            "LDSM", "FMUL", "FFMA", "IMAD", "MOV", "LDL", "STL", "NOP", "BAR", "body", "note")
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for alg in a.algorithm:
@@ -167,7 +173,7 @@ def main(argv=None):
                 for t in a.tiles:
                     bm, bn = map(int, t.split("x"))
                     for cap in a.max_registers:
-                        row, sass = stats(prec, d, bm, bn, alg, a.causal, cap or None)
+                        row, sass = stats(prec, d, bm, bn, alg, a.causal, None if cap < 0 else cap)
                         row["note"] = a.note
                         if a.dump:
                             os.makedirs(a.dump, exist_ok=True)

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -142,6 +143,20 @@ def default_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
     return (128, 32)  # tf32x3: D64 41 TFLOP/s (128x64 alike), D128 35 before the per-tile split
 
 
+def tc_register_cap(kind: str, head_dim: int, block_m: int, block_n: int) -> int | None:
+    """Registers per thread the tensor-core kernels are compiled under (``None``: no cap).
+    tf32x3 with 8 warps at D > 64: 128, two blocks per SM (uncapped it takes 163-243 registers,
+    one block; the cap spills 60-172 bytes, offline ptxas 13.x). ``NUMBA_FLASH_TC_MAXREG``
+    overrides it for experiments (0: no cap)."""
+    env = os.environ.get("NUMBA_FLASH_TC_MAXREG")
+    if env is not None:
+        return int(env) or None
+    smem = tc_layout(kind, head_dim, block_m, block_n).smem_bytes
+    if kind == "tf32x3" and head_dim > 64 and block_m == 128 and 2 * (smem + 1024) <= 228 * 1024:
+        return 128  # only where shared memory leaves room for a second block
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     """Device functions for one (kind, head_dim, block_m, block_n) specialisation (memoised)."""
@@ -153,9 +168,11 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     SPLIT = kind == "tf32x3"
     KSTEP = 16 if SIXTEEN else 8  # k of one product
     KT = DP // KSTEP  # products along the head dim
-    # Q_i's A fragments stay in registers for the whole K/V walk unless they would crowd out
-    # the accumulators (tf32x3 keeps two per element: at D = 128 that is 128 registers).
-    Q_IN_REGS = KT * 4 * (2 if SPLIT else 1) <= 64
+    # Q_i's A fragments stay in registers for the whole K/V walk, except for tf32x3: two per
+    # element (128 registers at D = 128, 64 at D = 64) crowd out the accumulators; re-splitting
+    # one step's fragment from shared memory (one ldmatrix, 12 ALU) costs less than the
+    # occupancy (D = 64, 128x32: 126 registers and 2 blocks per SM instead of 164 and 1).
+    Q_IN_REGS = KT * 4 <= 64 and not SPLIT
     Q_FRAG_ROWS = KT if Q_IN_REGS else 1
     CHUNKS_PER_ROW = DP // CH
     if SIXTEEN:
@@ -267,14 +284,16 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                 big[i, e] = to_tf32(x)
 
         @device_jit
-        def tf32_product(acc, ci, a_big, a_small, ai, b0, b1, scratch):
-            """acc[ci] += A B with A = a_big[ai] (+ a_small[ai]) and B = (b0, b1) float32 values."""
-            if SPLIT:  # small terms first: they are the smallest in magnitude
+        def tf32_product(acc, corr, ci, a_big, a_small, ai, b0, b1, scratch):
+            """acc[ci] += A B with A = a_big[ai] (+ a_small[ai]) and B = (b0, b1) float32 values;
+            tf32x3 sums its two small terms into ``corr[ci]`` (an independent accumulator: the
+            three products are not one dependent chain; the caller adds ``corr`` to ``acc``)."""
+            if SPLIT:
                 hb0, lb0 = mma.split_tf32(b0)
                 hb1, lb1 = mma.split_tf32(b1)
-                MMA(acc, ci, a_small[ai, 0], a_small[ai, 1], a_small[ai, 2], a_small[ai, 3], hb0, hb1, scratch)
-                MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], lb0, lb1, scratch)
                 MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], hb0, hb1, scratch)
+                MMA(corr, ci, a_small[ai, 0], a_small[ai, 1], a_small[ai, 2], a_small[ai, 3], hb0, hb1, scratch)
+                MMA(corr, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], lb0, lb1, scratch)
             else:
                 MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], to_tf32(b0), to_tf32(b1), scratch)
 
@@ -299,22 +318,28 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
             two key tiles per ``ldmatrix`` (``ldsm_x4_f32`` of the 16 keys x 8 columns block).
             Without room for Q_i's fragments in registers (tf32x3, large D) each step's fragment
             is split from shared memory again, once per step for all key tiles."""
+            corr = cuda.local.array((NS, 4), float32)
             for nt in range(NS):
                 for e in range(4):
                     s[nt, e] = float32(0.0)
+                    corr[nt, e] = float32(0.0)
             if Q_IN_REGS:
                 for nt2 in range(NS // 2):
                     for kt in range(KT):
                         kb = mma.ldsm_x4_f32(k_s, 16 * nt2, KSTEP * kt, S)
-                        tf32_product(s, 2 * nt2, qf, qf_small, kt, kb[0], kb[2], scratch)
-                        tf32_product(s, 2 * nt2 + 1, qf, qf_small, kt, kb[1], kb[3], scratch)
+                        tf32_product(s, corr, 2 * nt2, qf, qf_small, kt, kb[0], kb[2], scratch)
+                        tf32_product(s, corr, 2 * nt2 + 1, qf, qf_small, kt, kb[1], kb[3], scratch)
             else:
                 for kt in range(KT):
                     split_q_step(q_s, qf, qf_small, kt, 0)
                     for nt2 in range(NS // 2):
                         kb = mma.ldsm_x4_f32(k_s, 16 * nt2, KSTEP * kt, S)
-                        tf32_product(s, 2 * nt2, qf, qf_small, 0, kb[0], kb[2], scratch)
-                        tf32_product(s, 2 * nt2 + 1, qf, qf_small, 0, kb[1], kb[3], scratch)
+                        tf32_product(s, corr, 2 * nt2, qf, qf_small, 0, kb[0], kb[2], scratch)
+                        tf32_product(s, corr, 2 * nt2 + 1, qf, qf_small, 0, kb[1], kb[3], scratch)
+            if SPLIT:
+                for nt in range(NS):
+                    for e in range(4):
+                        s[nt, e] += corr[nt, e]
 
         @device_jit
         def pv_tile(p, v_s, acc, scratch):
@@ -331,7 +356,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                     split(p[kk, 3], pb, pb, 0, 3)  # (g+8, key 2t+1)
                     row = (8 * kk + 2 * t) * S + g
                     for dt in range(DT):
-                        tf32_product(acc, dt, pb, pb, 0, v_s[row + 8 * dt], v_s[row + S + 8 * dt], scratch)
+                        tf32_product(acc, acc, dt, pb, pb, 0, v_s[row + 8 * dt], v_s[row + S + 8 * dt], scratch)
                 return
             # tf32x3: the tensor cores' float32 accumulation truncates, and over thousands of
             # keys that bias reaches ~1e-5 relative (seen on the H200 at N = 3001). So each
@@ -350,7 +375,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                     tile[0, e] = float32(0.0)
                 for kk in range(NS):
                     row = (8 * kk + 2 * t) * S + g + 8 * dt
-                    tf32_product(tile, 0, pb, ps, kk, v_s[row], v_s[row + S], scratch)
+                    tf32_product(tile, tile, 0, pb, ps, kk, v_s[row], v_s[row + S], scratch)
                 for e in range(4):
                     acc[dt, e] += tile[0, e]
 
