@@ -58,8 +58,8 @@ class KernelSpec:
 
             if self.algorithm == "fa2":
                 return tc_fa2_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal,
-                                     self.ragged, self.split_out)
-            return tc_fa1_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal)
+                                     self.ragged, self.split_out, self.register_cap)
+            return tc_fa1_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal, self.register_cap)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
 
@@ -99,12 +99,13 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
     per batch, and float32 partial outputs for the split-KV combine."""
     ragged, split_out = bool(ragged) and algorithm == "fa2", bool(split_out) and algorithm == "fa2"
     if regime != "ieee":
-        from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout
+        from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout, tc_register_cap
 
         d = kernel_head_dim(regime, head_dim)
         layout = tc_layout(regime, d, block_m, block_n)
+        cap = tc_register_cap(regime, d, block_m, block_n)
         return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes,
-                          None, ragged, split_out)
+                          cap, ragged, split_out)
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
     return KernelSpec(

@@ -164,6 +164,20 @@ def test_tf32_rounding_keeps_ten_mantissa_bits_and_splits_exactly(x):
         assert abs(float(big) + float(small) - float(x)) <= 2.0**-21 * abs(float(x))
 
 
+@settings(max_examples=examples(40), deadline=None)
+@given(x=st.floats(width=32, allow_nan=False, allow_infinity=False))
+def test_fast_tf32x3_split_as_the_tensor_core_reads_it(x):
+    """split_tf32: big = bits + 0x1000, small = x - big, both read by the tensor core with their
+    13 low bits dropped: big is x rounded to TF32, and big + small is x within 2^-21."""
+    x = np.float32(x)
+    big, small = mma._split_bits(x)
+    big_v = float(np.uint32(big & mma._TF32_MASK).view(np.float32))
+    small_v = float(np.uint32(small & mma._TF32_MASK).view(np.float32))
+    if np.isfinite(big_v) and abs(x) > 1e-30:
+        assert abs(big_v - float(x)) <= 2.0**-11 * abs(float(x)) * 1.0001
+        assert abs(big_v + small_v - float(x)) <= 2.0**-21 * abs(float(x))
+
+
 def test_bf16_rounding_is_round_to_nearest_even():
     # 1 + 2^-8 is halfway between bfloat16 neighbours 1 and 1 + 2^-7: ties go to even (1).
     assert mma._bf16_bits(np.float32(1 + 2.0**-8)) == 0x3F80

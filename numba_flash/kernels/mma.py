@@ -82,6 +82,17 @@ def _tf32_bits(x) -> int:
     return ((u + 0x1000) & 0xFFFFE000) & 0xFFFFFFFF
 
 
+def _split_bits(x) -> tuple[int, int]:
+    """tf32x3's split of float32 ``x`` in three integer/float operations (``split_tf32``):
+    big = bits(x) + 0x1000 (x rounded to TF32, half-way away from zero, once the tensor core
+    drops the 13 low bits), small = x - big (exact in float32, |small| <= 2^-11 |x|), passed
+    as its float32 bits (the tensor core truncates it to TF32: 2^-21 |x| at most)."""
+    u = int(np.asarray(x, np.float32).view(np.uint32))
+    big = (u + 0x1000) & 0xFFFFFFFF
+    small = np.float32(np.float32(x) - np.uint32(big & 0xFFFFE000).view(np.float32))
+    return big, int(np.asarray(small, np.float32).view(np.uint32))
+
+
 def _f16_value(bits: int) -> float:
     return float(np.uint16(bits).view(np.float16))
 
@@ -94,6 +105,7 @@ def _f32_value(bits: int) -> float:
     return float(np.uint32(bits).view(np.float32))
 
 
+_TF32_MASK = 0xFFFFE000
 HALF_KINDS = ("f16", "bf16")  # 16-bit input kinds (float16, bfloat16) of m16n8k16
 
 if simulated():
@@ -117,6 +129,11 @@ if simulated():
     @device_jit
     def tf32_value(bits):
         return float32(_f32_value(bits))
+
+    @device_jit
+    def split_tf32(x):
+        big, small = _split_bits(x)
+        return _u32(big), _u32(small)
 
     @device_jit
     def f16_bits(x):
@@ -153,6 +170,17 @@ if simulated():
             r = row0 + 8 * (j % 2) + 2 * t
             c = col0 + 8 * (j // 2) + g
             out.append(_pair(smem, r * stride + c, (r + 1) * stride + c))
+        return out[0], out[1], out[2], out[3]
+
+    @device_jit
+    def ldsm_x4_f32(smem, row0, col0, stride):
+        lane = cuda.threadIdx.x % 32
+        g, t = lane // 4, lane % 4
+        out = []
+        for j in range(4):
+            r = row0 + 8 * (j % 2) + g
+            c = col0 + 4 * (j // 2) + t
+            out.append(float32(smem[r * stride + c]))
         return out[0], out[1], out[2], out[3]
 
     @device_jit
@@ -199,10 +227,12 @@ if simulated():
         B = scratch[base + _SIM_A : base + _SIM_SLOT]  # k x 8, row-major
         if kind == "tf32":
             K = 8
+            # the tensor core reads the 19 high bits of a TF32 operand (the 13 low ones are
+            # undefined in TF32 and dropped; CUTLASS's round_half_ulp_truncate relies on it)
             for r, c, bits in ((g, t, a[0]), (g + 8, t, a[1]), (g, t + 4, a[2]), (g + 8, t + 4, a[3])):
-                A[r * K + c] = _f32_value(bits)
-            B[t * 8 + g] = _f32_value(b[0])
-            B[(t + 4) * 8 + g] = _f32_value(b[1])
+                A[r * K + c] = _f32_value(int(bits) & _TF32_MASK)
+            B[t * 8 + g] = _f32_value(int(b[0]) & _TF32_MASK)
+            B[(t + 4) * 8 + g] = _f32_value(int(b[1]) & _TF32_MASK)
         else:
             K = 16
             value = _f16_value if kind == "f16" else _bf16_value
@@ -294,6 +324,20 @@ else:
         return sig, codegen
 
     @intrinsic
+    def _split_tf32(typingctx, x):
+        sig = types.UniTuple(types.uint32, 2)(types.float32)
+
+        def codegen(context, builder, signature, args):
+            (xv,) = args
+            u = builder.bitcast(xv, _I32)
+            big = builder.add(u, ir.Constant(_I32, 0x1000))
+            big_value = builder.bitcast(builder.and_(big, ir.Constant(_I32, 0xFFFFE000)), _F32)
+            small = builder.bitcast(builder.fsub(xv, big_value), _I32)
+            return context.make_tuple(builder, signature.return_type, [big, small])
+
+        return sig, codegen
+
+    @intrinsic
     def _bits_as_f32(typingctx, bits):
         sig = types.float32(types.uint32)
 
@@ -332,6 +376,11 @@ else:
     @device_jit
     def tf32_value(bits):
         return _bits_as_f32(bits)
+
+    @device_jit
+    def split_tf32(x):
+        """(big, small) TF32 operands of float32 ``x``, 3 instructions (see ``_split_bits``)."""
+        return _split_tf32(x)
 
     @device_jit
     def f16_bits(x):
@@ -385,6 +434,15 @@ else:
     @device_jit
     def ldsm_x4_trans(smem, row0, col0, stride):
         return _ldmatrix_x4_trans(smem, _lane_address(row0, col0, stride))
+
+    @device_jit
+    def ldsm_x4_f32(smem, row0, col0, stride):
+        """The 16 x 8 float32 block at (row0, col0) as four 8 x 4 matrices, m0 = (0-7, 0-3),
+        m1 = (8-15, 0-3), m2 = (0-7, 4-7), m3 = (8-15, 4-7): lane (g, t) gets element (g, t)
+        of each (an 8 x 8 b16 matrix is 8 rows of 16 bytes: word t of row g)."""
+        lane = cuda.threadIdx.x & 31
+        r = _ldmatrix_x4(smem, (row0 + (lane & 7) + (lane & 8)) * stride + col0 + ((lane >> 4) << 2))
+        return _bits_as_f32(r[0]), _bits_as_f32(r[1]), _bits_as_f32(r[2]), _bits_as_f32(r[3])
 
     # ---------------------------------- cp.async -------------------------------------------
 

@@ -26,8 +26,9 @@ from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
 
 @functools.lru_cache(maxsize=None)
-def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool):
-    """The tensor-core FA-1 kernel for one specialisation (memoised)."""
+def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, max_registers=None):
+    """The tensor-core FA-1 kernel for one specialisation (memoised);
+    ``max_registers``: the register cap (``tc_ops.tc_register_cap``, through the spec)."""
     CAUSAL = bool(causal)
     ops = tc_ops(kind, head_dim, block_m, block_n)
     L = ops.layout
@@ -39,7 +40,9 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
     MMA_SCRATCH = mma.scratch_floats(L.threads)
     ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"})
+    cap = {"max_registers": max_registers} if max_registers else {}
+
+    @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
     def tc_fa1_forward(q, k, v, o_hbm, l_hbm, m_hbm, o, lse, q_scale):
         n_heads = q.shape[1]
         n_q = q.shape[2]

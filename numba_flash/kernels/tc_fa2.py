@@ -30,8 +30,9 @@ from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
 @functools.lru_cache(maxsize=None)
 def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, ragged: bool = False,
-                  f32_out: bool = False):
-    """The tensor-core FA-2 kernel for one specialisation (memoised)."""
+                  f32_out: bool = False, max_registers=None):
+    """The tensor-core FA-2 kernel for one specialisation (memoised); ``max_registers``: the
+    register cap (``tc_ops.tc_register_cap``, through the spec)."""
     CAUSAL, RAGGED, F32_OUT = bool(causal), bool(ragged), bool(f32_out)
     ops = tc_ops(kind, head_dim, block_m, block_n)
     L = ops.layout
@@ -43,7 +44,9 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
     MMA_SCRATCH = mma.scratch_floats(L.threads)
     ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"})
+    cap = {"max_registers": max_registers} if max_registers else {}
+
+    @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
     def tc_fa2_forward(q, k, v, o, lse, q_scale, seqlens, n_splits, rows_per_query):
         n_batch = q.shape[0]
         n_heads = q.shape[1]

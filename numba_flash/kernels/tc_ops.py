@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 from types import ModuleType
 
@@ -144,6 +145,20 @@ def default_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
     return (128, 32)  # tf32x3: D64 41 TFLOP/s (128x64 alike), D128 35 before the per-tile split
 
 
+def tc_register_cap(kind: str, head_dim: int, block_m: int, block_n: int) -> int | None:
+    """Registers per thread the tensor-core kernels are compiled under (``None``: no cap).
+    tf32x3 with 8 warps at D > 64: 128, two blocks per SM (uncapped it takes 163-243 registers,
+    one block; the cap spills 60-172 bytes, offline ptxas 13.x). ``NUMBA_FLASH_TC_MAXREG``
+    overrides it for experiments (0: no cap)."""
+    env = os.environ.get("NUMBA_FLASH_TC_MAXREG")
+    if env is not None:
+        return int(env) or None
+    smem = tc_layout(kind, head_dim, block_m, block_n).smem_bytes
+    if kind == "tf32x3" and head_dim > 64 and block_m == 128 and 2 * (smem + 1024) <= 228 * 1024:
+        return 128  # only where shared memory leaves room for a second block
+    return None
+
+
 @functools.lru_cache(maxsize=None)
 def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     """Device functions for one (kind, head_dim, block_m, block_n) specialisation (memoised)."""
@@ -155,9 +170,11 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     SPLIT = kind == "tf32x3"
     KSTEP = 16 if SIXTEEN else 8  # k of one product
     KT = DP // KSTEP  # products along the head dim
-    # Q_i's A fragments stay in registers for the whole K/V walk unless they would crowd out
-    # the accumulators (tf32x3 keeps two per element: at D = 128 that is 128 registers).
-    Q_IN_REGS = KT * 4 * (2 if SPLIT else 1) <= 64
+    # Q_i's A fragments stay in registers for the whole K/V walk, except for tf32x3: two per
+    # element (128 registers at D = 128, 64 at D = 64) crowd out the accumulators; re-splitting
+    # one step's fragment from shared memory (one ldmatrix, 12 ALU) costs less than the
+    # occupancy (D = 64, 128x32: 126 registers and 2 blocks per SM instead of 164 and 1).
+    Q_IN_REGS = KT * 4 <= 64 and not SPLIT
     Q_FRAG_ROWS = KT if Q_IN_REGS else 1
     CHUNKS_PER_ROW = DP // CH
     if SIXTEEN:
@@ -258,34 +275,37 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
 
         @device_jit
         def split(x, big, small, i, e):
-            """TF32 parts of ``x``: big[i, e] = tf32(x), small[i, e] = tf32(x - big)."""
-            hi = to_tf32(x)
-            big[i, e] = hi
+            """TF32 operands of ``x``: big[i, e] = tf32(x); for tf32x3 small[i, e] = x - big
+            (``mma.split_tf32``: three integer/float instructions, the tensor core drops the
+            low bits of both)."""
             if SPLIT:
-                small[i, e] = to_tf32(x - tf32_value(hi))
+                hi, lo = mma.split_tf32(x)
+                big[i, e] = hi
+                small[i, e] = lo
+            else:
+                big[i, e] = to_tf32(x)
 
         @device_jit
-        def tf32_product(acc, ci, a_big, a_small, ai, b0, b1, scratch):
-            """acc[ci] += A B with A = a_big[ai] (+ a_small[ai]) and B = (b0, b1) float32 values."""
-            hb0 = to_tf32(b0)
-            hb1 = to_tf32(b1)
-            if SPLIT:  # small terms first: they are the smallest in magnitude
-                MMA(acc, ci, a_small[ai, 0], a_small[ai, 1], a_small[ai, 2], a_small[ai, 3], hb0, hb1, scratch)
-                lb0 = to_tf32(b0 - tf32_value(hb0))
-                lb1 = to_tf32(b1 - tf32_value(hb1))
-                MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], lb0, lb1, scratch)
-            MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], hb0, hb1, scratch)
+        def tf32_product(acc, corr, ci, a_big, a_small, ai, b0, b1, scratch):
+            """acc[ci] += A B with A = a_big[ai] (+ a_small[ai]) and B = (b0, b1) float32 values;
+            tf32x3 sums its two small terms into ``corr[ci]`` (an independent accumulator: the
+            three products are not one dependent chain; the caller adds ``corr`` to ``acc``)."""
+            if SPLIT:
+                hb0, lb0 = mma.split_tf32(b0)
+                hb1, lb1 = mma.split_tf32(b1)
+                MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], hb0, hb1, scratch)
+                MMA(corr, ci, a_small[ai, 0], a_small[ai, 1], a_small[ai, 2], a_small[ai, 3], hb0, hb1, scratch)
+                MMA(corr, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], lb0, lb1, scratch)
+            else:
+                MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], to_tf32(b0), to_tf32(b1), scratch)
 
         @device_jit
         def split_q_step(q_s, qf, qf_small, kt, at):
-            """Q_i's A fragment of head-dim step ``kt`` (TF32 and, for tf32x3, the remainders)
-            into row ``at`` of ``qf`` / ``qf_small``."""
-            r0 = warp_row0() + ((cuda.threadIdx.x & 31) >> 2)
-            c = KSTEP * kt + lane_t()
-            split(q_s[r0 * S + c], qf, qf_small, at, 0)  # (g, t)
-            split(q_s[(r0 + 8) * S + c], qf, qf_small, at, 1)  # (g+8, t)
-            split(q_s[r0 * S + c + 4], qf, qf_small, at, 2)  # (g, t+4)
-            split(q_s[(r0 + 8) * S + c + 4], qf, qf_small, at, 3)  # (g+8, t+4)
+            """Q_i's A fragment of head-dim step ``kt`` (one ``ldmatrix``: (g, t), (g+8, t),
+            (g, t+4), (g+8, t+4)), split into row ``at`` of ``qf`` / ``qf_small``."""
+            a = mma.ldsm_x4_f32(q_s, warp_row0(), KSTEP * kt, S)
+            for e in range(4):
+                split(a[e], qf, qf_small, at, e)
 
         @device_jit
         def load_q_frags(q_s, qf, qf_small):
@@ -296,25 +316,32 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
 
         @device_jit
         def score_tile(qf, qf_small, q_s, k_s, s, scratch):
-            """S = Q_i K_j^T: B fragment of key tile nt is (K[8nt + g, 8kt + t], K[.., 8kt + t + 4]).
+            """S = Q_i K_j^T: B fragment of key tile nt is (K[8nt + g, 8kt + t], K[.., 8kt + t + 4]),
+            two key tiles per ``ldmatrix`` (``ldsm_x4_f32`` of the 16 keys x 8 columns block).
             Without room for Q_i's fragments in registers (tf32x3, large D) each step's fragment
             is split from shared memory again, once per step for all key tiles."""
-            g = (cuda.threadIdx.x & 31) >> 2
-            t = lane_t()
+            corr = cuda.local.array((NS, 4), float32)
             for nt in range(NS):
                 for e in range(4):
                     s[nt, e] = float32(0.0)
+                    corr[nt, e] = float32(0.0)
             if Q_IN_REGS:
-                for nt in range(NS):
+                for nt2 in range(NS // 2):
                     for kt in range(KT):
-                        row = (8 * nt + g) * S + t + KSTEP * kt
-                        tf32_product(s, nt, qf, qf_small, kt, k_s[row], k_s[row + 4], scratch)
+                        kb = mma.ldsm_x4_f32(k_s, 16 * nt2, KSTEP * kt, S)
+                        tf32_product(s, corr, 2 * nt2, qf, qf_small, kt, kb[0], kb[2], scratch)
+                        tf32_product(s, corr, 2 * nt2 + 1, qf, qf_small, kt, kb[1], kb[3], scratch)
             else:
                 for kt in range(KT):
                     split_q_step(q_s, qf, qf_small, kt, 0)
-                    for nt in range(NS):
-                        row = (8 * nt + g) * S + t + KSTEP * kt
-                        tf32_product(s, nt, qf, qf_small, 0, k_s[row], k_s[row + 4], scratch)
+                    for nt2 in range(NS // 2):
+                        kb = mma.ldsm_x4_f32(k_s, 16 * nt2, KSTEP * kt, S)
+                        tf32_product(s, corr, 2 * nt2, qf, qf_small, 0, kb[0], kb[2], scratch)
+                        tf32_product(s, corr, 2 * nt2 + 1, qf, qf_small, 0, kb[1], kb[3], scratch)
+            if SPLIT:
+                for nt in range(NS):
+                    for e in range(4):
+                        s[nt, e] += corr[nt, e]
 
         @device_jit
         def pv_tile(p, v_s, acc, scratch):
@@ -331,7 +358,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                     split(p[kk, 3], pb, pb, 0, 3)  # (g+8, key 2t+1)
                     row = (8 * kk + 2 * t) * S + g
                     for dt in range(DT):
-                        tf32_product(acc, dt, pb, pb, 0, v_s[row + 8 * dt], v_s[row + S + 8 * dt], scratch)
+                        tf32_product(acc, acc, dt, pb, pb, 0, v_s[row + 8 * dt], v_s[row + S + 8 * dt], scratch)
                 return
             # tf32x3: the tensor cores' float32 accumulation truncates, and over thousands of
             # keys that bias reaches ~1e-5 relative (seen on the H200 at N = 3001). So each
@@ -350,7 +377,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
                     tile[0, e] = float32(0.0)
                 for kk in range(NS):
                     row = (8 * kk + 2 * t) * S + g + 8 * dt
-                    tf32_product(tile, 0, pb, ps, kk, v_s[row], v_s[row + S], scratch)
+                    tf32_product(tile, tile, 0, pb, ps, kk, v_s[row], v_s[row + S], scratch)
                 for e in range(4):
                     acc[dt, e] += tile[0, e]
 
