@@ -13,6 +13,7 @@ Two regimes (``tensor_cores.regime``):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from numba_flash.kernels.tiles import register_cap, smem_bytes, threads_per_block
@@ -91,6 +92,7 @@ class KernelSpec:
         return (a4, a4, a4, f4, f3, f3, out, f3, types.float32, order)
 
 
+@functools.lru_cache(maxsize=1024)
 def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regime="ieee", ragged=False,
                 split_out=False) -> KernelSpec:
     """The launch specification of one configuration (tiles as the caller gives them; ``api``

@@ -42,6 +42,7 @@ def check_num_splits(num_splits, algorithm: str):
     return int(num_splits)
 
 
+@functools.lru_cache(maxsize=4096)
 def num_splits_heuristic(blocks: int, slots: int, kv_tiles: int, max_splits: int = MAX_SPLITS) -> int:
     """Splits for a grid of ``blocks`` unsplit blocks on ``slots`` resident blocks, ``kv_tiles``
     K/V tiles per row walk (see the module doc)."""

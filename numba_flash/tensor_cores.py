@@ -66,19 +66,30 @@ def tc_tiles(kind: str, head_dim: int, block_m, block_n) -> tuple[int, int]:
 
 def bits_view(x, kind_of_array: str, sixteen: bool):
     """``x`` as the kernel's element type: uint16 bit patterns (16-bit kinds) or float32.
-    torch tensors become CuPy views (torch has no uint16 before 2.3; CuPy can view int16),
-    through DLPack: importing ``__cuda_array_interface__`` would make CuPy synchronise the
-    host with torch's stream (the protocol's default), once per call."""
+    torch tensors become CuPy views (:func:`torch_as_cupy`)."""
     if kind_of_array == "torch":
-        import cupy
-        import torch
-
-        x = x.detach()
-        x = cupy.from_dlpack(x.view(torch.int16) if sixteen else x)
-        return x.view(cupy.uint16) if sixteen else x
+        return torch_as_cupy(x, "uint16" if sixteen else None)
     if kind_of_array == "numpy":
         return x.view(np.uint16) if sixteen else x
     return x.view("uint16") if sixteen else x
+
+
+def torch_as_cupy(x, dtype=None):
+    """A CuPy view of a torch CUDA tensor's memory (``dtype``: reinterpreted, same item size),
+    made from its pointer, shape and strides. Not through ``__cuda_array_interface__`` (CuPy
+    then synchronises the host with torch's stream: the protocol's default) nor DLPack (~10 us
+    per array of stream bookkeeping); the view keeps the tensor alive."""
+    import cupy
+
+    x = x.detach()
+    item = x.element_size()
+    dtype = np.dtype(dtype) if dtype is not None else np.dtype(str(x.dtype).rsplit(".", 1)[-1])
+    shape, strides = tuple(x.shape), tuple(s * item for s in x.stride())
+    if x.numel() == 0:
+        return cupy.empty(shape, dtype=dtype)
+    extent = item + sum((n - 1) * s for n, s in zip(shape, strides))
+    memory = cupy.cuda.UnownedMemory(x.data_ptr(), extent, x, x.device.index)
+    return cupy.ndarray(shape, dtype=dtype, memptr=cupy.cuda.MemoryPointer(memory, 0), strides=strides)
 
 
 def _aligned(x, head_dim: int, width: int) -> bool:
@@ -147,6 +158,7 @@ class _StreamHandle:
         return (0, self.ptr)
 
 
+@functools.lru_cache(maxsize=64)
 def _cupy_stream(ptr: int):
     """A CuPy stream for a foreign handle (CuPy 14 deprecates ``ExternalStream`` for
     ``Stream.from_external``; older CuPy has only the former)."""

@@ -63,6 +63,8 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
         # of one (batch, head), and one split of its K/V tiles (``kv_split``).
         split, block = split_of_block(cuda.blockIdx.x, n_q_tiles * n_batch * n_heads)
         i_tile = block % n_q_tiles
+        if CAUSAL:  # the longest walks (last Q tiles) first: fewer idle SMs at the grid's tail
+            i_tile = n_q_tiles - 1 - i_tile
         bh = block // n_q_tiles
         b = bh // n_heads
         h = bh - b * n_heads

@@ -2,7 +2,8 @@
 
 A split launch (``attention(..., num_splits=S)``, ``decode``; API.md section 2b) runs ``S``
 times the blocks of an unsplit one: block ``x`` is split ``x // blocks_per_split`` of the
-unsplit block ``x % blocks_per_split``. Split ``s`` walks a contiguous range of the K/V tiles its
+unsplit block ``x % blocks_per_split`` (with ``causal=True`` the FA-2 kernels walk those Q tiles in
+reverse, the longest first). Split ``s`` walks a contiguous range of the K/V tiles its
 rows see and writes a *partial* result, O_s normalised over its own keys and their logsumexp
 lse_s, at batch index ``s * B + b`` of the partial buffers ``(S * B, H, Nq, D)`` and
 ``(S * B, H, Nq)``; ``kernels.combine`` merges the partials. ``S = 1`` is the unsplit kernel:
