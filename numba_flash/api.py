@@ -179,7 +179,7 @@ def run(ctx: ArrayContext, call: dict, q, k, v, o, lse, order=None, seqlens=None
     target = ctx.empty((B, H, Nq, D), "float32") if bf16 and (call["regime"] == "ieee" or ctx.on_host) else o
     with _quiet_kernels():
         if bf16 and target is o:  # the tensor-core path's bfloat16: written as bit patterns
-            combine(ctx, o_parts, lse_parts, _as_bits(o, ctx.kind), lse, bits="bf16")
+            combine(ctx, o_parts, lse_parts, o, lse, bits="bf16")
         else:
             combine(ctx, o_parts, lse_parts, target, lse)
     if target is not o:
@@ -209,12 +209,6 @@ def _narrow(x32, like, kind):
     """``x32`` (float32) in ``like``'s dtype, of the call's library."""
     return x32.to(like.dtype) if kind == "torch" else x32.astype(like.dtype)
 
-
-def _as_bits(x, kind):
-    """A uint16 view of a 16-bit array (torch tensors: a CuPy view)."""
-    from numba_flash.tensor_cores import bits_view
-
-    return bits_view(x, kind, True)
 
 
 def simulated_seconds(call: dict) -> float:

@@ -2,18 +2,20 @@
 
 ``attention(..., num_splits=S)`` and ``decode`` run the FA-2 kernel ``S`` times over, each split
 on a contiguous range of the K/V tiles (``kernels.kv_split``), into float32 partials that
-``kernels.combine`` merges. ``num_splits=None`` asks :func:`num_splits_heuristic`: split only
-when the unsplit grid leaves the GPU idle (few query tiles: decoding, short prompts with long
-caches), and then into as many splits as fill whole waves of blocks -- FlashAttention's
-``num_splits_heuristic`` (``csrc/flash_attn/flash_api.cpp``), restated:
+``kernels.combine`` merges. ``num_splits=None`` asks :func:`num_splits_heuristic`. The idea is FlashAttention's
+(``num_splits_heuristic`` in ``csrc/flash_attn/flash_api.cpp``: split only when the grid leaves
+the GPU idle, into a count that fills whole waves); the rules are ours, fitted to what a split
+launch measured on the H200 (``docs/results.md``, section 8):
 
-- ``blocks`` unsplit blocks already make 80% of a wave of ``slots`` (SMs x resident blocks
-  per SM): one split (the extra memory traffic would buy nothing);
-- else, for each ``s`` up to ``min(MAX_SPLITS, slots, kv_tiles)``, the wave efficiency
-  ``w / ceil(w)`` with ``w = blocks * s / slots``; the smallest ``s`` within 85% of the best
-  efficiency wins (fewer splits: less partial traffic, longer ranges per block). Values of
-  ``s`` that give the same tiles per split as ``s - 1`` are skipped (they only add empty
-  splits).
+- ``blocks`` unsplit blocks already fill 75% of the GPU's resident blocks (``slots`` = SMs x
+  blocks per SM): one split (the partials' traffic and the combine's launch would buy nothing);
+- fewer than ``2 * MIN_TILES_PER_SPLIT`` K/V tiles: one split (a split must walk at least
+  ``MIN_TILES_PER_SPLIT`` tiles to pay for its partial);
+- else the fewest splits that fill 75% of the slots (``s0``), or a few more: the first ``s`` in
+  ``[s0, 2 s0]`` whose blocks spread evenly over the SMs (``w / ceil(w) >= 0.95`` with
+  ``w = blocks * s / SMs``; the blocks of a memory-bound kernel share their SM's bandwidth, so an
+  SM with one block more than the others finishes last), else the most even of them; at most
+  ``MAX_SPLITS`` and ``kv_tiles / MIN_TILES_PER_SPLIT``.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import numpy as np
 from numba_flash._world import simulated
 
 MAX_SPLITS = 128
+MIN_TILES_PER_SPLIT = 4  # shorter walks do not pay for the partials and the second launch
+FILL = 0.75  # share of the GPU's resident blocks a grid must fill to run unsplit
 SM_SHARED_BYTES = 228 * 1024  # shared memory per SM on H100 / H200 (the blocks' share)
 
 
@@ -43,24 +47,22 @@ def check_num_splits(num_splits, algorithm: str):
 
 
 @functools.lru_cache(maxsize=4096)
-def num_splits_heuristic(blocks: int, slots: int, kv_tiles: int, max_splits: int = MAX_SPLITS) -> int:
-    """Splits for a grid of ``blocks`` unsplit blocks on ``slots`` resident blocks, ``kv_tiles``
-    K/V tiles per row walk (see the module doc)."""
-    if blocks >= 0.8 * slots or kv_tiles <= 1:
+def num_splits_heuristic(blocks: int, sms: int, resident: int, kv_tiles: int, max_splits: int = MAX_SPLITS) -> int:
+    """Splits for a grid of ``blocks`` unsplit blocks on ``sms`` SMs holding ``resident`` blocks
+    each, ``kv_tiles`` K/V tiles per row walk (the rules: the module doc)."""
+    slots = sms * resident
+    if blocks >= FILL * slots or kv_tiles < 2 * MIN_TILES_PER_SPLIT:
         return 1
-    limit = max(1, min(max_splits, slots, kv_tiles))
+    limit = max(1, min(max_splits, kv_tiles // MIN_TILES_PER_SPLIT))
+    first = min(limit, math.ceil(FILL * slots / blocks))
 
-    def tiles_per_split(s):
-        return -(-kv_tiles // s)
+    def balance(s):
+        waves = blocks * s / sms
+        return waves / math.ceil(waves)
 
-    efficiency = {}
-    for s in range(1, limit + 1):
-        if s > 1 and tiles_per_split(s) == tiles_per_split(s - 1):
-            continue
-        waves = blocks * s / slots
-        efficiency[s] = waves / math.ceil(waves)
-    best = max(efficiency.values())
-    return min(s for s, e in efficiency.items() if e >= 0.85 * best)
+    candidates = range(first, min(limit, 2 * first) + 1)
+    even = [s for s in candidates if balance(s) >= 0.95]
+    return even[0] if even else max(candidates, key=balance)
 
 
 @functools.lru_cache(maxsize=None)
@@ -87,25 +89,29 @@ def choose_num_splits(num_splits, spec, batch: int, heads: int, n_q: int, n_k: i
     if spec.algorithm != "fa2":
         return 1
     blocks = spec.grid(batch, heads, n_q)[0]
-    slots = multiprocessors(device_id) * resident_blocks(spec.threads, spec.smem_bytes)
-    return num_splits_heuristic(blocks, slots, -(-n_k // spec.block_n))
+    return num_splits_heuristic(blocks, multiprocessors(device_id), resident_blocks(spec.threads, spec.smem_bytes),
+                                -(-n_k // spec.block_n))
 
 
 def combine(ctx, o_parts, lse_parts, o, lse, bits=None) -> None:
     """Merge the partials (``(S*B, H, Nq, >= D)`` and ``(S*B, H, Nq)`` float32, arrays of the
-    call's kind or CuPy) into ``o (B, H, Nq, D)`` and ``lse``: ``kernels.combine`` on the
-    caller's stream. ``bits``: ``"bf16"`` when ``o`` is a uint16 view of bfloat16 patterns."""
+    call's kind) into ``o (B, H, Nq, D)`` and ``lse``: ``kernels.combine`` on the caller's
+    stream. ``bits``: ``"bf16"`` when ``o`` is bfloat16 (written as its bit patterns)."""
     from numba_flash.kernels.combine import COMBINE_THREADS, combine_kernel
     from numba_flash.launch import device_array, launch, numba_launch
 
     B, H, Nq, D = (int(n) for n in o.shape)
     kernel = combine_kernel(bits)
     grid, threads = (B * H * Nq,), COMBINE_THREADS
-    arrays = [o_parts, lse_parts, o, lse]
     if ctx.direct_launch:
-        args = [device_array(x, _kind_of_device_array(x)) for x in arrays]
+        out = device_array(o, ctx.kind)
+        args = [device_array(o_parts, ctx.kind), device_array(lse_parts, ctx.kind),
+                out._replace(dtype="uint16") if bits else out, device_array(lse, ctx.kind)]
         launch(kernel, grid, (threads,), ctx.stream_ptr(), args, device_id=ctx.device_id)
         return
+    if bits:
+        o = o.view(np.uint16)  # NumPy (ml_dtypes.bfloat16)
+    arrays = [o_parts, lse_parts, o, lse]
     if ctx.on_host and not simulated():
         from numba_flash._cuda import cuda
 
@@ -120,8 +126,3 @@ def combine(ctx, o_parts, lse_parts, o, lse, bits=None) -> None:
         return
     numba_launch(kernel, grid, threads, ctx.stream(), [ctx.to_kernel(x) if not ctx.on_host else x for x in arrays])
 
-
-def _kind_of_device_array(x) -> str:
-    from numba_flash.arrays import kind_of
-
-    return kind_of(x)

@@ -105,8 +105,8 @@ def _aligned(x, head_dim: int, width: int) -> bool:
 
 def _xp(x_or_kind):
     """NumPy for NumPy arrays (or kind "numpy"), else CuPy (torch arrays are CuPy views here)."""
-    if isinstance(x_or_kind, np.ndarray) or x_or_kind == "numpy":
-        return np
+    if isinstance(x_or_kind, np.ndarray) or (isinstance(x_or_kind, str) and x_or_kind == "numpy"):
+        return np  # (an array compared with a str: CuPy 14 raises TypeError)
     import cupy
 
     return cupy
@@ -141,6 +141,8 @@ def launch_tc(ctx, call: dict, q, k, v, o, lse, seqlens=None, n_splits=1, rows_p
     ``o`` and ``lse`` are the float32 partials ``(S*B, H, Nq, kernel head dim)`` of
     ``kernels.kv_split``; ``seqlens`` (int32 ``(B,)``) and ``rows_per_query``: ``decode``'s."""
     walk = (seqlens, n_splits, rows_per_query)
+    if ctx.direct_launch and _launch_in_place(ctx, call, q, k, v, o, lse, walk):
+        return
     if ctx.kind == "torch":  # the CuPy copies of this call (padding, views) on torch's stream
         with _cupy_stream(ctx.stream_ptr()):
             _launch_tc(ctx, call, q, k, v, o, lse, walk)
@@ -207,6 +209,47 @@ def _launch_tc(ctx, call: dict, q, k, v, o, lse, walk) -> None:
         _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail)
     if o_kernel is not o_view:
         o_view[...] = o_kernel[..., :D]
+
+
+def _launch_in_place(ctx, call: dict, q, k, v, o, lse, walk) -> bool:
+    """The common case on a GPU, with no array made: the caller's arrays are what the kernel
+    reads and writes (16-byte aligned rows of the kernel's head dim), launched on their own
+    pointers. False (nothing launched) when one is not; then :func:`_launch_tc` pads."""
+    from numba_flash.kernels.jit import LOG2E
+    from numba_flash.launch import device_array, launch
+    from numba_flash.specs import kernel_spec
+
+    seqlens, n_splits, rows_per_query = walk
+    B, H, Nq, D = call["q_shape"]
+    partial = n_splits > 1
+    spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
+                       ragged=seqlens is not None, split_out=partial)
+    if spec.algorithm != "fa2" or spec.head_dim != D:
+        return False
+    sixteen = spec.regime in _TC_OF_DTYPE.values()
+    width = input_alignment(spec.regime)
+    inputs = [device_array(x, ctx.kind) for x in (q, k, v)]
+    if sixteen:
+        inputs = [a._replace(dtype="uint16") for a in inputs]
+    if not all(_rows_aligned(a, width) for a in inputs):
+        return False
+    out = device_array(o, ctx.kind)
+    if sixteen and not partial:
+        out = out._replace(dtype="uint16")
+    lengths = seqlens if seqlens is not None else _unread_lengths("cupy", ctx.device_id)
+    args = [*inputs, out, device_array(lse, ctx.kind), np.float32(call["scale"] * LOG2E),
+            device_array(lengths, "cupy" if seqlens is None else ctx.kind), np.int32(n_splits), np.int32(rows_per_query)]
+    launch(spec.kernel, spec.grid(B, H, Nq, n_splits), (spec.threads,), ctx.stream_ptr(), args,
+           shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
+    return True
+
+
+def _rows_aligned(a, width: int) -> bool:
+    """Can ``cp.async`` read the device array ``a`` in ``width``-element (16-byte) chunks?"""
+    item = a.itemsize
+    if a.strides[3] != item and a.shape[3] > 1:
+        return False
+    return a.ptr % 16 == 0 and not any(s % (width * item) for s, n in zip(a.strides[:3], a.shape[:3]) if n > 1)
 
 
 @functools.lru_cache(maxsize=None)

@@ -9,6 +9,7 @@ of the partials; a split that sees only masked keys contributes nothing and neve
 from __future__ import annotations
 
 import itertools
+import math
 
 import numpy as np
 import pytest
@@ -174,14 +175,13 @@ def test_bad_num_splits(bad, error):
 
 
 def test_heuristic():
-    assert num_splits_heuristic(blocks=2000, slots=528, kv_tiles=64) == 1  # a full grid: no split
-    assert num_splits_heuristic(blocks=8, slots=132, kv_tiles=1) == 1
-    s = num_splits_heuristic(blocks=8, slots=660, kv_tiles=2048)  # decoding B1 Hkv8
-    assert 60 <= s <= MAX_SPLITS
-    waves = 8 * s / 660
-    assert waves / np.ceil(waves) >= 0.8  # fills most of a wave
-    for blocks, slots, tiles in itertools.product([1, 3, 8, 50], [132, 660], [2, 5, 17, 300]):
-        s = num_splits_heuristic(blocks, slots, tiles)
-        assert 1 <= s <= max(1, min(tiles, MAX_SPLITS))
-        if s > 1:  # never a count that only adds empty splits
-            assert -(-tiles // s) != -(-tiles // (s - 1))
+    assert num_splits_heuristic(blocks=2000, sms=132, resident=4, kv_tiles=64) == 1  # a full grid: no split
+    assert num_splits_heuristic(blocks=8, sms=132, resident=5, kv_tiles=7) == 1  # too few tiles to share
+    s = num_splits_heuristic(blocks=8, sms=132, resident=5, kv_tiles=2048)  # decoding B1 Hkv8
+    assert 62 <= s <= 66  # about 75% of the 660 slots, the blocks nearly even over the SMs
+    assert 8 * s / 132 / math.ceil(8 * s / 132) >= 0.95
+    for blocks, sms, resident, tiles in itertools.product([1, 3, 8, 50, 500], [1, 132], [1, 5], [2, 5, 17, 300, 5000]):
+        s = num_splits_heuristic(blocks, sms, resident, tiles)
+        assert 1 <= s <= max(1, min(tiles // 4, MAX_SPLITS))
+        if s > 1:  # it fills at least 75% of the resident blocks, unless capped
+            assert blocks * s >= 0.75 * sms * resident or s == min(tiles // 4, MAX_SPLITS)
