@@ -147,7 +147,7 @@ def default_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
 
 def tc_register_cap(kind: str, head_dim: int, block_m: int, block_n: int) -> int | None:
     """Registers per thread the tensor-core kernels are compiled under: ``None`` (no cap), unless
-    ``NUMBA_FLASH_TC_MAXREG`` asks for one (an experiment knob; 0: none). Measured on the H200
+    ``NUMBA_FLASH_TC_MAXREG`` asks for one (an experiment knob, read when a configuration's spec is first made; 0: none). Measured on the H200
     (2026-11-30): tf32x3 D=128 128x32 capped at 128 registers (two blocks per SM, 164-172 bytes
     of spills) ran at 47.0 TFLOP/s against 49.9 uncapped (243 registers, one block)."""
     env = os.environ.get("NUMBA_FLASH_TC_MAXREG")
