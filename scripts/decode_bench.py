@@ -52,6 +52,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from numba_flash.cli import positive_int  # argparse type: an integer >= 1
+
 DTYPES = ("float16", "bfloat16", "float32")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2, "bfloat16": 3e-2}  # rel_err above: "inaccurate"
@@ -71,16 +73,6 @@ ROW_KEYS = ("batch", "heads", "kv_heads", "q_len", "head_dim", "dtype", "cache_l
 
 
 # ----------------------------------------------------------------------------- arguments
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer; got {text}")
-    return value
 
 
 def positive_float(text: str) -> float:
