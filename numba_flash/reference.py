@@ -1,8 +1,10 @@
 """The float64 oracle: attention with the whole score matrix S materialised.
 
-Written without :mod:`numba_flash.online` on purpose (a plain softmax over the masked
-rows of S, not a running one), so that it can check the online algebra as well as the
-kernels. Slow and memory-hungry (``O(B H Nq Nk)``): it is for tests and small problems.
+:func:`attention` is the forward pass, :func:`attention_backward` its exact gradients
+(the backward kernels' oracle). Written without :mod:`numba_flash.online` on purpose (a
+plain softmax over the masked rows of S, not a running one), so that it can check the
+online algebra as well as the kernels. Slow and memory-hungry (``O(B H Nq Nk)``): it is
+for tests and small problems.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import math
 
 import numpy as np
 
-__all__ = ["attention"]
+__all__ = ["attention", "attention_backward"]
 
 
 def _to_numpy(x, name: str) -> np.ndarray:
@@ -120,6 +122,81 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
             s = np.where(sees, s, -np.inf)
         o, lse = _masked_softmax_times_v(s, v5)
     return o.reshape(batch, heads, n_q, head_dim), lse.reshape(batch, heads, n_q)
+
+
+def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = None):
+    """Exact gradients of :func:`attention`'s ``o`` in float64, returning ``(dq, dk, dv)``.
+
+    ``dq, dk, dv`` are the gradients of ``sum(do * o)`` with respect to ``q, k, v``, where
+    ``o = attention(q, k, v, causal, scale)[0]``; the arguments are as there, and ``do``
+    (the incoming gradient of ``o``) has ``q``'s shape (B, H, Nq, D) and is converted the
+    same way. With S = scale Q K^T (masked entries -inf) and P = softmax(S) row by row::
+
+        dV  = P^T dO
+        dP  = dO V^T
+        D_i = rowsum(P_i * dP_i)       (= rowsum(dO_i * O_i), FlashAttention-2's D)
+        dS  = P * (dP - D)
+        dQ  = scale dS K
+        dK  = scale dS^T Q
+
+    Grouped-query attention: ``dk`` and ``dv`` of kv head ``g`` sum the contributions of
+    its query heads ``g * group .. (g + 1) * group - 1``. A row that sees no key (causal
+    with Nq > Nk, or Nk = 0) has ``dq = 0`` and adds exactly nothing to ``dk``/``dv``
+    (no NaN, whatever its ``do``); masked keys get exactly zero weight.
+
+    Returns
+    -------
+    dq : ndarray float64, shape (B, H, Nq, D)
+    dk, dv : ndarray float64, shape (B, Hkv, Nk, D)
+    """
+    do = _to_numpy(do, "do")
+    q = _to_numpy(q, "q")
+    k = _to_numpy(k, "k")
+    v = _to_numpy(v, "v")
+    _check_shapes(q, k, v)
+    if do.shape != q.shape:
+        raise ValueError(f"do must have the shape of q {q.shape}, got {do.shape}")
+    batch, heads, n_q, head_dim = q.shape
+    kv_heads, n_k = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
+
+    # The forward's grouped layout: (B, Hkv, group, N, D), k and v broadcast over group.
+    q5 = q.reshape(batch, kv_heads, group, n_q, head_dim)
+    do5 = do.reshape(batch, kv_heads, group, n_q, head_dim)
+    k5 = k[:, :, None]
+    v5 = v[:, :, None]
+
+    with np.errstate(invalid="ignore", over="ignore"):
+        s = (q5 @ k5.swapaxes(-1, -2)) * scale  # (B, Hkv, group, Nq, Nk)
+        if causal:
+            sees = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + (n_k - n_q)
+            s = np.where(sees, s, -np.inf)
+        p, unmasked = _masked_softmax(s)
+        dv = (p.swapaxes(-1, -2) @ do5).sum(axis=2)  # dV = P^T dO, summed over the group
+        dp = do5 @ v5.swapaxes(-1, -2)  # dP = dO V^T
+        # dS = P * (dP - D); masked entries exactly 0 even where dP is not finite
+        d_row = np.where(unmasked, p * dp, 0.0).sum(axis=-1, keepdims=True)
+        ds = np.where(unmasked, p * (dp - d_row), 0.0)
+        dq = scale * (ds @ k5)  # dQ = scale dS K
+        dk = scale * (ds.swapaxes(-1, -2) @ q5).sum(axis=2)  # dK = scale dS^T Q, over the group
+    return dq.reshape(batch, heads, n_q, head_dim), dk, dv
+
+
+def _masked_softmax(s: np.ndarray):
+    """``(softmax(s), s != -inf)`` over the last axis, ``-inf`` = masked.
+
+    Masked entries of P are exactly 0; a row whose scores are all ``-inf`` (or empty) is all
+    zeros (never ``0 / 0``).
+    """
+    m = np.max(s, axis=-1, initial=-np.inf, keepdims=True)
+    unmasked = s != -np.inf
+    shifted = np.full(s.shape, -np.inf)
+    np.subtract(s, m, out=shifted, where=unmasked)
+    p = np.exp(shifted)
+    l = p.sum(axis=-1, keepdims=True)  # noqa: E741
+    np.divide(p, l, out=p, where=m != -np.inf)  # empty rows: p is already all 0
+    return p, unmasked
 
 
 def _masked_softmax_times_v(s: np.ndarray, v: np.ndarray):
