@@ -1,7 +1,9 @@
 """numba_flash: FlashAttention-1 and FlashAttention-2 in numba.cuda, side by side.
 
 ``numba_flash.attention`` is the entry point (see ``numba_flash.api``), ``numba_flash.decode``
-its form for a few queries against a KV cache (``numba_flash.decoding``);
+its form for a few queries against a KV cache (``numba_flash.decoding``),
+``numba_flash.attention_backward`` its gradients (``numba_flash.backward``) and
+``numba_flash.torch.attention`` the PyTorch autograd function over both;
 ``numba_flash.online`` states the online-softmax algebra in NumPy and
 ``numba_flash.reference`` is the float64 oracle.
 
@@ -18,7 +20,7 @@ try:
     __version__ = _metadata.version("numba-flash")  # the installed distribution's version
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
-__all__ = ["attention", "decode", "online", "reference", "__version__"]
+__all__ = ["attention", "attention_backward", "decode", "online", "reference", "__version__"]
 
 
 def __getattr__(name):
@@ -26,6 +28,10 @@ def __getattr__(name):
         from numba_flash.api import attention
 
         return attention
+    if name == "attention_backward":
+        from numba_flash.backward import attention_backward
+
+        return attention_backward
     if name == "decode":
         from numba_flash.decoding import decode
 
