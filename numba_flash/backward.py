@@ -17,15 +17,26 @@ from numba_flash.arrays import ArrayContext, as_cupy_view, dtype_name, kind_of
 ALGORITHMS = ("fa1", "fa2")
 
 
+STATIC_SHARED_BYTES = 48 * 1024
+TILE_CHOICES = ((32, 32), (32, 16), (16, 16), (16, 8), (8, 8))  # (block_m, block_n), largest first
+
+
+def backward_smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
+    """Static shared memory of ``kernels.bwd``: Q_i, dO_i, O_i (block_m x D), K_j, V_j, dK_j,
+    dV_j (block_n x D), P and dS (block_m x block_n), L_i and D_i, all float32."""
+    return 4 * ((3 * block_m + 4 * block_n) * head_dim + 2 * block_m * block_n + 2 * block_m)
+
+
 def backward_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(block_m, block_n, threads) of the backward kernels: shared memory for Q_i, dO_i, O_i
-    (block_m x D each), K_j, V_j, dK_j, dV_j (block_n x D) and P, dS (block_m x block_n) in
-    float32 stays under the 48 KiB of static shared memory. The simulator: one warp, 8 x 8."""
+    """(block_m, block_n, threads) of the backward kernels: the largest tiles whose shared memory
+    fits the 48 KiB a kernel gets without opting in (D=64: 32 x 16; D=128: 16 x 8). The
+    simulator: one warp, 8 x 8."""
     if simulated():
         return 8, 8, 32
-    if head_dim <= 64:
-        return 32, 32, 128
-    return 16, 16, 128
+    for block_m, block_n in TILE_CHOICES:
+        if backward_smem_bytes(head_dim, block_m, block_n) <= STATIC_SHARED_BYTES:
+            return block_m, block_n, 128
+    return 8, 8, 128
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False):

@@ -139,6 +139,7 @@ def bwd_kernel(order: str, head_dim: int, block_m: int, block_n: int, causal: bo
     D, BM, BN, NT = head_dim, block_m, block_n, threads
     FA1, CAUSAL, DQ = order == "fa1", bool(causal), bool(compute_dq)
     ops = bwd_ops(D, BM, BN, NT)
+    Q_FLOATS, KV_FLOATS, P_FLOATS = BM * D, BN * D, BM * BN  # shared array sizes: compile-time constants
 
     @kernel_jit(fastmath={"contract", "arcp"})
     def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale):
@@ -157,15 +158,15 @@ def bwd_kernel(order: str, head_dim: int, block_m: int, block_n: int, causal: bo
         b = bh // n_kv_heads
         hk = bh - b * n_kv_heads
 
-        q_s = cuda.shared.array(BM * D, float32, SMEM_ALIGN)
-        do_s = cuda.shared.array(BM * D, float32, SMEM_ALIGN)
-        o_s = cuda.shared.array(BM * D, float32, SMEM_ALIGN)
-        k_s = cuda.shared.array(BN * D, float32, SMEM_ALIGN)
-        v_s = cuda.shared.array(BN * D, float32, SMEM_ALIGN)
-        dk_s = cuda.shared.array(BN * D, float32, SMEM_ALIGN)
-        dv_s = cuda.shared.array(BN * D, float32, SMEM_ALIGN)
-        p_s = cuda.shared.array(BM * BN, float32, SMEM_ALIGN)
-        ds_s = cuda.shared.array(BM * BN, float32, SMEM_ALIGN)
+        q_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
+        do_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
+        o_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
+        k_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
+        v_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
+        dk_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
+        dv_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
+        p_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
+        ds_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
         lse_s = cuda.shared.array(BM, float32)
         dvec_s = cuda.shared.array(BM, float32)
 
@@ -231,6 +232,7 @@ def bwd_dq_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, threa
     D, BM, BN, NT = head_dim, block_m, block_n, threads
     CAUSAL = bool(causal)
     ops = bwd_ops(D, BM, BN, NT)
+    Q_FLOATS, KV_FLOATS, P_FLOATS = BM * D, BN * D, BM * BN  # shared array sizes: compile-time constants
 
     @kernel_jit(fastmath={"contract", "arcp"})
     def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale):
@@ -245,13 +247,13 @@ def bwd_dq_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, threa
         hk = h // group
         row0 = i_tile * BM
 
-        q_s = cuda.shared.array(BM * D, float32, SMEM_ALIGN)
-        do_s = cuda.shared.array(BM * D, float32, SMEM_ALIGN)
-        dq_s = cuda.shared.array(BM * D, float32, SMEM_ALIGN)
-        k_s = cuda.shared.array(BN * D, float32, SMEM_ALIGN)
-        v_s = cuda.shared.array(BN * D, float32, SMEM_ALIGN)
-        p_s = cuda.shared.array(BM * BN, float32, SMEM_ALIGN)
-        ds_s = cuda.shared.array(BM * BN, float32, SMEM_ALIGN)
+        q_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
+        do_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
+        dq_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
+        k_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
+        v_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
+        p_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
+        ds_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
         lse_s = cuda.shared.array(BM, float32)
         dvec_s = cuda.shared.array(BM, float32)
 
