@@ -413,31 +413,29 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None,
 
     ragged = seqlens is not None
     kernel = kernel_for(call["algorithm"], D, bm, bn, call["causal"], call["dtype"], permuted, ragged)
-    # The array arguments in order: ("in", x) read, ("out", x) written (both of the
-    # caller's kind), ("own", x) already numba's (placeholders, the tile order).
-    scalars_after = 1  # q_scale goes before the last array argument (kv_order)
+    # The array arguments in the skeleton's order (kernels.forward): ("in", x) read, ("out", x)
+    # written (both of the caller's kind), ("own", x) already numba's (placeholders, the order).
+    unused4 = ("own", _placeholder((1, 1, 1, 1), "float32", ctx.device_id))
+    unused3 = ("own", _placeholder((1, 1, 1), "float32", ctx.device_id))
     if call["algorithm"] == "fa2":
         grid = (-(-Nq // bm) * B * H * n_splits,)
+        state = [unused4, unused3, unused3]  # O, l, m stay on chip
         results = [("out", o), ("out", lse)]
     else:
         grid = (B * H,)
         cast_out = casts_output(call["dtype"])
-        scratch_o = ("out", ctx.empty((B, H, Nq, D), "float32")) if cast_out else ("out", o)
+        # FA-1's O, l, m in global memory; O is the float32 output itself unless it is cast.
+        o_hbm = ("out", ctx.empty((B, H, Nq, D), "float32")) if cast_out else ("out", o)
+        state = [o_hbm, ("out", ctx.empty((B, H, Nq), "float32")), ("out", ctx.empty((B, H, Nq), "float32"))]
         # Not casting, the kernel never reads `o`; a placeholder avoids passing o twice.
-        out_o = ("out", o) if cast_out else ("own", _placeholder((1, 1, 1, 1), "float32", ctx.device_id))
-        scratch_lm = [("out", ctx.empty((B, H, Nq), "float32")) for _ in range(2)]  # FA-1's l, m
-        results = [scratch_o, *scratch_lm, out_o, ("out", lse)]
-    arrays = [("in", q), ("in", k), ("in", v), *results, ("own", order)]
-    tail = []  # FA-2's split-KV arguments (kernels.kv_split): seqlens, n_splits, rows_per_query
-    if call["algorithm"] == "fa2":
-        lengths = ("in", seqlens) if ragged else ("own", _placeholder(1, "int32", ctx.device_id))
-        arrays.append(lengths)
-        tail = [np.int32(n_splits), np.int32(rows_per_query)]
-        scalars_after = 2  # q_scale before kv_order and seqlens
+        results = [("out", o) if cast_out else unused4, ("out", lse)]
+    lengths = ("in", seqlens) if ragged else ("own", _placeholder(1, "int32", ctx.device_id))
+    arrays = [("in", q), ("in", k), ("in", v), *results, *state, ("own", order), lengths]
+    tail = [np.int32(n_splits), np.int32(rows_per_query)]  # split-KV (kernels.kv_split)
     threads = threads_per_block(D, bm, bn)
 
-    def ordered(args):  # q, k, v, results..., q_scale, kv_order[, seqlens, n_splits, rows_per_query]
-        return [*args[:-scalars_after], q_scale, *args[-scalars_after:], *tail]
+    def ordered(args):  # q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query
+        return [*args[:8], q_scale, *args[8:], *tail]
 
     if ctx.direct_launch:  # CuPy / torch on a GPU: skip numba's per-call dispatch
         args = [device_array(x, ctx.kind if role != "own" else "numba") for role, x in arrays]

@@ -85,11 +85,13 @@ class KernelSpec:
         from numba_flash.kernels.fa1 import casts_output
 
         elem = {"float32": types.float32, "float16": types.float16}[self.dtype]
-        a4, order = types.Array(elem, 4, "C"), i1
-        if self.algorithm == "fa2":  # q, k, v, o, lse, q_scale, kv_order, seqlens, n_splits, rows_per_query
-            return (a4, a4, a4, f4 if self.split_out else a4, f3, types.float32, order, i1, i4, i4)
-        out = a4 if casts_output(self.dtype) else f4  # q, k, v, o_hbm, l, m, o, lse, q_scale, kv_order
-        return (a4, a4, a4, f4, f3, f3, out, f3, types.float32, order)
+        a4 = types.Array(elem, 4, "C")
+        # kernels.forward: q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query
+        if self.algorithm == "fa2":
+            out = f4 if self.split_out else a4
+        else:
+            out = a4 if casts_output(self.dtype) else f4
+        return (a4, a4, a4, out, f3, f4, f3, f3, types.float32, i1, i1, i4, i4)
 
 
 @functools.lru_cache(maxsize=1024)
