@@ -9,11 +9,14 @@ analysis, which assumes no cache between them and HBM), for the tiles actually v
 - ``fa2``: every Q tile reads its Q rows once and every K/V tile it does not skip;
   writes O and the logsumexp once. Theta(N^2 d^2 / M) with M ~ block_m * d.
 - ``fa1``: every K/V tile is read once; every (K/V tile, Q tile) pair it visits reads
-  Q_i, and reads and writes O_i (float32), l_i and m_i (FlashAttention Alg. 1 lines
-  8, 12, 13); plus the initialisation (line 2) and the final logsumexp/cast pass.
+  Q_i, l_i and m_i (FlashAttention Alg. 1 line 8), and, for the rows of Q_i that see a
+  key of K_j (under the causal mask some do not: the kernels skip their update), reads and
+  writes O_i (float32) and writes l_i, m_i (lines 12, 13); plus the initialisation
+  (line 2) and the final logsumexp/cast pass.
 
 All counts are exact functions of the shapes, tiles and dtype; they are checked against
-hand counts in ``tests/test_traffic.py``.
+hand counts in ``tests/test_traffic.py``, and per array against the elements the simulated
+kernels read and write in ``tests/test_traffic_counts.py`` (:func:`traffic_breakdown`).
 """
 
 from __future__ import annotations
@@ -41,6 +44,89 @@ def _visible_counts(n_q: int, n_k: int, block_m: int, block_n: int, causal: bool
     return tiles
 
 
+def _last_key(row: int, n_q: int, n_k: int, causal: bool) -> int:
+    """The last key query ``row`` sees (bottom-right aligned causal mask; -1: none)."""
+    return min(n_k - 1, row + n_k - n_q) if causal else n_k - 1
+
+
+def traffic_breakdown(
+    algorithm: str,
+    batch: int,
+    heads: int,
+    kv_heads: int,
+    n_q: int,
+    n_k: int,
+    head_dim: int,
+    block_m: int,
+    block_n: int,
+    dtype: str = "float32",
+    causal: bool = False,
+    tensor_cores: bool = False,
+) -> dict:
+    """Modelled global-memory bytes of one forward pass, per array: ``{role: (read, written)}``.
+
+    Roles: ``q``, ``k``, ``v``, ``o`` (the output, in ``dtype``), ``lse``; FA-1 adds ``l``,
+    ``m`` and, when it keeps O in a float32 buffer apart from the output (16-bit dtypes, or
+    ``tensor_cores``), ``o_acc`` (that buffer); ``standard`` has ``scores`` (S and P).
+    :func:`traffic_bytes` is the sum. ``tests/test_traffic_counts.py`` checks every role
+    against the elements the simulated kernels read and write.
+    """
+    e = _itemsize(dtype)
+    d = head_dim
+    bh = batch * heads
+    if algorithm == "standard":
+        return {
+            "q": (bh * n_q * d * e, 0),
+            "k": (batch * kv_heads * n_k * d * e, 0),
+            "v": (batch * kv_heads * n_k * d * e, 0),
+            "scores": (2 * bh * n_q * n_k * F32, 2 * bh * n_q * n_k * F32),  # S, P written and read
+            "o": (0, bh * n_q * d * e),
+        }
+    tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
+    if algorithm == "fa2":
+        q = kv = o = lse = 0
+        for rows, _, keys in tiles:
+            q += rows * d * e  # line 4: Q_i
+            kv += keys * d * e  # line 7: K_j, V_j for every tile not skipped
+            o += rows * d * e  # line 14: O_i
+            lse += rows * F32  # line 15: L_i
+        return {"q": (bh * q, 0), "k": (bh * kv, 0), "v": (bh * kv, 0), "o": (0, bh * o), "lse": (0, bh * lse)}
+    if algorithm == "fa1":
+        # Line 2: O, l, m initialised in HBM; line 16: l, m read, L written (and O cast).
+        q = 0
+        o_read, o_written = 0, n_q * d * F32
+        lm_read, lm_written = n_q, n_q  # elements, each of l and m
+        for j in range(-(-n_k // block_n)):
+            col0 = j * block_n
+            for i, (rows, n_tiles, _) in enumerate(tiles):
+                if j >= n_tiles:  # (K_j, Q_i) not visited: every key of K_j is masked for Q_i
+                    continue
+                q += rows * d * e  # line 8: Q_i
+                lm_read += rows  # line 8: l_i, m_i
+                # Lines 12-13: O_i read and written, l_i, m_i written, for the rows that see
+                # a key of K_j (the tile adds nothing to the others, and they are skipped).
+                row0 = i * block_m
+                active = sum(1 for r in range(row0, row0 + rows) if _last_key(r, n_q, n_k, causal) >= col0)
+                o_read += active * d * F32
+                o_written += active * d * F32
+                lm_written += active
+        out = {
+            "q": (bh * q, 0),
+            "k": (bh * n_k * d * e, 0),  # line 6: each K_j, V_j once
+            "v": (bh * n_k * d * e, 0),
+            "l": (bh * lm_read * F32, bh * lm_written * F32),
+            "m": (bh * lm_read * F32, bh * lm_written * F32),
+            "lse": (0, bh * n_q * F32),
+        }
+        if e != F32 or tensor_cores:  # O kept in float32, cast to the output dtype at the end
+            out["o_acc"] = (bh * (o_read + n_q * d * F32), bh * o_written)
+            out["o"] = (0, bh * n_q * d * e)
+        else:
+            out["o"] = (bh * o_read, bh * o_written)
+        return out
+    raise ValueError(f"algorithm must be 'standard', 'fa1' or 'fa2'; got {algorithm!r}")
+
+
 def traffic_bytes(
     algorithm: str,
     batch: int,
@@ -55,41 +141,16 @@ def traffic_bytes(
     causal: bool = False,
     tensor_cores: bool = False,
 ) -> int:
-    """Modelled global-memory bytes (reads + writes) of one forward pass.
+    """Modelled global-memory bytes (reads + writes) of one forward pass: the sum of
+    :func:`traffic_breakdown`.
 
     ``tensor_cores``: the tensor-core kernels, whose loop nests are the same; they differ in
     that FA-1 keeps O in a float32 buffer for every dtype (float32 too) and casts it at the end.
     """
-    e = _itemsize(dtype)
-    d = head_dim
-    bh = batch * heads
-    if algorithm == "standard":
-        reads = bh * n_q * d * e + 2 * batch * kv_heads * n_k * d * e
-        scores = 4 * bh * n_q * n_k * F32  # S written, S read, P written, P read
-        return reads + scores + bh * n_q * d * e
-    tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
-    if algorithm == "fa2":
-        per_head = 0
-        for rows, _, keys in tiles:
-            per_head += rows * d * e  # line 4: Q_i
-            per_head += 2 * keys * d * e  # line 7: K_j, V_j for every tile not skipped
-            per_head += rows * d * e + rows * F32  # lines 14-15: O_i, L_i
-        return bh * per_head
-    if algorithm == "fa1":
-        n_kv_tiles = -(-n_k // block_n)
-        per_head = 2 * n_k * d * e  # line 6: each K_j, V_j once
-        per_head += n_q * (d + 2) * F32  # line 2: O, l, m initialised in HBM
-        for j in range(n_kv_tiles):
-            for rows, n_tiles, _ in tiles:
-                if j < n_tiles:  # this (K_j, Q_i) pair is visited
-                    per_head += rows * d * e  # line 8: Q_i
-                    per_head += 2 * rows * d * F32  # lines 8, 12: O_i read and written
-                    per_head += 4 * rows * F32  # lines 8, 13: l_i, m_i read and written
-        per_head += n_q * 2 * F32 + n_q * F32  # line 16: read l, m; write L
-        if e != F32 or tensor_cores:  # O kept in float32, cast to the output dtype at the end
-            per_head += n_q * d * (F32 + e)
-        return bh * per_head
-    raise ValueError(f"algorithm must be 'standard', 'fa1' or 'fa2'; got {algorithm!r}")
+    parts = traffic_breakdown(
+        algorithm, batch, heads, kv_heads, n_q, n_k, head_dim, block_m, block_n, dtype, causal, tensor_cores
+    )
+    return sum(read + written for read, written in parts.values())
 
 
 def dram_bytes(
