@@ -120,8 +120,14 @@ def forward(
     lse_out=None,
     precision=None,
     num_splits=None,
+    variant=None,
 ):
     """:func:`attention` with the research knobs; always returns ``(o, lse)``.
+
+    ``variant``: a point of the FA-1 -> FA-2 ablation space (``kernels.forward.Variant``, or a
+    dict of its fields: loop_order, grid, rescale, warp_partition, o_load); it overrides
+    ``algorithm`` (``FA1`` and ``FA2`` are its named points). CUDA cores only: float16 and
+    bfloat16 inputs need ``precision="ieee"``.
 
     ``kv_tile_order``: a permutation of ``range(ceil(Nk / block_n))``; the kernel walks
     the K/V tiles in that order (both algorithms) -- the seed's chunk-order invariance,
@@ -131,8 +137,14 @@ def forward(
     # CAI / DLPack objects: CuPy views (the caller's buffers, no copy)
     q, k, v = (as_cupy_view(x) for x in (q, k, v))
     out, lse_out = (None if x is None else as_cupy_view(x) for x in (out, lse_out))
+    variant = _check_variant(variant, precision)
+    if variant is not None:  # the loop order decides which kernel family's defaults apply
+        algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
     call = _validate(q, k, v, causal, scale, algorithm, block_m, block_n, precision)
     call["num_splits"] = check_num_splits(num_splits, algorithm)
+    if variant is not None and call["regime"] != "ieee":
+        raise ValueError(f"the ablation variants are CUDA-core kernels: {call['dtype']} inputs need precision='ieee'")
+    call["variant"] = variant if variant not in _NAMED_POINTS else None  # named points: their kernels
     ctx = ArrayContext(call["kind"], q)
     B, H, Nq, D = call["q_shape"]
     Nk = call["n_k"]
@@ -325,6 +337,37 @@ def _validate(q, k, v, causal, scale, algorithm, block_m, block_n, precision=Non
     )
 
 
+def _check_variant(variant, precision):
+    """``variant`` as a :class:`~numba_flash.kernels.forward.Variant` (or ``None``)."""
+    if variant is None:
+        return None
+    from numba_flash.kernels.forward import Variant
+
+    if isinstance(variant, dict):
+        variant = Variant(**variant)
+    if not isinstance(variant, Variant):
+        raise TypeError(f"variant must be a kernels.forward.Variant or a dict of its fields; got {type(variant).__name__}")
+    if precision is not None and precision != "ieee":
+        raise ValueError("the ablation variants are CUDA-core kernels: pass precision='ieee' (or None for float32)")
+    return variant
+
+
+def _named_points():
+    from numba_flash.kernels.forward import FA1, FA2
+
+    return (FA1, FA2)
+
+
+class _NamedPoints:
+    """``x in _NAMED_POINTS``: is ``x`` FA-1's or FA-2's variant (imported on first use)."""
+
+    def __contains__(self, x):
+        return x is not None and x in _named_points()
+
+
+_NAMED_POINTS = _NamedPoints()
+
+
 def choose_tiles(mode, algorithm, head_dim, dtype, causal, block_m=None, block_n=None, device_id=None):
     """(block_m, block_n) of a call: the caller's, checked (``ValueError`` naming the argument),
     or the defaults of the regime (``mode``: ``"ieee"`` or a tensor-core kind); the CUDA-core
@@ -412,17 +455,27 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None,
         order = cuda.to_device(order, stream=ctx.stream())  # ordered before the launch
 
     ragged = seqlens is not None
-    kernel = kernel_for(call["algorithm"], D, bm, bn, call["causal"], call["dtype"], permuted, ragged)
+    variant = call.get("variant")
+    if variant is None:  # a named point: its own factory (fa1.fa1_kernel, fa2.fa2_kernel)
+        kernel = kernel_for(call["algorithm"], D, bm, bn, call["causal"], call["dtype"], permuted, ragged)
+        per_tile = call["algorithm"] == "fa2"
+        kv_outer = not per_tile
+    else:
+        from numba_flash.kernels.forward import forward_kernel
+
+        kv_outer = variant.loop_order == "kv_outer"
+        per_tile = variant.grid == "heads_x_qtiles"
+        kernel = forward_kernel(variant, D, bm, bn, call["causal"], permuted, ragged,
+                                kv_outer and casts_output(call["dtype"]))
     # The array arguments in the skeleton's order (kernels.forward): ("in", x) read, ("out", x)
     # written (both of the caller's kind), ("own", x) already numba's (placeholders, the order).
     unused4 = ("own", _placeholder((1, 1, 1, 1), "float32", ctx.device_id))
     unused3 = ("own", _placeholder((1, 1, 1), "float32", ctx.device_id))
-    if call["algorithm"] == "fa2":
-        grid = (-(-Nq // bm) * B * H * n_splits,)
+    grid = (B * H * (-(-Nq // bm) if per_tile else 1) * (1 if kv_outer else n_splits),)
+    if not kv_outer:
         state = [unused4, unused3, unused3]  # O, l, m stay on chip
         results = [("out", o), ("out", lse)]
     else:
-        grid = (B * H,)
         cast_out = casts_output(call["dtype"])
         # FA-1's O, l, m in global memory; O is the float32 output itself unless it is cast.
         o_hbm = ("out", ctx.empty((B, H, Nq, D), "float32")) if cast_out else ("out", o)

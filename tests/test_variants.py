@@ -1,0 +1,92 @@
+"""The FA-1 -> FA-2 ablation space (``kernels.forward``, issue 10) in the simulator: every
+variant computes attention (Hypothesis over shapes, tiles, causal, GQA and K/V tile orders),
+its global traffic is what the model says for its loop order, and the switches are checked."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from helpers import examples, poisoned, random_qkv, rel_err
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from numba_flash import reference
+from numba_flash.api import forward
+from numba_flash.kernels.forward import FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, Variant
+
+ALL_VARIANTS = [
+    Variant(loop, grid, rescale, "split_q", o_load)
+    for loop, grid, rescale, o_load in itertools.product(LOOP_ORDERS, GRIDS, RESCALES, O_LOADS)
+    if loop == "kv_outer" or o_load == "at_update"
+]
+
+
+def test_the_space_and_its_named_points():
+    assert len(ALL_VARIANTS) == 12 and FA1 in ALL_VARIANTS and FA2 in ALL_VARIANTS
+    assert (FA1.name, FA2.name) == ("fa1", "fa2")
+    assert Variant("q_outer", "heads", "every_step").name == "q_outer-heads-every_step-split_q-at_update"
+    with pytest.raises(ValueError, match="split_k is not built yet"):
+        Variant("q_outer", "heads", "deferred", "split_k")
+    with pytest.raises(ValueError, match="loop_order"):
+        Variant("k_outer", "heads", "deferred")
+    with pytest.raises(ValueError, match="o_load"):
+        Variant("q_outer", "heads", "deferred", "split_q", "with_q")
+
+
+@settings(max_examples=examples(8), deadline=None)
+@given(
+    variant=st.sampled_from(ALL_VARIANTS),
+    n_q=st.integers(1, 20),
+    n_k=st.integers(1, 20),
+    head_dim=st.sampled_from([1, 4, 8]),
+    causal=st.booleans(),
+    gqa=st.booleans(),
+    permuted=st.booleans(),
+    tiles=st.sampled_from([(4, 4), (8, 4), (4, 8)]),
+    data=st.data(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_every_variant_is_attention(variant, n_q, n_k, head_dim, causal, gqa, permuted, tiles, data, seed):
+    rng = np.random.default_rng(seed)
+    q, k, v = random_qkv(rng, 1, 2, 1 if gqa else 2, n_q, n_k, head_dim, "float32")
+    bm, bn = tiles
+    order = None
+    if permuted:
+        order = data.draw(st.permutations(range(-(-n_k // bn))))
+    o = poisoned(np, q.shape, np.float32)
+    lse = poisoned(np, q.shape[:3], np.float32)
+    forward(q, k, v, causal=causal, block_m=bm, block_n=bn, kv_tile_order=order, out=o, lse_out=lse,
+            variant=variant, num_splits=1)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    assert rel_err(o, ref_o) < 2e-6
+    seen = np.isfinite(ref_lse)
+    np.testing.assert_array_equal(np.isfinite(lse), seen)
+    np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("variant", [v for v in ALL_VARIANTS if v.loop_order == "kv_outer"], ids=lambda v: v.name)
+def test_kv_outer_variants_with_float16(variant):
+    """O kept in float32 and cast at the end (deferred: normalised in the same pass)."""
+    rng = np.random.default_rng(1)
+    q, k, v = random_qkv(rng, 1, 1, 1, 9, 11, 8, "float16")
+    o, lse = forward(q, k, v, causal=True, block_m=4, block_n=4, variant=variant, precision="ieee")
+    ref_o, _ = reference.attention(q, k, v, causal=True)
+    assert o.dtype == np.float16 and rel_err(o, ref_o) < 2e-3
+
+
+def test_variant_errors():
+    rng = np.random.default_rng(2)
+    q, k, v = random_qkv(rng, 1, 1, 1, 4, 4, 8, "float32")
+    with pytest.raises(TypeError, match="variant"):
+        forward(q, k, v, variant="fa1")
+    with pytest.raises(ValueError, match="CUDA-core"):
+        forward(q, k, v, variant=FA2, precision="tf32x3")
+    with pytest.raises(ValueError, match="CUDA-core"):
+        forward(*(x.astype(np.float16) for x in (q, k, v)), variant=FA1)
+    with pytest.raises(ValueError, match="fa1"):  # kv_outer variants do not split their K/V walk
+        forward(q, k, v, variant=Variant("kv_outer", "heads_x_qtiles", "deferred"), num_splits=2)
+    o, _ = forward(q, k, v, variant=dict(loop_order="q_outer", grid="heads", rescale="every_step"), block_m=4, block_n=4)
+    assert rel_err(o, reference.attention(q, k, v)[0]) < 2e-6
