@@ -34,10 +34,11 @@ needs_simulator = pytest.mark.skipif(not simulated(), reason="counts element acc
 INDEX_ARGS = ("kv_order", "seqlens")  # tile order and lengths: a few int32 reads, not modelled
 
 
-def run_counted(algorithm, q, k, v, block_m, block_n, causal, order=None, precision="ieee"):
+def run_counted(algorithm, q, k, v, block_m, block_n, causal, order=None, precision="ieee", variant=None):
     with count_traffic() as log:
         o, lse = api.forward(q, k, v, algorithm=algorithm, precision=precision, block_m=block_m, block_n=block_n,
-                             causal=causal, kv_tile_order=order, num_splits=1)  # the model is of one unsplit walk
+                             causal=causal, kv_tile_order=order, num_splits=1,  # the model is of one unsplit walk
+                             variant=variant)
     return log.only(), o, lse
 
 
@@ -65,8 +66,9 @@ def last_key(row, n_q, n_k, causal):
     return min(n_k - 1, row + n_k - n_q) if causal else n_k - 1
 
 
-def expected_traces(algorithm, shape, block_m, block_n, causal, order):
-    """Each block's (name, b, h, tile) reads, in order, as the algorithm's loop nest makes them."""
+def expected_traces(algorithm, shape, block_m, block_n, causal, order, variant=None):
+    """Each block's (name, b, h, tile) reads, in order, as the algorithm's (or the variant's)
+    loop nest makes them."""
     B, H, Hk, n_q, n_k, _ = shape
     n_q_tiles = -(-n_q // block_m)
     order = list(range(-(-n_k // block_n))) if order is None else [int(j) for j in order]
@@ -74,23 +76,27 @@ def expected_traces(algorithm, shape, block_m, block_n, causal, order):
     def sees(i, j):  # does some row of Q tile i see a key of K/V tile j?
         return j * block_n <= last_key(min((i + 1) * block_m, n_q) - 1, n_q, n_k, causal)
 
+    kv_outer = algorithm == "fa1" if variant is None else variant.loop_order == "kv_outer"
+    per_tile = algorithm == "fa2" if variant is None else variant.grid == "heads_x_qtiles"
+    # the Q tiles of each block: all of its head's, or one
+    groups = [[i] for i in range(n_q_tiles)] if per_tile else [list(range(n_q_tiles))]
     traces = []
     for b in range(B):
         for h in range(H):
             hk = h // (H // Hk)
-            if algorithm == "fa1":  # K/V outer (line 5), Q inner (line 7): one block per head
+            for tiles in groups:
                 trace = []
-                for j in order:
-                    trace += [("k", b, hk, j), ("v", b, hk, j)]
-                    trace += [("q", b, h, i) for i in range(n_q_tiles) if sees(i, j)]
-                traces.append(trace)
-            else:  # Q outer (the grid), K/V inner: one block per Q tile
-                for i in range(n_q_tiles):
-                    trace = [("q", b, h, i)]
+                if kv_outer:  # K/V outer (line 5), Q inner (line 7)
                     for j in order:
-                        if sees(i, j):
-                            trace += [("k", b, hk, j), ("v", b, hk, j)]
-                    traces.append(trace)
+                        trace += [("k", b, hk, j), ("v", b, hk, j)]
+                        trace += [("q", b, h, i) for i in tiles if sees(i, j)]
+                else:  # Q outer, K/V inner
+                    for i in tiles:
+                        trace += [("q", b, h, i)]
+                        for j in order:
+                            if sees(i, j):
+                                trace += [("k", b, hk, j), ("v", b, hk, j)]
+                traces.append(trace)
     return sorted(traces)
 
 
@@ -100,15 +106,16 @@ def observed_traces(launch, block_m, block_n):
 
 
 def check_loop_nest(launch, algorithm, shape, block_m, block_n, causal, order=None, dtype="float32",
-                    tensor_cores=False):
+                    tensor_cores=False, variant=None):
     """The launch moved exactly the modelled bytes of every array, and read its tiles in the
-    algorithm's loop order. Raises AssertionError otherwise."""
+    algorithm's (or the variant's) loop order. Raises AssertionError otherwise."""
     B, H, Hk, n_q, n_k, D = shape
-    model = traffic_breakdown(algorithm, B, H, Hk, n_q, n_k, D, block_m, block_n, dtype, causal, tensor_cores)
+    model = traffic_breakdown(algorithm, B, H, Hk, n_q, n_k, D, block_m, block_n, dtype, causal, tensor_cores,
+                              variant)
     counted = counted_roles(launch, cast=dtype != "float32" or tensor_cores)
     assert counted == model, f"{launch.kernel} as {algorithm}: counted {counted} != modelled {model}"
     observed = observed_traces(launch, block_m, block_n)
-    expected = expected_traces(algorithm, shape, block_m, block_n, causal, order)
+    expected = expected_traces(algorithm, shape, block_m, block_n, causal, order, variant)
     assert observed == expected, f"{launch.kernel} as {algorithm}: tile reads {observed} != loop nest {expected}"
 
 
@@ -267,3 +274,45 @@ def test_ignored_kv_tile_order_is_caught(monkeypatch, algorithm, case):
     assert counted_roles(launch) == model  # nor can the byte counts: the same tiles, another order
     with pytest.raises(AssertionError, match="loop nest"):
         check_loop_nest(launch, algorithm, shape, bm, bn, causal, order)
+
+
+# --------------------------------------------------------------------------------------------
+# Every point of the ablation space (kernels.forward.Variant): its own bytes and loop nest
+# --------------------------------------------------------------------------------------------
+
+
+def _all_variants():
+    import itertools
+
+    from numba_flash.kernels.forward import GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, Variant
+
+    return [Variant(loop, grid, rescale, "split_q", o_load)
+            for loop, grid, rescale, o_load in itertools.product(LOOP_ORDERS, GRIDS, RESCALES, O_LOADS)
+            if loop == "kv_outer" or o_load == "at_update"]
+
+
+@needs_simulator
+@pytest.mark.parametrize("variant", _all_variants(), ids=lambda v: v.name)
+@pytest.mark.parametrize("case", ["causal-nq-gt-nk", "permuted-causal-gqa"])
+def test_every_variant_moves_its_bytes_in_its_loop_order(variant, case):
+    shape, bm, bn, causal, order = CASES[case]
+    q, k, v = inputs(shape)
+    algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
+    launch, o, lse = run_counted(algorithm, q, k, v, bm, bn, causal, order, variant=variant)
+    check_loop_nest(launch, algorithm, shape, bm, bn, causal, order, variant=variant)
+    assert_attention(q, k, v, o, lse, causal)
+
+
+@needs_simulator
+def test_a_variant_that_runs_another_loop_nest_is_caught():
+    """The per-tile kv_outer variant checked against the model and traces of kv_outer per
+    head (what a grid switch that did nothing would run): caught."""
+    from numba_flash.kernels.forward import Variant
+
+    shape, bm, bn, causal, order = CASES["causal-gqa-nk-gt-nq"]
+    q, k, v = inputs(shape)
+    per_tile = Variant("kv_outer", "heads_x_qtiles", "every_step")
+    launch, o, lse = run_counted("fa1", q, k, v, bm, bn, causal, order, variant=per_tile)
+    assert_attention(q, k, v, o, lse, causal)
+    with pytest.raises(AssertionError, match="counted"):
+        check_loop_nest(launch, "fa1", shape, bm, bn, causal, order, variant=Variant("kv_outer", "heads", "every_step"))

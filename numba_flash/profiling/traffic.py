@@ -62,8 +62,17 @@ def traffic_breakdown(
     dtype: str = "float32",
     causal: bool = False,
     tensor_cores: bool = False,
+    variant=None,
 ) -> dict:
     """Modelled global-memory bytes of one forward pass, per array: ``{role: (read, written)}``.
+
+    ``variant`` (a ``kernels.forward.Variant``, CUDA cores): a point of the ablation space
+    instead of ``algorithm``'s named point. q_outer variants move FA-2's bytes whatever their
+    grid and rescale; kv_outer variants FA-1's, except that one block per Q tile
+    (``heads_x_qtiles``) reads every K/V tile once per Q tile, ``o_load="with_q"`` reads O_i of
+    every row of a visited pair (not only of the rows the tile updates), and a deferred rescale
+    reads l once more and, when O is the float32 output itself, reads and writes it once more
+    (the final normalisation).
 
     Roles: ``q``, ``k``, ``v``, ``o`` (the output, in ``dtype``), ``lse``; FA-1 adds ``l``,
     ``m`` and, when it keeps O in a float32 buffer apart from the output (16-bit dtypes, or
@@ -74,6 +83,11 @@ def traffic_breakdown(
     e = _itemsize(dtype)
     d = head_dim
     bh = batch * heads
+    if variant is not None:
+        algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
+        if algorithm == "fa1" and (variant.grid, variant.rescale, variant.o_load) != ("heads", "every_step", "at_update"):
+            return _kv_outer_variant(variant, batch, heads, kv_heads, n_q, n_k, head_dim, block_m, block_n, dtype,
+                                     causal, tensor_cores)
     if algorithm == "standard":
         return {
             "q": (bh * n_q * d * e, 0),
@@ -127,6 +141,37 @@ def traffic_breakdown(
     raise ValueError(f"algorithm must be 'standard', 'fa1' or 'fa2'; got {algorithm!r}")
 
 
+def _kv_outer_variant(variant, batch, heads, kv_heads, n_q, n_k, head_dim, block_m, block_n, dtype, causal,
+                      tensor_cores) -> dict:
+    """:func:`traffic_breakdown` of a kv_outer variant other than FA-1 (the differences: its doc)."""
+    out = traffic_breakdown("fa1", batch, heads, kv_heads, n_q, n_k, head_dim, block_m, block_n, dtype, causal,
+                            tensor_cores)
+    e, d, bh = _itemsize(dtype), head_dim, batch * heads
+    tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
+    cast = e != F32 or tensor_cores
+    o_role = "o_acc" if cast else "o"
+    if variant.grid == "heads_x_qtiles":  # every Q tile's block walks every K/V tile
+        out["k"] = out["v"] = (bh * len(tiles) * n_k * d * e, 0)
+    if variant.o_load == "with_q":  # O_i of every row of a visited pair, read with Q_i
+        extra = 0
+        for j in range(-(-n_k // block_n)):
+            col0 = j * block_n
+            for i, (rows, n_tiles, _) in enumerate(tiles):
+                if j < n_tiles:
+                    row0 = i * block_m
+                    idle = sum(1 for r in range(row0, row0 + rows) if _last_key(r, n_q, n_k, causal) < col0)
+                    extra += idle * d * F32
+        read, written = out[o_role]
+        out[o_role] = (read + bh * extra, written)
+    if variant.rescale == "deferred":
+        read, written = out["l"]
+        out["l"] = (read + bh * n_q * F32, written)  # l_i for the final division
+        if not cast:  # O normalised in place (cast: in the cast pass, which reads it anyway)
+            read, written = out["o"]
+            out["o"] = (read + bh * n_q * d * F32, written + bh * n_q * d * F32)
+    return out
+
+
 def traffic_bytes(
     algorithm: str,
     batch: int,
@@ -140,15 +185,16 @@ def traffic_bytes(
     dtype: str = "float32",
     causal: bool = False,
     tensor_cores: bool = False,
+    variant=None,
 ) -> int:
     """Modelled global-memory bytes (reads + writes) of one forward pass: the sum of
-    :func:`traffic_breakdown`.
+    :func:`traffic_breakdown` (``variant``: a point of the ablation space, as there).
 
     ``tensor_cores``: the tensor-core kernels, whose loop nests are the same; they differ in
     that FA-1 keeps O in a float32 buffer for every dtype (float32 too) and casts it at the end.
     """
     parts = traffic_breakdown(
-        algorithm, batch, heads, kv_heads, n_q, n_k, head_dim, block_m, block_n, dtype, causal, tensor_cores
+        algorithm, batch, heads, kv_heads, n_q, n_k, head_dim, block_m, block_n, dtype, causal, tensor_cores, variant
     )
     return sum(read + written for read, written in parts.values())
 
