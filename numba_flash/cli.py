@@ -82,6 +82,17 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     cmp.add_argument("--json", action="store_true", help="print the rows as JSON (progress and notes go to stderr)")
 
+    abl = add("ablate", "every point of the FA-1 -> FA-2 space (loop order, grid, rescale, O load) on the same inputs")
+    for action in cmp._actions:  # compare's problem flags, the same defaults
+        if action.dest in ("help", "precision"):
+            continue
+        abl._add_action(action)
+    abl.add_argument("--precision", choices=["default", "ieee"], default="default",
+                     help="the variants are CUDA-core kernels: ieee (default for float32; needed for 16-bit dtypes)")
+    abl.add_argument("--variants", nargs="+", metavar="V",
+                     help="fa1, fa2 or loop_order-grid-rescale[-warp_partition[-o_load]] (default: all 12)")
+    abl.add_argument("--plot", metavar="DIR", help="write the FA-1 -> FA-2 waterfall (PNG) here")
+
     occ = add("occupancy", "registers, shared memory and occupancy per tile configuration (GPU or ptxas)")
     occ.add_argument("--algorithm", nargs="+", default=["fa1", "fa2"], choices=["fa1", "fa2"], help="kernels to profile")
     occ.add_argument("--head-dim", nargs="+", type=positive_int, default=[32, 64, 128], metavar="D", help="head dims")
@@ -125,6 +136,8 @@ def main(argv=None) -> int:
 
         print_worked_example()
         return 0
+    if args.command == "ablate":
+        return _ablate(args)
     from numba_flash.compare import compare, format_table
 
     try:
@@ -138,6 +151,29 @@ def main(argv=None) -> int:
             print(note, file=sys.stderr)
     else:
         print(format_table(rows, notes))
+    return 0
+
+
+def _ablate(args) -> int:
+    import os
+
+    from numba_flash.ablation import ablate, format_ablation, plot_waterfall
+
+    try:
+        rows, notes = ablate(args, progress=lambda line: print(f"numba-flash ablate: {line}", file=sys.stderr, flush=True))
+    except (ValueError, TypeError) as exc:
+        print(f"numba-flash ablate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=2, default=_json_default))
+        for note in notes:
+            print(note, file=sys.stderr)
+    else:
+        print(format_ablation(rows, notes))
+    if args.plot:
+        os.makedirs(args.plot, exist_ok=True)
+        path = plot_waterfall(rows, os.path.join(args.plot, "ablation_waterfall.png"))
+        print(f"numba-flash ablate: wrote {path}", file=sys.stderr)
     return 0
 
 

@@ -41,19 +41,11 @@ def _problem(args) -> dict:
     return p
 
 
-def compare(args, progress=None):
-    """Run both algorithms on one problem; return (rows, notes) for :func:`format_table`.
-
-    ``progress``: called with a line per stage (the CLI prints them to stderr as they come)."""
-    import time
-    import warnings
-
+def setup(args, say, algorithms=ALGORITHMS):
+    """The problem of ``args`` (shapes, dtype, precision): inputs, the float64 reference, FLOPs
+    (a dict read by :func:`measure`), and notes for the table."""
     from numba_flash import reference
-    from numba_flash.api import choose_tiles
-    from numba_flash.api import forward
-    from numba_flash.simulator import SimulatorSlowWarning, format_seconds
-
-    say = progress or (lambda line: None)
+    from numba_flash.simulator import format_seconds
 
     p = _problem(args)
     B, H, Hkv, Nq, Nk, D = p["batch"], p["heads"], p["kv_heads"], p["seq"], p["seq_k"], p["head_dim"]
@@ -66,7 +58,6 @@ def compare(args, progress=None):
     sim = simulated()
     notes = []
     if sim:
-        xp = np
         notes.append(
             "No GPU: ran in Numba's CUDA simulator on a small problem (no timings or "
             "occupancy; errors and modelled traffic are real)."
@@ -74,81 +65,121 @@ def compare(args, progress=None):
         q, k, v = host
         ref_o, _ = reference.attention(*(x.astype(np.float64) for x in host), causal=p["causal"])
     elif p["dtype"] == "bfloat16":  # CuPy has no bfloat16: torch tensors
-        import torch as xp
+        import cupy
+        import torch
 
         from numba_flash.baselines import cupy_attention
 
-        q, k, v = (xp.as_tensor(x.astype(np.float32), device="cuda").to(xp.bfloat16) for x in host)
+        q, k, v = (torch.as_tensor(x.astype(np.float32), device="cuda").to(torch.bfloat16) for x in host)
+        ref_o = torch.as_tensor(cupy_attention(*(cupy.asarray(x.astype(np.float64)) for x in host), causal=p["causal"]), device="cuda")
+    else:
         import cupy
 
-        ref_o = xp.as_tensor(cupy_attention(*(cupy.asarray(x.astype(np.float64)) for x in host), causal=p["causal"]), device="cuda")
-    else:
-        import cupy as xp
-
         from numba_flash.baselines import cupy_attention
 
-        q, k, v = (xp.asarray(x) for x in host)
-        ref_o = cupy_attention(*(x.astype(xp.float64) for x in (q, k, v)), causal=p["causal"])
-
-    flops = attention_flops(B, H, Nq, Nk, D, p["causal"])
-    shape = f"B{B} H{H}/{Hkv} Nq{Nq} Nk{Nk} D{D} {p['dtype']}{' causal' if p['causal'] else ''}"
+        q, k, v = (cupy.asarray(x) for x in host)
+        ref_o = cupy_attention(*(x.astype(cupy.float64) for x in (q, k, v)), causal=p["causal"])
+    problem = dict(p=p, mode=mode, q=q, k=k, v=v, ref_o=ref_o, sim=sim,
+                   flops=attention_flops(B, H, Nq, Nk, D, p["causal"]))
     if sim:
-        estimate = _simulated_seconds(q, k, v, p)
-        say(f"no GPU: running {shape} in Numba's CUDA simulator, about {format_seconds(estimate)} for both algorithms"
-            + ("; smaller --seq/--head-dim/--batch/--heads run faster" if estimate >= 60 else ""))
+        shape = f"B{B} H{H}/{Hkv} Nq{Nq} Nk{Nk} D{D} {p['dtype']}{' causal' if p['causal'] else ''}"
+        estimate = _simulated_seconds(q, k, v, p, algorithms)
+        say(f"no GPU: running {shape} in Numba's CUDA simulator, about {format_seconds(estimate)} for "
+            f"{len(algorithms)} kernels" + ("; smaller --seq/--head-dim/--batch/--heads run faster" if estimate >= 60 else ""))
+    return problem, notes
+
+
+def measure(problem, algorithm, repeats, variant=None) -> dict:
+    """One row: ``algorithm``'s kernel (or the ablation ``variant``'s, CUDA cores) on the problem:
+    error against float64, modelled traffic, shared memory and threads; on a GPU also the
+    median time, TFLOP/s and the compiled kernel's registers and occupancy."""
+    import warnings
+
+    from numba_flash.api import choose_tiles, forward
+    from numba_flash.simulator import SimulatorSlowWarning
+
+    p, mode, q, k, v, ref_o = (problem[key] for key in ("p", "mode", "q", "k", "v", "ref_o"))
+    B, H, Hkv, Nq, Nk, D = p["batch"], p["heads"], p["kv_heads"], p["seq"], p["seq_k"], p["head_dim"]
+    bm, bn = choose_tiles(mode, algorithm, D, p["dtype"], p["causal"], p["block_m"], p["block_n"])  # as attention does
+    spec = kernel_spec(algorithm, D, p["dtype"], bm, bn, p["causal"], mode)
+
+    def run():
+        return forward(q, k, v, causal=p["causal"], algorithm=algorithm, block_m=bm, block_n=bn,
+                       precision=p["precision"], variant=variant, num_splits=1 if variant is not None else None)
+
+    with warnings.catch_warnings():  # the estimate was said by setup
+        warnings.simplefilter("ignore", SimulatorSlowWarning)
+        o, _ = run()
+    sim = problem["sim"]
+    diff = o.double() - ref_o if p["dtype"] == "bfloat16" and not sim else o.astype(np.float64) - ref_o
+    row = dict(
+        algorithm=algorithm,
+        regime="CUDA cores (FFMA)" if mode == "ieee" else f"tensor cores ({_MMA_NAME[mode]})",
+        shape=f"B{B} H{H}/{Hkv} Nq{Nq} Nk{Nk} D{D}",
+        dtype=p["dtype"],
+        causal=p["causal"],
+        block_m=bm,
+        block_n=bn,
+        max_abs_err=float(abs(diff).max()),
+        rel_err=float(_norm(diff) / _norm(ref_o)),
+        modelled_bytes=traffic_bytes(algorithm, B, H, Hkv, Nq, Nk, D, bm, bn, p["dtype"], p["causal"],
+                                     tensor_cores=mode != "ieee", variant=variant),
+        smem_bytes=spec.smem_bytes,  # the driver's figure replaces it on a GPU
+        threads=spec.threads,
+        ms=None,
+        tflops=None,
+    )
+    if not sim:
+        from numba_flash.profiling.resources import compiled_resources
+
+        ms = median_ms(run, repeats=repeats)
+        row.update(ms=ms, tflops=tflops(problem["flops"], ms))
+        kernel = spec.kernel
+        if variant is not None:
+            from numba_flash.kernels.forward import forward_kernel
+            from numba_flash.kernels.fa1 import casts_output
+
+            kernel = forward_kernel(variant, D, bm, bn, p["causal"], False, False,
+                                    variant.loop_order == "kv_outer" and casts_output(p["dtype"]))
+        res = compiled_resources(kernel, spec.threads, spec.dynamic_smem)
+        row.update(res.as_dict())
+    return row
+
+
+def compare(args, progress=None):
+    """Run both algorithms on one problem; return (rows, notes) for :func:`format_table`.
+
+    ``progress``: called with a line per stage (the CLI prints them to stderr as they come)."""
+    import time
+
+    say = progress or (lambda line: None)
+    problem, notes = setup(args, say)
     rows = []
     for n, alg in enumerate(ALGORITHMS, 1):
         name = alg.upper().replace("FA", "FA-")
         started = time.perf_counter()
-        say(f"[{n}/{len(ALGORITHMS)}] {name}: {'simulating' if sim else 'compiling and checking against float64'} ...")
-        bm, bn = choose_tiles(mode, alg, D, p["dtype"], p["causal"], p["block_m"], p["block_n"])  # as attention does
-        spec = kernel_spec(alg, D, p["dtype"], bm, bn, p["causal"], mode)
-
-        def run(alg=alg, bm=bm, bn=bn):
-            return forward(q, k, v, causal=p["causal"], algorithm=alg, block_m=bm, block_n=bn, precision=p["precision"])
-
-        with warnings.catch_warnings():  # the estimate was said above, for both algorithms
-            warnings.simplefilter("ignore", SimulatorSlowWarning)
-            o, _ = run()
-        diff = o.double() - ref_o if p["dtype"] == "bfloat16" and not sim else o.astype(np.float64) - ref_o
-        row = dict(
-            algorithm=alg,
-            regime="CUDA cores (FFMA)" if mode == "ieee" else f"tensor cores ({_MMA_NAME[mode]})",
-            shape=f"B{B} H{H}/{Hkv} Nq{Nq} Nk{Nk} D{D}",
-            dtype=p["dtype"],
-            causal=p["causal"],
-            block_m=bm,
-            block_n=bn,
-            max_abs_err=float(abs(diff).max()),
-            rel_err=float(_norm(diff) / _norm(ref_o)),
-            modelled_bytes=traffic_bytes(alg, B, H, Hkv, Nq, Nk, D, bm, bn, p["dtype"], p["causal"], tensor_cores=mode != "ieee"),
-            smem_bytes=spec.smem_bytes,  # the driver's figure replaces it on a GPU
-            threads=spec.threads,
-        )
-        if not sim:
-            from numba_flash.profiling.resources import compiled_resources
-
-            say(f"[{n}/{len(ALGORITHMS)}] {name}: timing {args.repeats} runs ...")
-            ms = median_ms(run, repeats=args.repeats)
-            row.update(ms=ms, tflops=tflops(flops, ms))
-            res = compiled_resources(spec.kernel, spec.threads, spec.dynamic_smem)
-            row.update(res.as_dict())
+        say(f"[{n}/{len(ALGORITHMS)}] {name}: {'simulating' if problem['sim'] else 'compiling, checking against float64, timing'} ...")
+        row = measure(problem, alg, args.repeats)
+        for key in ("ms", "tflops"):  # compare's table shows timings only where there are some
+            if row[key] is None:
+                del row[key]
         rows.append(row)
         say(f"[{n}/{len(ALGORITHMS)}] {name}: done in {time.perf_counter() - started:.1f} s, relative error {row['rel_err']:.1e}")
-    if not sim:
+    if not problem["sim"]:
         say("timing the peers (CuPy matmul-softmax-matmul, PyTorch SDPA backends) ...")
-        notes.extend(_peers(q, k, v, p, flops, args.repeats))
+        q, k, v, p = problem["q"], problem["k"], problem["v"], problem["p"]
+        notes.extend(_peers(q, k, v, p, problem["flops"], args.repeats))
         fa1, fa2 = rows
         notes.append(f"FA-2 / FA-1 speed: {fa1['ms'] / fa2['ms']:.2f}x")
     return rows, notes
 
 
-def _simulated_seconds(q, k, v, p) -> float:
-    """The simulator's cost model for both algorithms on this problem (``api.simulated_seconds``)."""
+def _simulated_seconds(q, k, v, p, algorithms=ALGORITHMS) -> float:
+    """The simulator's cost model for these kernels on this problem (``api.simulated_seconds``)."""
     from numba_flash.api import _validate, simulated_seconds
 
     total = 0.0
-    for alg in ALGORITHMS:
+    for alg in algorithms:
         call = _validate(q, k, v, p["causal"], None, alg, p["block_m"], p["block_n"], p["precision"])
         total += simulated_seconds(call)
     return total

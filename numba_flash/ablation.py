@@ -1,0 +1,175 @@
+"""``numba-flash ablate``: every point of the FA-1 -> FA-2 space on the same inputs (issue 10).
+
+The variants are ``kernels.forward.Variant`` (loop order, grid, rescale, warp partition, O load
+placement); each is measured by ``compare.measure`` -- the harness ``compare`` uses -- and the
+rows gain the variant's switches, its grid size and its barriers per K/V tile. The *path* walks
+from FA-1 to FA-2 one factor at a time (grid, then rescale, then loop order); its waterfall
+(``--plot``) shows each step's share of the FA-2 / FA-1 speed-up on a GPU, or of the modelled
+traffic saving in the simulator (no timings there).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+from numba_flash.kernels.forward import FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, Variant
+
+SWITCHES = ("loop_order", "grid", "rescale", "warp_partition", "o_load")
+
+# FA-1 -> FA-2, one factor at a time: the order in which FlashAttention-2 section 3 argues them.
+PATH = (
+    FA1,
+    Variant("kv_outer", "heads_x_qtiles", "every_step"),  # + sequence parallelism (section 3.2)
+    Variant("kv_outer", "heads_x_qtiles", "deferred"),  # + fewer non-matmul FLOPs (section 3.1)
+    FA2,  # + Q outer: O, l, m on chip (Algorithm 1)
+)
+
+
+def all_variants() -> list[Variant]:
+    """Every point built: 2 loop orders x 2 grids x 2 rescales, and the O load placement of kv_outer."""
+    return [Variant(loop, grid, rescale, "split_q", o_load)
+            for loop, grid, rescale, o_load in itertools.product(LOOP_ORDERS, GRIDS, RESCALES, O_LOADS)
+            if loop == "kv_outer" or o_load == "at_update"]
+
+
+def parse_variant(text: str) -> Variant:
+    """``fa1``, ``fa2``, or the dash-joined switches of :attr:`Variant.name`
+    (``kv_outer-heads_x_qtiles-deferred-split_q-at_update``; trailing switches may be left out)."""
+    if text in ("fa1", "fa2"):
+        return FA1 if text == "fa1" else FA2
+    parts = text.split("-")
+    if not 3 <= len(parts) <= 5:
+        raise ValueError(f"a variant is fa1, fa2 or loop_order-grid-rescale[-warp_partition[-o_load]]; got {text!r}")
+    return Variant(*parts)
+
+
+def barriers_per_kv_tile(variant: Variant, n_q: int, n_k: int, block_m: int, block_n: int, causal: bool) -> float:
+    """Block-wide barriers per K/V tile a block visits, averaged over the blocks (the kernels'
+    ``cuda.syncthreads``): q_outer 3 per K/V tile; kv_outer 1 per K/V tile and 3 per Q tile
+    it updates with it."""
+    if variant.loop_order == "q_outer":
+        return 3.0
+    from numba_flash.profiling.traffic import _visible_counts
+
+    tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
+    n_kv = -(-n_k // block_n)
+    pairs = sum(n_tiles for _, n_tiles, _ in tiles)  # visited (Q tile, K/V tile) pairs of one head
+    if variant.grid == "heads":
+        return 1 + 3 * pairs / n_kv
+    return 1 + 3 * pairs / (n_kv * len(tiles))  # each block: every K/V tile, its one Q tile
+
+
+def ablate(args, progress=None):
+    """Measure ``args.variants`` (default: all) on one problem; returns ``(rows, notes)``."""
+    import time
+
+    from numba_flash.compare import _problem, measure, setup
+
+    say = progress or (lambda line: None)
+    variants = [parse_variant(v) for v in args.variants] if args.variants else all_variants()
+    for needed in PATH:  # the path's points are always measured
+        if needed not in variants:
+            variants.append(needed)
+    p = _problem(args)
+    if p["precision"] not in (None, "ieee") or (p["precision"] is None and p["dtype"] != "float32"):
+        raise ValueError("the ablation variants are CUDA-core kernels: pass --precision ieee for 16-bit dtypes")
+    args.precision = "ieee"
+    problem, notes = setup(args, say, algorithms=("fa1",) * len(variants))
+    rows = []
+    for n, variant in enumerate(variants, 1):
+        started = time.perf_counter()
+        algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
+        say(f"[{n}/{len(variants)}] {variant.name} ...")
+        row = measure(problem, algorithm, args.repeats, variant=variant)
+        B, H, Nq = p["batch"], p["heads"], p["seq"]
+        per_tile = variant.grid == "heads_x_qtiles"
+        row = {
+            **{key: getattr(variant, key) for key in SWITCHES},
+            "variant": variant.name,
+            **row,
+            "blocks": B * H * (-(-Nq // row["block_m"]) if per_tile else 1),
+            "barriers_per_kv_tile": barriers_per_kv_tile(variant, Nq, p["seq_k"], row["block_m"], row["block_n"], p["causal"]),
+        }
+        rows.append(row)
+        say(f"[{n}/{len(variants)}] {variant.name}: done in {time.perf_counter() - started:.1f} s, relative error {row['rel_err']:.1e}")
+    notes.extend(path_notes(rows))
+    return rows, notes
+
+
+def path_steps(rows) -> list[tuple[str, dict, dict]]:
+    """The PATH's steps as ``(factor, before, after)`` rows."""
+    by_name = {row["variant"]: row for row in rows}
+    steps = []
+    for before, after in zip(PATH, PATH[1:]):
+        factor = next(key for key in SWITCHES if getattr(before, key) != getattr(after, key))
+        steps.append((f"{factor}: {getattr(before, factor)} -> {getattr(after, factor)}", by_name[before.name], by_name[after.name]))
+    return steps
+
+
+def path_notes(rows) -> list[str]:
+    """One line per step of the path: its speed-up (GPU) and traffic change, and its share."""
+    steps = path_steps(rows)
+    timed = all(r["ms"] is not None for _, r0, r1 in steps for r in (r0, r1))
+    key = "ms" if timed else "modelled_bytes"
+    total = math.log(steps[0][1][key] / steps[-1][2][key]) if steps[0][1][key] and steps[-1][2][key] else 0.0
+    notes = [f"FA-1 -> FA-2 one factor at a time ({'median time' if timed else 'modelled traffic: no timings here'}):"]
+    for factor, r0, r1 in steps:
+        gain = r0[key] / r1[key] if r1[key] else float("inf")
+        share = math.log(gain) / total if total else float("nan")
+        notes.append(f"  {factor}: {gain:.2f}x ({share:.0%} of the whole)")
+    return notes
+
+
+def plot_waterfall(rows, path: str) -> str:
+    """The path as a waterfall (PNG at ``path``): each factor's log-share of the FA-2 / FA-1 gain."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    steps = path_steps(rows)
+    timed = all(r["ms"] is not None for _, r0, r1 in steps for r in (r0, r1))
+    key = "ms" if timed else "modelled_bytes"
+    gains = [math.log2(r0[key] / r1[key]) for _, r0, r1 in steps]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    bottom = 0.0
+    for i, ((factor, _, _), g) in enumerate(zip(steps, gains)):
+        ax.bar(i, g, bottom=bottom, color="tab:green" if g >= 0 else "tab:red")  # from the running total
+        ax.text(i, max(bottom, bottom + g) + 0.03, f"{2 ** g:.2f}x", ha="center", va="bottom", fontsize=8)
+        bottom += g
+    ax.bar(len(steps), bottom, color="tab:blue")
+    ax.text(len(steps), max(bottom, 0) + 0.03, f"{2 ** bottom:.2f}x", ha="center", va="bottom", fontsize=8)
+    ax.axhline(0, color="black", linewidth=0.6)
+    ax.set_xticks(range(len(steps) + 1), [f.replace(": ", "\n") for f, _, _ in steps] + ["FA-2 / FA-1"], fontsize=7)
+    ax.set_ylabel("log2 gain (" + ("time" if timed else "modelled traffic") + ")")
+    r = rows[0]
+    ax.set_title(f"FA-1 -> FA-2, one factor at a time: {r['shape']} {r['dtype']}{' causal' if r['causal'] else ''}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def format_ablation(rows, notes) -> str:
+    """One line per variant (its switches, error, time, traffic, grid, barriers, resources), then the notes."""
+    def cell(value, fmt):
+        return "n/a" if value is None else fmt.format(value)
+
+    header = ["loop order", "grid", "rescale", "O load", "rel err", "ms", "TFLOP/s", "model MB", "blocks",
+              "barriers / KV tile", "regs", "occupancy"]
+    lines = [header]
+    for r in rows:
+        lines.append([
+            r["loop_order"], r["grid"], r["rescale"], r["o_load"] if r["loop_order"] == "kv_outer" else "-",
+            f"{r['rel_err']:.1e}", cell(r["ms"], "{:.3f}"), cell(r["tflops"], "{:.2f}"),
+            f"{r['modelled_bytes'] / 1e6:.3f}", str(r["blocks"]), f"{r['barriers_per_kv_tile']:.1f}",
+            cell(r.get("regs"), "{}"), cell(r.get("occupancy"), "{:.0%}"),
+        ])
+    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
+    out = []
+    for n, line in enumerate(lines):
+        out.append("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
+        if n == 0:
+            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    return "\n".join(out + [""] + notes)
