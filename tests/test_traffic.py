@@ -4,12 +4,34 @@ from __future__ import annotations
 
 import pytest
 
-from numba_flash.profiling.traffic import dram_bytes, traffic_bytes
+from numba_flash.profiling.traffic import dram_bytes, traffic_breakdown, traffic_bytes
 
 
-def test_standard_attention_hand_count():
+def test_standard_attention_paper_hand_count():
     # B=1 H=1 Nq=Nk=4 D=2 float32: read Q,K,V 3*4*2*4 = 96; S,P passes 4*16*4 = 256; O 32.
-    assert traffic_bytes("standard", 1, 1, 1, 4, 4, 2, 1, 1) == 96 + 256 + 32
+    assert traffic_bytes("standard-paper", 1, 1, 1, 4, 4, 2, 1, 1) == 96 + 256 + 32
+
+
+def test_cupy_baseline_hand_count():
+    """What baselines.cupy_attention does, B=1 H=1 Nq=Nk=4 D=2 float32 (N d = 8 elements of 4 B = 32 B;
+    S = 16 elements = 64 B): Q, K, V each copied (read 32, write 32) and read by a matmul (32): 3 * 96;
+    S: matmul write, scale read+write, max read, S - m read+write, exp read+write, sum read, matmul
+    read = 10 passes = 640; O: matmul write 32, divide read+write 64, cast read+write 64."""
+    assert traffic_bytes("standard", 1, 1, 1, 4, 4, 2, 1, 1) == 3 * 96 + 640 + 160
+    # causal adds the mask's new array: read S and write it (128); GQA (H=2 on 1 KV head, float16):
+    # K repeated (read 16, write 32), widened (read 32, write 64), read by the matmul (64) = 208.
+    assert traffic_bytes("standard", 1, 1, 1, 4, 4, 2, 1, 1, causal=True) == 3 * 96 + 640 + 128 + 160
+    parts = traffic_breakdown("standard", 1, 2, 1, 4, 4, 2, 1, 1, "float16")
+    assert parts["k"] == parts["v"] == (16 + 32 + 64, 32 + 64)
+
+
+def test_cupy_baseline_model_matches_the_measured_dram_bytes():
+    """ncu's DRAM bytes of cupy_attention (docs/data/ncu_h200_2026-11-29.csv, B4 H16 D64 float32,
+    N = 1024, 2048, 4096): the pass-by-pass model within 7%, the paper's count at 0.40x."""
+    measured = {1024: 2739945472.0, 2048: 11062446592.0, 4096: 43809131520.0}
+    for n, dram in measured.items():
+        assert 0.99 < traffic_bytes("standard", 4, 16, 16, n, n, 64, 1, 1) / dram < 1.07
+        assert 0.39 < traffic_bytes("standard-paper", 4, 16, 16, n, n, 64, 1, 1) / dram < 0.42
 
 
 def test_fa2_hand_count():
