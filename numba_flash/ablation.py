@@ -3,7 +3,7 @@
 The variants are ``kernels.forward.Variant`` (loop order, grid, rescale, warp partition, O load
 placement); each is measured by ``compare.measure`` -- the harness ``compare`` uses -- and the
 rows gain the variant's switches, its grid size and its barriers per K/V tile. The *path* walks
-from FA-1 to FA-2 one factor at a time (grid, then rescale, then loop order); its waterfall
+from FA-1 to FA-2 one factor at a time (warp partition, grid, rescale, loop order); its waterfall
 (``--plot``) shows each step's share of the FA-2 / FA-1 speed-up on a GPU, or of the modelled
 traffic saving in the simulator (no timings there).
 """
@@ -13,13 +13,16 @@ from __future__ import annotations
 import itertools
 import math
 
-from numba_flash.kernels.forward import FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, Variant
+from numba_flash.kernels.forward import FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, WARP_PARTITIONS, Variant
 
 SWITCHES = ("loop_order", "grid", "rescale", "warp_partition", "o_load")
 
-# FA-1 -> FA-2, one factor at a time: the order in which FlashAttention-2 section 3 argues them.
+# FA-1 -> FA-2, one factor at a time: the order in which FlashAttention-2 section 3 argues them,
+# from FA-1 as that paper describes its warps (split-K, section 3.3; this project's FA-1 kernel
+# splits Q rows, as its register tiles do: the second point).
 PATH = (
-    FA1,
+    Variant("kv_outer", "heads", "every_step", "split_k"),  # FA-1 with split-K warps
+    FA1,  # + split-Q warps (section 3.3)
     Variant("kv_outer", "heads_x_qtiles", "every_step"),  # + sequence parallelism (section 3.2)
     Variant("kv_outer", "heads_x_qtiles", "deferred"),  # + fewer non-matmul FLOPs (section 3.1)
     FA2,  # + Q outer: O, l, m on chip (Algorithm 1)
@@ -27,9 +30,10 @@ PATH = (
 
 
 def all_variants() -> list[Variant]:
-    """Every point built: 2 loop orders x 2 grids x 2 rescales, and the O load placement of kv_outer."""
-    return [Variant(loop, grid, rescale, "split_q", o_load)
-            for loop, grid, rescale, o_load in itertools.product(LOOP_ORDERS, GRIDS, RESCALES, O_LOADS)
+    """Every point built: 2 loop orders x 2 grids x 2 rescales x 2 warp partitions, and the O
+    load placement of kv_outer (24)."""
+    return [Variant(loop, grid, rescale, warps, o_load)
+            for loop, grid, rescale, warps, o_load in itertools.product(LOOP_ORDERS, GRIDS, RESCALES, WARP_PARTITIONS, O_LOADS)
             if loop == "kv_outer" or o_load == "at_update"]
 
 
@@ -46,18 +50,20 @@ def parse_variant(text: str) -> Variant:
 
 def barriers_per_kv_tile(variant: Variant, n_q: int, n_k: int, block_m: int, block_n: int, causal: bool) -> float:
     """Block-wide barriers per K/V tile a block visits, averaged over the blocks (the kernels'
-    ``cuda.syncthreads``): q_outer 3 per K/V tile; kv_outer 1 per K/V tile and 3 per Q tile
-    it updates with it."""
+    ``cuda.syncthreads``): q_outer 3 per K/V tile (split_k: and one per Q tile, to merge at
+    the end, not counted); kv_outer 1 per K/V tile and 3 per Q tile it updates with it,
+    4 with split_k (the groups' states merged at every step)."""
     if variant.loop_order == "q_outer":
         return 3.0
     from numba_flash.profiling.traffic import _visible_counts
 
+    per_pair = 4 if variant.warp_partition == "split_k" else 3
     tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
     n_kv = -(-n_k // block_n)
     pairs = sum(n_tiles for _, n_tiles, _ in tiles)  # visited (Q tile, K/V tile) pairs of one head
     if variant.grid == "heads":
-        return 1 + 3 * pairs / n_kv
-    return 1 + 3 * pairs / (n_kv * len(tiles))  # each block: every K/V tile, its one Q tile
+        return 1 + per_pair * pairs / n_kv
+    return 1 + per_pair * pairs / (n_kv * len(tiles))  # each block: every K/V tile, its one Q tile
 
 
 def ablate(args, progress=None):

@@ -144,6 +144,14 @@ def forward(
     call["num_splits"] = check_num_splits(num_splits, algorithm)
     if variant is not None and call["regime"] != "ieee":
         raise ValueError(f"the ablation variants are CUDA-core kernels: {call['dtype']} inputs need precision='ieee'")
+    if variant is not None and variant.warp_partition == "split_k":
+        from numba_flash.kernels.forward import SPLIT_K_GROUPS
+
+        half = call["block_n"] // SPLIT_K_GROUPS
+        if call["block_n"] % SPLIT_K_GROUPS or half < 1:
+            raise ValueError(f"split_k gives each of its {SPLIT_K_GROUPS} warp groups block_n / {SPLIT_K_GROUPS} keys: "
+                             f"block_n={call['block_n']} does not divide")
+        check_tiles(call["q_shape"][3], call["block_m"], half)
     call["variant"] = variant if variant not in _NAMED_POINTS else None  # named points: their kernels
     ctx = ArrayContext(call["kind"], q)
     B, H, Nq, D = call["q_shape"]
@@ -485,7 +493,12 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None,
     lengths = ("in", seqlens) if ragged else ("own", _placeholder(1, "int32", ctx.device_id))
     arrays = [("in", q), ("in", k), ("in", v), *results, *state, ("own", order), lengths]
     tail = [np.int32(n_splits), np.int32(rows_per_query)]  # split-KV (kernels.kv_split)
-    threads = threads_per_block(D, bm, bn)
+    if variant is None:
+        threads = threads_per_block(D, bm, bn)
+    else:
+        from numba_flash.kernels.forward import variant_threads
+
+        threads = variant_threads(variant, D, bm, bn)
 
     def ordered(args):  # q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query
         return [*args[:8], q_scale, *args[8:], *tail]

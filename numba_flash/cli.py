@@ -90,7 +90,7 @@ def _parser() -> argparse.ArgumentParser:
     abl.add_argument("--precision", choices=["default", "ieee"], default="default",
                      help="the variants are CUDA-core kernels: ieee (default for float32; needed for 16-bit dtypes)")
     abl.add_argument("--variants", nargs="+", metavar="V",
-                     help="fa1, fa2 or loop_order-grid-rescale[-warp_partition[-o_load]] (default: all 12)")
+                     help="fa1, fa2 or loop_order-grid-rescale[-warp_partition[-o_load]] (default: all 24)")
     abl.add_argument("--plot", metavar="DIR", help="write the FA-1 -> FA-2 waterfall (PNG) here")
 
     occ = add("occupancy", "registers, shared memory and occupancy per tile configuration (GPU or ptxas)")

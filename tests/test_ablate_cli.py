@@ -40,7 +40,7 @@ def test_table_and_waterfall(capsys, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "kv_outer-everywhere-deferred"], "grid"),
-    (["--variants", "q_outer-heads-deferred-split_k"], "split_k is not built yet"),
+    (["--variants", "q_outer-heads-deferred-split_v"], "warp_partition"),
     (["--dtype", "float16"], "precision ieee"),
 ])
 def test_refusals(capsys, argv, message):
@@ -49,7 +49,7 @@ def test_refusals(capsys, argv, message):
 
 
 def test_space_parsing_and_barriers():
-    assert len(all_variants()) == 12 and parse_variant("fa1") is FA1 and parse_variant("fa2") is FA2
+    assert len(all_variants()) == 24 and parse_variant("fa1") is FA1 and parse_variant("fa2") is FA2
     assert parse_variant("kv_outer-heads_x_qtiles-deferred") == Variant("kv_outer", "heads_x_qtiles", "deferred")
     with pytest.raises(ValueError, match="a variant is"):
         parse_variant("kv_outer")
@@ -57,3 +57,4 @@ def test_space_parsing_and_barriers():
     assert barriers_per_kv_tile(FA2, 32, 32, 8, 8, False) == 3
     assert barriers_per_kv_tile(FA1, 32, 32, 8, 8, False) == 13
     assert barriers_per_kv_tile(Variant("kv_outer", "heads_x_qtiles", "every_step"), 32, 32, 8, 8, False) == 4
+    assert barriers_per_kv_tile(Variant("kv_outer", "heads", "every_step", "split_k"), 32, 32, 8, 8, False) == 17

@@ -284,11 +284,9 @@ def test_ignored_kv_tile_order_is_caught(monkeypatch, algorithm, case):
 def _all_variants():
     import itertools
 
-    from numba_flash.kernels.forward import GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, Variant
+    from numba_flash.ablation import all_variants
 
-    return [Variant(loop, grid, rescale, "split_q", o_load)
-            for loop, grid, rescale, o_load in itertools.product(LOOP_ORDERS, GRIDS, RESCALES, O_LOADS)
-            if loop == "kv_outer" or o_load == "at_update"]
+    return all_variants()
 
 
 @needs_simulator

@@ -14,21 +14,21 @@ from hypothesis import strategies as st
 
 from numba_flash import reference
 from numba_flash.api import forward
-from numba_flash.kernels.forward import FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, Variant
+from numba_flash.kernels.forward import FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, WARP_PARTITIONS, Variant
 
 ALL_VARIANTS = [
-    Variant(loop, grid, rescale, "split_q", o_load)
-    for loop, grid, rescale, o_load in itertools.product(LOOP_ORDERS, GRIDS, RESCALES, O_LOADS)
+    Variant(loop, grid, rescale, warps, o_load)
+    for loop, grid, rescale, warps, o_load in itertools.product(LOOP_ORDERS, GRIDS, RESCALES, WARP_PARTITIONS, O_LOADS)
     if loop == "kv_outer" or o_load == "at_update"
 ]
 
 
 def test_the_space_and_its_named_points():
-    assert len(ALL_VARIANTS) == 12 and FA1 in ALL_VARIANTS and FA2 in ALL_VARIANTS
+    assert len(ALL_VARIANTS) == 24 and FA1 in ALL_VARIANTS and FA2 in ALL_VARIANTS
     assert (FA1.name, FA2.name) == ("fa1", "fa2")
     assert Variant("q_outer", "heads", "every_step").name == "q_outer-heads-every_step-split_q-at_update"
-    with pytest.raises(ValueError, match="split_k is not built yet"):
-        Variant("q_outer", "heads", "deferred", "split_k")
+    with pytest.raises(ValueError, match="warp_partition"):
+        Variant("q_outer", "heads", "deferred", "split_v")
     with pytest.raises(ValueError, match="loop_order"):
         Variant("k_outer", "heads", "deferred")
     with pytest.raises(ValueError, match="o_load"):
@@ -44,7 +44,7 @@ def test_the_space_and_its_named_points():
     causal=st.booleans(),
     gqa=st.booleans(),
     permuted=st.booleans(),
-    tiles=st.sampled_from([(4, 4), (8, 4), (4, 8)]),
+    tiles=st.sampled_from([(4, 4), (8, 4), (4, 8), (8, 8)]),
     data=st.data(),
     seed=st.integers(0, 2**32 - 1),
 )
@@ -90,3 +90,10 @@ def test_variant_errors():
         forward(q, k, v, variant=Variant("kv_outer", "heads_x_qtiles", "deferred"), num_splits=2)
     o, _ = forward(q, k, v, variant=dict(loop_order="q_outer", grid="heads", rescale="every_step"), block_m=4, block_n=4)
     assert rel_err(o, reference.attention(q, k, v)[0]) < 2e-6
+
+
+def test_split_k_needs_block_n_the_groups_can_share():
+    rng = np.random.default_rng(3)
+    q, k, v = random_qkv(rng, 1, 1, 1, 4, 4, 8, "float32")
+    with pytest.raises(ValueError, match="split_k"):
+        forward(q, k, v, variant=Variant("q_outer", "heads", "deferred", "split_k"), block_m=4, block_n=1)

@@ -15,9 +15,12 @@ switch of this skeleton (:class:`Variant`), so that any one can be measured alon
 - ``o_load`` (``kv_outer`` only): where the previous O_i, l_i, m_i are read: ``"at_update"``
   (after P~_ij V_j is computed, just before they are needed) or ``"with_q"`` (with Q_i, as
   FA-1 line 8 lists them: the loads are in flight during S = Q K^T, at the cost of registers);
-- ``warp_partition``: ``"split_q"`` (every thread owns query rows of the tile, FA-2 section
-  3.3); ``"split_k"`` (warps splitting each K/V tile and merging their states) is not built
-  yet.
+- ``warp_partition``: ``"split_q"`` (each warp owns query rows of the tile and sees all of
+  K_j, V_j: FA-2 section 3.3) or ``"split_k"`` (the warps form ``SPLIT_K_GROUPS`` groups, each
+  with all rows of Q_i and its own part of every K/V tile; each group keeps its own (m, l, O)
+  and the groups' states are merged through shared memory with the merge of
+  ``numba_flash.online`` -- at the end of the walk for q_outer, at every step for kv_outer,
+  whose state goes to global memory after each step: the communication FA-2 removes).
 
 FA-1 and FA-2 are two named points (:data:`FA1`, :data:`FA2`): ``fa1.fa1_kernel`` and
 ``fa2.fa2_kernel`` are this skeleton at those points. The tile steps (loads, S, masking, row
@@ -50,7 +53,8 @@ from numba_flash.kernels.tiles import VEC, register_cap
 LOOP_ORDERS = ("kv_outer", "q_outer")
 GRIDS = ("heads", "heads_x_qtiles")
 RESCALES = ("every_step", "deferred")
-WARP_PARTITIONS = ("split_q",)
+WARP_PARTITIONS = ("split_q", "split_k")
+SPLIT_K_GROUPS = 2  # split_k: the warps of a block form this many groups, each on 1/groups of every K/V tile
 O_LOADS = ("at_update", "with_q")
 
 
@@ -69,8 +73,7 @@ class Variant:
                               ("warp_partition", WARP_PARTITIONS), ("o_load", O_LOADS)):
             value = getattr(self, name)
             if value not in allowed:
-                extra = " (split_k is not built yet)" if name == "warp_partition" else ""
-                raise ValueError(f"{name} must be one of {list(allowed)}{extra}; got {value!r}")
+                raise ValueError(f"{name} must be one of {list(allowed)}; got {value!r}")
         if self.loop_order == "q_outer" and self.o_load != "at_update":
             raise ValueError("o_load is a switch of the kv_outer loop order (q_outer keeps O on chip)")
 
@@ -101,22 +104,67 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
     PER_TILE = variant.grid == "heads_x_qtiles"
     EVERY_STEP = variant.rescale == "every_step"
     O_WITH_Q = variant.o_load == "with_q"
-    ops = tile_ops(D, BM, BN)  # the tile steps every variant shares
+    SPLIT_K = variant.warp_partition == "split_k"
+    KG = SPLIT_K_GROUPS if SPLIT_K else 1  # groups of warps splitting each K/V tile
+    BNG = BN // KG  # keys of a K/V tile per group
+    ops = tile_ops(D, BM, BNG, KG)  # the tile steps every variant shares (one group's layout)
     L = ops.layout
+    NT = L.threads  # threads of one group
     TM, TN, DG = L.rows_per_thread, L.cols_per_thread, L.dim_groups
     Q_FLOATS, K_FLOATS, V_FLOATS, P_FLOATS = L.q_floats, L.k_floats, L.v_floats, L.p_floats
-    SCRATCH = scratch_floats(TM, L.threads)
+    SCRATCH = scratch_floats(TM, NT * KG)
     ACC_COLS = VEC * DG  # output columns per thread
     KV_LOADS = L.kv_loads
     O_REGS = TM if O_WITH_Q else 1  # rows of the O_i read early (o_load="with_q")
+    STATE = TM * (2 + ACC_COLS)  # one thread's (m, l, O) of its rows, for the merge of split_k
+    MERGE_FLOATS = KG * NT * STATE if SPLIT_K else 1
+
+    @device_jit
+    def group_of_thread():
+        """The split_k group of this thread (0 for split_q)."""
+        if SPLIT_K:
+            return cuda.threadIdx.x // NT
+        return 0
+
+    @device_jit
+    def merge_groups(m, l_sum, acc, merge_s):
+        """split_k: the (m, l, O~) of every group's thread in this thread's position merged into
+        group 0's (``online.merge`` in log2 units: m = max, each side rescaled by exp2(m_g - m),
+        then added; an empty side, m = -inf, weighs 0). Every thread writes its state; after the
+        barrier group 0 reads the others'. All threads must call."""
+        grp = group_of_thread()
+        base = (grp * NT + cuda.threadIdx.x % NT) * STATE
+        for i in range(TM):
+            merge_s[base + i] = m[i]
+            merge_s[base + TM + i] = l_sum[i]
+            for c in range(ACC_COLS):
+                merge_s[base + 2 * TM + i * ACC_COLS + c] = acc[i, c]
+        cuda.syncthreads()  # every group's state is in shared memory
+        if grp == 0:
+            for g in range(1, KG):
+                other = (g * NT + cuda.threadIdx.x % NT) * STATE
+                for i in range(TM):
+                    m_g = merge_s[other + i]
+                    m_new = ops.nan_max(m[i], m_g)
+                    m_ref = ops.finite_or_zero(m_new)
+                    a_own = ops.exp2_diff(m[i], m_ref)
+                    a_g = ops.exp2_diff(m_g, m_ref)
+                    l_sum[i] = a_own * l_sum[i] + a_g * merge_s[other + TM + i]
+                    for c in range(ACC_COLS):
+                        acc[i, c] = a_own * acc[i, c] + a_g * merge_s[other + 2 * TM + i * ACC_COLS + c]
+                    m[i] = m_new
 
     @device_jit
     def walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob, n_q, n_k,
-                    n_kv_tiles, q_s, k_s, v_s, p_s, scratch, s, acc, tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg):
-        """FA-2 lines 4-15 for Q tile ``i_tile``: its whole K/V walk with O~, l, m on chip."""
+                    n_kv_tiles, q_s, k_s, v_s, p_s, scratch, s, acc, tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg,
+                    grp, key0, merge_s):
+        """FA-2 lines 4-15 for Q tile ``i_tile``: its whole K/V walk with O~, l, m on chip.
+        split_k: this thread's group ``grp`` walks keys ``key0 ..`` of every K/V tile (``k_s``,
+        ``v_s``, ``p_s``: its part), and the groups' states are merged at the end."""
         row0 = i_tile * BM
         # Line 4: load Q_i into shared memory (scaled into log2 units).
-        ops.load_q_tile(q, b, h, row0, n_q, q_scale, q_s)
+        if not SPLIT_K or grp == 0:  # (split_k: the groups share Q_i; one loads it)
+            ops.load_q_tile(q, b, h, row0, n_q, q_scale, q_s)
         # Line 5: O~ = 0, l = 0, m = -inf, on chip.
         ops.zero(acc)
         for i in range(TM):
@@ -138,12 +186,13 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
             if col0 > tile_last_key:
                 continue  # permuted order, causal: every score of this tile is masked
             cuda.syncthreads()  # everyone is done with the previous K_j, V_j and P~
-            ops.load_kv_tile(k, v, b, hk, col0, n_k, k_s, v_s, kv_reg)  # Line 7
+            colg = col0 + key0  # this group's keys of the tile (split_q: all of them)
+            ops.load_kv_tile(k, v, b, hk, colg, n_k, k_s, v_s, kv_reg)  # Line 7
             cuda.syncthreads()  # Q_i, K_j, V_j are in shared memory before anyone reads them
             ops.score_tile(q_s, k_s, s)  # Line 8: S_i^(j) = Q_i K_j^T
-            masked = ops.tile_needs_mask(col0, first_row_last_key)
+            masked = ops.tile_needs_mask(colg, first_row_last_key)
             if masked:
-                ops.mask_scores(s, col0, last_keys)
+                ops.mask_scores(s, colg, last_keys)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S_i^(j))).
             ops.row_max(s, tile_max, scratch)
             for i in range(TM):
@@ -165,7 +214,7 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                 for i in range(TM):
                     ops.rescale_row(acc, i, l_run[i])  # diag(l) O_i
                 cuda.syncthreads()  # P~ of every row is in shared memory
-                ops.pv_tile(p_s, v_s, acc, col0, last_keys, masked)  # + P~ V_j
+                ops.pv_tile(p_s, v_s, acc, colg, last_keys, masked)  # + P~ V_j
                 for i in range(TM):
                     l_new = l_run[i] + row_sums[i]
                     ops.rescale_row(acc, i, ops.reciprocal_or_zero(l_new))  # diag(l_new)^-1
@@ -174,15 +223,20 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                 for i in range(TM):
                     l_run[i] += row_sums[i]
                 cuda.syncthreads()  # P~ of every row is in shared memory
-                ops.pv_tile(p_s, v_s, acc, col0, last_keys, masked)  # Line 10: O~ += P~ V_j
+                ops.pv_tile(p_s, v_s, acc, colg, last_keys, masked)  # Line 10: O~ += P~ V_j
 
         if not EVERY_STEP:
             ops.allreduce_sum(l_run, scratch)  # l of each row: the sum of its threads' parts
+        if SPLIT_K:  # the groups' states (over their keys) merged into group 0's
+            if EVERY_STEP:
+                for i in range(TM):
+                    ops.rescale_row(acc, i, l_run[i])  # back to O~ = diag(l) O for the merge
+            merge_groups(m, l_run, acc, merge_s)
         for i in range(TM):
             row = row0 + ops.thread_row(i)
-            if row < n_q:
+            if row < n_q and grp == 0:
                 # Line 12: O_i = diag(l)^-1 O~ (every_step: O_i is normalised already)
-                inv_l = float32(1.0) if EVERY_STEP else ops.reciprocal_or_zero(l_run[i])
+                inv_l = float32(1.0) if EVERY_STEP and not SPLIT_K else ops.reciprocal_or_zero(l_run[i])
                 for g in range(DG):
                     for u in range(VEC):
                         d = ops.out_col(g, u)
@@ -221,11 +275,23 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
         n_k = valid_keys(seqlens, b, k.shape[2], RAGGED)
         n_kv_tiles = (n_k + BN - 1) // BN  # Tc
         first_of_row = ops.thread_col() == 0
+        grp = group_of_thread()  # split_k: this thread's group (its part of every K/V tile)
+        lead = grp == 0  # split_k: the group that holds the merged state (split_q: everyone)
 
         q_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
-        k_s = cuda.shared.array(K_FLOATS, float32, SMEM_ALIGN)
-        v_s = cuda.shared.array(V_FLOATS, float32, SMEM_ALIGN)
-        p_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
+        if SPLIT_K:  # each group its own part of K_j, V_j and its P~
+            k_all = cuda.shared.array(KG * K_FLOATS, float32, SMEM_ALIGN)
+            v_all = cuda.shared.array(KG * V_FLOATS, float32, SMEM_ALIGN)
+            p_all = cuda.shared.array(KG * P_FLOATS, float32, SMEM_ALIGN)
+            k_s = k_all[grp * K_FLOATS : (grp + 1) * K_FLOATS]
+            v_s = v_all[grp * V_FLOATS : (grp + 1) * V_FLOATS]
+            p_s = p_all[grp * P_FLOATS : (grp + 1) * P_FLOATS]
+        else:
+            k_s = cuda.shared.array(K_FLOATS, float32, SMEM_ALIGN)
+            v_s = cuda.shared.array(V_FLOATS, float32, SMEM_ALIGN)
+            p_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
+        merge_s = cuda.shared.array(MERGE_FLOATS, float32)  # split_k: the groups' states
+        key0 = grp * BNG  # this group's first key of a K/V tile
         scratch = cuda.shared.array(SCRATCH, float32)  # row reductions in the simulator only
         s = cuda.local.array((TM, TN), float32)
         acc = cuda.local.array((TM, ACC_COLS), float32)
@@ -244,7 +310,7 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
             for i_tile in range(i_first, i_end):
                 for i in range(TM):
                     row = i_tile * BM + ops.thread_row(i)
-                    if row < n_q:
+                    if row < n_q and lead:
                         for g in range(DG):
                             for u in range(VEC):
                                 d = ops.out_col(g, u)
@@ -258,7 +324,8 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                 j = kv_order[jj] if PERMUTED else jj
                 col0 = j * BN
                 cuda.syncthreads()  # everyone is done with the previous K_j, V_j
-                ops.load_kv_tile(k, v, b, hk, col0, n_k, k_s, v_s, kv_reg)  # Line 6
+                colg = col0 + key0  # this group's keys of the tile (split_q: all of them)
+                ops.load_kv_tile(k, v, b, hk, colg, n_k, k_s, v_s, kv_reg)  # Line 6
 
                 for i_tile in range(i_first, i_end):  # Line 7: for 1 <= i <= Tr
                     row0 = i_tile * BM
@@ -266,11 +333,12 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                     if col0 > ops.last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL):
                         continue
                     cuda.syncthreads()  # the previous Q_i and P~ are no longer read
-                    ops.load_q_tile(q, b, h, row0, n_q, q_scale, q_s)  # Line 8: load Q_i
+                    if lead:  # (split_k: the groups share Q_i; one loads it)
+                        ops.load_q_tile(q, b, h, row0, n_q, q_scale, q_s)  # Line 8: load Q_i
                     if O_WITH_Q:  # Line 8 as written: O_i, l_i, m_i with Q_i
                         for i in range(TM):
                             row = row0 + ops.thread_row(i)
-                            if row < n_q:
+                            if row < n_q and lead:
                                 l_run[i] = l_hbm[b, h, row]
                                 m[i] = m_hbm[b, h, row]
                                 for g in range(DG):
@@ -282,9 +350,9 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                     ops.score_tile(q_s, k_s, s)  # Line 9: S_ij = Q_i K_j^T
                     ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
                     first_row_last_key = ops.last_visible_key(row0, n_q, n_k, CAUSAL)
-                    masked = ops.tile_needs_mask(col0, first_row_last_key)
+                    masked = ops.tile_needs_mask(colg, first_row_last_key)
                     if masked:
-                        ops.mask_scores(s, col0, last_keys)
+                        ops.mask_scores(s, colg, last_keys)
                     # Line 10: m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij).
                     ops.row_max(s, tile_max, scratch)
                     for i in range(TM):
@@ -296,15 +364,17 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                         # thread overwrites them after it).
                         for i in range(TM):
                             row = row0 + ops.thread_row(i)
-                            if row < n_q:
+                            if row < n_q and lead:
                                 l_run[i] = l_hbm[b, h, row]
                                 m[i] = m_hbm[b, h, row]
                     cuda.syncthreads()  # P~_ij of every row is in shared memory
                     ops.zero(acc)
-                    ops.pv_tile(p_s, v_s, acc, col0, last_keys, masked)  # acc = P~_ij V_j
+                    ops.pv_tile(p_s, v_s, acc, colg, last_keys, masked)  # acc = P~_ij V_j
+                    if SPLIT_K:  # the groups' (m~, l~, P~V) over their keys, merged: the whole tile's
+                        merge_groups(tile_max, row_sums, acc, merge_s)
                     for i in range(TM):
                         row = row0 + ops.thread_row(i)
-                        if row < n_q and tile_max[i] != NEG_INF:  # else the tile adds nothing
+                        if row < n_q and lead and tile_max[i] != NEG_INF:  # else the tile adds nothing
                             # Line 11: m_new = max(m_i, m~_ij); l_new = e^{m_i-m_new} l_i + e^{m~_ij-m_new} l~_ij.
                             m_new = ops.nan_max(m[i], tile_max[i])
                             alpha_old = ops.exp2_diff(m[i], m_new)
@@ -336,7 +406,7 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
             for i_tile in range(i_first, i_end):
                 for i in range(TM):
                     row = i_tile * BM + ops.thread_row(i)
-                    if row < n_q:
+                    if row < n_q and lead:
                         if EVERY_STEP:
                             if CAST_OUT:
                                 for g in range(DG):
@@ -362,12 +432,22 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
             if PER_TILE:
                 walk_q_tile(i_first, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob, n_q,
                             n_k, n_kv_tiles, q_s, k_s, v_s, p_s, scratch, s, acc, tile_max, m_ref, row_sums, m, l_run,
-                            last_keys, kv_reg)
+                            last_keys, kv_reg, grp, key0, merge_s)
             else:
                 for i_tile in range(n_q_tiles):
                     cuda.syncthreads()  # the previous Q tile's last P~ and V_j are no longer read
                     walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob,
                                 n_q, n_k, n_kv_tiles, q_s, k_s, v_s, p_s, scratch, s, acc, tile_max, m_ref, row_sums, m,
-                                l_run, last_keys, kv_reg)
+                                l_run, last_keys, kv_reg, grp, key0, merge_s)
 
     return forward
+
+
+def variant_threads(variant: Variant, head_dim: int, block_m: int, block_n: int) -> int:
+    """Threads per block of ``variant``'s kernel: the tile layout's, times the groups of split_k
+    (each group has the layout of block_m x block_n / groups)."""
+    from numba_flash.kernels.tiles import threads_per_block
+
+    if variant.warp_partition == "split_k":
+        return SPLIT_K_GROUPS * threads_per_block(head_dim, block_m, block_n // SPLIT_K_GROUPS)
+    return threads_per_block(head_dim, block_m, block_n)

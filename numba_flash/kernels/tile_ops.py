@@ -61,26 +61,38 @@ def add(a, b):
 
 
 @functools.lru_cache(maxsize=None)
-def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
-    """Device functions for one (head_dim, block_m, block_n) specialisation (memoised)."""
+def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1) -> ModuleType:
+    """Device functions for one (head_dim, block_m, block_n) specialisation (memoised).
+
+    ``groups``: the block holds that many copies of the layout, one after the other (thread
+    ``t`` is thread ``t % threads`` of group ``t // threads``): the warps of a split-K block
+    (``kernels.forward``), each group on its own part of the K/V tile. 1: the whole block."""
     L = tile_layout(head_dim, block_m, block_n)
     D, BM, BN = head_dim, block_m, block_n
     TM, TX, TN = L.rows_per_thread, L.threads_per_row, L.cols_per_thread
     NT, DP, DG, CK = L.threads, L.padded_dim, L.dim_groups, L.key_chunk
     QS, KS, PS = L.q_stride, L.k_stride, L.p_stride  # padded row strides in shared memory
     TY = BM // TM  # thread rows
+    GROUPS = int(groups)
+
+    @device_jit
+    def tid():
+        """This thread's index in its group's layout."""
+        if GROUPS == 1:
+            return cuda.threadIdx.x
+        return cuda.threadIdx.x % NT
 
     @device_jit
     def thread_row(i):
         """Tile row of this thread's i-th query row: ``ty + (block_m / TM) * i``. The rows of
         one warp's threads are neighbours, so with the padded strides their 128-bit loads of
         Q_i and P~ fall in different banks."""
-        return cuda.threadIdx.x // TX + TY * i
+        return tid() // TX + TY * i
 
     @device_jit
     def thread_col():
         """This thread's position among the threads of its rows (tx)."""
-        return cuda.threadIdx.x % TX
+        return tid() % TX
 
     # Copies from global to shared memory (tiles.TileLayout.copy_*): CT threads span the
     # padded head dim, so a thread keeps one d (or D_PASSES of them) and steps over rows.
@@ -96,9 +108,9 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
         def make_fetch(checked):
             @device_jit
             def fetch_rows(x2, first, n_valid, scale, reg):
-                tid = cuda.threadIdx.x
-                c_base = tid // CT
-                d_base = tid - c_base * CT
+                t = tid()
+                c_base = t // CT
+                d_base = t - c_base * CT
                 for n in range(LOADS):
                     c = c_base + RP * (n // D_PASSES)
                     d = d_base + CT * (n % D_PASSES)
@@ -128,9 +140,9 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
 
         @device_jit
         def store(reg, x_s):
-            tid = cuda.threadIdx.x
-            c_base = tid // CT
-            d_base = tid - c_base * CT
+            t = tid()
+            c_base = t // CT
+            d_base = t - c_base * CT
             for n in range(LOADS):
                 c = c_base + RP * (n // D_PASSES)
                 d = d_base + CT * (n % D_PASSES)
@@ -203,8 +215,8 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
                 if col0 + tx + TX * j > last_keys[i]:
                     s[i, j] = float32(NEG_INF)
 
-    allreduce_max = row_allreduce(nan_max, TM, TX, NT)
-    allreduce_sum = row_allreduce(add, TM, TX, NT)
+    allreduce_max = row_allreduce(nan_max, TM, TX, NT * GROUPS)  # a row's threads: one group's, one warp's
+    allreduce_sum = row_allreduce(add, TM, TX, NT * GROUPS)
 
     @device_jit
     def row_max(s, out, scratch):
@@ -285,7 +297,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int) -> ModuleType:
 
     # A module object, so that kernels can call ``ops.score_tile(...)``: numba resolves
     # attributes of a module at compile time (it cannot do that for other objects).
-    ops = ModuleType(f"numba_flash.kernels.tile_ops_d{D}_m{BM}_n{BN}")
+    ops = ModuleType(f"numba_flash.kernels.tile_ops_d{D}_m{BM}_n{BN}" + (f"_g{GROUPS}" if GROUPS > 1 else ""))
     ops.layout = L
     for name, func in dict(
         nan_max=nan_max, thread_row=thread_row, thread_col=thread_col, load_q_tile=load_q_tile,
