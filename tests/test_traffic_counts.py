@@ -88,6 +88,8 @@ def expected_traces(algorithm, shape, block_m, block_n, causal, order, variant=N
                 trace = []
                 if kv_outer:  # K/V outer (line 5), Q inner (line 7)
                     for j in order:
+                        if per_tile and not sees(tiles[0], j):
+                            continue  # one Q tile per block: only the K/V tiles it sees
                         trace += [("k", b, hk, j), ("v", b, hk, j)]
                         trace += [("q", b, h, i) for i in tiles if sees(i, j)]
                 else:  # Q outer, K/V inner
@@ -314,3 +316,22 @@ def test_a_variant_that_runs_another_loop_nest_is_caught():
     assert_attention(q, k, v, o, lse, causal)
     with pytest.raises(AssertionError, match="counted"):
         check_loop_nest(launch, "fa1", shape, bm, bn, causal, order, variant=Variant("kv_outer", "heads", "every_step"))
+
+
+@needs_simulator
+def test_the_rescale_switch_of_q_outer_runs_its_own_code():
+    """every_step and deferred move the same bytes in the same order (q_outer); every_step sums
+    each tile's row sums across the row's threads at every step, deferred once at the end: in
+    the simulator each of those sums is two barriers, so the walks differ in barrier count."""
+    from numba_flash.kernels.forward import Variant
+
+    shape, bm, bn, causal, order = CASES["aligned"]
+    q, k, v = inputs(shape)
+    epochs = {}
+    for rescale in ("every_step", "deferred"):
+        variant = Variant("q_outer", "heads_x_qtiles", rescale)
+        launch, o, lse = run_counted("fa2", q, k, v, bm, bn, causal, order, variant=variant)
+        assert_attention(q, k, v, o, lse, causal)
+        epochs[rescale] = max(epoch for _, _, epoch, _ in launch.touched("o", "w"))
+    n_kv_tiles = -(-shape[4] // bn)
+    assert epochs["every_step"] - epochs["deferred"] == 2 * n_kv_tiles - 2

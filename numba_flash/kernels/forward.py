@@ -117,7 +117,11 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
     KV_LOADS = L.kv_loads
     O_REGS = TM if O_WITH_Q else 1  # rows of the O_i read early (o_load="with_q")
     STATE = TM * (2 + ACC_COLS)  # one thread's (m, l, O) of its rows, for the merge of split_k
-    MERGE_FLOATS = KG * NT * STATE if SPLIT_K else 1
+    MERGE_FLOATS = (KG - 1) * NT * STATE  # groups 1.. write their states, group 0 merges them
+    K_ALL, V_ALL, P_ALL = KG * K_FLOATS, KG * V_FLOATS, KG * P_FLOATS  # shared sizes: compile-time constants
+    # split_k: Q_i and the groups' P~ in one buffer, which the merge reuses once they are read
+    # (within the 48 KiB of static shared memory: D=64 64x32 46.6 KB, D=128 32x16 37.6 KB)
+    QP_FLOATS = max(Q_FLOATS + P_ALL, MERGE_FLOATS)
 
     @device_jit
     def group_of_thread():
@@ -130,19 +134,22 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
     def merge_groups(m, l_sum, acc, merge_s):
         """split_k: the (m, l, O~) of every group's thread in this thread's position merged into
         group 0's (``online.merge`` in log2 units: m = max, each side rescaled by exp2(m_g - m),
-        then added; an empty side, m = -inf, weighs 0). Every thread writes its state; after the
-        barrier group 0 reads the others'. All threads must call."""
+        then added; an empty side, m = -inf, weighs 0). Groups 1.. write their states into
+        ``merge_s`` (which aliases Q_i and P~: hence the first barrier); after the second, group 0
+        reads them. All threads must call."""
         grp = group_of_thread()
-        base = (grp * NT + cuda.threadIdx.x % NT) * STATE
-        for i in range(TM):
-            merge_s[base + i] = m[i]
-            merge_s[base + TM + i] = l_sum[i]
-            for c in range(ACC_COLS):
-                merge_s[base + 2 * TM + i * ACC_COLS + c] = acc[i, c]
+        cuda.syncthreads()  # everyone is done with Q_i and P~
+        if grp > 0:
+            base = ((grp - 1) * NT + cuda.threadIdx.x % NT) * STATE
+            for i in range(TM):
+                merge_s[base + i] = m[i]
+                merge_s[base + TM + i] = l_sum[i]
+                for c in range(ACC_COLS):
+                    merge_s[base + 2 * TM + i * ACC_COLS + c] = acc[i, c]
         cuda.syncthreads()  # every group's state is in shared memory
         if grp == 0:
             for g in range(1, KG):
-                other = (g * NT + cuda.threadIdx.x % NT) * STATE
+                other = ((g - 1) * NT + cuda.threadIdx.x % NT) * STATE
                 for i in range(TM):
                     m_g = merge_s[other + i]
                     m_new = ops.nan_max(m[i], m_g)
@@ -278,19 +285,21 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
         grp = group_of_thread()  # split_k: this thread's group (its part of every K/V tile)
         lead = grp == 0  # split_k: the group that holds the merged state (split_q: everyone)
 
-        q_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
-        if SPLIT_K:  # each group its own part of K_j, V_j and its P~
-            k_all = cuda.shared.array(KG * K_FLOATS, float32, SMEM_ALIGN)
-            v_all = cuda.shared.array(KG * V_FLOATS, float32, SMEM_ALIGN)
-            p_all = cuda.shared.array(KG * P_FLOATS, float32, SMEM_ALIGN)
+        if SPLIT_K:  # each group its own part of K_j, V_j and its P~; the merge reuses Q_i and P~
+            qp = cuda.shared.array(QP_FLOATS, float32, SMEM_ALIGN)
+            k_all = cuda.shared.array(K_ALL, float32, SMEM_ALIGN)
+            v_all = cuda.shared.array(V_ALL, float32, SMEM_ALIGN)
+            q_s = qp[:Q_FLOATS]
             k_s = k_all[grp * K_FLOATS : (grp + 1) * K_FLOATS]
             v_s = v_all[grp * V_FLOATS : (grp + 1) * V_FLOATS]
-            p_s = p_all[grp * P_FLOATS : (grp + 1) * P_FLOATS]
+            p_s = qp[Q_FLOATS + grp * P_FLOATS : Q_FLOATS + (grp + 1) * P_FLOATS]
+            merge_s = qp
         else:
+            q_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
             k_s = cuda.shared.array(K_FLOATS, float32, SMEM_ALIGN)
             v_s = cuda.shared.array(V_FLOATS, float32, SMEM_ALIGN)
             p_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
-        merge_s = cuda.shared.array(MERGE_FLOATS, float32)  # split_k: the groups' states
+            merge_s = q_s  # (not used)
         key0 = grp * BNG  # this group's first key of a K/V tile
         scratch = cuda.shared.array(SCRATCH, float32)  # row reductions in the simulator only
         s = cuda.local.array((TM, TN), float32)
@@ -320,9 +329,17 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                             l_hbm[b, h, row] = float32(0.0)
                             m_hbm[b, h, row] = float32(NEG_INF)
 
-            for jj in range(n_kv_tiles):  # Line 5: for 1 <= j <= Tc
+            # One Q tile per block (heads_x_qtiles): the K/V tiles it sees, as FA-2 walks them
+            # (causal: those past its last visible key are masked for every row of it).
+            own_last_key = ops.last_visible_key(min(i_first * BM + BM, n_q) - 1, n_q, n_k, CAUSAL)
+            n_kv_walk = n_kv_tiles
+            if PER_TILE and not PERMUTED:
+                n_kv_walk = max(0, min(n_kv_tiles, own_last_key // BN + 1))
+            for jj in range(n_kv_walk):  # Line 5: for 1 <= j <= Tc
                 j = kv_order[jj] if PERMUTED else jj
                 col0 = j * BN
+                if PER_TILE and col0 > own_last_key:
+                    continue  # permuted order, causal: the block's one Q tile sees nothing of K_j
                 cuda.syncthreads()  # everyone is done with the previous K_j, V_j
                 colg = col0 + key0  # this group's keys of the tile (split_q: all of them)
                 ops.load_kv_tile(k, v, b, hk, colg, n_k, k_s, v_s, kv_reg)  # Line 6
@@ -398,8 +415,8 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                                 l_hbm[b, h, row] = l_new
                                 m_hbm[b, h, row] = m_new
 
-            # Not needed for correctness (every value read below was written by the reading
-            # thread itself); kept, as in the kernel validated on the GPU.
+            # every_step: each value read below was written by the reading thread itself;
+            # deferred: every thread of a row reads l_i, which the row's first thread wrote.
             cuda.syncthreads()
             # Line 16: return O (normalised now if the rescale was deferred; cast to q's dtype
             # when O was kept in float32) and L = m + log l.

@@ -71,7 +71,7 @@ def traffic_breakdown(
     ``variant`` (a ``kernels.forward.Variant``, CUDA cores): a point of the ablation space
     instead of ``algorithm``'s named point. q_outer variants move FA-2's bytes whatever their
     grid and rescale; kv_outer variants FA-1's, except that one block per Q tile
-    (``heads_x_qtiles``) reads every K/V tile once per Q tile, ``o_load="with_q"`` reads O_i of
+    (``heads_x_qtiles``) reads the K/V tiles its Q tile sees once per Q tile (as FA-2 does), ``o_load="with_q"`` reads O_i of
     every row of a visited pair (not only of the rows the tile updates), and a deferred rescale
     reads l once more and, when O is the float32 output itself, reads and writes it once more
     (the final normalisation).
@@ -181,8 +181,9 @@ def _kv_outer_variant(variant, batch, heads, kv_heads, n_q, n_k, head_dim, block
     tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
     cast = e != F32 or tensor_cores
     o_role = "o_acc" if cast else "o"
-    if variant.grid == "heads_x_qtiles":  # every Q tile's block walks every K/V tile
-        out["k"] = out["v"] = (bh * len(tiles) * n_k * d * e, 0)
+    if variant.grid == "heads_x_qtiles":  # every Q tile's block walks the K/V tiles it sees
+        keys = sum(keys for _, _, keys in tiles)
+        out["k"] = out["v"] = (bh * keys * d * e, 0)
     if variant.o_load == "with_q":  # O_i of every row of a visited pair, read with Q_i
         extra = 0
         for j in range(-(-n_k // block_n)):
