@@ -93,14 +93,11 @@ def ablate(args, progress=None):
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
         say(f"[{n}/{len(variants)}] {variant.name} ...")
         row = measure(problem, algorithm, args.repeats, variant=variant)
-        B, H, Nq = p["batch"], p["heads"], p["seq"]
-        per_tile = variant.grid == "heads_x_qtiles"
         row = {
             **{key: getattr(variant, key) for key in SWITCHES},
             "variant": variant.name,
-            **row,
-            "blocks": B * H * (-(-Nq // row["block_m"]) if per_tile else 1),
-            "barriers_per_kv_tile": barriers_per_kv_tile(variant, Nq, p["seq_k"], row["block_m"], row["block_n"], p["causal"]),
+            **row,  # its blocks, threads and shared memory: the variant's launch specification
+            "barriers_per_kv_tile": barriers_per_kv_tile(variant, p["seq"], p["seq_k"], row["block_m"], row["block_n"], p["causal"]),
         }
         rows.append(row)
         say(f"[{n}/{len(variants)}] {variant.name}: done in {time.perf_counter() - started:.1f} s, relative error {row['rel_err']:.1e}")

@@ -452,6 +452,7 @@ def kernel_for(algorithm, head_dim, block_m, block_n, causal, dtype, permuted=Fa
 
 def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None, n_splits=1, rows_per_query=1) -> None:
     from numba_flash._cuda import cuda
+    from numba_flash.specs import kernel_spec
 
     B, H, Nq, D = call["q_shape"]
     bm, bn = call["block_m"], call["block_n"]
@@ -463,24 +464,15 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None,
         order = cuda.to_device(order, stream=ctx.stream())  # ordered before the launch
 
     ragged = seqlens is not None
-    variant = call.get("variant")
-    if variant is None:  # a named point: its own factory (fa1.fa1_kernel, fa2.fa2_kernel)
-        kernel = kernel_for(call["algorithm"], D, bm, bn, call["causal"], call["dtype"], permuted, ragged)
-        per_tile = call["algorithm"] == "fa2"
-        kv_outer = not per_tile
-    else:
-        from numba_flash.kernels.forward import forward_kernel
-
-        kv_outer = variant.loop_order == "kv_outer"
-        per_tile = variant.grid == "heads_x_qtiles"
-        kernel = forward_kernel(variant, D, bm, bn, call["causal"], permuted, ragged,
-                                kv_outer and casts_output(call["dtype"]))
+    # The kernel, grid and threads: the launch specification of this call (named point or variant).
+    spec = kernel_spec(call["algorithm"], D, call["dtype"], bm, bn, call["causal"], "ieee", ragged=ragged,
+                       permuted=permuted, variant=call.get("variant"))
+    kernel, grid, threads = spec.kernel, spec.grid(B, H, Nq, n_splits), spec.threads
     # The array arguments in the skeleton's order (kernels.forward): ("in", x) read, ("out", x)
     # written (both of the caller's kind), ("own", x) already numba's (placeholders, the order).
     unused4 = ("own", _placeholder((1, 1, 1, 1), "float32", ctx.device_id))
     unused3 = ("own", _placeholder((1, 1, 1), "float32", ctx.device_id))
-    grid = (B * H * (-(-Nq // bm) if per_tile else 1) * (1 if kv_outer else n_splits),)
-    if not kv_outer:
+    if not spec.kv_outer:
         state = [unused4, unused3, unused3]  # O, l, m stay on chip
         results = [("out", o), ("out", lse)]
     else:
@@ -493,12 +485,6 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None,
     lengths = ("in", seqlens) if ragged else ("own", _placeholder(1, "int32", ctx.device_id))
     arrays = [("in", q), ("in", k), ("in", v), *results, *state, ("own", order), lengths]
     tail = [np.int32(n_splits), np.int32(rows_per_query)]  # split-KV (kernels.kv_split)
-    if variant is None:
-        threads = threads_per_block(D, bm, bn)
-    else:
-        from numba_flash.kernels.forward import variant_threads
-
-        threads = variant_threads(variant, D, bm, bn)
 
     def ordered(args):  # q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query
         return [*args[:8], q_scale, *args[8:], *tail]

@@ -101,7 +101,7 @@ def measure(problem, algorithm, repeats, variant=None) -> dict:
     p, mode, q, k, v, ref_o = (problem[key] for key in ("p", "mode", "q", "k", "v", "ref_o"))
     B, H, Hkv, Nq, Nk, D = p["batch"], p["heads"], p["kv_heads"], p["seq"], p["seq_k"], p["head_dim"]
     bm, bn = choose_tiles(mode, algorithm, D, p["dtype"], p["causal"], p["block_m"], p["block_n"])  # as attention does
-    spec = kernel_spec(algorithm, D, p["dtype"], bm, bn, p["causal"], mode)
+    spec = kernel_spec(algorithm, D, p["dtype"], bm, bn, p["causal"], mode, variant=variant)
 
     def run():
         return forward(q, k, v, causal=p["causal"], algorithm=algorithm, block_m=bm, block_n=bn,
@@ -126,6 +126,7 @@ def measure(problem, algorithm, repeats, variant=None) -> dict:
                                      tensor_cores=mode != "ieee", variant=variant),
         smem_bytes=spec.smem_bytes,  # the driver's figure replaces it on a GPU
         threads=spec.threads,
+        blocks=spec.grid(B, H, Nq)[0],
         ms=None,
         tflops=None,
     )
@@ -134,14 +135,7 @@ def measure(problem, algorithm, repeats, variant=None) -> dict:
 
         ms = median_ms(run, repeats=repeats)
         row.update(ms=ms, tflops=tflops(problem["flops"], ms))
-        kernel = spec.kernel
-        if variant is not None:
-            from numba_flash.kernels.forward import forward_kernel
-            from numba_flash.kernels.fa1 import casts_output
-
-            kernel = forward_kernel(variant, D, bm, bn, p["causal"], False, False,
-                                    variant.loop_order == "kv_outer" and casts_output(p["dtype"]))
-        res = compiled_resources(kernel, spec.threads, spec.dynamic_smem)
+        res = compiled_resources(spec.kernel, spec.threads, spec.dynamic_smem)
         row.update(res.as_dict())
     return row
 

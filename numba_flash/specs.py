@@ -34,6 +34,22 @@ class KernelSpec:
     register_cap: int | None  # registers per thread the kernel is compiled under
     ragged: bool = False  # FA-2: reads a valid key count per batch (``decode``'s cache_seqlens)
     split_out: bool = False  # FA-2: writes float32 partials for the combine (num_splits > 1)
+    permuted: bool = False  # CUDA cores: walks the K/V tiles in a given order (``kv_tile_order``)
+    variant: object = None  # CUDA cores: a point of the ablation space (``kernels.forward.Variant``), not a named one
+
+    @property
+    def kv_outer(self) -> bool:
+        """The loop order: K/V tiles outside (FA-1's), the state O, l, m in global memory."""
+        if self.variant is not None:
+            return self.variant.loop_order == "kv_outer"
+        return self.algorithm == "fa1"
+
+    @property
+    def per_q_tile(self) -> bool:
+        """The grid: one block per Q tile (FA-2's), or per (batch, head)."""
+        if self.variant is not None:
+            return self.variant.grid == "heads_x_qtiles"
+        return self.algorithm == "fa2"
 
     @property
     def tensor_cores(self) -> bool:
@@ -45,10 +61,14 @@ class KernelSpec:
 
     def grid(self, batch: int, heads: int, n_q: int, n_splits: int = 1) -> tuple:
         """FA-1: one block per (batch, head); FA-2: one per Q tile of each (batch, head) and
-        split of the K/V tiles (``kernels.kv_split``)."""
-        if self.algorithm == "fa1":
-            return (batch * heads,)
-        return (-(-n_q // self.block_m) * batch * heads * n_splits,)
+        split of the K/V tiles (``kernels.kv_split``); a variant: by its grid and loop order
+        (only Q-outer walks split)."""
+        if self.tensor_cores or self.variant is None:
+            if self.algorithm == "fa1":
+                return (batch * heads,)
+            return (-(-n_q // self.block_m) * batch * heads * n_splits,)
+        tiles = -(-n_q // self.block_m) if self.per_q_tile else 1
+        return (batch * heads * tiles * (1 if self.kv_outer else n_splits),)
 
     @property
     def kernel(self):
@@ -64,10 +84,15 @@ class KernelSpec:
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
 
+        if self.variant is not None:
+            from numba_flash.kernels.forward import forward_kernel
+
+            return forward_kernel(self.variant, self.head_dim, self.block_m, self.block_n, self.causal, self.permuted,
+                                  self.ragged, self.kv_outer and casts_output(self.dtype))
         if self.algorithm == "fa2":
-            return KERNEL_FACTORIES["fa2"](self.head_dim, self.block_m, self.block_n, self.causal, False, self.ragged)
+            return KERNEL_FACTORIES["fa2"](self.head_dim, self.block_m, self.block_n, self.causal, self.permuted, self.ragged)
         return KERNEL_FACTORIES["fa1"](
-            self.head_dim, self.block_m, self.block_n, self.causal, False, casts_output(self.dtype)
+            self.head_dim, self.block_m, self.block_n, self.causal, self.permuted, casts_output(self.dtype)
         )
 
     def signature(self):
@@ -96,11 +121,19 @@ class KernelSpec:
 
 @functools.lru_cache(maxsize=1024)
 def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regime="ieee", ragged=False,
-                split_out=False) -> KernelSpec:
+                split_out=False, permuted=False, variant=None) -> KernelSpec:
     """The launch specification of one configuration (tiles as the caller gives them; ``api``
     checks them). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
     rounded up to its copy width. ``ragged`` and ``split_out`` (FA-2 only): a valid key count
-    per batch, and float32 partial outputs for the split-KV combine."""
+    per batch, and float32 partial outputs for the split-KV combine. ``permuted`` and
+    ``variant`` (CUDA cores): a given K/V tile order, and a point of the ablation space
+    (``algorithm`` then names its loop order's family: fa1 for kv_outer, fa2 for q_outer)."""
+    if variant is not None:
+        from numba_flash.kernels.forward import FA1, FA2
+
+        algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
+        if variant in (FA1, FA2):
+            variant = None  # a named point: its own factory
     ragged, split_out = bool(ragged) and algorithm == "fa2", bool(split_out) and algorithm == "fa2"
     if regime != "ieee":
         from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout, tc_register_cap
@@ -112,7 +145,14 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
                           cap, ragged, split_out)
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
+    threads, smem = threads_per_block(head_dim, block_m, block_n), smem_bytes(head_dim, block_m, block_n)
+    if variant is not None:
+        from numba_flash.kernels.forward import variant_smem_bytes, variant_threads
+
+        threads = variant_threads(variant, head_dim, block_m, block_n)
+        smem = variant_smem_bytes(variant, head_dim, block_m, block_n)
+        ragged = ragged and variant.loop_order == "q_outer"
     return KernelSpec(
-        algorithm, "ieee", head_dim, dtype, block_m, block_n, bool(causal), threads_per_block(head_dim, block_m, block_n),
-        smem_bytes(head_dim, block_m, block_n), 0, register_cap(head_dim), ragged, split_out,
+        algorithm, "ieee", head_dim, dtype, block_m, block_n, bool(causal), threads, smem, 0, register_cap(head_dim),
+        ragged, split_out, bool(permuted), variant,
     )

@@ -97,3 +97,22 @@ def test_split_k_needs_block_n_the_groups_can_share():
     q, k, v = random_qkv(rng, 1, 1, 1, 4, 4, 8, "float32")
     with pytest.raises(ValueError, match="split_k"):
         forward(q, k, v, variant=Variant("q_outer", "heads", "deferred", "split_k"), block_m=4, block_n=1)
+
+
+def test_each_variant_has_its_launch_specification():
+    """Grid, threads, shared memory, kernel and signature of a variant: one place (specs)."""
+    import inspect
+
+    from numba_flash.kernels.tiles import threads_per_block
+    from numba_flash.specs import kernel_spec
+
+    per_tile_split_k = Variant("kv_outer", "heads_x_qtiles", "deferred", "split_k")
+    spec = kernel_spec("fa2", 64, "float32", 64, 32, variant=per_tile_split_k)
+    assert spec.algorithm == "fa1" and spec.kv_outer and spec.per_q_tile  # the loop order's family
+    assert spec.grid(2, 3, 100, n_splits=4) == (2 * 3 * 2,)  # kv_outer does not split
+    assert spec.threads == 2 * threads_per_block(64, 64, 16)
+    assert spec.smem_bytes == 46592  # ptxas sm_90 reports the same (offline)
+    assert len(spec.signature()) == len(inspect.signature(spec.kernel.py_func).parameters)
+    per_head = kernel_spec("fa2", 64, "float32", 64, 32, variant=Variant("q_outer", "heads", "every_step"))
+    assert per_head.grid(2, 3, 100, n_splits=4) == (2 * 3 * 4,)
+    assert kernel_spec("fa1", 64, "float32", 64, 32, variant=FA2).variant is None  # a named point: fa2's own

@@ -468,3 +468,17 @@ def variant_threads(variant: Variant, head_dim: int, block_m: int, block_n: int)
     if variant.warp_partition == "split_k":
         return SPLIT_K_GROUPS * threads_per_block(head_dim, block_m, block_n // SPLIT_K_GROUPS)
     return threads_per_block(head_dim, block_m, block_n)
+
+
+def variant_smem_bytes(variant: Variant, head_dim: int, block_m: int, block_n: int) -> int:
+    """Static shared memory of ``variant``'s kernel (float32 tiles; split_k: each group's K/V and
+    P~ parts, Q_i and the P~ parts in one buffer that the merge reuses)."""
+    from numba_flash.kernels.tiles import VEC, smem_bytes, tile_layout
+
+    if variant.warp_partition != "split_k":
+        return smem_bytes(head_dim, block_m, block_n)
+    groups = SPLIT_K_GROUPS
+    layout = tile_layout(head_dim, block_m, block_n // groups)
+    state = layout.rows_per_thread * (2 + VEC * layout.dim_groups)
+    qp = max(layout.q_floats + groups * layout.p_floats, (groups - 1) * layout.threads * state)
+    return 4 * (qp + groups * (layout.k_floats + layout.v_floats))
