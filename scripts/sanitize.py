@@ -59,13 +59,15 @@ CASE_FAILED = "SANITIZE-CASE-FAILED"
 # ------------------------------------------------------------------------------------------
 
 
-def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False):
+def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, variants=False):
     """[(name, callable)] for every kernel configuration and shape; ``xp``: the array module
     the callables use (CuPy on a GPU; NumPy runs them in the simulator, for tests).
     ``split_kv``: only the split-KV cases (FA-2 with ``num_splits=3``, its combine, and
     ``decode`` on ragged caches), D 40 and 128."""
     if split_kv:
         return _split_kv_cases(precisions, xp)
+    if variants:
+        return _variant_cases(xp)
     cases = []
     for precision in precisions:
         dtypes, precision_arg = REGIMES[precision]
@@ -87,6 +89,23 @@ def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False):
                                             n_q=n_q, n_k=n_k, block_m=block_m, block_n=block_n,
                                             precision=precision_arg)
                                 cases.append((name, _case(spec, xp)))
+    return cases
+
+
+def _variant_cases(xp):
+    """Every point of the ablation space (kernels.forward), float32 and float16, causal or not,
+    on two awkward shapes, D 40."""
+    from numba_flash.ablation import all_variants
+
+    cases = []
+    for variant in all_variants():
+        for dtype in ("float32", "float16"):
+            for causal in (False, True):
+                for n_q, n_k in ((17, 33), (33, 17)):
+                    name = f"variant-{variant.name}-{dtype}-{'causal' if causal else 'full'}-D40-Nq{n_q}-Nk{n_k}"
+                    spec = dict(algorithm="fa2", dtype=dtype, causal=causal, head_dim=40, n_q=n_q, n_k=n_k,
+                                block_m=None, block_n=None, precision="ieee", num_splits=1, variant=variant)
+                    cases.append((name, _case(spec, xp)))
     return cases
 
 
@@ -118,7 +137,7 @@ def _decode_case(spec, xp):
         from numba_flash import reference
 
         arrays = xp or __import__("cupy")
-        rng = np.random.default_rng(zlib.crc32(repr(sorted(spec.items())).encode()))
+        rng = np.random.default_rng(zlib.crc32(repr(sorted((k, str(v)) for k, v in spec.items())).encode()))
         n_max, lens, D = 70, np.array([70, 23], np.int32), spec["head_dim"]
         host = [rng.standard_normal((BATCH, HEADS, spec["n_q"], D)).astype(spec["dtype"])]
         host += [rng.standard_normal((BATCH, KV_HEADS, n_max, D)).astype(spec["dtype"]) for _ in range(2)]
@@ -157,7 +176,7 @@ def _case(spec, xp):
         from numba_flash.api import forward
 
         arrays = xp or __import__("cupy")
-        rng = np.random.default_rng(zlib.crc32(repr(sorted(spec.items())).encode()))
+        rng = np.random.default_rng(zlib.crc32(repr(sorted((k, str(v)) for k, v in spec.items())).encode()))
         shapes = ((BATCH, HEADS, spec["n_q"], spec["head_dim"]), (BATCH, KV_HEADS, spec["n_k"], spec["head_dim"]))
         host = [rng.standard_normal(s).astype(spec["dtype"]) for s in (shapes[0], shapes[1], shapes[1])]
         q, k, v = (arrays.asarray(x) for x in host)
@@ -165,7 +184,7 @@ def _case(spec, xp):
         lse = arrays.full(q.shape[:3], np.nan, dtype=np.float32)
         forward(q, k, v, causal=spec["causal"], algorithm=spec["algorithm"], block_m=spec["block_m"],
                 block_n=spec["block_n"], precision=spec["precision"], out=out, lse_out=lse,
-                num_splits=spec.get("num_splits"))
+                num_splits=spec.get("num_splits"), variant=spec.get("variant"))
         if arrays is not np:
             arrays.cuda.Device().synchronize()
         got = out.get() if hasattr(out, "get") else np.asarray(out)
@@ -179,12 +198,13 @@ def _case(spec, xp):
     return run
 
 
-def run_child(names, precisions, tiles, split_kv=False) -> int:
+def run_child(names, precisions, tiles, split_kv=False, variants=False) -> int:
     """Run the cases (all, or those named) in this process; report each failure on stdout."""
     failures = 0
     selected = set(names or ())
     started = time.perf_counter()
-    cases = [(n, c) for n, c in build_cases(precisions, tiles, split_kv=split_kv) if not selected or n in selected]
+    cases = [(n, c) for n, c in build_cases(precisions, tiles, split_kv=split_kv, variants=variants)
+             if not selected or n in selected]
     for i, (name, case) in enumerate(cases, 1):
         if i == 1 or i % 20 == 0 or i == len(cases):
             print(f"{PROGRESS} case {i}/{len(cases)} ({time.perf_counter() - started:.0f} s): {name}", flush=True)
@@ -295,6 +315,8 @@ def run_tool(sanitizer, tool, args) -> Report:
     cmd += [sys.executable, os.path.abspath(__file__), "--child", "--precision", *args.precision, "--tiles", args.tiles]
     if args.split_kv:
         cmd.append("--split-kv")
+    if args.variants:
+        cmd.append("--variants")
     for name in args.case or ():
         cmd += ["--case", name]
     print(f"$ {' '.join(cmd)}", flush=True)
@@ -325,6 +347,8 @@ def parse_args(argv=None):
                     help="default tiles only, or also the extra CUDA-core layouts")
     ap.add_argument("--split-kv", action="store_true",
                     help="the split-KV cases instead (FA-2 with num_splits=3 and the combine; decode on ragged caches)")
+    ap.add_argument("--variants", action="store_true",
+                    help="the ablation variants instead (kernels.forward: every loop order, grid, rescale, warp partition, O load)")
     ap.add_argument("--case", action="append", metavar="NAME", help="run only this case (repeatable; see --list)")
     ap.add_argument("--list", action="store_true", help="print the case names and exit (no GPU needed)")
     ap.add_argument("--compute-sanitizer", metavar="PATH", help="the compute-sanitizer binary (default: PATH, then /usr/local/cuda/bin)")
@@ -336,11 +360,11 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
-        for name, _ in build_cases(args.precision, args.tiles, xp=False, split_kv=args.split_kv):
+        for name, _ in build_cases(args.precision, args.tiles, xp=False, split_kv=args.split_kv, variants=args.variants):
             print(name)
         return 0
     if args.child:
-        return run_child(args.case, args.precision, args.tiles, args.split_kv)
+        return run_child(args.case, args.precision, args.tiles, args.split_kv, args.variants)
     sanitizer = find_sanitizer(args.compute_sanitizer)
     if sanitizer is None:
         print("sanitize.py: compute-sanitizer not found (pass --compute-sanitizer PATH; it comes with the CUDA "

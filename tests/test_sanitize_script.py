@@ -124,3 +124,14 @@ def test_split_kv_cases_run_in_the_simulator(sanitize):
     assert any(n.startswith("decode-float16") for n in cases) and any("split3" in n for n in cases)
     for name in ("ieee-fa2-split3-float32-causal-D40-Nq17-Nk33-B2H4/2", "decode-float32-causal-D40-Nq3-ragged"):
         cases[name]()
+
+
+def test_variant_cases_run_in_the_simulator(sanitize):
+    """The ablation variants' cases check their own results (one of them, split_k, in the simulator)."""
+    from numba_flash._world import simulated
+
+    if not simulated():
+        pytest.skip("the script's child runs them on the GPU")
+    cases = dict(sanitize.build_cases(("ieee",), "default", xp=np, variants=True))
+    assert len(cases) == 24 * 8
+    cases["variant-kv_outer-heads_x_qtiles-deferred-split_k-with_q-float32-causal-D40-Nq17-Nk33"]()
