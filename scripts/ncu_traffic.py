@@ -171,7 +171,8 @@ def plot(results, out_dir):
         ax.set_ylabel("bytes moved (GB)")
         ax.set_title(f"DRAM traffic, B{BATCH} H{HEADS} D{HEAD_DIM} fp32, model vs ncu")
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # a sweep with no rows has nothing to label
+            ax.legend(fontsize=7)
         fig.tight_layout()
         path = os.path.join(out_dir, f"ncu_traffic_vs_{sweep}.png")
         fig.savefig(path, dpi=110)
