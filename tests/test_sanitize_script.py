@@ -127,11 +127,11 @@ def test_split_kv_cases_run_in_the_simulator(sanitize):
 
 
 def test_variant_cases_run_in_the_simulator(sanitize):
-    """The ablation variants' cases check their own results (one of them, split_k, in the simulator)."""
+    """The ablation variants' cases check their own results (one of them, in the simulator)."""
     from numba_flash._world import simulated
 
     if not simulated():
         pytest.skip("the script's child runs them on the GPU")
     cases = dict(sanitize.build_cases(("ieee",), "default", xp=np, variants=True))
     assert len(cases) == 24 * 8
-    cases["variant-kv_outer-heads_x_qtiles-deferred-split_k-with_q-float32-causal-D40-Nq17-Nk33"]()
+    cases["variant-q_outer-heads_x_qtiles-every_step-split_q-at_update-float32-causal-D40-Nq17-Nk33"]()
