@@ -230,7 +230,6 @@ def _narrow(x32, like, kind):
     return x32.to(like.dtype) if kind == "torch" else x32.astype(like.dtype)
 
 
-
 def simulated_seconds(call: dict) -> float:
     """About how long the simulator takes for a validated call (``simulator.estimate_seconds``)."""
     from numba_flash.simulator import estimate_seconds
