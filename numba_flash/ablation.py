@@ -164,15 +164,17 @@ def format_ablation(rows, notes) -> str:
     def cell(value, fmt):
         return "n/a" if value is None else fmt.format(value)
 
-    header = ["loop order", "grid", "rescale", "O load", "rel err", "ms", "TFLOP/s", "model MB", "blocks",
-              "barriers / KV tile", "regs", "occupancy"]
+    header = ["loop order", "grid", "rescale", "warps", "O load", "rel err", "ms", "TFLOP/s", "model MB", "DRAM MB (ncu)",
+              "blocks", "barriers / KV tile", "regs", "occupancy", "achieved (ncu)"]
     lines = [header]
     for r in rows:
+        dram = r.get("dram_bytes")
         lines.append([
-            r["loop_order"], r["grid"], r["rescale"], r["o_load"] if r["loop_order"] == "kv_outer" else "-",
+            r["loop_order"], r["grid"], r["rescale"], r["warp_partition"], r["o_load"] if r["loop_order"] == "kv_outer" else "-",
             f"{r['rel_err']:.1e}", cell(r["ms"], "{:.3f}"), cell(r["tflops"], "{:.2f}"),
-            f"{r['modelled_bytes'] / 1e6:.3f}", str(r["blocks"]), f"{r['barriers_per_kv_tile']:.1f}",
-            cell(r.get("regs"), "{}"), cell(r.get("occupancy"), "{:.0%}"),
+            f"{r['modelled_bytes'] / 1e6:.3f}", cell(None if dram is None else dram / 1e6, "{:.1f}"), str(r["blocks"]),
+            f"{r['barriers_per_kv_tile']:.1f}", cell(r.get("regs"), "{}"), cell(r.get("occupancy"), "{:.0%}"),
+            cell(r.get("achieved_occupancy"), "{:.0%}"),
         ])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = []
@@ -181,3 +183,71 @@ def format_ablation(rows, notes) -> str:
         if n == 0:
             out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
     return "\n".join(out + [""] + notes)
+
+
+def _ncu_problem_args(args) -> dict:
+    """The problem flags of ``args``, to rebuild the same inputs in the profiled process."""
+    keys = ("batch", "heads", "kv_heads", "seq", "seq_k", "head_dim", "causal", "dtype", "block_m", "block_n", "seed")
+    return {key: getattr(args, key) for key in keys}
+
+
+def ncu_target(plan_path: str) -> None:
+    """Inside ncu: the problem of the plan, then each variant once between marker kernels."""
+    import argparse
+    import json
+
+    from numba_flash.api import forward
+    from numba_flash.compare import setup
+    from numba_flash.profiling.ncu import marker
+
+    with open(plan_path) as f:
+        plan = json.load(f)
+    args = argparse.Namespace(**plan["args"], precision="ieee", repeats=1)
+    problem, _ = setup(args, lambda line: None)
+    p, q, k, v = problem["p"], problem["q"], problem["k"], problem["v"]
+    mark = marker()
+    sync = _synchronize(q)
+    for name in plan["variants"]:
+        variant = parse_variant(name)
+        algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
+        sync()
+        mark()
+        forward(q, k, v, causal=p["causal"], algorithm=algorithm, block_m=p["block_m"], block_n=p["block_n"],
+                precision="ieee", variant=variant, num_splits=1)
+        sync()
+    mark()
+    sync()
+
+
+def _synchronize(x):
+    import numpy as np
+
+    if isinstance(x, np.ndarray):  # the simulator: every launch has finished when it returns
+        return lambda: None
+    if type(x).__module__.startswith("torch"):
+        import torch
+
+        return torch.cuda.synchronize
+    import cupy
+
+    return cupy.cuda.Device().synchronize
+
+
+def add_ncu(rows, args, ncu: str, workdir: str) -> None:
+    """Measured DRAM bytes and achieved occupancy of every row's variant (Nsight Compute), run
+    in a child process under ``ncu``: ``dram_bytes``, ``achieved_occupancy`` added to the rows."""
+    import json
+    import os
+    import sys
+
+    from numba_flash.profiling.ncu import group_runs, run_ncu
+
+    os.makedirs(workdir, exist_ok=True)
+    plan_path = os.path.join(workdir, "ablate_ncu_plan.json")
+    with open(plan_path, "w") as f:
+        json.dump(dict(args=_ncu_problem_args(args), variants=[r["variant"] for r in rows]), f)
+    target = [sys.executable, "-c", f"from numba_flash.ablation import ncu_target; ncu_target({plan_path!r})"]
+    measured = group_runs(run_ncu(ncu, os.path.join(workdir, "ablate_ncu.csv"), target), rows)
+    for row, m in zip(rows, measured):
+        row["dram_bytes"] = m["dram_bytes"]
+        row["achieved_occupancy"] = m["achieved_occupancy"]

@@ -92,6 +92,10 @@ def _parser() -> argparse.ArgumentParser:
     abl.add_argument("--variants", nargs="+", metavar="V",
                      help="fa1, fa2 or loop_order-grid-rescale[-warp_partition[-o_load]] (default: all 24)")
     abl.add_argument("--plot", metavar="DIR", help="write the FA-1 -> FA-2 waterfall (PNG) here")
+    abl.add_argument("--ncu", nargs="?", const="ncu", metavar="NCU",
+                     help="also measure each variant's DRAM bytes and achieved occupancy with Nsight Compute "
+                          "(the ncu binary; GPU only)")
+    abl.add_argument("--ncu-dir", default="ablate-ncu", metavar="DIR", help="where --ncu writes its plan and raw CSV")
 
     occ = add("occupancy", "registers, shared memory and occupancy per tile configuration (GPU or ptxas)")
     occ.add_argument("--algorithm", nargs="+", default=["fa1", "fa2"], choices=["fa1", "fa2"], help="kernels to profile")
@@ -164,6 +168,15 @@ def _ablate(args) -> int:
     except (ValueError, TypeError) as exc:
         print(f"numba-flash ablate: error: {exc}", file=sys.stderr)
         return 2
+    if args.ncu:
+        from numba_flash._world import simulated
+        from numba_flash.ablation import add_ncu
+
+        if simulated():
+            print("numba-flash ablate: error: --ncu needs a GPU (Nsight Compute profiles real kernels)", file=sys.stderr)
+            return 2
+        print(f"numba-flash ablate: profiling {len(rows)} variants under {args.ncu} ...", file=sys.stderr, flush=True)
+        add_ncu(rows, args, args.ncu, args.ncu_dir)
     if args.json:
         print(json.dumps(rows, indent=2, default=_json_default))
         for note in notes:

@@ -18,16 +18,10 @@ import argparse
 import csv
 import json
 import os
-import subprocess
 import sys
 
-METRICS = (
-    "dram__bytes_read.sum",
-    "dram__bytes_write.sum",
-    "sm__warps_active.avg.pct_of_peak_sustained_active",
-    "gpu__time_duration.sum",
-)
-MARKER = "ncu_run_marker"
+from numba_flash.profiling.ncu import group_runs, parse_ncu_csv, run_ncu
+
 BATCH, HEADS, HEAD_DIM = 4, 16, 64
 
 
@@ -58,69 +52,27 @@ def run_target(runs):
     import numpy as np
 
     import numba_flash  # noqa: F401
-    from numba_flash._cuda import cuda
     from numba_flash.api import forward
     from numba_flash.baselines import cupy_attention
 
     import cupy as cp
 
-    @cuda.jit
-    def ncu_run_marker(x):
-        x[0] = 1
+    from numba_flash.profiling.ncu import marker
 
-    flag = cuda.device_array(1, dtype=np.int32)
+    ncu_run_marker = marker()
     rng = np.random.default_rng(0)
     for r in runs:
         shape = (BATCH, HEADS, r["seq"], HEAD_DIM)
         q, k, v = (cp.asarray(rng.standard_normal(shape, dtype=np.float32)) for _ in range(3))
         cp.cuda.Device().synchronize()
-        ncu_run_marker[1, 1](flag)
+        ncu_run_marker()
         if r["algorithm"] == "standard":
             cupy_attention(q, k, v)
         else:
             forward(q, k, v, algorithm=r["algorithm"], block_m=r["block_m"], block_n=r["block_n"])
         cp.cuda.Device().synchronize()
-    ncu_run_marker[1, 1](flag)
+    ncu_run_marker()
     cp.cuda.Device().synchronize()
-
-
-def parse_ncu_csv(text):
-    """Kernel rows (name, metric -> float) in launch order from ``ncu --csv --page raw``."""
-    rows = list(csv.reader(line for line in text.splitlines() if line.startswith('"')))
-    header = rows[0]
-    name_col, id_col = header.index("Kernel Name"), header.index("ID")
-    kernels = []
-    for row in rows[1:]:
-        if len(row) != len(header) or not row[id_col].isdigit():
-            continue  # the units row, or a truncated line
-        values = {}
-        for m in METRICS:
-            if m in header:
-                cell = row[header.index(m)].replace(",", "")
-                values[m] = float(cell) if cell not in ("", "n/a") else 0.0
-        kernels.append((row[name_col], values))
-    return kernels
-
-
-def group_runs(kernels, runs):
-    """Split the kernel list at the markers; one group of kernels per planned run."""
-    groups, current = [], None
-    for name, values in kernels:
-        if MARKER in name:
-            if current is not None:
-                groups.append(current)
-            current = []
-        elif current is not None:
-            current.append(values)
-    if len(groups) != len(runs):
-        raise RuntimeError(f"found {len(groups)} marked runs in the ncu output, planned {len(runs)}")
-    out = []
-    for run, ks in zip(runs, groups):
-        dram = sum(k.get("dram__bytes_read.sum", 0) + k.get("dram__bytes_write.sum", 0) for k in ks)
-        time_ns = sum(k.get("gpu__time_duration.sum", 0) for k in ks)
-        occ = sum(k.get(METRICS[2], 0) * k.get("gpu__time_duration.sum", 0) for k in ks)
-        out.append(dict(run, kernels=len(ks), dram_bytes=dram, achieved_occupancy=occ / time_ns / 100 if time_ns else 0.0, time_ms=time_ns / 1e6))
-    return out
 
 
 def add_model(results, l2_bytes):
@@ -200,12 +152,9 @@ def main(argv=None):
     with open(plan_path, "w") as f:
         json.dump(runs, f)
     raw = os.path.join(a.out, "ncu_raw.csv")
-    cmd = [a.ncu, "--clock-control", "none", "--metrics", ",".join(METRICS), "--csv", "--page", "raw",
-           "--log-file", raw, sys.executable, os.path.abspath(__file__), "--target", "--plan", plan_path]
-    print(" ".join(cmd), file=sys.stderr, flush=True)
-    subprocess.run(cmd, check=True)
-    with open(raw) as f:
-        results = group_runs(parse_ncu_csv(f.read()), runs)
+    target = [sys.executable, os.path.abspath(__file__), "--target", "--plan", plan_path]
+    print(f"profiling {len(runs)} runs under {a.ncu} ...", file=sys.stderr, flush=True)
+    results = group_runs(run_ncu(a.ncu, raw, target), runs)
     import cupy
 
     l2 = cupy.cuda.runtime.getDeviceProperties(0)["l2CacheSize"]

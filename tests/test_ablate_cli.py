@@ -58,3 +58,53 @@ def test_space_parsing_and_barriers():
     assert barriers_per_kv_tile(FA1, 32, 32, 8, 8, False) == 13
     assert barriers_per_kv_tile(Variant("kv_outer", "heads_x_qtiles", "every_step"), 32, 32, 8, 8, False) == 4
     assert barriers_per_kv_tile(Variant("kv_outer", "heads", "every_step", "split_k"), 32, 32, 8, 8, False) == 17
+
+
+def test_ncu_needs_a_gpu(capsys):
+    assert main(["ablate", "--variants", "fa1", "--seq", "8", "--head-dim", "4", "--block-m", "4", "--block-n", "4",
+                 "--ncu"]) == 2
+    assert "--ncu needs a GPU" in capsys.readouterr().err
+
+
+def test_ncu_plan_and_command(tmp_path, monkeypatch):
+    """What --ncu runs, without ncu: the plan holds the problem and the variants, the target is
+    the ablation's ncu_target, and the measured figures land in the rows by marked run."""
+    import numba_flash.profiling.ncu as ncu
+    from numba_flash.ablation import add_ncu
+
+    seen = {}
+
+    def fake_run_ncu(binary, log_file, target):
+        seen.update(binary=binary, target=target)
+        kernels = []
+        for i in range(2):
+            kernels.append((ncu.MARKER, {}))
+            kernels.append(("forward", {"dram__bytes_read.sum": 100.0 * (i + 1), "dram__bytes_write.sum": 1.0,
+                                        ncu.METRICS[2]: 50.0, "gpu__time_duration.sum": 10.0}))
+        kernels.append((ncu.MARKER, {}))
+        return kernels
+
+    monkeypatch.setattr(ncu, "run_ncu", fake_run_ncu)
+
+    class Args:
+        batch, heads, kv_heads, seq, seq_k, head_dim = 1, 2, None, 16, None, 8
+        causal, dtype, block_m, block_n, seed = True, "float32", 8, 8, 0
+
+    rows = [dict(variant="fa1"), dict(variant="fa2")]
+    add_ncu(rows, Args, "my-ncu", str(tmp_path))
+    assert seen["binary"] == "my-ncu" and "ncu_target" in seen["target"][-1]
+    plan = json.loads((tmp_path / "ablate_ncu_plan.json").read_text())
+    assert plan["variants"] == ["fa1", "fa2"] and plan["args"]["causal"] is True
+    assert [r["dram_bytes"] for r in rows] == [101.0, 201.0] and rows[0]["achieved_occupancy"] == 0.5
+
+
+def test_ncu_target_runs_the_planned_variants(tmp_path):
+    """The process ncu profiles, run here in the simulator: the plan's problem, each variant once."""
+    from numba_flash.ablation import ncu_target
+
+    plan = dict(args=dict(batch=1, heads=1, kv_heads=None, seq=8, seq_k=None, head_dim=4, causal=False,
+                          dtype="float32", block_m=4, block_n=4, seed=0),
+                variants=["fa1", "q_outer-heads-deferred-split_k"])
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(plan))
+    ncu_target(str(path))  # raises if a variant or the problem cannot run
