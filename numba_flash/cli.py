@@ -144,45 +144,50 @@ def main(argv=None) -> int:
         return _ablate(args)
     from numba_flash.compare import compare, format_table
 
-    try:
-        rows, notes = compare(args, progress=lambda line: print(f"numba-flash compare: {line}", file=sys.stderr, flush=True))
-    except (ValueError, TypeError) as exc:  # a problem the kernels refuse, said in one line
-        print(f"numba-flash compare: error: {exc}", file=sys.stderr)
+    result = _measure_rows("compare", compare, args)
+    if result is None:
         return 2
+    _print_rows(*result, args, format_table)
+    return 0
+
+
+def _measure_rows(command, run, args):
+    """``run(args, progress)`` with its stages on stderr; ``None`` after a one-line error for a
+    problem the kernels refuse."""
+    try:
+        return run(args, progress=lambda line: print(f"numba-flash {command}: {line}", file=sys.stderr, flush=True))
+    except (ValueError, TypeError) as exc:  # a problem the kernels refuse, said in one line
+        print(f"numba-flash {command}: error: {exc}", file=sys.stderr)
+        return None
+
+
+def _print_rows(rows, notes, args, format_rows) -> None:
+    """The rows as JSON (notes on stderr) or as the command's table with its notes."""
     if args.json:
         print(json.dumps(rows, indent=2, default=_json_default))
         for note in notes:
             print(note, file=sys.stderr)
     else:
-        print(format_table(rows, notes))
-    return 0
+        print(format_rows(rows, notes))
 
 
 def _ablate(args) -> int:
     import os
 
-    from numba_flash.ablation import ablate, format_ablation, plot_waterfall
+    from numba_flash._world import simulated
+    from numba_flash.ablation import ablate, add_ncu, format_ablation, plot_waterfall
 
-    try:
-        rows, notes = ablate(args, progress=lambda line: print(f"numba-flash ablate: {line}", file=sys.stderr, flush=True))
-    except (ValueError, TypeError) as exc:
-        print(f"numba-flash ablate: error: {exc}", file=sys.stderr)
+    if args.ncu and simulated():
+        print("numba-flash ablate: error: --ncu needs a GPU (Nsight Compute profiles real kernels)", file=sys.stderr)
         return 2
+    result = _measure_rows("ablate", ablate, args)
+    if result is None:
+        return 2
+    rows, notes = result
     if args.ncu:
-        from numba_flash._world import simulated
-        from numba_flash.ablation import add_ncu
-
-        if simulated():
-            print("numba-flash ablate: error: --ncu needs a GPU (Nsight Compute profiles real kernels)", file=sys.stderr)
-            return 2
         print(f"numba-flash ablate: profiling {len(rows)} variants under {args.ncu} ...", file=sys.stderr, flush=True)
         add_ncu(rows, args, args.ncu, args.ncu_dir)
-    if args.json:
-        print(json.dumps(rows, indent=2, default=_json_default))
-        for note in notes:
-            print(note, file=sys.stderr)
-    else:
-        print(format_ablation(rows, notes))
+    _print_rows(rows, notes, args, format_ablation)
     if args.plot:
         os.makedirs(args.plot, exist_ok=True)
         path = plot_waterfall(rows, os.path.join(args.plot, "ablation_waterfall.png"))
