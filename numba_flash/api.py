@@ -388,16 +388,22 @@ def choose_tiles(mode, algorithm, head_dim, dtype, causal, block_m=None, block_n
     return int(block_m), int(block_n)
 
 
+def check_like(x, name, shape, dtype, kind) -> None:
+    """``x`` must be an array of the inputs' library, of this shape and dtype (``TypeError`` /
+    ``ValueError`` naming it)."""
+    if kind_of(x) != kind:
+        raise TypeError(f"{name} must be an array of the inputs' library ({kind})")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {tuple(x.shape)}")
+    if dtype_name(x, kind) != dtype:
+        raise TypeError(f"{name} must be {dtype}; got {dtype_name(x, kind)}")
+
+
 def _check_out(buf, name, shape, dtype, kind) -> None:
     """A caller's result buffer must match: same library, shape, dtype, C-contiguous."""
     if buf is None:
         return
-    if kind_of(buf) != kind:
-        raise TypeError(f"{name} must be an array of the inputs' library ({kind})")
-    if tuple(buf.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}; got {tuple(buf.shape)}")
-    if dtype_name(buf, kind) != dtype:
-        raise TypeError(f"{name} must be {dtype}; got {dtype_name(buf, kind)}")
+    check_like(buf, name, shape, dtype, kind)
     if kind == "numpy" and not buf.dtype.isnative:
         raise ValueError(f"{name} must be in the machine's byte order; got {buf.dtype.str}")
     contiguous = buf.is_contiguous() if kind == "torch" else buf.flags.c_contiguous

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, as_cupy_view, dtype_name, kind_of
+from numba_flash.arrays import ArrayContext, as_cupy_view
 
 ALGORITHMS = ("fa1", "fa2")
 
@@ -61,14 +61,9 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
     kind = call["kind"]
     B, H, Nq, D = call["q_shape"]
     Hkv, Nk = int(k.shape[1]), call["n_k"]
-    for name, x, shape, dtype in (("do", do, (B, H, Nq, D), call["dtype"]), ("o", o, (B, H, Nq, D), call["dtype"]),
-                                  ("lse", lse, (B, H, Nq), "float32")):
-        if kind_of(x) != kind:
-            raise TypeError(f"{name} must be an array of the inputs' library ({kind})")
-        if tuple(x.shape) != shape:
-            raise ValueError(f"{name} must have shape {shape}; got {tuple(x.shape)}")
-        if dtype_name(x, kind) != dtype:
-            raise TypeError(f"{name} must be {dtype}; got {dtype_name(x, kind)}")
+    api.check_like(do, "do", (B, H, Nq, D), call["dtype"], kind)
+    api.check_like(o, "o", (B, H, Nq, D), call["dtype"], kind)
+    api.check_like(lse, "lse", (B, H, Nq), "float32", kind)
     ctx = ArrayContext(kind, q)
     with ctx.on_device():
         dq, dk, dv = (ctx.empty(tuple(x.shape), call["dtype"]) for x in (q, k, v))

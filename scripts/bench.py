@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
-import importlib.metadata
 import itertools
 import os
 import shlex
@@ -432,24 +431,13 @@ def run_plan(plan, args: argparse.Namespace, meta: dict, out_dir: Path) -> list[
 
 def environment(argv: list[str], args: argparse.Namespace) -> dict:
     """The header of bench.md: command, date, GPU, versions, method."""
-    import cupy as cp
-    import numba
-
-    def version(dist):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
+    from numba_flash.profiling.run_info import gpu_name, versions
 
     return {
         "command": "`" + shlex.join(["python", os.path.relpath(__file__), *argv]) + "`",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "GPU": gpu_name(),
-        "versions": (
-            f"numba_flash {numba_flash.__version__}, numba {numba.__version__}, "
-            f"numba-cuda {version('numba-cuda')}, cupy {cp.__version__}, torch {version('torch')}, "
-            f"CUDA runtime {cp.cuda.runtime.runtimeGetVersion()}, driver {cp.cuda.runtime.driverGetVersion()}"
-        ),
+        "versions": versions(),
         "timing": (
             f"median of {args.repeats} runs ({args.long_repeats} for the long-context row) by CUDA events, "
             f"after untimed warm-up runs (compilation never timed); "
@@ -460,13 +448,6 @@ def environment(argv: list[str], args: argparse.Namespace) -> dict:
             f"(all heads while the float64 scores fit {REF_BUDGET_BYTES / 1e9:.0f} GB, else as marked)"
         ),
     }
-
-
-def gpu_name() -> str:
-    import cupy as cp
-
-    name = cp.cuda.runtime.getDeviceProperties(0)["name"]
-    return name.decode() if isinstance(name, bytes) else name
 
 
 # ----------------------------------------------------------------------- outputs

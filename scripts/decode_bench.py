@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import importlib.metadata
 import json
 import math
 import os
@@ -656,29 +655,15 @@ def write_plots(rows: list[dict], out_dir: Path, gpu: str, peak_tbs: float) -> l
 
 def environment(argv: list[str], args: argparse.Namespace) -> dict:
     """The run's header: command, date, device, versions, method."""
-    import numba
-
-    def version(dist):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            return "not installed"
-
-    import numba_flash
+    from numba_flash.profiling.run_info import gpu_name, versions
 
     meta = {
         "command": "`" + shlex.join(["python", "scripts/decode_bench.py", *argv]) + "`",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "GPU": "none: Numba's CUDA simulator (timings null)" if args.simulate else gpu_name(),
     }
-    versions = f"numba_flash {numba_flash.__version__}, numba {numba.__version__}, numba-cuda {version('numba-cuda')}"
-    if not args.simulate:
-        import cupy as cp
-
-        versions += (f", cupy {cp.__version__}, torch {version('torch')}, CUDA runtime "
-                     f"{cp.cuda.runtime.runtimeGetVersion()}, driver {cp.cuda.runtime.driverGetVersion()}")  # fmt: skip
     meta.update(
-        versions=versions,
+        versions=versions(gpu=not args.simulate),
         bandwidth=(f"K/V TB/s = 2*B*Hkv*N*D*itemsize (bytes of K and V) / median time, peers rated on the same "
                    f"bytes; % of a {args.peak_tbs:g} TB/s peak; io_tbs (JSON) adds q and o"),
         timing=("none: the simulator's times mean nothing (ms, TB/s null)" if args.simulate else
@@ -688,13 +673,6 @@ def environment(argv: list[str], args: argparse.Namespace) -> dict:
         vs_best_sdpa="time of the fastest SDPA backend / time of numba_flash (> 1: numba_flash faster)",
     )  # fmt: skip
     return meta
-
-
-def gpu_name() -> str:
-    import cupy as cp
-
-    name = cp.cuda.runtime.getDeviceProperties(0)["name"]
-    return name.decode() if isinstance(name, bytes) else name
 
 
 # ---------------------------------------------------------------------------------- main
