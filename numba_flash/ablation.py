@@ -149,7 +149,8 @@ def plot_waterfall(rows, path: str) -> str:
     ax.bar(len(steps), bottom, color="tab:blue")
     ax.text(len(steps), max(bottom, 0) + 0.03, f"{2 ** bottom:.2f}x", ha="center", va="bottom", fontsize=8)
     ax.axhline(0, color="black", linewidth=0.6)
-    ax.set_xticks(range(len(steps) + 1), [f.replace(": ", "\n") for f, _, _ in steps] + ["FA-2 / FA-1"], fontsize=7)
+    ax.set_xticks(range(len(steps) + 1), [f.replace(": ", "\n").replace(" -> ", "\n-> ") for f, _, _ in steps]
+                  + ["FA-2 /\nFA-1 with\nsplit-K warps"], fontsize=7)
     ax.set_ylabel("log2 gain (" + ("time" if timed else "modelled traffic") + ")")
     r = rows[0]
     ax.set_title(f"FA-1 -> FA-2, one factor at a time: {r['shape']} {r['dtype']}{' causal' if r['causal'] else ''}", fontsize=9)
@@ -165,7 +166,8 @@ def format_ablation(rows, notes) -> str:
         return "n/a" if value is None else fmt.format(value)
 
     header = ["loop order", "grid", "rescale", "warps", "O load", "rel err", "ms", "TFLOP/s", "model MB", "DRAM MB (ncu)",
-              "blocks", "barriers / KV tile", "regs", "occupancy", "achieved (ncu)"]
+              "blocks", "barriers / KV tile", "regs", "occupancy", "achieved (ncu)", "smem ld+st M inst (ncu)",
+              "barrier stall (ncu)"]
     lines = [header]
     for r in rows:
         dram = r.get("dram_bytes")
@@ -175,6 +177,8 @@ def format_ablation(rows, notes) -> str:
             f"{r['modelled_bytes'] / 1e6:.3f}", cell(None if dram is None else dram / 1e6, "{:.1f}"), str(r["blocks"]),
             f"{r['barriers_per_kv_tile']:.1f}", cell(r.get("regs"), "{}"), cell(r.get("occupancy"), "{:.0%}"),
             cell(r.get("achieved_occupancy"), "{:.0%}"),
+            cell(None if r.get("shared_ld") is None else (r["shared_ld"] + r["shared_st"]) / 1e6, "{:.1f}"),
+            cell(r.get("barrier_stall"), "{:.0%}"),
         ])
     widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
     out = []
@@ -235,19 +239,30 @@ def _synchronize(x):
 
 def add_ncu(rows, args, ncu: str, workdir: str) -> None:
     """Measured DRAM bytes and achieved occupancy of every row's variant (Nsight Compute), run
-    in a child process under ``ncu``: ``dram_bytes``, ``achieved_occupancy`` added to the rows."""
+    in a child process under ``ncu``: ``dram_bytes``, ``achieved_occupancy`` added to the rows,
+    and ``shared_ld``, ``shared_st``, ``barrier_stall`` (``ncu.WARP_METRICS``) where this ncu
+    knows those metrics (else the run is repeated without them, said on stderr)."""
     import json
     import os
     import sys
 
-    from numba_flash.profiling.ncu import group_runs, run_ncu
+    import subprocess
+
+    from numba_flash.profiling.ncu import METRICS, WARP_METRICS, group_runs, run_ncu
 
     os.makedirs(workdir, exist_ok=True)
     plan_path = os.path.join(workdir, "ablate_ncu_plan.json")
     with open(plan_path, "w") as f:
         json.dump(dict(args=_ncu_problem_args(args), variants=[r["variant"] for r in rows]), f)
     target = [sys.executable, "-c", f"from numba_flash.ablation import ncu_target; ncu_target({plan_path!r})"]
-    measured = group_runs(run_ncu(ncu, os.path.join(workdir, "ablate_ncu.csv"), target), rows)
-    for row, m in zip(rows, measured):
-        row["dram_bytes"] = m["dram_bytes"]
-        row["achieved_occupancy"] = m["achieved_occupancy"]
+    log_file = os.path.join(workdir, "ablate_ncu.csv")
+    try:
+        kernels = run_ncu(ncu, log_file, target, metrics=(*METRICS, *WARP_METRICS))
+    except subprocess.CalledProcessError:
+        print("numba-flash ablate: ncu refused the shared-memory and barrier metrics; profiling again without them",
+              file=sys.stderr, flush=True)
+        kernels = run_ncu(ncu, log_file, target)
+    for row, m in zip(rows, group_runs(kernels, rows)):
+        for key in ("dram_bytes", "achieved_occupancy", "shared_ld", "shared_st", "barrier_stall"):
+            if key in m:
+                row[key] = m[key]

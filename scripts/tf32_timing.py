@@ -33,21 +33,9 @@ def log(msg):
 
 
 def median_ms(fn, reps=REPS, warmup=WARMUP):
-    import cupy as cp
+    from numba_flash.profiling.timing import median_ms as shared_median_ms
 
-    for _ in range(warmup):
-        fn()
-    cp.cuda.Device().synchronize()
-    times = []
-    for _ in range(reps):
-        start, stop = cp.cuda.Event(), cp.cuda.Event()
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        times.append(cp.cuda.get_elapsed_time(start, stop))
-    times.sort()
-    return times[len(times) // 2]
+    return shared_median_ms(fn, warmup=warmup, repeats=reps)
 
 
 def reference_head(q, k, v, causal):

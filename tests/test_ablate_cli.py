@@ -74,13 +74,15 @@ def test_ncu_plan_and_command(tmp_path, monkeypatch):
 
     seen = {}
 
-    def fake_run_ncu(binary, log_file, target):
-        seen.update(binary=binary, target=target)
+    def fake_run_ncu(binary, log_file, target, metrics=ncu.METRICS):
+        seen.update(binary=binary, target=target, metrics=metrics)
         kernels = []
         for i in range(2):
             kernels.append((ncu.MARKER, {}))
             kernels.append(("forward", {"dram__bytes_read.sum": 100.0 * (i + 1), "dram__bytes_write.sum": 1.0,
-                                        ncu.METRICS[2]: 50.0, "gpu__time_duration.sum": 10.0}))
+                                        ncu.METRICS[2]: 50.0, "gpu__time_duration.sum": 10.0,
+                                        ncu.WARP_METRICS[0]: 7.0 * (i + 1), ncu.WARP_METRICS[1]: 1.0,
+                                        ncu.WARP_METRICS[2]: 20.0}))
         kernels.append((ncu.MARKER, {}))
         return kernels
 
@@ -96,6 +98,36 @@ def test_ncu_plan_and_command(tmp_path, monkeypatch):
     plan = json.loads((tmp_path / "ablate_ncu_plan.json").read_text())
     assert plan["variants"] == ["fa1", "fa2"] and plan["args"]["causal"] is True
     assert [r["dram_bytes"] for r in rows] == [101.0, 201.0] and rows[0]["achieved_occupancy"] == 0.5
+    assert set(ncu.WARP_METRICS) <= set(seen["metrics"])
+    assert [r["shared_ld"] for r in rows] == [7.0, 14.0] and rows[1]["barrier_stall"] == 0.2
+
+
+def test_ncu_without_warp_metrics_profiles_again(tmp_path, monkeypatch):
+    """An ncu that refuses the shared-memory/barrier metrics: the run is repeated with the base
+    metrics and the rows get DRAM bytes and occupancy only."""
+    import subprocess
+
+    import numba_flash.profiling.ncu as ncu
+    from numba_flash.ablation import add_ncu
+
+    calls = []
+
+    def fake_run_ncu(binary, log_file, target, metrics=ncu.METRICS):
+        calls.append(tuple(metrics))
+        if ncu.WARP_METRICS[0] in metrics:
+            raise subprocess.CalledProcessError(1, [binary])
+        return [(ncu.MARKER, {}), ("forward", {"dram__bytes_read.sum": 5.0, "gpu__time_duration.sum": 1.0}), (ncu.MARKER, {})]
+
+    monkeypatch.setattr(ncu, "run_ncu", fake_run_ncu)
+
+    class Args:
+        batch, heads, kv_heads, seq, seq_k, head_dim = 1, 2, None, 16, None, 8
+        causal, dtype, block_m, block_n, seed = False, "float32", 8, 8, 0
+
+    rows = [dict(variant="fa2")]
+    add_ncu(rows, Args, "ncu", str(tmp_path))
+    assert calls == [(*ncu.METRICS, *ncu.WARP_METRICS), ncu.METRICS]
+    assert rows[0]["dram_bytes"] == 5.0 and "shared_ld" not in rows[0]
 
 
 def test_ncu_target_runs_the_planned_variants(tmp_path):

@@ -3,7 +3,9 @@
 A *target* process launches each run framed by a tiny marker kernel; ``ncu --csv --page raw``
 profiles every kernel; :func:`group_runs` splits ncu's kernel list at the markers and sums each
 run's ``dram__bytes_read.sum + dram__bytes_write.sum`` and its duration-weighted achieved
-occupancy (``sm__warps_active.avg.pct_of_peak_sustained_active``). Used by
+occupancy (``sm__warps_active.avg.pct_of_peak_sustained_active``); asked for them, also the
+warps' shared-memory load and store instructions and the share of warps stalled at a barrier
+(:data:`WARP_METRICS`: what split-K costs over split-Q). Used by
 ``scripts/ncu_traffic.py`` (the traffic model against ncu) and ``numba-flash ablate --ncu``.
 """
 
@@ -17,6 +19,12 @@ METRICS = (
     "dram__bytes_write.sum",
     "sm__warps_active.avg.pct_of_peak_sustained_active",
     "gpu__time_duration.sum",
+)
+# Inside the SM: shared-memory instructions (warp level) and barrier stalls (``syncthreads``).
+WARP_METRICS = (
+    "smsp__inst_executed_op_shared_ld.sum",
+    "smsp__inst_executed_op_shared_st.sum",
+    "smsp__warp_issue_stalled_barrier_per_warp_active.pct",
 )
 MARKER = "ncu_run_marker"
 
@@ -39,15 +47,15 @@ def marker():
     return launch
 
 
-def ncu_command(ncu: str, log_file: str, target: list[str]) -> list[str]:
+def ncu_command(ncu: str, log_file: str, target: list[str], metrics=METRICS) -> list[str]:
     """The ncu command line that profiles ``target`` (an argv) into ``log_file`` (CSV)."""
-    return [ncu, "--clock-control", "none", "--metrics", ",".join(METRICS), "--csv", "--page", "raw",
+    return [ncu, "--clock-control", "none", "--metrics", ",".join(metrics), "--csv", "--page", "raw",
             "--log-file", log_file, *target]
 
 
-def run_ncu(ncu: str, log_file: str, target: list[str]) -> list:
+def run_ncu(ncu: str, log_file: str, target: list[str], metrics=METRICS) -> list:
     """Run ``target`` under ncu; its kernels as (name, metric -> float), in launch order."""
-    subprocess.run(ncu_command(ncu, log_file, target), check=True)
+    subprocess.run(ncu_command(ncu, log_file, target, metrics), check=True)
     with open(log_file) as f:
         return parse_ncu_csv(f.read())
 
@@ -62,7 +70,7 @@ def parse_ncu_csv(text):
         if len(row) != len(header) or not row[id_col].isdigit():
             continue  # the units row, or a truncated line
         values = {}
-        for m in METRICS:
+        for m in (*METRICS, *WARP_METRICS):
             if m in header:
                 cell = row[header.index(m)].replace(",", "")
                 values[m] = float(cell) if cell not in ("", "n/a") else 0.0
@@ -72,7 +80,9 @@ def parse_ncu_csv(text):
 
 def group_runs(kernels, runs):
     """Split the kernel list at the markers; one group of kernels per planned run, each the run
-    dict with ``kernels``, ``dram_bytes``, ``achieved_occupancy`` and ``time_ms`` added."""
+    dict with ``kernels``, ``dram_bytes``, ``achieved_occupancy`` and ``time_ms`` added (and,
+    where ncu measured :data:`WARP_METRICS`, ``shared_ld``, ``shared_st`` warp instructions and
+    ``barrier_stall``, the time-weighted share of active warps stalled at a barrier)."""
     groups, current = [], None
     for name, values in kernels:
         if MARKER in name:
@@ -88,6 +98,11 @@ def group_runs(kernels, runs):
         dram = sum(k.get("dram__bytes_read.sum", 0) + k.get("dram__bytes_write.sum", 0) for k in ks)
         time_ns = sum(k.get("gpu__time_duration.sum", 0) for k in ks)
         occ = sum(k.get(METRICS[2], 0) * k.get("gpu__time_duration.sum", 0) for k in ks)
-        out.append(dict(run, kernels=len(ks), dram_bytes=dram, achieved_occupancy=occ / time_ns / 100 if time_ns else 0.0,
-                        time_ms=time_ns / 1e6))
+        row = dict(run, kernels=len(ks), dram_bytes=dram, achieved_occupancy=occ / time_ns / 100 if time_ns else 0.0,
+                   time_ms=time_ns / 1e6)
+        if any(WARP_METRICS[0] in k for k in ks):
+            stall = sum(k.get(WARP_METRICS[2], 0) * k.get("gpu__time_duration.sum", 0) for k in ks)
+            row.update(shared_ld=sum(k.get(WARP_METRICS[0], 0) for k in ks), shared_st=sum(k.get(WARP_METRICS[1], 0) for k in ks),
+                       barrier_stall=stall / time_ns / 100 if time_ns else 0.0)
+        out.append(row)
     return out
