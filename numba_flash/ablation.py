@@ -1,7 +1,7 @@
 """``numba-flash ablate``: every point of the FA-1 -> FA-2 space on the same inputs (issue 10).
 
 The variants are ``kernels.forward.Variant`` (loop order, grid, rescale, warp partition, O load
-placement); each is measured by ``compare.measure`` -- the harness ``compare`` uses -- and the
+placement); each is measured by ``harness.measure`` -- the harness ``compare`` uses -- and the
 rows gain the variant's switches, its grid size and its barriers per K/V tile. The *path* walks
 from FA-1 to FA-2 one factor at a time (warp partition, grid, rescale, loop order); its waterfall
 (``--plot``) shows each step's share of the FA-2 / FA-1 speed-up on a GPU, or of the modelled
@@ -14,6 +14,7 @@ import itertools
 import math
 
 from numba_flash.kernels.forward import FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, WARP_PARTITIONS, Variant
+from numba_flash.report import markdown_table, shape_label
 
 SWITCHES = ("loop_order", "grid", "rescale", "warp_partition", "o_load")
 
@@ -70,7 +71,8 @@ def ablate(args, progress=None):
     """Measure ``args.variants`` (default: all) on one problem; returns ``(rows, notes)``."""
     import time
 
-    from numba_flash.compare import _problem, measure, setup
+    from numba_flash.compare import _problem, setup
+    from numba_flash.harness import measure
 
     say = progress or (lambda line: None)
     variants = [parse_variant(v) for v in args.variants] if args.variants else all_variants()
@@ -153,7 +155,7 @@ def plot_waterfall(rows, path: str) -> str:
                   + ["FA-2 /\nFA-1 with\nsplit-K warps"], fontsize=7)
     ax.set_ylabel("log2 gain (" + ("time" if timed else "modelled traffic") + ")")
     r = rows[0]
-    ax.set_title(f"FA-1 -> FA-2, one factor at a time: {r['shape']} {r['dtype']}{' causal' if r['causal'] else ''}", fontsize=9)
+    ax.set_title(f"FA-1 -> FA-2, one factor at a time: {shape_label(r)} {r['dtype']}{' causal' if r['causal'] else ''}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
@@ -168,25 +170,19 @@ def format_ablation(rows, notes) -> str:
     header = ["loop order", "grid", "rescale", "warps", "O load", "rel err", "ms", "TFLOP/s", "model MB", "DRAM MB (ncu)",
               "blocks", "barriers / KV tile", "regs", "occupancy", "achieved (ncu)", "smem ld+st M inst (ncu)",
               "barrier stall (ncu)"]
-    lines = [header]
+    body = []
     for r in rows:
         dram = r.get("dram_bytes")
-        lines.append([
+        body.append([
             r["loop_order"], r["grid"], r["rescale"], r["warp_partition"], r["o_load"] if r["loop_order"] == "kv_outer" else "-",
             f"{r['rel_err']:.1e}", cell(r["ms"], "{:.3f}"), cell(r["tflops"], "{:.2f}"),
             f"{r['modelled_bytes'] / 1e6:.3f}", cell(None if dram is None else dram / 1e6, "{:.1f}"), str(r["blocks"]),
-            f"{r['barriers_per_kv_tile']:.1f}", cell(r.get("regs"), "{}"), cell(r.get("occupancy"), "{:.0%}"),
+            f"{r['barriers_per_kv_tile']:.1f}", cell(r["regs"], "{}"), cell(r["occupancy"], "{:.0%}"),
             cell(r.get("achieved_occupancy"), "{:.0%}"),
             cell(None if r.get("shared_ld") is None else (r["shared_ld"] + r["shared_st"]) / 1e6, "{:.1f}"),
             cell(r.get("barrier_stall"), "{:.0%}"),
         ])
-    widths = [max(len(line[i]) for line in lines) for i in range(len(header))]
-    out = []
-    for n, line in enumerate(lines):
-        out.append("| " + " | ".join(c.ljust(w) for c, w in zip(line, widths)) + " |")
-        if n == 0:
-            out.append("|" + "|".join("-" * (w + 2) for w in widths) + "|")
-    return "\n".join(out + [""] + notes)
+    return "\n".join(markdown_table(header, body) + [""] + notes)
 
 
 def _ncu_problem_args(args) -> dict:

@@ -271,12 +271,12 @@ def compute_capability(text: str) -> tuple[int, int]:
 
 
 def _markdown(rows, keys) -> str:
+    from numba_flash.report import markdown_table
+
     def cell(v):
         return f"{v:.1%}" if isinstance(v, float) else str(v)
 
-    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
-    lines += ["| " + " | ".join(cell(r[k]) for k in keys) + " |" for r in rows]
-    return "\n".join(lines)
+    return "\n".join(markdown_table(list(keys), [[cell(r[k]) for k in keys] for r in rows]))
 
 
 def _json_default(x):

@@ -4,17 +4,22 @@ Reproduces the H200 results table:
 
     python scripts/bench.py --seq 1024 2048 4096 8192 --head-dim 64 128 --dtype float32 float16 --causal both --long-context --out bench-out
 
-For every configuration (seq, head_dim, causal, dtype), in one process:
+For every configuration (seq, head_dim, causal, dtype), in one process, by the harness of
+``numba-flash compare`` and ``ablate`` (``numba_flash.harness``; one ``measure`` a row):
 
-1. fresh standard-normal CuPy inputs q, k, v of shape (B, H, N, D);
+1. fresh standard-normal inputs q, k, v of shape (B, H, N, D) (seeded NumPy, copied to the
+   GPU as CuPy arrays);
 2. FA-1 and FA-2 are checked against the float64 on-device reference
    (``cupy_attention`` of the upcast inputs): relative error ||o - o_ref|| / ||o_ref||,
    on every head when the float64 score matrix (B*H*N*N*8 bytes) fits
-   ``REF_BUDGET_BYTES``, else on batch 0, head 0 (its last query rows at very long N);
+   ``harness.REF_BUDGET_BYTES`` (16 GB), else on batch 0, head 0 (its last query rows at
+   very long N);
 3. every implementation is timed by ``median_ms`` (CUDA events; the warm-up calls,
    which also compile, are not timed) and rated in TFLOP/s (``attention_flops``:
    4*B*H*N*N*D, halved for causal), with speed-ups against the CuPy baseline and
-   against torch SDPA's memory-efficient backend measured on the same inputs.
+   against torch SDPA's memory-efficient backend measured on the same inputs. The FA
+   kernels run with their default tiles (autotuned ones when cached) and regime: CUDA
+   cores for float32, tensor cores for float16.
 
 A peer that fails on a shape (out of memory, unsupported backend, ...) is recorded as
 failed with the reason; FA-1 above ``--skip-fa1-above`` is recorded as skipped. Nothing
@@ -47,16 +52,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numba_flash  # noqa: F401  (chooses GPU or simulator before numba.cuda is imported)
+from numba_flash import harness
 from numba_flash._world import simulated
-from numba_flash.api import default_tiles_for as default_tiles  # autotuned tiles when cached
-from numba_flash.profiling.timing import attention_flops, median_ms, tflops
+from numba_flash.cli import positive_int
+from numba_flash.profiling.timing import attention_flops
+from numba_flash.report import display_name, markdown_table
 
-FA_IMPLS = ("fa1", "fa2")
 IMPL_CHOICES = ("fa1", "fa2", "cupy", "torch")
 SDPA_MEM_EFFICIENT = "torch-mem_efficient"  # the name torch_sdpa_backends gives it
-REF_BUDGET_BYTES = 8 * 10**9  # largest float64 score matrix the reference may build
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2}  # rel_err above this: status "inaccurate"
-WARMUP = 3  # untimed calls before timing (the check before them has compiled)
 LONG_WARMUP = 1  # the long-context row takes seconds a call
 LONG_CONTEXT = dict(seq=131072, head_dim=64, causal=False, dtype="float32", batch=1, heads=8)
 
@@ -92,16 +96,13 @@ class Config:
     def flops(self) -> float:
         return attention_flops(self.batch, self.heads, self.seq, self.seq, self.head_dim, self.causal)
 
+    def problem(self) -> dict:
+        """The harness's problem (``harness.describe``): default tiles and regime."""
+        return harness.describe(self.batch, self.heads, self.seq, self.head_dim, self.dtype, self.causal)
+
     def label(self) -> str:
         mask = "causal" if self.causal else "noncausal"
         return f"{self.dtype} D{self.head_dim} {mask} B{self.batch} H{self.heads} N{self.seq}"
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
-    return value
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -203,14 +204,9 @@ def sdpa_backend_names(args: argparse.Namespace) -> dict[str, list[str]]:
 # ------------------------------------------------------------------ rows and ratios
 
 
-def new_row(cfg: Config, impl: str, status: str) -> dict:
-    """A result row with every CSV column present (``None`` where there is no value)."""
-    row = dict.fromkeys(CSV_FIELDS)
-    row.update(
-        seq=cfg.seq, head_dim=cfg.head_dim, causal=cfg.causal, dtype=cfg.dtype,
-        batch=cfg.batch, heads=cfg.heads, impl=impl, status=status, suite=cfg.suite,
-    )  # fmt: skip
-    return row
+def new_row(cfg: Config, impl: str, status: str | None) -> dict:
+    """A result row (the harness's, ``harness.new_row``) of this configuration's suite."""
+    return {**harness.new_row(cfg.problem(), impl, status), "suite": cfg.suite}
 
 
 def add_ratios(rows: list[dict]) -> None:
@@ -220,9 +216,8 @@ def add_ratios(rows: list[dict]) -> None:
     """
     by_impl = {r["impl"]: r for r in rows}
     for column, peer in (("vs_cupy", "cupy"), ("vs_sdpa_mem_efficient", SDPA_MEM_EFFICIENT)):
-        peer_ms = by_impl.get(peer, {}).get("ms")
         for r in rows:
-            r[column] = peer_ms / r["ms"] if peer_ms and r.get("ms") else None
+            r[column] = harness.time_ratio(by_impl.get(peer), r)
 
 
 def accuracy_status(rel_err: float | None, dtype: str) -> str:
@@ -231,164 +226,38 @@ def accuracy_status(rel_err: float | None, dtype: str) -> str:
     return f"inaccurate: rel_err {rel_err:.1e} > {TOLERANCE[dtype]:.0e}"  # NaN lands here too
 
 
-def check_scope(batch: int, heads: int, seq: int, budget: int = REF_BUDGET_BYTES) -> tuple[bool, int, str]:
-    """Which part of the output the float64 reference checks: ``(all_heads, rows, label)``.
-
-    All of it when the float64 scores (B*H*N*N*8 bytes) fit ``budget``; else batch 0,
-    head 0, and of it the last ``rows`` query rows that fit. A suffix of the queries is
-    a faithful sub-problem even when causal: with bottom-right alignment (key j visible
-    to query i iff j <= i + Nk - Nq) the last rows see exactly the keys they see in full.
-    """
-    if batch * heads * seq * seq * 8 <= budget:
-        return True, seq, "all"
-    rows = max(1, min(seq, budget // (seq * 8)))
-    return False, rows, "head 0" if rows == seq else f"head 0, last {rows} rows"
-
-
 # ---------------------------------------------------------------- GPU measurements
 
 
-def make_inputs(cfg: Config, rng):
-    """Fresh standard-normal q, k, v (never zeros) as CuPy arrays of the config's dtype."""
-    import cupy as cp
-
-    shape = (cfg.batch, cfg.heads, cfg.seq, cfg.head_dim)
-    return tuple(rng.standard_normal(shape, dtype=cp.float32).astype(cfg.dtype, copy=False) for _ in range(3))
-
-
-def implementation(impl: str, cfg: Config, q, k, v, sdpa: dict):
-    """A zero-argument callable running ``impl`` on (q, k, v); FA kernels return (o, lse)."""
-    from numba_flash.api import forward
-    from numba_flash.baselines import cupy_attention
-
-    if impl in FA_IMPLS:
-        return lambda: forward(q, k, v, causal=cfg.causal, algorithm=impl)
-    if impl == "cupy":
-        return lambda: cupy_attention(q, k, v, causal=cfg.causal)
-    fn = sdpa[impl]
-    return lambda: fn(q, k, v, cfg.causal)
-
-
-def relative_error(o, q, k, v, cfg: Config) -> tuple[float, str]:
-    """||o - o_ref|| / ||o_ref|| against ``cupy_attention`` in float64, on ``check_scope``."""
-    import cupy as cp
-
-    from numba_flash.baselines import cupy_attention
-
-    all_heads, rows, label = check_scope(cfg.batch, cfg.heads, cfg.seq, REF_BUDGET_BYTES)
-    bh = slice(None) if all_heads else slice(0, 1)
-    first = cfg.seq - rows
-    kv64 = (x[bh, bh].astype(cp.float64) for x in (k, v))
-    ref = cupy_attention(q[bh, bh, first:].astype(cp.float64), *kv64, causal=cfg.causal)
-    diff = o[bh, bh, first:].astype(cp.float64) - ref
-    return float(cp.linalg.norm(diff) / cp.linalg.norm(ref)), label
-
-
-def kernel_info(cfg: Config, impl: str) -> dict:
-    """Tiles, registers per thread and theoretical occupancy of the FA kernel just run."""
-    from numba_flash.api import kernel_for
-    from numba_flash.kernels.tiles import threads_per_block
-    from numba_flash.profiling.resources import compiled_resources
-
-    bm, bn = default_tiles(impl, cfg.head_dim, cfg.dtype, cfg.causal)
-    info = dict(tiles=f"{bm}x{bn}")
-    kernel = kernel_for(impl, cfg.head_dim, bm, bn, cfg.causal, cfg.dtype)
-    # compiled_resources reads the newest overload; FA-2 shares one dispatcher across
-    # dtypes, so report only when the newest overload is this dtype's.
-    newest = list(kernel.overloads)[-1] if kernel.overloads else ()
-    if newest and cfg.dtype in str(newest[0]):
-        res = compiled_resources(kernel, threads_per_block(cfg.head_dim, bm, bn))
-        info.update(regs=res.regs, occupancy=res.occupancy)
-    return info
-
-
-def extra_device_bytes(fn, output_bytes: int) -> int:
-    """Bytes one call of ``fn`` takes from CuPy's pool beyond its inputs and ``output_bytes``.
-
-    Read while the call's results are still held: FA-2 allocates o and the logsumexp and
-    frees nothing, so this is its peak. (Allocations outside CuPy's pool, by numba, are
-    not seen; FA-2 makes none once warm.)
-    """
-    import cupy as cp
-
-    pool = cp.get_default_memory_pool()
-    cp.cuda.Device().synchronize()
-    before = pool.used_bytes()
-    result = fn()
-    cp.cuda.Device().synchronize()
-    taken = pool.used_bytes() - before
-    del result
-    return taken - output_bytes
-
-
-def release_memory() -> None:
-    """Return cached device memory (CuPy's pool, torch's cache) so the next peer has it all."""
-    import cupy as cp
-
-    try:
-        cp.cuda.Device().synchronize()
-        cp.get_default_memory_pool().free_all_blocks()
-        if "torch" in sys.modules:
-            sys.modules["torch"].cuda.empty_cache()
-    except Exception:  # a broken context already failed the measurement; keep sweeping
-        pass
-
-
-def failure(exc: BaseException) -> str:
-    first_line = (str(exc).strip().splitlines() or [""])[0]
-    return f"failed: {type(exc).__name__}: {first_line[:200]}"
-
-
-def measure(cfg: Config, impl: str, q, k, v, sdpa: dict, repeats: int) -> dict:
-    """Check (FA kernels), then time one implementation. Never raises: failures become the status."""
-    row = new_row(cfg, impl, "running")
-    try:
-        fn = implementation(impl, cfg, q, k, v, sdpa)
-        if impl in FA_IMPLS:
-            o = fn()[0]  # the first call compiles
-            row["rel_err"], row["rel_err_scope"] = relative_error(o, q, k, v, cfg)
-            output_bytes = o.nbytes
-            del o
-            release_memory()
-            try:
-                row.update(kernel_info(cfg, impl))
-            except Exception as exc:  # resources are a detail: note it, keep the timing
-                print(f"  (no kernel resources for {impl}: {failure(exc)})", file=sys.stderr, flush=True)
-            if cfg.suite == "long-context":
-                row["extra_mem_bytes"] = extra_device_bytes(fn, output_bytes)
-        ms = median_ms(fn, warmup=WARMUP if cfg.suite == "sweep" else LONG_WARMUP, repeats=repeats)
-        row.update(ms=ms, tflops=tflops(cfg.flops, ms), status=accuracy_status(row["rel_err"], cfg.dtype))
-    except Exception as exc:  # cupy.cuda.memory.OutOfMemoryError, torch errors, CUDA errors, ...
-        row["status"] = failure(exc)
-    finally:
-        release_memory()
+def measure_row(cfg: Config, problem: dict, impl: str, repeats: int) -> dict:
+    """One implementation's row (``harness.measure_or_fail``: never raises, a failure is the status);
+    an FA row of the long-context suite also records the device memory one call takes."""
+    row = new_row(cfg, impl, None)
+    row.update(harness.measure_or_fail(
+        problem, impl, repeats, warmup=harness.WARMUP if cfg.suite == "sweep" else LONG_WARMUP,
+        device_memory=cfg.suite == "long-context",
+    ))  # fmt: skip
+    if row["status"] == "ok":
+        row["status"] = accuracy_status(row["rel_err"], cfg.dtype)
     return row
 
 
-def measure_config(cfg: Config, entries, rng, repeats: int, report) -> list[dict]:
+def measure_config(cfg: Config, entries, seed: int, repeats: int, report) -> list[dict]:
     """All rows of one configuration, on one set of inputs; ``report(row, seconds)`` after each."""
     try:
-        q, k, v = make_inputs(cfg, rng)
-    except Exception as exc:
-        q = k = v = None
-        entries = [(impl, status or failure(exc)) for impl, status in entries]
-    sdpa = {}
-    if any(status is None and impl.startswith("torch-") for impl, status in entries):
-        from numba_flash.baselines import torch_sdpa_backends
-
-        sdpa = torch_sdpa_backends(cfg.dtype)
+        problem = harness.make_problem(cfg.problem(), seed)
+    except Exception as exc:  # out of memory for the inputs
+        problem = None
+        entries = [(impl, status or harness.failure(exc)) for impl, status in entries]
     rows = []
     for impl, status in entries:
         start = time.perf_counter()
-        if status is None:
-            row = measure(cfg, impl, q, k, v, sdpa, repeats)
-        else:
-            row = new_row(cfg, impl, status)
+        row = measure_row(cfg, problem, impl, repeats) if status is None else new_row(cfg, impl, status)
         report(row, time.perf_counter() - start)
         rows.append(row)
     add_ratios(rows)
-    del q, k, v
-    release_memory()
+    del problem
+    harness.release_memory()
     return rows
 
 
@@ -409,9 +278,6 @@ def progress_line(index: int, total: int, row: dict, seconds: float, elapsed: fl
 
 def run_plan(plan, args: argparse.Namespace, meta: dict, out_dir: Path) -> list[dict]:
     """Measure everything in ``plan``; rewrite bench.csv and bench.md after each configuration."""
-    import cupy as cp
-
-    rng = cp.random.default_rng(args.seed)
     total = sum(len(entries) for _, entries in plan)
     index = itertools.count(1)
     start = time.perf_counter()
@@ -423,7 +289,7 @@ def run_plan(plan, args: argparse.Namespace, meta: dict, out_dir: Path) -> list[
     rows: list[dict] = []
     for cfg, entries in plan:
         repeats = args.repeats if cfg.suite == "sweep" else args.long_repeats
-        rows.extend(measure_config(cfg, entries, rng, repeats, report))
+        rows.extend(measure_config(cfg, entries, args.seed, repeats, report))
         write_csv(rows, out_dir / "bench.csv")
         (out_dir / "bench.md").write_text(markdown_report(rows, meta))
     return rows
@@ -445,7 +311,7 @@ def environment(argv: list[str], args: argparse.Namespace) -> dict:
         ),
         "rel err": (
             "||o - o_ref|| / ||o_ref|| against float64 CuPy attention of the same inputs "
-            f"(all heads while the float64 scores fit {REF_BUDGET_BYTES / 1e9:.0f} GB, else as marked)"
+            f"(all heads while the float64 scores fit {harness.REF_BUDGET_BYTES / 1e9:.0f} GB, else as marked)"
         ),
     }
 
@@ -454,10 +320,15 @@ def environment(argv: list[str], args: argparse.Namespace) -> dict:
 
 
 def write_csv(rows: list[dict], path: Path) -> None:
+    """bench.csv: ``CSV_FIELDS`` of every row, the tiles as ``block_mxblock_n``."""
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({**r, "tiles": tiles(r)} for r in rows)
+
+
+def tiles(row: dict) -> str | None:
+    return None if row["block_m"] is None else f"{row['block_m']}x{row['block_n']}"
 
 
 def grouped(rows: list[dict]) -> dict[tuple, list[dict]]:
@@ -475,10 +346,8 @@ def group_title(dtype: str, head_dim: int, causal: bool) -> str:
 
 def speedup(by_impl: dict, slower: str, faster: str = "fa2") -> str:
     """``slower`` ms / ``faster`` ms as "1.23x", or "—" when either was not measured."""
-    a, b = by_impl.get(slower), by_impl.get(faster)
-    if not (a and b and a["ms"] and b["ms"]):
-        return "—"
-    return f"{a['ms'] / b['ms']:.2f}x"
+    ratio = harness.time_ratio(by_impl.get(slower), by_impl.get(faster))
+    return "—" if ratio is None else f"{ratio:.2f}x"
 
 
 def tflops_cell(row: dict | None) -> str:
@@ -497,20 +366,10 @@ def rel_err_cell(row: dict | None, mark_scope: bool = True) -> str:
     return f"{row['rel_err']:.1e}" + ("†" if partial else "")
 
 
-def display_name(impl: str) -> str:
-    return impl.upper().replace("FA", "FA-") if impl in FA_IMPLS else impl
-
-
-def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
-    return lines + ["| " + " | ".join(cells) + " |" for cells in body]
-
-
 def group_section(key: tuple, rows: list[dict]) -> list[str]:
     """One table: a row per N, TFLOP/s per implementation, FA-2 speed-ups, FA errors."""
-    dtype, head_dim, causal = key
     impls = list(dict.fromkeys(r["impl"] for r in rows))
-    fa = [i for i in FA_IMPLS if i in impls]
+    fa = [i for i in harness.ALGORITHMS if i in impls]
     header = ["N", "B", *impls, "FA-2/FA-1", "FA-2/SDPA-mem-efficient", *(f"rel err {i}" for i in fa)]
     body = []
     for seq in dict.fromkeys(r["seq"] for r in rows):
@@ -522,11 +381,12 @@ def group_section(key: tuple, rows: list[dict]) -> list[str]:
              *(rel_err_cell(by_impl.get(i)) for i in fa)]
         )  # fmt: skip
     heads = sorted({r["heads"] for r in rows})
-    tiles = ", ".join(f"{display_name(i)} {'x'.join(map(str, default_tiles(i, head_dim, dtype, causal)))}" for i in fa)
-    lines = [f"### {group_title(dtype, head_dim, causal)}", ""]
+    ran = {i: sorted({tiles(r) for r in rows if r["impl"] == i} - {None}) for i in fa}  # the tiles of every run
+    tile_names = ", ".join(f"{display_name(i)} {' / '.join(ran[i])}" for i in fa if ran[i])
+    lines = [f"### {group_title(*key)}", ""]
     lines.append(
         f"H={', '.join(map(str, heads))}. TFLOP/s per implementation; FA-2/X = time of X / time of FA-2 "
-        f"(> 1: FA-2 faster)." + (f" Tiles (block_m x block_n): {tiles}." if tiles else "")
+        f"(> 1: FA-2 faster)." + (f" Tiles (block_m x block_n): {tile_names}." if tile_names else "")
     )
     lines += [""] + markdown_table(header, body)
     notes = [f"- N={r['seq']} {r['impl']}: {r['status']}" for r in rows if r["status"] != "ok"]

@@ -91,14 +91,6 @@ def test_tokens_keeps_batch_times_seq_constant(bench):
         bench.parse_args(["--tokens", "1000", "--seq", "4096"])
 
 
-def test_check_scope(bench):
-    # 4*16*1024*1024*8 = 0.5 GB fits 8 GB; 4*16*8192*8192*8 = 34 GB does not, one head (0.5 GB) does.
-    assert bench.check_scope(4, 16, 1024) == (True, 1024, "all")
-    assert bench.check_scope(4, 16, 8192) == (False, 8192, "head 0")
-    # One head at N=131072 is 137 GB: the last 8e9 // (131072*8) = 7629 query rows.
-    assert bench.check_scope(1, 8, 131072) == (False, 7629, "head 0, last 7629 rows")
-
-
 # -------------------------------------------------------------- synthetic results
 
 
@@ -219,12 +211,68 @@ def test_markdown_long_context_section(bench):
     assert long_row["checked on"] == "head 0, last 7629 rows"
 
 
+def test_tiles_are_the_ones_that_ran(bench, tmp_path):
+    rows = one_config_rows(bench)[:2]
+    rows[0].update(block_m=64, block_n=32)
+    rows[1].update(block_m=128, block_n=64)
+    bench.write_csv(rows, tmp_path / "bench.csv")
+    with open(tmp_path / "bench.csv", newline="") as f:
+        assert [r["tiles"] for r in csv.DictReader(f)] == ["64x32", "128x64"]
+    assert "Tiles (block_m x block_n): FA-1 64x32, FA-2 128x64." in bench.markdown_report(rows, META)
+
+
 def test_plots_are_png_files(bench, tmp_path):
     written = bench.write_plots(sweep_rows(bench), tmp_path, "Test GPU")
     assert [p.name for p in written] == ["tflops_float32_d64_noncausal.png", "tflops_float32_d64_causal.png"]
     for path in written:
         data = path.read_bytes()
         assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 1000
+
+
+# ------------------------------------------------------------- measuring a config
+
+
+def test_a_config_is_measured_on_one_problem_and_failures_stay_in_their_rows(bench):
+    """The harness's rows, in whichever world: FA-2 checked against float64 with the tiles it ran,
+    a peer that cannot run fails in its own row, a row the plan skipped keeps its status."""
+    cfg = bench.Config(seq=16, head_dim=4, causal=True, dtype="float32", batch=1, heads=2)
+    entries = [("fa2", None), ("torch-nothing", None), ("fa1", "skipped: N=16 > --skip-fa1-above 8")]
+    reported = []
+    rows = bench.measure_config(cfg, entries, 0, 2, lambda row, seconds: reported.append(row["impl"]))
+    assert reported == ["fa2", "torch-nothing", "fa1"]
+    fa2, peer, fa1 = rows
+    assert (fa2["status"], fa2["rel_err_scope"], fa2["suite"]) == ("ok", "all", "sweep") and fa2["rel_err"] < 1e-5
+    assert fa2["block_m"] and fa2["block_n"] and fa2["vs_cupy"] is None
+    assert peer["status"].startswith("failed: ValueError: no peer 'torch-nothing'") and peer["ms"] is None
+    assert fa1["status"] == "skipped: N=16 > --skip-fa1-above 8"
+
+
+def test_inputs_that_cannot_be_made_fail_every_row_to_run(bench, monkeypatch):
+    def out_of_memory(p, seed):
+        raise MemoryError("no room for q")
+
+    monkeypatch.setattr(bench.harness, "make_problem", out_of_memory)
+    cfg = config(bench, 1024, False)
+    rows = bench.measure_config(cfg, [("fa2", None), ("fa1", "skipped: N"), ("cupy", None)], 0, 2, lambda *_: None)
+    assert [r["status"] for r in rows] == ["failed: MemoryError: no room for q", "skipped: N",
+                                           "failed: MemoryError: no room for q"]  # fmt: skip
+
+
+def test_a_row_past_the_tolerance_is_inaccurate_and_long_context_records_memory(bench, monkeypatch):
+    seen = []
+
+    def measured(problem, impl, repeats, **options):
+        seen.append((repeats, options))
+        row = bench.harness.new_row(problem["p"], impl, "ok")
+        row.update(ms=2.0, rel_err=problem["rel_err"])
+        return row
+
+    monkeypatch.setattr(bench.harness, "measure_or_fail", measured)
+    sweep, long = config(bench, 1024, False), bench.Config(**bench.LONG_CONTEXT, suite="long-context")
+    assert bench.measure_row(sweep, {"p": sweep.problem(), "rel_err": 2e-4}, "fa2", 20)["status"] == (
+        "inaccurate: rel_err 2.0e-04 > 1e-04")
+    assert bench.measure_row(long, {"p": long.problem(), "rel_err": 5e-5}, "fa2", 5)["status"] == "ok"
+    assert seen == [(20, dict(warmup=3, device_memory=False)), (5, dict(warmup=1, device_memory=True))]
 
 
 # --------------------------------------------------------------------- entry point
