@@ -116,7 +116,7 @@ def new_row(p: dict, impl: str, status: str | None = None) -> dict:
         algorithm=None,  # kernels: the loop order's family (fa1: K/V outer, fa2: Q outer)
         regime=None,  # kernels: CUDA cores or tensor cores (which mma)
         **{key: p[key] for key in ("batch", "heads", "kv_heads", "seq", "seq_k", "head_dim", "dtype", "causal")},
-        block_m=None, block_n=None,
+        block_m=None, block_n=None, num_splits=None,  # kernels: split-KV count (1: unsplit)
         max_abs_err=None, rel_err=None,
         rel_err_scope=None,  # check_scope's label of the part checked
         modelled_bytes=None,  # profiling.traffic's global-memory bytes
@@ -195,15 +195,21 @@ def _measure_kernel(problem, algorithm, repeats, warmup, variant, device_memory)
 
     from numba_flash.api import choose_tiles, forward
     from numba_flash.simulator import SimulatorSlowWarning
+    from numba_flash.split_kv import choose_num_splits
 
     p, mode, q, k, v = (problem[key] for key in ("p", "mode", "q", "k", "v"))
     B, H, Hkv, Nq, Nk, D = (p[key] for key in ("batch", "heads", "kv_heads", "seq", "seq_k", "head_dim"))
     bm, bn = choose_tiles(mode, algorithm, D, p["dtype"], p["causal"], p["block_m"], p["block_n"])  # as attention does
     spec = kernel_spec(algorithm, D, p["dtype"], bm, bn, p["causal"], mode, variant=variant)
+    # The split-KV count attention's heuristic gives this call (variants: never split). On tensor
+    # cores a split call runs another kernel (float32 partials), whose resources the row reports.
+    splits = 1 if variant is not None else choose_num_splits(None, spec, B, H, Nq, Nk, None)
+    if splits > 1 and mode != "ieee":
+        spec = kernel_spec(algorithm, D, p["dtype"], bm, bn, p["causal"], mode, split_out=True)
 
     def run():
         return forward(q, k, v, causal=p["causal"], algorithm=algorithm, block_m=bm, block_n=bn,
-                       precision=p["precision"], variant=variant, num_splits=1 if variant is not None else None)
+                       precision=p["precision"], variant=variant, num_splits=splits)
 
     with warnings.catch_warnings():  # the caller says how long the simulator takes
         warnings.simplefilter("ignore", SimulatorSlowWarning)
@@ -219,7 +225,8 @@ def _measure_kernel(problem, algorithm, repeats, warmup, variant, device_memory)
                                      tensor_cores=mode != "ieee", variant=variant),
         smem_bytes=spec.smem_bytes,  # the driver's figure replaces it on a GPU
         threads=spec.threads,
-        blocks=spec.grid(B, H, Nq)[0],
+        blocks=spec.grid(B, H, Nq, splits)[0],
+        num_splits=splits,
     )
     del o
     if not problem["sim"]:

@@ -116,3 +116,19 @@ def test_markdown_table_pads_labels_left_and_figures_right():
         "| time (ms) | 12.5 |            1.25 |",
         "| regs      |  128 | n/a (simulator) |",
     ]
+
+
+def test_measure_reports_the_split_that_ran(monkeypatch):
+    """FA-2 rows run attention's split-KV heuristic and say which count ran: with the SMs of an
+    H200 a 2-Q-tile problem with 8 K/V tiles splits, its grid counts every split's blocks, and
+    the result still matches the reference."""
+    import numba_flash.split_kv as split_kv
+
+    monkeypatch.setattr(split_kv, "multiprocessors", lambda device_id: 132)
+    p = harness.describe(1, 1, 8, 4, seq_k=32, block_m=4, block_n=4)
+    problem = harness.make_problem(p, seed=2)
+    row = harness.measure(problem, "fa2", repeats=1)
+    splits = split_kv.num_splits_heuristic(2, 132, split_kv.resident_blocks(row["threads"], row["smem_bytes"]), 8)
+    assert splits > 1 and row["num_splits"] == splits
+    assert row["blocks"] == 2 * splits and row["rel_err"] < 1e-5
+    assert harness.measure(problem, "fa1", repeats=1)["num_splits"] == 1
