@@ -87,6 +87,11 @@ def _parser() -> argparse.ArgumentParser:
         if action.dest in ("help", "precision"):
             continue
         abl._add_action(action)
+    # After ablate copied compare's flags: the backward has its two loop orders only (no variants).
+    cmp.add_argument("--backward", action="store_true",
+                     help="also the backward pass (attention_backward of each algorithm's o and lse; PyTorch SDPA "
+                          "backward for the peers): gradients' error against float64, time, TFLOP/s at 2.5x the "
+                          "forward's FLOPs")
     abl.add_argument("--precision", choices=["default", "ieee"], default="default",
                      help="the variants are CUDA-core kernels: ieee (default for float32; needed for 16-bit dtypes)")
     abl.add_argument("--variants", nargs="+", metavar="V",

@@ -63,21 +63,24 @@ def compare(args, progress=None):
     import time
 
     say = progress or (lambda line: None)
+    backward = bool(getattr(args, "backward", False))
     problem, notes = setup(args, say)
     rows = []
     for n, alg in enumerate(ALGORITHMS, 1):
         name = display_name(alg)
         started = time.perf_counter()
         say(f"[{n}/{len(ALGORITHMS)}] {name}: {'simulating' if problem['sim'] else 'compiling, checking against float64, timing'} ...")
-        row = measure(problem, alg, args.repeats)
+        row = measure(problem, alg, args.repeats, backward=backward)
         rows.append(row)
         say(f"[{n}/{len(ALGORITHMS)}] {name}: done in {time.perf_counter() - started:.1f} s, relative error {row['rel_err']:.1e}")
     if not problem["sim"]:
         say("timing the peers (CuPy matmul-softmax-matmul, PyTorch SDPA backends) ...")
         for name in peer_names(problem["p"]["dtype"]):
-            notes.append(peer_note(measure_or_fail(problem, name, args.repeats)))
+            notes.append(peer_note(measure_or_fail(problem, name, args.repeats, backward=backward)))
         fa1, fa2 = rows
         notes.append(f"FA-2 / FA-1 speed: {time_ratio(fa1, fa2):.2f}x")
+        if backward:
+            notes.append(f"FA-2 / FA-1 backward speed: {fa1['bwd_ms'] / fa2['bwd_ms']:.2f}x")
     return rows, notes
 
 
@@ -85,7 +88,10 @@ def peer_note(row) -> str:
     """A peer's row as a line under the table: its time and TFLOP/s, or why it has none."""
     if row["ms"] is None:
         return f"peer {row['impl']}: {row['status']}"
-    return f"peer {row['impl']}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s"
+    note = f"peer {row['impl']}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s"
+    if row["bwd_ms"] is not None:
+        note += f"; backward {row['bwd_ms']:.3f} ms, {row['bwd_tflops']:.1f} TFLOP/s"
+    return note
 
 
 def _simulated_seconds(q, k, v, p, algorithms=ALGORITHMS) -> float:
@@ -117,8 +123,12 @@ _LINES = [
     ("resident blocks / SM", "{blocks_per_sm}"),
     ("theoretical occupancy", "{occupancy:.1%}"),
     ("modelled global traffic (MB)", "{modelled_mb:.3f}"),
+    ("backward: gradients' relative error", "{grad_rel_err:.2e}"),
+    ("backward: gradients checked on", "{grad_rel_err_scope}"),
+    ("backward: time (ms, median)", "{bwd_ms:.3f}"),
+    ("backward: TFLOP/s (2.5x forward FLOPs)", "{bwd_tflops:.2f}"),
 ]
-_GPU_ONLY = {"ms", "tflops", "regs", "occupancy"}
+_GPU_ONLY = {"ms", "tflops", "regs", "occupancy", "bwd_ms", "bwd_tflops"}
 
 
 def format_table(rows, notes) -> str:
@@ -127,7 +137,10 @@ def format_table(rows, notes) -> str:
 
     values = [dict(r, modelled_mb=r["modelled_bytes"] / 1e6) for r in rows]
     body = []
+    backward = any(r.get("grad_rel_err_scope") is not None for r in rows)  # compare --backward
     for label, template in _LINES:
+        if label.startswith("backward") and not backward:
+            continue
         keys = [field for _, field, _, _ in string.Formatter().parse(template) if field]
         cells = [template.format(**v) if all(v[key] is not None for key in keys) else "n/a" for v in values]
         if cells == ["n/a"] * len(rows):

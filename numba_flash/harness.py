@@ -11,6 +11,13 @@ keys, ``None`` where nothing was measured):
 - a peer (:func:`peer_names`: ``cupy``, the matmul-softmax-matmul baseline; ``torch-<backend>``,
   PyTorch SDPA): its median time and TFLOP/s (GPU only).
 
+With ``backward=True`` a row also holds the backward pass: for a kernel,
+``numba_flash.attention_backward`` of its own (o, lse) for a seeded upstream gradient, its
+gradients' error against float64 (``reference.attention_backward``) and, on a GPU, its median
+time and TFLOP/s; for a PyTorch peer, the time of ``torch.autograd.grad`` through its SDPA. The
+backward's FLOPs are 2.5x the forward's (five products of the size of the forward's two), as
+the FlashAttention papers count them.
+
 :func:`measure_or_fail` is :func:`measure` that never raises: a failure (out of memory, a backend
 refusing the shape) becomes the row's status.
 """
@@ -29,6 +36,8 @@ from numba_flash.tensor_cores import regime
 
 ALGORITHMS = ("fa1", "fa2")
 WARMUP = 3  # untimed calls before timing (the check before them has compiled)
+GRAD_REF_BUDGET_BYTES = 10**9  # float64 scores the NumPy gradient reference may hold (host memory)
+BACKWARD_FLOPS = 2.5  # backward FLOPs / forward FLOPs
 REF_BUDGET_BYTES = 16 * 10**9  # largest float64 score matrix the reference may build (B4 H16 N4096: 8.6 GB, all heads)
 
 
@@ -79,7 +88,7 @@ def make_problem(p: dict, seed: int) -> dict:
         import cupy
 
         q, k, v = (cupy.asarray(x) for x in host)
-    return dict(p=p, mode=mode, q=q, k=k, v=v, sim=sim, flops=attention_flops(B, H, Nq, Nk, D, p["causal"]),
+    return dict(p=p, mode=mode, q=q, k=k, v=v, sim=sim, seed=seed, flops=attention_flops(B, H, Nq, Nk, D, p["causal"]),
                 checked=(heads, heads, slice(Nq - rows, None)),  # the last `rows` queries of the checked heads
                 rel_err_scope=scope, ref_o=None)
 
@@ -122,22 +131,28 @@ def new_row(p: dict, impl: str, status: str | None = None) -> dict:
         modelled_bytes=None,  # profiling.traffic's global-memory bytes
         smem_bytes=None, threads=None, blocks=None,  # per block, the grid's size
         ms=None, tflops=None,  # GPU only, as the compiled kernel's resources that follow
+        grad_rel_err=None, grad_rel_err_scope=None,  # backward: max relative error of dq, dk, dv
+        bwd_ms=None, bwd_tflops=None,  # backward: median time (GPU), TFLOP/s at BACKWARD_FLOPS
         regs=None, local_bytes=None, blocks_per_sm=None, warps_per_sm=None, occupancy=None,
         extra_mem_bytes=None,  # device memory one call takes beyond its inputs and o (when asked)
         status=status,  # "ok", or why there are no figures ("failed: ...")
     )  # fmt: skip
 
 
-def measure(problem, impl, repeats, *, warmup=WARMUP, variant=None, device_memory=False) -> dict:
+def measure(problem, impl, repeats, *, warmup=WARMUP, variant=None, device_memory=False, backward=False) -> dict:
     """The row of ``impl`` on the problem of :func:`make_problem`: a kernel (``fa1``, ``fa2``; with
     ``variant``, that point of the ablation space on CUDA cores) or a peer (:func:`peer_names`).
     ``device_memory`` (kernels, GPU): also the device memory one call takes beyond its inputs and
-    its output o. Raises what the implementation raises (``ValueError`` for tiles it refuses)."""
+    its output o. ``backward``: also the backward pass (the module's docstring; the CuPy baseline
+    has none). Raises what the implementation raises (``ValueError`` for tiles it refuses)."""
     if impl in ALGORITHMS:
-        return _measure_kernel(problem, impl, repeats, warmup, variant, device_memory)
+        return _measure_kernel(problem, impl, repeats, warmup, variant, device_memory, backward)
     row = new_row(problem["p"], impl, "ok")
     ms = median_ms(_peer_call(problem, impl), warmup=warmup, repeats=repeats)
     row.update(ms=ms, tflops=tflops(problem["flops"], ms))
+    if backward and impl != "cupy":
+        bwd_ms = median_ms(_peer_backward_call(problem, impl), warmup=warmup, repeats=repeats)
+        row.update(bwd_ms=bwd_ms, bwd_tflops=tflops(BACKWARD_FLOPS * problem["flops"], bwd_ms))
     return row
 
 
@@ -190,7 +205,7 @@ def release_memory() -> None:
 _MMA_NAME = {"f16": "mma.sync f16", "bf16": "mma.sync bf16", "tf32": "mma.sync tf32", "tf32x3": "mma.sync 3xTF32"}
 
 
-def _measure_kernel(problem, algorithm, repeats, warmup, variant, device_memory) -> dict:
+def _measure_kernel(problem, algorithm, repeats, warmup, variant, device_memory, backward=False) -> dict:
     import warnings
 
     from numba_flash.api import choose_tiles, forward
@@ -213,7 +228,7 @@ def _measure_kernel(problem, algorithm, repeats, warmup, variant, device_memory)
 
     with warnings.catch_warnings():  # the caller says how long the simulator takes
         warnings.simplefilter("ignore", SimulatorSlowWarning)
-        o, _ = run()
+        o, lse = run()
     row = new_row(p, algorithm, "ok")
     row.update(
         algorithm=algorithm,
@@ -228,7 +243,9 @@ def _measure_kernel(problem, algorithm, repeats, warmup, variant, device_memory)
         blocks=spec.grid(B, H, Nq, splits)[0],
         num_splits=splits,
     )
-    del o
+    if backward:
+        row.update(_backward(problem, algorithm, o, lse, repeats, warmup))
+    del o, lse
     if not problem["sim"]:
         from numba_flash.profiling.resources import compiled_resources
 
@@ -238,6 +255,95 @@ def _measure_kernel(problem, algorithm, repeats, warmup, variant, device_memory)
         row.update(ms=ms, tflops=tflops(problem["flops"], ms))
         row.update(compiled_resources(spec.kernel, spec.threads, spec.dynamic_smem).as_dict())
     return row
+
+
+def _backward(problem, algorithm, o, lse, repeats, warmup) -> dict:
+    """The backward fields of a kernel's row: ``attention_backward`` (``algorithm``'s loop order)
+    of the forward's ``o`` and ``lse``, its gradients checked against float64 and, on a GPU, timed."""
+    from numba_flash.backward import attention_backward
+
+    p, q, k, v = problem["p"], problem["q"], problem["k"], problem["v"]
+    do = upstream_gradient(problem)
+
+    def run():
+        return attention_backward(do, q, k, v, o, lse, causal=p["causal"], algorithm=algorithm)
+
+    fields = dict(_gradient_errors(run(), problem))
+    if not problem["sim"]:
+        ms = median_ms(run, warmup=warmup, repeats=repeats)
+        fields.update(bwd_ms=ms, bwd_tflops=tflops(BACKWARD_FLOPS * problem["flops"], ms))
+    return fields
+
+
+def upstream_gradient(problem):
+    """The incoming gradient ``dO`` of the problem's backward: standard normal, q's shape, dtype
+    and library, from the problem's own seed stream; made on first use and kept in ``problem``."""
+    if problem.get("do") is None:
+        q = problem["q"]
+        rng = np.random.default_rng(problem.get("seed", 0) + 1)
+        host = rng.standard_normal(tuple(q.shape), dtype=np.float32)
+        if problem["sim"]:
+            problem["do"] = host.astype(q.dtype)
+        elif hasattr(q, "double"):  # torch (bfloat16)
+            import torch
+
+            problem["do"] = torch.as_tensor(host, device="cuda").to(q.dtype)
+        else:
+            problem["do"] = sys.modules["cupy"].asarray(host).astype(q.dtype)
+    return problem["do"]
+
+
+def gradient_scope(batch: int, heads: int, kv_heads: int, n_q: int, n_k: int, budget: int = GRAD_REF_BUDGET_BYTES):
+    """Which gradients the float64 reference checks: ``(query heads, kv heads, label)`` index
+    pairs ``(batch slice, head slice)``, or ``None`` when not even one group fits ``budget``.
+
+    All of them when the float64 scores of every head fit; else batch 0, kv head 0 and its query
+    heads (dK and dV of a kv head sum over all its query heads' rows, so no fewer rows will do)."""
+    group = heads // kv_heads
+    if batch * heads * n_q * n_k * 8 <= budget:
+        return (slice(None), slice(None)), (slice(None), slice(None)), "all"
+    if group * n_q * n_k * 8 <= budget:
+        return (slice(0, 1), slice(0, group)), (slice(0, 1), slice(0, 1)), "batch 0, kv head 0"
+    return None
+
+
+def _gradient_errors(grads, problem) -> dict:
+    """The largest relative (Frobenius) error of dq, dk, dv against ``reference.attention_backward``
+    on :func:`gradient_scope`'s part, and that part's label."""
+    from numba_flash import reference
+
+    p = problem["p"]
+    scope = gradient_scope(p["batch"], p["heads"], p["kv_heads"], p["seq"], p["seq_k"])
+    if scope is None:
+        return dict(grad_rel_err_scope="not checked: the float64 scores of one kv head's group exceed "
+                                       f"{GRAD_REF_BUDGET_BYTES / 1e9:.0f} GB")
+    q_part, kv_part, label = scope
+    q, k, v, do = problem["q"][q_part], problem["k"][kv_part], problem["v"][kv_part], upstream_gradient(problem)[q_part]
+    refs = reference.attention_backward(do, q, k, v, causal=p["causal"])
+    worst = 0.0
+    for got, part, ref in zip(grads, (q_part, kv_part, kv_part), refs):
+        diff = reference._to_numpy(got[part], "gradient") - ref
+        worst = max(worst, float(np.linalg.norm(diff) / max(np.linalg.norm(ref), np.finfo(np.float64).tiny)))
+    return dict(grad_rel_err=worst, grad_rel_err_scope=label)
+
+
+def _peer_backward_call(problem, name: str):
+    """A zero-argument backward of PyTorch peer ``name``: ``torch.autograd.grad`` of its SDPA output
+    for the problem's upstream gradient (the forward graph built once, kept)."""
+    import torch
+
+    from numba_flash.baselines import torch_sdpa_backends
+
+    p = problem["p"]
+    backends = torch_sdpa_backends(p["dtype"])
+    if name not in backends:
+        raise ValueError(f"no peer {name!r} for {p['dtype']} here")
+    inputs = [(x if isinstance(x, torch.Tensor) else torch.from_dlpack(x)).detach().requires_grad_()
+              for x in (problem["q"], problem["k"], problem["v"])]
+    do = upstream_gradient(problem)
+    do = do if isinstance(do, torch.Tensor) else torch.from_dlpack(do)
+    out = backends[name](*inputs, p["causal"])
+    return lambda: torch.autograd.grad(out, inputs, do, retain_graph=True)
 
 
 def _errors(o, problem) -> dict:

@@ -29,6 +29,21 @@ def test_compare_json(capsys):
     assert rows[0]["modelled_bytes"] > rows[1]["modelled_bytes"]  # FA-1's round trips
 
 
+def test_compare_backward_adds_the_gradients(capsys):
+    """--backward: the gradients' error of both loop orders under the forward's table; without
+    it, no backward lines; ablate has no --backward (the backward has two loop orders only)."""
+    argv = ["compare", "--seq", "7", "--seq-k", "10", "--head-dim", "4", "--heads", "2", "--kv-heads", "1",
+            "--block-m", "4", "--block-n", "4", "--causal"]
+    assert main([*argv, "--backward"]) == 0
+    out = capsys.readouterr().out
+    grads = [line for line in out.splitlines() if line.startswith("| backward: gradients' relative error")][0]
+    assert all(float(cell) < 1e-5 for cell in grads.strip("|").split("|")[1:])
+    assert main(argv) == 0
+    assert "backward" not in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["ablate", "--backward"])
+
+
 def test_compare_refuses_bad_problems_in_one_line(capsys):
     assert main(["compare", "--block-m", "3"]) == 2
     assert "block_m=3 is not supported" in capsys.readouterr().err

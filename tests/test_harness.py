@@ -132,3 +132,45 @@ def test_measure_reports_the_split_that_ran(monkeypatch):
     assert splits > 1 and row["num_splits"] == splits
     assert row["blocks"] == 2 * splits and row["rel_err"] < 1e-5
     assert harness.measure(problem, "fa1", repeats=1)["num_splits"] == 1
+
+
+def test_gradient_scope():
+    # 2*4*64*64*8 = 262 KB fits the default budget: everything.
+    assert harness.gradient_scope(2, 4, 2, 64, 64)[2] == "all"
+    # Over a budget: batch 0, kv head 0 and its group of query heads (dK, dV need every query row).
+    q_part, kv_part, label = harness.gradient_scope(2, 4, 2, 64, 64, budget=2 * 64 * 64 * 8)
+    assert label == "batch 0, kv head 0" and q_part == (slice(0, 1), slice(0, 2)) and kv_part == (slice(0, 1), slice(0, 1))
+    assert harness.gradient_scope(2, 4, 2, 64, 64, budget=64 * 64 * 8) is None  # one group does not fit
+
+
+@pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
+def test_backward_row_checks_gradients(algorithm):
+    """--backward: each kernel's gradients against float64 (GQA, causal, lengths off the tiles)."""
+    p = harness.describe(1, 4, 9, 4, causal=True, kv_heads=2, seq_k=13, block_m=4, block_n=4)
+    row = harness.measure(harness.make_problem(p, seed=3), algorithm, repeats=1, backward=True)
+    assert row["grad_rel_err_scope"] == "all" and row["grad_rel_err"] < 1e-5
+    assert row["bwd_ms"] is None  # no timings in the simulator
+
+
+def test_backward_row_catches_a_wrong_gradient(monkeypatch):
+    """A backward whose dK is off by 1% shows in the row's gradient error."""
+    import numba_flash.backward as backward
+
+    real = backward.attention_backward
+
+    def off_by_one_percent(*args, **kwargs):
+        dq, dk, dv = real(*args, **kwargs)
+        return dq, dk * 1.01, dv
+
+    monkeypatch.setattr(backward, "attention_backward", off_by_one_percent)
+    p = harness.describe(1, 2, 8, 4, block_m=4, block_n=4)
+    row = harness.measure(harness.make_problem(p, seed=4), "fa2", repeats=1, backward=True)
+    assert 0.005 < row["grad_rel_err"] < 0.02
+
+
+def test_upstream_gradient_is_seeded_and_kept():
+    p = harness.describe(1, 1, 8, 4, block_m=4, block_n=4)
+    a, b = harness.make_problem(p, seed=5), harness.make_problem(p, seed=5)
+    do = harness.upstream_gradient(a)
+    assert harness.upstream_gradient(a) is do and np.array_equal(do, harness.upstream_gradient(b))
+    assert do.shape == a["q"].shape and not np.array_equal(do, a["q"])
