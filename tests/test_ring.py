@@ -15,7 +15,7 @@ import threading
 
 import numpy as np
 import pytest
-from helpers import examples, random_qkv, rel_err
+from helpers import examples, lse_matches, plain_fp16_attention, random_qkv, rel_err
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -76,6 +76,32 @@ def test_gathered_ring_equals_attention_on_the_whole_sequence(world_size, batch,
     rows = q.shape[2] // world_size
     assert all(r_o.shape == (batch, 2, rows, head_dim) and r_lse.shape == (batch, 2, rows) for r_o, r_lse in results)
     assert_matches_reference(o, lse, q, k, v, causal)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("world_size, causal", [(2, True), (3, False)])
+def test_16_bit_ring_meets_flash_attentions_rule(dtype, world_size, causal):
+    """float16 / bfloat16 on the tensor-core kernels (their default regime): each step's partial o
+    is rounded to the input dtype before the merge, and the gathered result is still within twice
+    the error of a plain 16-bit implementation on the whole sequence (FlashAttention's rule)."""
+    import ml_dtypes
+
+    np_dtype = np.float16 if dtype == "float16" else ml_dtypes.bfloat16
+    rng = np.random.default_rng(11)
+    layout = dist.default_layout(causal)
+    n = dist.chunk_count(layout, world_size) * 4
+    q, k, v = (x.astype(np_dtype) for x in random_qkv(rng, 1, 2, 1, n, n, 16, "float32"))
+    ring = LocalRing(world_size)
+    results = ring.run(dist.ring_attention, *(dist.split_sequence(x, world_size, layout) for x in (q, k, v)), causal=causal)
+    o = dist.gather_sequence([o for o, _ in results], layout)
+    lse = dist.gather_sequence([lse for _, lse in results], layout)
+    assert o.dtype == np_dtype and lse.dtype == np.float32
+    wide = [x.astype(np.float64) for x in (q, k, v)]
+    ref_o, ref_lse = reference.attention(*wide, causal=causal)
+    plain = plain_fp16_attention(q, k, v, causal, dtype=np_dtype).astype(np.float64)
+    err, base = np.abs(o.astype(np.float64) - ref_o).max(), np.abs(plain - ref_o).max()
+    assert err <= 2 * base + 1e-6, f"{dtype} ring error {err:.3g} > 2 x plain {dtype} error {base:.3g}"
+    assert lse_matches(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
 def test_ring_with_the_combine_kernel_as_merge():

@@ -19,9 +19,10 @@ The NCCL transport is not built (issue 13). The choice for it is ``torch.distrib
 (``docs/theory/ring-attention.md``, section 6): ``batch_isend_irecv`` posts the send to
 ``r + 1`` and the receive from ``r - 1`` as one NCCL group (no deadlock for any ring size),
 returns asynchronous work handles (exactly ``ring_shift`` / ``wait``), and ``torchrun`` is the
-one-command launcher issue 13 asks for. ``cupyx.distributed`` offers blocking ``send``/``recv``
-and a ``send_recv`` with a single peer, which cannot express the ring's two peers as one group
-call for ``R > 2`` without dropping to ``cupy.cuda.nccl`` and its own rendezvous.
+one-command launcher issue 13 asks for. ``cupyx.distributed`` has ``send`` and ``recv`` as
+separate NCCL calls and a ``send_recv`` grouped with a single peer (the ring only for ``R = 2``);
+for ``R > 2`` one would group them by hand with ``cupy.cuda.nccl.groupStart`` / ``groupEnd``,
+order the streams by hand (no work handles) and start every rank's process by hand (no launcher).
 :func:`as_communicator` refuses ``group=None`` and process-group objects with
 ``NotImplementedError`` until that transport exists.
 """
