@@ -4,6 +4,7 @@
     python scripts/sanitize.py --tool memcheck --precision ieee f16 tf32 tf32x3
     python scripts/sanitize.py --list                 # the cases, without running anything
     python scripts/sanitize.py --split-kv --precision ieee f16   # split-KV, combine, decode
+    python scripts/sanitize.py --backward             # attention_backward: FA-1, FA-2, FA-2 deterministic
 
 The script re-invokes itself as a child process under ``compute-sanitizer --tool TOOL``; the
 child runs each case (``CASES``: a list of (name, callable)) on the GPU and synchronises after
@@ -59,7 +60,7 @@ CASE_FAILED = "SANITIZE-CASE-FAILED"
 # ------------------------------------------------------------------------------------------
 
 
-def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, variants=False):
+def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, variants=False, backward=False):
     """[(name, callable)] for every kernel configuration and shape; ``xp``: the array module
     the callables use (CuPy on a GPU; NumPy runs them in the simulator, for tests).
     ``split_kv``: only the split-KV cases (FA-2 with ``num_splits=3``, its combine, and
@@ -68,6 +69,8 @@ def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, 
         return _split_kv_cases(precisions, xp)
     if variants:
         return _variant_cases(xp)
+    if backward:
+        return _backward_cases(xp)
     cases = []
     for precision in precisions:
         dtypes, precision_arg = REGIMES[precision]
@@ -107,6 +110,55 @@ def _variant_cases(xp):
                                 block_m=None, block_n=None, precision="ieee", num_splits=1, variant=variant)
                     cases.append((name, _case(spec, xp)))
     return cases
+
+
+def _backward_cases(xp):
+    """``attention_backward`` (CUDA cores): FA-1 (Algorithm 4), FA-2 with atomics and FA-2
+    deterministic (Algorithm 2), float32 and float16, causal or not, D 40 and 128, on the awkward
+    lengths, GQA."""
+    cases = []
+    for algorithm, deterministic in (("fa1", False), ("fa2", False), ("fa2", True)):
+        label = algorithm + ("-deterministic" if deterministic else "")
+        for dtype in ("float32", "float16"):
+            for causal in (False, True):
+                for head_dim in (40, 128):
+                    for n_q, n_k in LENGTHS:
+                        name = (f"backward-{label}-{dtype}-{'causal' if causal else 'full'}-D{head_dim}"
+                                f"-Nq{n_q}-Nk{n_k}-B{BATCH}H{HEADS}/{KV_HEADS}")
+                        spec = dict(algorithm=algorithm, deterministic=deterministic, dtype=dtype, causal=causal,
+                                    head_dim=head_dim, n_q=n_q, n_k=n_k)
+                        cases.append((name, _backward_case(spec, xp)))
+    return cases
+
+
+def _backward_case(spec, xp):
+    def run():
+        import numpy as np
+
+        from numba_flash import reference
+        from numba_flash.api import forward
+        from numba_flash.backward import attention_backward
+
+        arrays = xp or __import__("cupy")
+        rng = np.random.default_rng(zlib.crc32(repr(sorted((k, str(v)) for k, v in spec.items())).encode()))
+        shapes = ((BATCH, HEADS, spec["n_q"], spec["head_dim"]), (BATCH, KV_HEADS, spec["n_k"], spec["head_dim"]))
+        host = [rng.standard_normal(s).astype(spec["dtype"]) for s in (shapes[0], shapes[1], shapes[1], shapes[0])]
+        q, k, v, do = (arrays.asarray(x) for x in host)
+        o, lse = forward(q, k, v, causal=spec["causal"], precision="ieee")
+        grads = attention_backward(do, q, k, v, o, lse, causal=spec["causal"], algorithm=spec["algorithm"],
+                                   deterministic=spec["deterministic"])
+        if arrays is not np:
+            arrays.cuda.Device().synchronize()
+        refs = reference.attention_backward(*(x.astype(np.float64) for x in (host[3], *host[:3])), causal=spec["causal"])
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+            got = (got.get() if hasattr(got, "get") else np.asarray(got)).astype(np.float64)
+            if np.isnan(got).any():
+                raise AssertionError(f"NaN in {name}")
+            err = float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1.0))
+            if err > 0.05:  # garbage, not rounding (float16 included)
+                raise AssertionError(f"{name}: max |error| / max(|ref|, 1) = {err:.3g}")
+
+    return run
 
 
 def _split_kv_cases(precisions, xp):
@@ -198,12 +250,12 @@ def _case(spec, xp):
     return run
 
 
-def run_child(names, precisions, tiles, split_kv=False, variants=False) -> int:
+def run_child(names, precisions, tiles, split_kv=False, variants=False, backward=False) -> int:
     """Run the cases (all, or those named) in this process; report each failure on stdout."""
     failures = 0
     selected = set(names or ())
     started = time.perf_counter()
-    cases = [(n, c) for n, c in build_cases(precisions, tiles, split_kv=split_kv, variants=variants)
+    cases = [(n, c) for n, c in build_cases(precisions, tiles, split_kv=split_kv, variants=variants, backward=backward)
              if not selected or n in selected]
     for i, (name, case) in enumerate(cases, 1):
         if i == 1 or i % 20 == 0 or i == len(cases):
@@ -317,6 +369,8 @@ def run_tool(sanitizer, tool, args) -> Report:
         cmd.append("--split-kv")
     if args.variants:
         cmd.append("--variants")
+    if args.backward:
+        cmd.append("--backward")
     for name in args.case or ():
         cmd += ["--case", name]
     print(f"$ {' '.join(cmd)}", flush=True)
@@ -349,6 +403,8 @@ def parse_args(argv=None):
                     help="the split-KV cases instead (FA-2 with num_splits=3 and the combine; decode on ragged caches)")
     ap.add_argument("--variants", action="store_true",
                     help="the ablation variants instead (kernels.forward: every loop order, grid, rescale, warp partition, O load)")
+    ap.add_argument("--backward", action="store_true",
+                    help="the backward cases instead (attention_backward: FA-1, FA-2 with atomics, FA-2 deterministic)")
     ap.add_argument("--case", action="append", metavar="NAME", help="run only this case (repeatable; see --list)")
     ap.add_argument("--list", action="store_true", help="print the case names and exit (no GPU needed)")
     ap.add_argument("--compute-sanitizer", metavar="PATH", help="the compute-sanitizer binary (default: PATH, then /usr/local/cuda/bin)")
@@ -360,11 +416,12 @@ def parse_args(argv=None):
 def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
-        for name, _ in build_cases(args.precision, args.tiles, xp=False, split_kv=args.split_kv, variants=args.variants):
+        for name, _ in build_cases(args.precision, args.tiles, xp=False, split_kv=args.split_kv, variants=args.variants,
+                                   backward=args.backward):
             print(name)
         return 0
     if args.child:
-        return run_child(args.case, args.precision, args.tiles, args.split_kv, args.variants)
+        return run_child(args.case, args.precision, args.tiles, args.split_kv, args.variants, args.backward)
     sanitizer = find_sanitizer(args.compute_sanitizer)
     if sanitizer is None:
         print("sanitize.py: compute-sanitizer not found (pass --compute-sanitizer PATH; it comes with the CUDA "

@@ -135,3 +135,24 @@ def test_variant_cases_run_in_the_simulator(sanitize):
     cases = dict(sanitize.build_cases(("ieee",), "default", xp=np, variants=True))
     assert len(cases) == 24 * 8
     cases["variant-q_outer-heads_x_qtiles-every_step-split_q-at_update-float32-causal-D40-Nq17-Nk33"]()
+
+
+def test_backward_cases_check_their_gradients(sanitize, monkeypatch):
+    """The backward cases run every loop order and check dq, dk, dv against float64: one case in
+    the simulator passes, and the same case fails when the backward returns a wrong dk."""
+    from numba_flash._world import simulated
+
+    if not simulated():
+        pytest.skip("the script's child runs them on the GPU")
+    cases = dict(sanitize.build_cases(("ieee",), "default", xp=np, backward=True))
+    assert len(cases) == 3 * 2 * 2 * 2 * len(sanitize.LENGTHS)
+    assert {n.split("-float")[0] for n in cases} == {"backward-fa1", "backward-fa2", "backward-fa2-deterministic"}
+    name = "backward-fa2-float32-causal-D40-Nq1-Nk33-B2H4/2"
+    cases[name]()
+
+    import numba_flash.backward as backward
+
+    real = backward.attention_backward
+    monkeypatch.setattr(backward, "attention_backward", lambda *a, **kw: (lambda g: (g[0], g[1] + 1.0, g[2]))(real(*a, **kw)))
+    with pytest.raises(AssertionError, match="dk"):
+        cases[name]()
