@@ -113,7 +113,7 @@ _LINES = [
     ("dtype", "{dtype}"),
     ("causal", "{causal}"),
     ("block_m x block_n", "{block_m} x {block_n}"),
-    ("max |o - ref|", "{max_abs_err:.2e}"),
+    ("max \\|o - ref\\|", "{max_abs_err:.2e}"),
     ("relative error", "{rel_err:.2e}"),
     ("time (ms, median)", "{ms:.3f}"),
     ("TFLOP/s", "{tflops:.2f}"),
