@@ -24,16 +24,15 @@ __all__ = ["attention", "attention_backward", "decode", "online", "reference", "
 
 
 def __getattr__(name):
+    """The entry points, imported on first use and then kept as attributes of the package (so
+    that ``numba_flash.attention(...)`` in a loop does not import each time)."""
     if name == "attention":
-        from numba_flash.api import attention
-
-        return attention
-    if name == "attention_backward":
-        from numba_flash.backward import attention_backward
-
-        return attention_backward
-    if name == "decode":
-        from numba_flash.decoding import decode
-
-        return decode
-    raise AttributeError(f"module 'numba_flash' has no attribute {name!r}")
+        from numba_flash.api import attention as value
+    elif name == "attention_backward":
+        from numba_flash.backward import attention_backward as value
+    elif name == "decode":
+        from numba_flash.decoding import decode as value
+    else:
+        raise AttributeError(f"module 'numba_flash' has no attribute {name!r}")
+    globals()[name] = value
+    return value

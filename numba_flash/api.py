@@ -1,7 +1,10 @@
 """``numba_flash.attention``: validate, convert, launch FA-1 or FA-2, answer in kind.
 
 The wrapper only normalises inputs; the algorithms live in ``numba_flash.kernels``.
-Every check runs before any launch, and inputs are never written.
+Every check runs before any launch, and inputs are never written. On a GPU, what a call
+works out from its signature (checks, tiles, kernel, grid, splits, packed parameters) is kept
+as a plan (``numba_flash.plans``) and reused by later calls of that signature, which only run
+the checks that depend on pointers, allocate and launch.
 """
 
 from __future__ import annotations
@@ -11,19 +14,24 @@ import functools
 import math
 import sys
 import warnings
+from typing import NamedTuple
 
 import numpy as np
 
+from numba_flash import plans, tile_cache
+from numba_flash._cuda import cuda
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, as_cupy_view, device_id_of, dtype_name, kind_of, may_overlap
+from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, device_id_of, dtype_name, kind_of,
+                                may_overlap)
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles, threads_per_block, tile_layout
 from numba_flash.launch import device_array
 from numba_flash.launch import launch as direct_launch
-from numba_flash.split_kv import check_num_splits, choose_num_splits, combine
-from numba_flash.tensor_cores import launch_tc, regime, tc_tiles
+from numba_flash.specs import kernel_spec
+from numba_flash.split_kv import check_num_splits, choose_num_splits, combine, plan_combine
+from numba_flash.tensor_cores import launch_tc, plan_in_place, regime, tc_tiles
 from numba_flash.tile_cache import tuned_tiles
 
 ALGORITHMS = tuple(KERNEL_FACTORIES)  # ("fa1", "fa2")
@@ -134,9 +142,52 @@ def forward(
     on the real kernels. ``out`` / ``lse_out``: preallocated results of the caller's
     kind (tests poison them to prove every element is written).
     """
-    # CAI / DLPack objects: CuPy views (the caller's buffers, no copy)
-    q, k, v = (as_cupy_view(x) for x in (q, k, v))
-    out, lse_out = (None if x is None else as_cupy_view(x) for x in (out, lse_out))
+    key = None
+    if kv_tile_order is None and variant is None:
+        key = _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits)
+    plan = _FORWARD_PLANS.get(key)
+    if plan is None:  # a signature not seen before (or not plannable): every check
+        # CAI / DLPack objects: CuPy views (the caller's buffers, no copy)
+        q, k, v = (as_cupy_view(x) for x in (q, k, v))
+        out, lse_out = (None if x is None else as_cupy_view(x) for x in (out, lse_out))
+        ctx, call = _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision,
+                                  num_splits, variant)
+        if key is not None:
+            tuned = call["regime"] == "ieee" and (block_m is None or block_n is None)  # tiles from the autotune cache
+            tile_entries = tile_cache.load() if tuned else None
+            plan = _plan_forward(ctx, call, q, k, v, out, lse_out, tile_entries)
+        if plan is None:
+            return _forward_unplanned(ctx, call, q, k, v, out, lse_out, kv_tile_order)
+        _FORWARD_PLANS.put(key, plan)
+    if out is not None or lse_out is not None:
+        _check_no_overlap(plan.call["kind"], q, k, v, out, lse_out)
+    with plan.on_device():
+        o, lse = plan.allocate(out, lse_out)
+        if not plan.launch((q, k, v, o, lse)):  # inputs cp.async cannot read in place: copies
+            run(ArrayContext(plan.call["kind"], q), plan.call, q, k, v, o, lse)
+    return o, lse
+
+
+_FORWARD_PLANS = plans.PlanCache()  # forward's plans by signature (_forward_key)
+
+
+def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits):
+    """The signature of a forward call (``numba_flash.plans``): everything its checks and its
+    launches depend on but pointers; ``None`` when it has none (NumPy, CAI or DLPack objects)."""
+    try:
+        arrays = tuple(array_signature(x) for x in (q, k, v, out, lse_out) if x is not None)
+    except (AttributeError, RuntimeError):  # not an array of a known library: the checks say so
+        return None
+    if None in arrays:
+        return None
+    return (arrays, out is None, lse_out is None, plans.value_key(causal), plans.value_key(scale),
+            plans.value_key(algorithm), plans.value_key(block_m), plans.value_key(block_n),
+            plans.value_key(precision), plans.value_key(num_splits))
+
+
+def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, variant):
+    """Every check of a forward call that does not depend on pointers or ``kv_tile_order``:
+    its array context and validated call (``_validate``, with ``num_splits`` and ``variant``)."""
     variant = _check_variant(variant, precision)
     if variant is not None:  # the loop order decides which kernel family's defaults apply
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
@@ -153,11 +204,32 @@ def forward(
                              f"block_n={call['block_n']} does not divide")
         check_tiles(call["q_shape"][3], call["block_m"], half)
     call["variant"] = variant if variant not in _NAMED_POINTS else None  # named points: their kernels
-    ctx = ArrayContext(call["kind"], q)
     B, H, Nq, D = call["q_shape"]
-    Nk = call["n_k"]
     _check_out(out, "out", (B, H, Nq, D), call["dtype"], call["kind"])
     _check_out(lse_out, "lse_out", (B, H, Nq), "float32", call["kind"])
+    return ArrayContext(call["kind"], q), call
+
+
+def _plan_forward(ctx: ArrayContext, call: dict, q, k, v, out, lse_out, tile_entries):
+    """The plan of a checked forward call (``numba_flash.plans``): its arrays q, k, v, o, lse in
+    that order; ``None`` when the unplanned path runs it (NumPy, the simulator, an empty
+    problem, or what :func:`plan_run` leaves to it)."""
+    B, H, Nq, D = call["q_shape"]
+    if not ctx.direct_launch or B * H * Nq == 0 or call["n_k"] == 0:
+        return None
+    builder = plans.PlanBuilder(ctx, call, 5)
+    inputs = [builder.caller_array(i, x) for i, x in enumerate((q, k, v))]
+    o = builder.caller_array(3, out) if out is not None else builder.result_array(3, (B, H, Nq, D), call["dtype"])
+    lse = builder.caller_array(4, lse_out) if lse_out is not None else builder.result_array(4, (B, H, Nq), "float32")
+    if not plan_run(builder, call, *inputs, o, lse):
+        return None
+    return builder.plan((((B, H, Nq, D), call["dtype"]), ((B, H, Nq), "float32")), tile_entries)
+
+
+def _forward_unplanned(ctx: ArrayContext, call: dict, q, k, v, out, lse_out, kv_tile_order):
+    """A checked forward call without a plan: the per-call checks, then :func:`run`."""
+    B, H, Nq, D = call["q_shape"]
+    Nk = call["n_k"]
     _check_no_overlap(call["kind"], q, k, v, out, lse_out)
     with ctx.on_device():  # arrays on another GPU than the current one: results and launch there
         o = out if out is not None else ctx.empty((B, H, Nq, D), call["dtype"])
@@ -181,8 +253,6 @@ def run(ctx: ArrayContext, call: dict, q, k, v, o, lse, order=None, seqlens=None
     """Launch a validated call into ``o`` and ``lse``: the regime's kernel, split (partials, then
     the combine) when ``call["num_splits"]`` or its heuristic says so. ``seqlens``: valid keys
     per batch (``decode``); ``rows_per_query``: query rows packed per position (``decode``)."""
-    from numba_flash.specs import kernel_spec
-
     B, H, Nq, D = call["q_shape"]
     spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
                        ragged=seqlens is not None)
@@ -204,6 +274,32 @@ def run(ctx: ArrayContext, call: dict, q, k, v, o, lse, order=None, seqlens=None
             combine(ctx, o_parts, lse_parts, target, lse)
     if target is not o:
         o[...] = _narrow(target, o, ctx.kind)
+
+
+def plan_run(builder: plans.PlanBuilder, call: dict, q, k, v, o, lse, seqlens=None, rows_per_query=1) -> bool:
+    """:func:`run`'s launches on a GPU, added to a plan: the same kernel specification, split
+    count, partials and combine, for the call's arrays described with open pointers
+    (``launch.DeviceArray``: ``PlanBuilder.caller_array`` / ``result_array``). ``False`` when
+    the call needs what a plan does not do: bfloat16 on CUDA cores (widened copies), tensor-core
+    inputs whose head dim or row strides need padded copies (``tensor_cores.kernel_inputs``)."""
+    B, H, Nq, D = call["q_shape"]
+    if call["regime"] == "ieee" and call["dtype"] == "bfloat16":
+        return False
+    spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
+                       ragged=seqlens is not None)
+    splits = choose_num_splits(call["num_splits"], spec, B, H, Nq, call["n_k"], builder.ctx.device_id)
+    kernel_o, kernel_lse = o, lse
+    if splits > 1:  # float32 partials (kernels.kv_split), merged by kernels.combine
+        kernel_o = builder.scratch_array((splits * B, H, Nq, spec.head_dim), "float32")
+        kernel_lse = builder.scratch_array((splits * B, H, Nq), "float32")
+    if call["regime"] != "ieee":
+        if not plan_in_place(builder, call, q, k, v, kernel_o, kernel_lse, seqlens, splits, rows_per_query):
+            return False
+    else:
+        _plan_cuda_cores(builder, call, q, k, v, kernel_o, kernel_lse, seqlens, splits, rows_per_query)
+    if splits > 1:  # the tensor-core path's bfloat16 is written as bit patterns
+        plan_combine(builder, kernel_o, kernel_lse, o, lse, bits="bf16" if call["dtype"] == "bfloat16" else None)
+    return True
 
 
 def _run_kernel(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, walk) -> None:
@@ -233,7 +329,6 @@ def _narrow(x32, like, kind):
 def simulated_seconds(call: dict) -> float:
     """About how long the simulator takes for a validated call (``simulator.estimate_seconds``)."""
     from numba_flash.simulator import estimate_seconds
-    from numba_flash.specs import kernel_spec
 
     B, H, Nq, D = call["q_shape"]
     bm, bn = call["block_m"], call["block_n"]
@@ -456,66 +551,96 @@ def kernel_for(algorithm, head_dim, block_m, block_n, causal, dtype, permuted=Fa
 
 
 def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None, n_splits=1, rows_per_query=1) -> None:
-    from numba_flash._cuda import cuda
-    from numba_flash.specs import kernel_spec
-
-    B, H, Nq, D = call["q_shape"]
-    bm, bn = call["block_m"], call["block_n"]
-    q_scale = np.float32(call["scale"] * LOG2E)
+    """One launch of a CUDA-core kernel (a named point or ``call["variant"]``) into ``o`` and
+    ``lse``; ``order``: the K/V tile order (NumPy int32) or ``None``."""
     permuted = order is not None
-    if not permuted:
-        order = _placeholder(1, "int32", ctx.device_id)  # not read by a kernel compiled unpermuted
-    elif not simulated():
+    if permuted and not simulated():
         order = cuda.to_device(order, stream=ctx.stream())  # ordered before the launch
-
-    ragged = seqlens is not None
-    # The kernel, grid and threads: the launch specification of this call (named point or variant).
-    spec = kernel_spec(call["algorithm"], D, call["dtype"], bm, bn, call["causal"], "ieee", ragged=ragged,
-                       permuted=permuted, variant=call.get("variant"))
-    kernel, grid, threads = spec.kernel, spec.grid(B, H, Nq, n_splits), spec.threads
-    # The array arguments in the skeleton's order (kernels.forward): ("in", x) read, ("out", x)
-    # written (both of the caller's kind), ("own", x) already numba's (placeholders, the order).
-    unused4 = ("own", _placeholder((1, 1, 1, 1), "float32", ctx.device_id))
-    unused3 = ("own", _placeholder((1, 1, 1), "float32", ctx.device_id))
-    if not spec.kv_outer:
-        state = [unused4, unused3, unused3]  # O, l, m stay on chip
-        results = [("out", o), ("out", lse)]
-    else:
-        cast_out = casts_output(call["dtype"])
-        # FA-1's O, l, m in global memory; O is the float32 output itself unless it is cast.
-        o_hbm = ("out", ctx.empty((B, H, Nq, D), "float32")) if cast_out else ("out", o)
-        state = [o_hbm, ("out", ctx.empty((B, H, Nq), "float32")), ("out", ctx.empty((B, H, Nq), "float32"))]
-        # Not casting, the kernel never reads `o`; a placeholder avoids passing o twice.
-        results = [("out", o) if cast_out else unused4, ("out", lse)]
-    lengths = ("in", seqlens) if ragged else ("own", _placeholder(1, "int32", ctx.device_id))
-    arrays = [("in", q), ("in", k), ("in", v), *results, *state, ("own", order), lengths]
-    tail = [np.int32(n_splits), np.int32(rows_per_query)]  # split-KV (kernels.kv_split)
-
-    def ordered(args):  # q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query
-        return [*args[:8], q_scale, *args[8:], *tail]
-
-    if ctx.direct_launch:  # CuPy / torch on a GPU: skip numba's per-call dispatch
-        args = [device_array(x, ctx.kind if role != "own" else "numba") for role, x in arrays]
-        direct_launch(kernel, grid, (threads,), ctx.stream_ptr(), ordered(args), device_id=ctx.device_id)
+    spec = _cuda_core_spec(call, permuted=permuted, ragged=seqlens is not None)
+    grid, threads = spec.grid(*call["q_shape"][:3], n_splits), spec.threads
+    args = _cuda_core_arguments(spec, call, q, k, v, o, lse, order if permuted else None, seqlens,
+                                lambda shape, dtype: ctx.empty(shape, dtype),
+                                lambda shape, dtype: _placeholder(shape, dtype, ctx.device_id),
+                                n_splits, rows_per_query)
+    if ctx.direct_launch:  # CuPy / torch on a GPU, unplanned: skip numba's per-call dispatch
+        args = [device_array(a.array, "numba" if a.role == "own" else ctx.kind) if isinstance(a, _KernelArray) else a
+                for a in args]
+        direct_launch(spec.kernel, grid, (threads,), ctx.stream_ptr(), args, device_id=ctx.device_id)
         return
 
     convert = {"in": ctx.to_kernel, "out": ctx.out_to_kernel, "own": lambda x: x}
-    kernel_args = [convert[role](x) for role, x in arrays]
+    kernel_args = [convert[a.role](a.array) if isinstance(a, _KernelArray) else a for a in args]
     stream = ctx.stream()
-    launcher = kernel[grid, threads] if stream is None else kernel[grid, threads, stream]
-    launcher(*ordered(kernel_args))
+    launcher = spec.kernel[grid, threads] if stream is None else spec.kernel[grid, threads, stream]
+    launcher(*kernel_args)
     if ctx.on_host and not simulated():  # NumPy in, GPU run: copy the results back
-        for (role, x), arg in zip(arrays, kernel_args):
-            if role == "out" and (x is o or x is lse):
-                arg.copy_to_host(x)
+        for a, arg in zip(args, kernel_args):
+            if isinstance(a, _KernelArray) and a.role == "out" and (a.array is o or a.array is lse):
+                arg.copy_to_host(a.array)
+
+
+def _plan_cuda_cores(builder: plans.PlanBuilder, call: dict, q, k, v, o, lse, seqlens, n_splits,
+                     rows_per_query) -> None:
+    """:func:`_launch` added to a plan (named points, no ``kv_tile_order``): FA-1's O, l, m are
+    scratch arrays of the plan, placeholders its constants."""
+    spec = _cuda_core_spec(call, permuted=False, ragged=seqlens is not None)
+    device_id = builder.ctx.device_id
+    args = _cuda_core_arguments(spec, call, q, k, v, o, lse, None, seqlens, builder.scratch_array,
+                                lambda shape, dtype: builder.constant(_placeholder(shape, dtype, device_id), "numba"),
+                                n_splits, rows_per_query)
+    args = [a.array if isinstance(a, _KernelArray) else a for a in args]
+    builder.add_launch(spec.kernel, spec.grid(*call["q_shape"][:3], n_splits), (spec.threads,), args)
+
+
+def _cuda_core_spec(call: dict, permuted: bool, ragged: bool):
+    """The launch specification of a call's CUDA-core kernel (named point or variant)."""
+    D = call["q_shape"][3]
+    return kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], "ieee",
+                       ragged=ragged, permuted=permuted, variant=call.get("variant"))
+
+
+class _KernelArray(NamedTuple):
+    """An array argument of a CUDA-core kernel: ``role`` ``"in"`` (read), ``"out"`` (written;
+    both of the caller's kind, or a plan's descriptions) or ``"own"`` (already numba's: the
+    K/V tile order on the device, placeholders)."""
+
+    role: str
+    array: object
+
+
+def _cuda_core_arguments(spec, call: dict, q, k, v, o, lse, order, seqlens, new_array, placeholder, n_splits,
+                         rows_per_query) -> list:
+    """A CUDA-core kernel's arguments in the skeleton's order (``kernels.forward``): q, k, v, o,
+    lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query.
+
+    Arrays as :class:`_KernelArray`: the caller's, ``new_array(shape, dtype)``'s (FA-1's O, l, m
+    in global memory), ``order`` (on the device) or ``placeholder(shape, dtype)``'s (an argument
+    the kernel's specialisation never reads); scalars as NumPy float32 / int32."""
+    B, H, Nq, D = call["q_shape"]
+    unused4 = _KernelArray("own", placeholder((1, 1, 1, 1), "float32"))
+    unused3 = _KernelArray("own", placeholder((1, 1, 1), "float32"))
+    if not spec.kv_outer:
+        state = [unused4, unused3, unused3]  # O, l, m stay on chip
+        results = [_KernelArray("out", o), _KernelArray("out", lse)]
+    else:
+        cast_out = casts_output(call["dtype"])
+        # FA-1's O, l, m in global memory; O is the float32 output itself unless it is cast.
+        o_hbm = _KernelArray("out", new_array((B, H, Nq, D), "float32") if cast_out else o)
+        state = [o_hbm, _KernelArray("out", new_array((B, H, Nq), "float32")),
+                 _KernelArray("out", new_array((B, H, Nq), "float32"))]
+        # Not casting, the kernel never reads `o`; a placeholder avoids passing o twice.
+        results = [_KernelArray("out", o) if cast_out else unused4, _KernelArray("out", lse)]
+    kv_order = _KernelArray("own", placeholder(1, "int32") if order is None else order)  # unpermuted: not read
+    lengths = _KernelArray("in", seqlens) if seqlens is not None else _KernelArray("own", placeholder(1, "int32"))
+    q_scale = np.float32(call["scale"] * LOG2E)
+    return [_KernelArray("in", q), _KernelArray("in", k), _KernelArray("in", v), *results, *state, q_scale, kv_order,
+            lengths, np.int32(n_splits), np.int32(rows_per_query)]  # the last two: split-KV (kernels.kv_split)
 
 
 @functools.lru_cache(maxsize=None)
 def _placeholder(shape, dtype, device_id=None):
     """A tiny array for a kernel argument that its specialisation never reads (one per device;
     ``None``: numba's current device, for NumPy inputs)."""
-    from numba_flash._cuda import cuda
-
     placeholder = np.zeros(shape, dtype=dtype)
     if simulated():
         return placeholder

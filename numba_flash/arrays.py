@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -55,6 +56,30 @@ def kind_of(x) -> str:
         f"expected a NumPy array, a CuPy array, a PyTorch CUDA tensor, or an object with "
         f"__cuda_array_interface__ or __dlpack__; got {type(x).__module__}.{type(x).__name__}"
     )
+
+
+_LIBRARY_OF_TYPE: dict = {}  # type -> the top-level module that defines it ("cupy", "torch", ...)
+
+
+def array_signature(x):
+    """What a call's checks read of a CuPy array or torch tensor, as a hashable tuple: its
+    type, shape, strides, dtype and device (the part of a plan key an array gives,
+    ``numba_flash.plans``); ``None`` for any other object (NumPy, CAI or DLPack objects:
+    never planned). A torch tensor on the CPU has a signature; its device tells it apart."""
+    library = _LIBRARY_OF_TYPE.get(type(x))
+    if library is None:
+        library = _LIBRARY_OF_TYPE[type(x)] = type(x).__module__.split(".")[0]
+    if library == "cupy":
+        return type(x), x.shape, x.strides, x.dtype, x.device.id
+    if library == "torch":
+        return type(x), x.shape, x.stride(), x.dtype, x.device
+    return None
+
+
+def pointer_reader(kind: str):
+    """A function from an array of ``kind`` ("cupy" or "torch") to its data pointer (a C-level
+    getter: a plan reads every array's pointer on every call)."""
+    return operator.methodcaller("data_ptr") if kind == "torch" else operator.attrgetter("data.ptr")
 
 
 def as_cupy_view(x):
@@ -145,15 +170,22 @@ class ArrayContext:
         """A context in which the arrays' GPU is the current device, so that results are
         allocated and kernels launched there (CuPy and torch arrays on a second GPU). With
         one GPU in the process it does nothing (no runtime call on the hot path)."""
+        switch = self.device_switch()
+        return contextlib.nullcontext() if switch is None else switch()
+
+    def device_switch(self):
+        """A function that returns :meth:`on_device`'s context, or ``None`` when it would do
+        nothing (NumPy, the simulator, one GPU in the process): the same for every call on
+        arrays of this kind and device."""
         if self.kind not in ("cupy", "torch") or simulated() or gpu_count(self.kind) < 2:
-            return contextlib.nullcontext()
+            return None
         if self.kind == "cupy":
             import cupy
 
-            return cupy.cuda.Device(self.device_id)
+            return functools.partial(cupy.cuda.Device, self.device_id)
         import torch
 
-        return torch.cuda.device(self.device_id)
+        return functools.partial(torch.cuda.device, self.device_id)
 
     def to_kernel(self, x):
         """An input the kernel can read: the object itself, a numba view, or a device copy.
@@ -178,19 +210,25 @@ class ArrayContext:
 
     def empty(self, shape, dtype_name_: str):
         """An uninitialised result array of the caller's library."""
+        return self.allocator(shape, dtype_name_)()
+
+    def allocator(self, shape, dtype_name_: str):
+        """A function of no arguments that returns a new :meth:`empty` array of this shape and
+        dtype (the library's allocation bound to its arguments once: a plan allocates per call).
+        CuPy allocates on the current device; torch on the inputs' device."""
         if self.kind == "numpy":
             if dtype_name_ == "bfloat16":  # NumPy's bfloat16 comes from ml_dtypes
                 import ml_dtypes
 
-                return np.empty(shape, dtype=ml_dtypes.bfloat16)
-            return np.empty(shape, dtype=dtype_name_)
+                return functools.partial(np.empty, shape, dtype=ml_dtypes.bfloat16)
+            return functools.partial(np.empty, shape, dtype=dtype_name_)
         if self.kind == "torch":
             import torch
 
-            return torch.empty(shape, dtype=getattr(torch, dtype_name_), device=self.template.device)
+            return functools.partial(torch.empty, shape, dtype=getattr(torch, dtype_name_), device=self.template.device)
         import cupy
 
-        return cupy.empty(shape, dtype=dtype_name_)
+        return functools.partial(cupy.empty, shape, dtype=np.dtype(dtype_name_))
 
     @property
     def direct_launch(self) -> bool:
@@ -199,26 +237,42 @@ class ArrayContext:
 
     def stream_ptr(self) -> int:
         """The caller's current stream handle (0: the default stream); asked once per call
-        (a context lives for one call: torch's ``current_stream`` costs ~10 us)."""
+        (a context lives for one call)."""
         ptr = self.__dict__.get("_stream_ptr")
         if ptr is None:
-            ptr = self.__dict__["_stream_ptr"] = self._current_stream_ptr()
+            ptr = self.__dict__["_stream_ptr"] = self.stream_ptr_reader()()
         return ptr
 
-    def _current_stream_ptr(self) -> int:
+    def stream_ptr_reader(self):
+        """A function of no arguments that returns the library's current stream handle for the
+        inputs' device (0: the default stream), the same function for every call of this kind
+        and device. torch: its raw-handle getter (what Triton launches on), not
+        ``torch.cuda.current_stream``, which makes a Stream object per call (~10 us)."""
         if self.kind == "torch":
             import torch
 
-            return torch.cuda.current_stream(self.template.device).cuda_stream
+            raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+            device = self.template.device
+            if raw is not None:
+                return functools.partial(raw, device.index)
+            return lambda: torch.cuda.current_stream(device).cuda_stream
         if self.kind == "cupy":
-            import cupy
-
-            return cupy.cuda.get_current_stream().ptr
-        return 0
+            return _cupy_stream_ptr
+        return _default_stream_ptr
 
     def stream(self):
         """The caller's current stream as a numba stream (``None`` in the simulator)."""
         return None if simulated() else numba_stream(self.stream_ptr())
+
+
+def _cupy_stream_ptr() -> int:
+    import cupy
+
+    return cupy.cuda.get_current_stream().ptr
+
+
+def _default_stream_ptr() -> int:
+    return 0
 
 
 @functools.lru_cache(maxsize=None)

@@ -21,7 +21,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from numba_flash.arrays import ArrayContext, as_cupy_view, dtype_name, kind_of
+from numba_flash import api, plans, tile_cache
+from numba_flash._world import simulated
+from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, kind_of, pointer_reader
+from numba_flash.split_kv import check_num_splits
 
 DECODE_BLOCK_N = 64  # K/V rows per tile: 16 KiB of K (and of V) per tile at D = 128, 16-bit
 
@@ -39,50 +42,117 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     :func:`numba_flash.attention` takes them. Returns ``o`` (q's shape and dtype), or
     ``(o, lse)`` with ``return_lse=True`` (``lse`` float32 ``(B, H, Nq)``, natural log).
     """
-    from numba_flash import api
-    from numba_flash.split_kv import check_num_splits
-
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
-    q, k_cache, v_cache = (as_cupy_view(x) for x in (q, k_cache, v_cache))
-    kinds = {kind_of(x) for x in (q, k_cache, v_cache)}
-    if len(kinds) != 1:
-        raise TypeError("q, k_cache and v_cache must be arrays of one library")
-    kind = kinds.pop()
-    for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
-    B, H, Nq, D = (int(n) for n in q.shape)
-    Hkv = int(k_cache.shape[1])
-    if Hkv == 0 or H % Hkv:
-        raise ValueError(f"q's heads ({H}) must be a multiple of the cache's heads ({Hkv})")
-    group = H // Hkv
-    rows = Nq * group
-    block_m, block_n = _decode_tiles(dtype_name(q, kind), rows, D)
-    # Every check of attention (shapes, dtypes, scale, tiles), on the packed problem.
-    packed = _pack(q, kind, group)
-    call = api._validate(packed, k_cache, v_cache, causal, scale, "fa2", block_m, block_n)
-    call["num_splits"] = check_num_splits(num_splits, "fa2")
-    ctx = ArrayContext(kind, q)
-    with ctx.on_device():
-        seqlens = _check_seqlens(cache_seqlens, B, kind, ctx)
-        o_packed = ctx.empty((B, Hkv, rows, D), call["dtype"])
-        lse_packed = ctx.empty((B, Hkv, rows), "float32")
-        if B * rows:
-            if call["n_k"] == 0:
-                o_packed[...] = 0
-                lse_packed[...] = -np.inf
-            else:
-                api.run(ctx, call, packed, k_cache, v_cache, o_packed, lse_packed, None, seqlens, rows_per_query=group)
-        o, lse = _unpack(o_packed, kind, group, Nq), _unpack(lse_packed[..., None], kind, group, Nq)[..., 0]
+    key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits)
+    plan = _DECODE_PLANS.get(key)
+    if plan is None:  # a signature not seen before (or not plannable): every check
+        q, k_cache, v_cache = (as_cupy_view(x) for x in (q, k_cache, v_cache))
+        kinds = {kind_of(x) for x in (q, k_cache, v_cache)}
+        if len(kinds) != 1:
+            raise TypeError("q, k_cache and v_cache must be arrays of one library")
+        kind = kinds.pop()
+        for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+            if len(x.shape) != 4:
+                raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
+        B, H, Nq, D = (int(n) for n in q.shape)
+        Hkv = int(k_cache.shape[1])
+        if Hkv == 0 or H % Hkv:
+            raise ValueError(f"q's heads ({H}) must be a multiple of the cache's heads ({Hkv})")
+        group = H // Hkv
+        rows = Nq * group
+        block_m, block_n = _decode_tiles(dtype_name(q, kind), rows, D)
+        # Every check of attention (shapes, dtypes, scale, tiles), on the packed problem.
+        packed = _pack(q, kind, group)
+        call = api._validate(packed, k_cache, v_cache, causal, scale, "fa2", block_m, block_n)
+        call["num_splits"] = check_num_splits(num_splits, "fa2")
+        ctx = ArrayContext(kind, q)
+        with ctx.on_device():
+            seqlens = _check_seqlens(cache_seqlens, B, kind, ctx)
+            if key is not None and seqlens is cache_seqlens:  # lengths used as given: plannable
+                tile_entries = tile_cache.load() if call["regime"] == "ieee" else None  # float32: tuned tiles
+                plan = _plan_decode(ctx, call, q, packed, k_cache, v_cache, seqlens, group, tile_entries)
+            if plan is None:
+                o, lse = _decode_unplanned(ctx, call, packed, k_cache, v_cache, seqlens, group, Nq)
+                return (o, lse) if return_lse else o
+        _DECODE_PLANS.put(key, plan)
+    arrays = (q, k_cache, v_cache) if cache_seqlens is None else (q, k_cache, v_cache, cache_seqlens)
+    with plan.on_device():
+        o, lse = plan.allocate()
+        if not plan.launch((*arrays[:3], o, lse, *arrays[3:])):  # q, k or v not 16-byte aligned: copies
+            _run_unaligned(plan.call, q, k_cache, v_cache, cache_seqlens, o, lse)
     return (o, lse) if return_lse else o
+
+
+_DECODE_PLANS = plans.PlanCache()  # decode's plans by signature (_decode_key)
+
+
+def _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits):
+    """The signature of a decode call (``numba_flash.plans``); ``None`` when it has none
+    (NumPy, CAI or DLPack objects, lengths given as a list)."""
+    try:
+        arrays = tuple(array_signature(x) for x in (q, k_cache, v_cache, cache_seqlens) if x is not None)
+    except (AttributeError, RuntimeError):  # not an array of a known library: the checks say so
+        return None
+    if None in arrays:
+        return None
+    return (arrays, cache_seqlens is None, plans.value_key(causal), plans.value_key(scale),
+            plans.value_key(num_splits))
+
+
+def _plan_decode(ctx, call: dict, q, packed, k_cache, v_cache, seqlens, group: int, tile_entries):
+    """The plan of a checked decode call: its arrays q, k_cache, v_cache, o, lse (and
+    seqlens) in that order, o and lse allocated in the caller's shapes. ``None`` when the
+    unplanned path runs it: NumPy, the simulator, an empty problem, packed rows that are a
+    copy of q (``Nq > 1`` with grouped heads), or what ``api.plan_run`` leaves to it."""
+    B, Hkv, rows, D = call["q_shape"]
+    H, Nq = Hkv * group, rows // group
+    if not ctx.direct_launch or B * rows == 0 or call["n_k"] == 0 or (Nq > 1 and group > 1):
+        return None
+    # Nq = 1 or group = 1: the packed rows are a view of q at its address, and a C-contiguous
+    # (B, H, Nq, D) result is a C-contiguous (B, Hkv, rows, D) one: the kernel writes the
+    # caller's shapes.
+    pointer = pointer_reader(ctx.kind)
+    if pointer(packed) != pointer(q):
+        return None
+    builder = plans.PlanBuilder(ctx, call, 5 if seqlens is None else 6)
+    arrays = [builder.caller_array(0, packed), builder.caller_array(1, k_cache), builder.caller_array(2, v_cache),
+              builder.result_array(3, (B, Hkv, rows, D), call["dtype"]),
+              builder.result_array(4, (B, Hkv, rows), "float32"),
+              None if seqlens is None else builder.caller_array(5, seqlens)]
+    if not api.plan_run(builder, call, *arrays, rows_per_query=group):
+        return None
+    return builder.plan((((B, H, Nq, D), call["dtype"]), ((B, H, Nq), "float32")), tile_entries)
+
+
+def _decode_unplanned(ctx, call: dict, packed, k_cache, v_cache, seqlens, group: int, n_q: int):
+    """A checked decode call without a plan: packed results, ``api.run``, unpacked views."""
+    B, Hkv, rows, D = call["q_shape"]
+    kind = call["kind"]
+    o_packed = ctx.empty((B, Hkv, rows, D), call["dtype"])
+    lse_packed = ctx.empty((B, Hkv, rows), "float32")
+    if B * rows:
+        if call["n_k"] == 0:
+            o_packed[...] = 0
+            lse_packed[...] = -np.inf
+        else:
+            api.run(ctx, call, packed, k_cache, v_cache, o_packed, lse_packed, None, seqlens, rows_per_query=group)
+    return _unpack(o_packed, kind, group, n_q), _unpack(lse_packed[..., None], kind, group, n_q)[..., 0]
+
+
+def _run_unaligned(call: dict, q, k_cache, v_cache, seqlens, o, lse) -> None:
+    """A planned call whose inputs ``cp.async`` cannot read in place: ``api.run`` (which copies)
+    on packed views of q and of the plan's results."""
+    kind = call["kind"]
+    group = int(q.shape[1]) // int(k_cache.shape[1])
+    o_packed, lse_packed = _pack(o, kind, group), _pack(lse[..., None], kind, group)[..., 0]
+    api.run(ArrayContext(kind, q), call, _pack(q, kind, group), k_cache, v_cache, o_packed, lse_packed, None, seqlens,
+            rows_per_query=group)
 
 
 def _decode_tiles(dtype: str, rows: int, head_dim: int):
     """(block_m, block_n) of a decode call: the fewest 16-row warps that hold the packed rows
     (at most 4), and K/V tiles of 64 rows; float32 (CUDA cores): the defaults."""
-    from numba_flash._world import simulated
-
     if dtype == "float32":
         return None, None
     if simulated():

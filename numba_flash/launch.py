@@ -26,6 +26,11 @@ asks the driver nothing. The stream is cuda.core's own ``Stream`` for the caller
 made once per (device, handle): handing cuda.core a foreign stream object through the
 ``__cuda_stream__`` protocol is deprecated there. The caller makes the arrays' device
 current for the launch (``ArrayContext.on_device``).
+
+Packed once, launched many times: :func:`prepare_launch` does all of the above for arguments
+whose pointers may still be open (:class:`PointerSlot`), and returns a :class:`PreparedLaunch`
+that writes a call's pointers into the packed parameters and launches. :func:`launch` is a
+prepared launch used once; ``numba_flash.plans`` keeps them for calls of one signature.
 """
 
 from __future__ import annotations
@@ -36,13 +41,21 @@ from typing import NamedTuple
 
 import numpy as np
 
+from numba_flash._world import simulated
 from numba_flash.arrays import dtype_name
+
+
+class PointerSlot(NamedTuple):
+    """The data pointer of a prepared launch's array argument that is only known per call:
+    entry ``index`` of the pointers a :class:`PreparedLaunch` is called with."""
+
+    index: int
 
 
 class DeviceArray(NamedTuple):
     """What a kernel needs to know about a device array."""
 
-    ptr: int
+    ptr: int  # or a PointerSlot (prepare_launch)
     shape: tuple
     strides: tuple  # in bytes
     dtype: str  # "float32", "float16", "int32"
@@ -51,8 +64,12 @@ class DeviceArray(NamedTuple):
     c_contiguous: bool
 
     def abi_fields(self) -> list:
-        """numba's kernel arguments for one array (``_Kernel._prepare_args``)."""
+        """numba's kernel arguments for one array (``_Kernel._prepare_args``); the data pointer
+        is field :data:`POINTER_FIELD`."""
         return [0, 0, self.size, self.itemsize, self.ptr, *self.shape, *self.strides]
+
+
+POINTER_FIELD = 4  # meminfo, parent, nitems, itemsize, data, shape..., strides...
 
 
 def device_array(x, kind: str) -> DeviceArray:
@@ -152,6 +169,15 @@ def _config(grid, block, shared_mem_bytes=0):
     return LaunchConfig(grid=grid, block=block, shmem_size=shared_mem_bytes)
 
 
+@functools.lru_cache(maxsize=None)
+def _cuda_core():
+    """The ``cuda.core`` module (imported on the first launch; its ``launch`` is looked up per
+    launch, so that a test can replace it)."""
+    import cuda.core
+
+    return cuda.core
+
+
 @functools.lru_cache(maxsize=128)
 def core_stream(stream_ptr: int, device_id: int):
     """cuda.core's own ``Stream`` for a raw stream handle (0: the legacy default stream), made
@@ -163,28 +189,65 @@ def core_stream(stream_ptr: int, device_id: int):
     return Stream.from_handle(int(stream_ptr))
 
 
-def launch(dispatcher, grid, block, stream_ptr: int, args, shared_mem_bytes: int = 0,
-           device_id: int | None = None) -> None:
-    """``dispatcher[grid, block, stream, shared_mem_bytes](*args)`` for ``DeviceArray``,
-    float32 and int32 arguments, on the stream with handle ``stream_ptr``.
+class PreparedLaunch(NamedTuple):
+    """One kernel launch with its parameters packed: the cuda.core kernel (compiled, loaded on
+    ``device_id`` and opted in to its shared memory), its launch configuration, and numba's
+    kernel ABI of every argument, with 0 where a :class:`PointerSlot` was.
+
+    Calling it writes ``pointers[slot.index]`` into each such place and launches. Valid for
+    arrays of the shapes, strides and dtypes it was prepared with (only pointers change);
+    a caller that keeps it (``numba_flash.plans``) keys it by them."""
+
+    kernel: object
+    config: object
+    params: tuple
+    pointer_slots: tuple  # (index into params, index into the pointers of a call), ...
+    device_id: int
+
+    def __call__(self, stream, pointers=()) -> None:
+        """Launch on ``stream`` (a ``cuda.core.Stream``: :func:`core_stream`) with the call's
+        ``pointers``."""
+        params = list(self.params)
+        for at, which in self.pointer_slots:
+            params[at] = pointers[which]
+        _cuda_core().launch(stream, self.config, self.kernel, *params)
+
+
+def prepare_launch(dispatcher, grid, block, args, shared_mem_bytes: int = 0,
+                   device_id: int | None = None) -> PreparedLaunch:
+    """``dispatcher[grid, block, stream, shared_mem_bytes](*args)`` packed for launches to come,
+    for ``DeviceArray`` (whose ``ptr`` may be a :class:`PointerSlot`), float32 and int32
+    arguments.
 
     ``shared_mem_bytes``: dynamic shared memory per block (above 48 KiB the kernel is opted in,
     once per kernel and device). ``device_id``: the GPU the arrays live on, which must be the
-    current device (``None``: numba's current device, asked of the driver: pass it)."""
-    from cuda.core import launch as core_launch
-
+    current device when the launch is called (``None``: numba's current device, asked of the
+    driver: pass it)."""
     if device_id is None:
         device_id = _current_device_id()
     kernel = compiled_kernel(dispatcher, args, shared_mem_bytes, device_id)
-    params = []
+    params, slots = [], []
     for a in args:
         if isinstance(a, DeviceArray):
-            params.extend(a.abi_fields())
+            fields = a.abi_fields()
+            if isinstance(a.ptr, PointerSlot):
+                slots.append((len(params) + POINTER_FIELD, a.ptr.index))
+                fields[POINTER_FIELD] = 0
+            params.extend(fields)
         elif isinstance(a, np.int32):
             params.append(ctypes.c_int32(a))
         else:
             params.append(ctypes.c_float(a))
-    core_launch(core_stream(stream_ptr, device_id), _config(grid, block, shared_mem_bytes), kernel, *params)
+    return PreparedLaunch(kernel, _config(grid, block, shared_mem_bytes), tuple(params), tuple(slots), device_id)
+
+
+def launch(dispatcher, grid, block, stream_ptr: int, args, shared_mem_bytes: int = 0,
+           device_id: int | None = None) -> None:
+    """``dispatcher[grid, block, stream, shared_mem_bytes](*args)`` for ``DeviceArray``,
+    float32 and int32 arguments, on the stream with handle ``stream_ptr`` (a
+    :func:`prepare_launch` used once: every pointer given)."""
+    prepared = prepare_launch(dispatcher, grid, block, args, shared_mem_bytes, device_id)
+    prepared(core_stream(stream_ptr, prepared.device_id))
 
 
 _OPTED_IN: dict = {}  # (dispatcher id, signature, device id) -> dynamic shared bytes allowed
@@ -195,8 +258,6 @@ def numba_launch(dispatcher, grid, block, stream, args, shared_mem_bytes: int = 
     dynamic shared memory: above 48 KiB the overload for ``args`` is opted in first (once per
     kernel, signature and device). ``stream``: a numba stream or ``None`` (the default stream).
     Works in the simulator too (no opt-in there: ``cuda.shared.array(0, dtype)`` gets the size)."""
-    from numba_flash._world import simulated
-
     if shared_mem_bytes > STATIC_SHARED_LIMIT and not simulated():
         from numba import typeof
 

@@ -26,6 +26,8 @@ import math
 import numpy as np
 
 from numba_flash._world import simulated
+from numba_flash.kernels.combine import COMBINE_THREADS, combine_kernel
+from numba_flash.launch import device_array, launch, numba_launch
 
 MAX_SPLITS = 128
 MIN_TILES_PER_SPLIT = 4  # shorter walks do not pay for the partials and the second launch
@@ -97,16 +99,11 @@ def combine(ctx, o_parts, lse_parts, o, lse, bits=None) -> None:
     """Merge the partials (``(S*B, H, Nq, >= D)`` and ``(S*B, H, Nq)`` float32, arrays of the
     call's kind) into ``o (B, H, Nq, D)`` and ``lse``: ``kernels.combine`` on the caller's
     stream. ``bits``: ``"bf16"`` when ``o`` is bfloat16 (written as its bit patterns)."""
-    from numba_flash.kernels.combine import COMBINE_THREADS, combine_kernel
-    from numba_flash.launch import device_array, launch, numba_launch
-
     B, H, Nq, D = (int(n) for n in o.shape)
     kernel = combine_kernel(bits)
     grid, threads = (B * H * Nq,), COMBINE_THREADS
     if ctx.direct_launch:
-        out = device_array(o, ctx.kind)
-        args = [device_array(o_parts, ctx.kind), device_array(lse_parts, ctx.kind),
-                out._replace(dtype="uint16") if bits else out, device_array(lse, ctx.kind)]
+        args = combine_arguments(*(device_array(x, ctx.kind) for x in (o_parts, lse_parts, o, lse)), bits)
         launch(kernel, grid, (threads,), ctx.stream_ptr(), args, device_id=ctx.device_id)
         return
     if bits:
@@ -126,3 +123,15 @@ def combine(ctx, o_parts, lse_parts, o, lse, bits=None) -> None:
         return
     numba_launch(kernel, grid, threads, ctx.stream(), [ctx.to_kernel(x) if not ctx.on_host else x for x in arrays])
 
+
+def plan_combine(builder, o_parts, lse_parts, o, lse, bits=None) -> None:
+    """:func:`combine` added to a plan (``plans.PlanBuilder``), for arrays described with
+    open pointers (``launch.DeviceArray``)."""
+    B, H, Nq, _ = o.shape
+    builder.add_launch(combine_kernel(bits), (B * H * Nq,), (COMBINE_THREADS,),
+                       combine_arguments(o_parts, lse_parts, o, lse, bits))
+
+
+def combine_arguments(o_parts, lse_parts, o, lse, bits=None) -> list:
+    """The combine kernel's arguments (``launch.DeviceArray``): a bfloat16 ``o`` as uint16."""
+    return [o_parts, lse_parts, o._replace(dtype="uint16") if bits else o, lse]

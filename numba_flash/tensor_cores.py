@@ -28,9 +28,13 @@ import functools
 import numpy as np
 
 from numba_flash._world import simulated
+from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tc_ops import check_tc_tiles, default_tc_tiles, input_alignment, kernel_head_dim
+from numba_flash.launch import device_array, launch, numba_launch
+from numba_flash.specs import kernel_spec
 
 _TC_OF_DTYPE = {"float16": "f16", "bfloat16": "bf16"}
+CP_ASYNC_ALIGNMENT = 16  # bytes: the alignment of the inputs' data that cp.async reads in place
 
 
 def regime(precision, dtype: str) -> str:
@@ -173,10 +177,6 @@ def _cupy_stream(ptr: int):
 
 
 def _launch_tc(ctx, call: dict, q, k, v, o, lse, walk) -> None:
-    from numba_flash.kernels.jit import LOG2E
-    from numba_flash.launch import device_array, launch
-    from numba_flash.specs import kernel_spec
-
     seqlens, n_splits, rows_per_query = walk
     B, H, Nq, D = call["q_shape"]
     partial = n_splits > 1  # o, lse: float32 partials of the kernel's head dim
@@ -215,41 +215,72 @@ def _launch_in_place(ctx, call: dict, q, k, v, o, lse, walk) -> bool:
     """The common case on a GPU, with no array made: the caller's arrays are what the kernel
     reads and writes (16-byte aligned rows of the kernel's head dim), launched on their own
     pointers. False (nothing launched) when one is not; then :func:`_launch_tc` pads."""
-    from numba_flash.kernels.jit import LOG2E
-    from numba_flash.launch import device_array, launch
-    from numba_flash.specs import kernel_spec
-
     seqlens, n_splits, rows_per_query = walk
-    B, H, Nq, D = call["q_shape"]
-    partial = n_splits > 1
-    spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
-                       ragged=seqlens is not None, split_out=partial)
-    if spec.algorithm != "fa2" or spec.head_dim != D:
-        return False
-    sixteen = spec.regime in _TC_OF_DTYPE.values()
-    width = input_alignment(spec.regime)
+    spec = _in_place_spec(call, seqlens is not None, n_splits)
     inputs = [device_array(x, ctx.kind) for x in (q, k, v)]
-    if sixteen:
-        inputs = [a._replace(dtype="uint16") for a in inputs]
-    if not all(_rows_aligned(a, width) for a in inputs):
+    if any(a.ptr % CP_ASYNC_ALIGNMENT for a in inputs):
         return False
-    out = device_array(o, ctx.kind)
-    if sixteen and not partial:
-        out = out._replace(dtype="uint16")
     lengths = seqlens if seqlens is not None else _unread_lengths("cupy", ctx.device_id)
-    args = [*inputs, out, device_array(lse, ctx.kind), np.float32(call["scale"] * LOG2E),
-            device_array(lengths, "cupy" if seqlens is None else ctx.kind), np.int32(n_splits), np.int32(rows_per_query)]
+    args = in_place_arguments(spec, call, *inputs, device_array(o, ctx.kind), device_array(lse, ctx.kind),
+                              device_array(lengths, "cupy" if seqlens is None else ctx.kind), n_splits, rows_per_query)
+    if args is None:
+        return False
+    B, H, Nq, _ = call["q_shape"]
     launch(spec.kernel, spec.grid(B, H, Nq, n_splits), (spec.threads,), ctx.stream_ptr(), args,
            shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
     return True
 
 
-def _rows_aligned(a, width: int) -> bool:
-    """Can ``cp.async`` read the device array ``a`` in ``width``-element (16-byte) chunks?"""
+def plan_in_place(builder, call: dict, q, k, v, o, lse, seqlens, n_splits, rows_per_query) -> bool:
+    """:func:`_launch_in_place` added to a plan (``plans.PlanBuilder``) for the call's arrays
+    described with open pointers; the plan checks per call that q, k and v are
+    :data:`CP_ASYNC_ALIGNMENT`-aligned. False when the kernel cannot read the inputs where they are (their layout)."""
+    spec = _in_place_spec(call, seqlens is not None, n_splits)
+    if seqlens is None:
+        seqlens = builder.constant(_unread_lengths("cupy", builder.ctx.device_id), "cupy")
+    args = in_place_arguments(spec, call, q, k, v, o, lse, seqlens, n_splits, rows_per_query)
+    if args is None:
+        return False
+    builder.require_aligned(q.ptr.index, k.ptr.index, v.ptr.index)
+    B, H, Nq, _ = call["q_shape"]
+    builder.add_launch(spec.kernel, spec.grid(B, H, Nq, n_splits), (spec.threads,), args, spec.dynamic_smem)
+    return True
+
+
+def _in_place_spec(call: dict, ragged: bool, n_splits: int):
+    """The launch specification of the call's tensor-core kernel (float32 partials when split)."""
+    D = call["q_shape"][3]
+    return kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
+                       ragged=ragged, split_out=n_splits > 1)
+
+
+def in_place_arguments(spec, call: dict, q, k, v, o, lse, lengths, n_splits, rows_per_query):
+    """The tensor-core FA-2 kernel's arguments on the caller's arrays (``launch.DeviceArray``):
+    q, k, v, o, lse, q_scale, seqlens, n_splits, rows_per_query, 16-bit inputs (and a 16-bit
+    final output) as uint16 bit patterns. ``None`` when the kernel cannot read the inputs
+    where they are: FA-1, a head dim it pads, rows that are not 16-byte multiples (the
+    pointers' alignment is the caller's check)."""
+    if spec.algorithm != "fa2" or spec.head_dim != call["q_shape"][3]:
+        return None
+    sixteen = spec.regime in _TC_OF_DTYPE.values()
+    width = input_alignment(spec.regime)
+    inputs = [q, k, v]
+    if sixteen:
+        inputs = [a._replace(dtype="uint16") for a in inputs]
+    if not all(_rows_laid_out(a, width) for a in inputs):
+        return None
+    if sixteen and not spec.split_out:
+        o = o._replace(dtype="uint16")
+    return [*inputs, o, lse, np.float32(call["scale"] * LOG2E), lengths, np.int32(n_splits), np.int32(rows_per_query)]
+
+
+def _rows_laid_out(a, width: int) -> bool:
+    """Can ``cp.async`` read the rows of the device array ``a`` in ``width``-element (16-byte)
+    chunks, its pointer being 16-byte aligned?"""
     item = a.itemsize
     if a.strides[3] != item and a.shape[3] > 1:
         return False
-    return a.ptr % 16 == 0 and not any(s % (width * item) for s, n in zip(a.strides[:3], a.shape[:3]) if n > 1)
+    return not any(s % (width * item) for s, n in zip(a.strides[:3], a.shape[:3]) if n > 1)
 
 
 @functools.lru_cache(maxsize=None)
@@ -273,7 +304,6 @@ def _ordered(spec, arrays, q_scale, tail) -> list:
 def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail) -> None:
     """numba's own launch: NumPy arrays (the simulator, or copied to and from a GPU)."""
     from numba_flash._cuda import cuda
-    from numba_flash.launch import numba_launch
 
     host = ctx.kind == "numpy"
     if host and not simulated():

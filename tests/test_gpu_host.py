@@ -209,3 +209,52 @@ def test_numba_launch_with_more_than_48_kib_of_dynamic_shared_memory():
     numba_launch(fill, (1,), (256,), None, (out, n), shared_mem_bytes=n * 4)
     cuda.synchronize()
     assert float(out.copy_to_host()[0]) == pytest.approx(n * (n - 1) / 2, rel=1e-6)
+
+
+def _planned_then_unplanned(monkeypatch, module, planner, call):
+    """``call()`` planned (the first call makes the plan, the second uses it), then with no plan
+    (``module.planner`` made to refuse): the three results."""
+    from numba_flash import plans
+
+    plans.clear()
+    first, second = call(), call()
+    monkeypatch.setattr(module, planner, lambda *args: None)
+    plans.clear()
+    return first, second, call()
+
+
+@pytest.mark.parametrize("case", ["cupy float32 fa2", "cupy float32 fa1", "cupy float16 split", "torch float16 split",
+                                  "torch bfloat16 split", "decode torch float16", "decode cupy float32"])
+def test_planned_calls_are_bitwise_the_unplanned_ones(case, monkeypatch):
+    """A call launched from its plan (``numba_flash.plans``: parameters packed once, pointers
+    written per call) gives bitwise what the unplanned path gives, the plan's first call and
+    a later one alike; lse too."""
+    cp = _cupy()
+    from numba_flash import api, decoding
+    from numba_flash.api import forward
+
+    if case.startswith("torch") or case.startswith("decode torch"):
+        torch = pytest.importorskip("torch")
+        dtype = torch.float16 if "float16" in case else torch.bfloat16
+        gen = torch.Generator(device="cuda").manual_seed(7)
+
+        def make(shape):
+            return torch.randn(shape, device="cuda", generator=gen).to(dtype)
+    else:
+        dtype = "float16" if "float16" in case else "float32"
+
+        def make(shape):
+            return cp.random.default_rng(7).standard_normal(shape, dtype=cp.float32).astype(dtype)
+
+    if case.startswith("decode"):
+        q, k, v = make((2, 32, 1, 128)), make((2, 8, 20000, 128)), make((2, 8, 20000, 128))
+        results = _planned_then_unplanned(monkeypatch, decoding, "_plan_decode",
+                                          lambda: decoding.decode(q, k, v, return_lse=True))
+    else:
+        q, k, v = make((1, 4, 300, 64)), make((1, 2, 3000, 64)), make((1, 2, 3000, 64))
+        options = dict(algorithm="fa1") if "fa1" in case else dict(num_splits=5) if "split" in case else {}
+        results = _planned_then_unplanned(monkeypatch, api, "_plan_forward",
+                                          lambda: forward(q, k, v, causal=True, **options))
+    (o1, l1), (o2, l2), (o3, l3) = results
+    for o, lse in ((o1, l1), (o2, l2)):
+        assert bool((o == o3).all()) and bool((lse == l3).all())
