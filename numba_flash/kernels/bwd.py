@@ -140,8 +140,8 @@ def blocks_per_sm_by_smem(smem_bytes: int) -> int:
     return SMEM_PER_SM // (smem_bytes + SMEM_RESERVED)
 
 
-def backward_block(head_dim: int) -> int:
-    """The square tile of the backward kernels (block_m = block_n = the result).
+def gpu_block(head_dim: int) -> int:
+    """The square tile of the backward kernels on an sm_90 GPU (block_m = block_n = the result).
 
     Rule: the largest of 64, 32, 16, 8 whose FA-2 K/V kernel (Q_i, dO_i, K_j, V_j, P^T, dS^T:
     the most shared memory of the FA-2 kernels) leaves ``MIN_BLOCKS_PER_SM`` = 2 blocks resident
@@ -149,14 +149,19 @@ def backward_block(head_dim: int) -> int:
     warps per SM); 64 < D <= 128: 32 (76.3 KiB, 2 blocks of 64 threads; 64 would need 168.5
     KiB, one block per SM, and ~230 registers). Square, because the K/V kernels run the
     forward's layout on the transposed scores: its rows are keys and its columns queries. 64 at
-    most: at 128 a thread's dK_j, dV_j, S^T and dP^T micro-tiles alone exceed 255 registers.
-    The simulator: 8 (16 threads; the same code paths, each thread one column of the scores)."""
-    if simulated():
-        return SIM_BLOCK
+    most: at 128 a thread's dK_j, dV_j, S^T and dP^T micro-tiles alone exceed 255 registers."""
     for block in BLOCK_CHOICES:
         if blocks_per_sm_by_smem(bwd_layout("fa2", head_dim, block).smem_bytes) >= MIN_BLOCKS_PER_SM:
             return block
     return BLOCK_CHOICES[-1]
+
+
+def backward_block(head_dim: int) -> int:
+    """:func:`gpu_block`; in the simulator 8 (16 threads; the same code paths, each thread one
+    column of the scores)."""
+    if simulated():
+        return SIM_BLOCK
+    return gpu_block(head_dim)
 
 
 @functools.lru_cache(maxsize=None)
