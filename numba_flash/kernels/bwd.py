@@ -130,6 +130,13 @@ class BwdLayout:
         return 4 * self.floats
 
 
+def dq_parts(layout: BwdLayout) -> int:
+    """Parts of the head dim in which the K/V kernels sum a step's dQ_i share in registers: two
+    when a thread's dK_j, dV_j already take 128 registers (D > 64), so that the third
+    accumulator fits without spilling; else one."""
+    return 2 if layout.tiles.dim_groups >= 4 else 1
+
+
 def bwd_layout(kernel: str, head_dim: int, block: int) -> BwdLayout:
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {list(KERNELS)}; got {kernel!r}")
@@ -306,9 +313,7 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
     lay = bwd_layout(order, D, B)
     TM, TN, ACC = lay.tiles.rows_per_thread, lay.tiles.cols_per_thread, VEC * lay.tiles.dim_groups
     ROWS, PROBS = lay.row_tile, lay.prob_tile
-    # dQ_i's share of a step is summed in registers in DQ_PARTS parts of the head dim: two when a
-    # thread's dK_j, dV_j already take 128 registers (D > 64), so that the third accumulator fits
-    DQ_PARTS = 2 if lay.tiles.dim_groups >= 4 else 1
+    DQ_PARTS = dq_parts(lay)
     DQ_COLS = ACC // DQ_PARTS
     # the tiles of the dynamic shared memory (jit.shared_tile: views that keep 16-byte alignment)
     Q_TILE, DO_TILE, K_TILE, V_TILE = (shared_tile(lay.offset(x), ROWS) for x in ("q", "do", "k", "v"))
