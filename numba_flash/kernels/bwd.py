@@ -327,7 +327,7 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
         """One (Q_i, K_j) step of the inner loop (Alg. 4 lines 9-22, FA-2 Alg. 2 lines 8-16)."""
         one = float32(1.0)
         cuda.syncthreads()  # everyone is done with the previous Q_i, dO_i, P^T, dS^T
-        # Alg. 4 line 9 (FA-2 line 8): Q_i (times scale log2(e): S in log2 units), dO_i, L_i (D_i)
+        # Line 9: Q_i (times scale log2(e): S in log2 units), dO_i, L_i (FA-2: D_i; Alg. 4: O_i)
         ops.load_rows(q, b, h, row0, n_q, q_scale, q_s)
         ops.load_rows(do, b, h, row0, n_q, one, do_s)
         bops.load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, not FA1)
@@ -336,7 +336,7 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
             cuda.syncthreads()  # dO_i, O_i are in shared memory
             bops.rowdot_tile(do_s, o_s, dvec_s)  # Alg. 4 line 19: D_i = rowsum(dO_i * O_i)
         cuda.syncthreads()  # Q_i, dO_i, L_i, D_i are in shared memory
-        ops.score_tile(k_s, q_s, s)  # Alg. 4 line 11, FA-2 line 9: S_ij^T = K_j Q_i^T
+        ops.score_tile(k_s, q_s, s)  # FA-2 line 10 (Alg. 4 before line 13): S_ij^T = K_j Q_i^T
         ops.score_tile(v_s, do_s, dp)  # Alg. 4 line 17, FA-2 line 13: dP_ij^T = V_j dO_i^T
         masked = ops.tile_needs_mask(col0, last_visible_key(row0, n_q, n_k, CAUSAL))
         # Alg. 4 lines 13, 20 (FA-2 lines 11, 14): P^T = exp(S^T - L_i), dS^T = P^T * (dP^T - D_i)
@@ -479,7 +479,7 @@ def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
             ops.load_rows(k, b, hk, col0, n_k, one, k_s)
             ops.load_rows(v, b, hk, col0, n_k, one, v_s)
             cuda.syncthreads()  # (and Q_i, dO_i, L_i, D_i before the first step)
-            ops.score_tile(q_s, k_s, s)  # S_ij = Q_i K_j^T (FA-2 line 9)
+            ops.score_tile(q_s, k_s, s)  # S_ij = Q_i K_j^T (FA-2 line 10)
             ops.score_tile(do_s, v_s, dp)  # dP_ij = dO_i V_j^T (line 13)
             masked = ops.tile_needs_mask(col0, first_row_last_key)
             bops.dscores_query_rows(s, dp, lse_s, dvec_s, masked, last_keys, col0, ds_s, ds_s)  # lines 11, 14

@@ -348,15 +348,10 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1) -> Modu
     # ROW_PARTS passes of block_m / ROW_PARTS rows (the backward loads Q_i, dO_i while a thread's
     # dK_j, dV_j take 64-128 registers: at D = 128 a whole 32-row tile would take 64 more)
     ROWS_IN_FLIGHT = 32
-    ROW_PARTS = 1
-    while Q_LOADS // ROW_PARTS > ROWS_IN_FLIGHT and BM // ROW_PARTS % 2 == 0 and BM // ROW_PARTS > RP:
-        ROW_PARTS *= 2
+    ROW_PARTS = 2 if Q_LOADS > ROWS_IN_FLIGHT and BM % 2 == 0 and BM // 2 >= RP else 1  # (2 suffice to D = 128)
     PART_ROWS = BM // ROW_PARTS
     fetch_part, store_part, PART_LOADS = make_row_copy(PART_ROWS, QS, True)
-    part_views = [shared_tile(p * PART_ROWS * QS, PART_ROWS * QS) for p in range(ROW_PARTS)]
-    part_view = part_views[-1]  # (ROW_PARTS is 1 or 2; more is not needed up to D = 128)
-    if ROW_PARTS > 2:
-        raise ValueError(f"load_rows: {ROW_PARTS} parts not supported")
+    part_view = shared_tile(PART_ROWS * QS, PART_ROWS * QS)  # the second part's rows of the tile
 
     @device_jit
     def load_rows(x, b, h, row0, n_valid, scale, x_s):
