@@ -1,7 +1,8 @@
 """``numba_flash.attention_backward``: gradients of attention (API.md section 5).
 
 The kernels are ``kernels.bwd`` (FlashAttention Algorithm 4 and FlashAttention-2 Algorithm 2 on
-CUDA cores). This wrapper validates, launches them in their order (FA-2: D = rowsum(dO * O)
+CUDA cores, register micro-tiles on the forward's ``tile_ops``, square tiles in dynamic shared
+memory). This wrapper validates, launches them in their order (FA-2: D = rowsum(dO * O)
 first, then dK/dV with dQ by atomics, or dQ by its own kernel when ``deterministic``) and
 answers in the inputs' kind and dtypes. float16 is read as it is; bfloat16 is widened to
 float32 for the kernels and the gradients narrowed back.
@@ -17,26 +18,14 @@ from numba_flash.arrays import ArrayContext, as_cupy_view
 ALGORITHMS = ("fa1", "fa2")
 
 
-STATIC_SHARED_BYTES = 48 * 1024
-TILE_CHOICES = ((32, 32), (32, 16), (16, 16), (16, 8), (8, 8))  # (block_m, block_n), largest first
-
-
-def backward_smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
-    """Static shared memory of ``kernels.bwd``: Q_i, dO_i, O_i (block_m x D), K_j, V_j, dK_j,
-    dV_j (block_n x D), P and dS (block_m x block_n), L_i and D_i, all float32."""
-    return 4 * ((3 * block_m + 4 * block_n) * head_dim + 2 * block_m * block_n + 2 * block_m)
-
-
 def backward_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(block_m, block_n, threads) of the backward kernels: the largest tiles whose shared memory
-    fits the 48 KiB a kernel gets without opting in (D=64: 32 x 16; D=128: 16 x 8). The
-    simulator: one warp, 8 x 8."""
-    if simulated():
-        return 8, 8, 32
-    for block_m, block_n in TILE_CHOICES:
-        if backward_smem_bytes(head_dim, block_m, block_n) <= STATIC_SHARED_BYTES:
-            return block_m, block_n, 128
-    return 8, 8, 128
+    """(block_m, block_n, threads) of the backward kernels: square tiles by
+    ``kernels.bwd.backward_block``'s rule (D <= 64: 64 x 64, 128 threads; D <= 128: 32 x 32,
+    64 threads; the simulator: 8 x 8, 16 threads)."""
+    from numba_flash.kernels.bwd import backward_block, bwd_layout
+
+    block = backward_block(head_dim)
+    return block, block, bwd_layout("fa2", head_dim, block).threads
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False):
@@ -76,12 +65,12 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
 
 
 def _run(ctx, call, algorithm, deterministic, inputs, grads, Hkv) -> None:
-    from numba_flash.kernels.bwd import bwd_dq_kernel, bwd_kernel, rowdot_kernel
+    from numba_flash.kernels.bwd import ROWDOT_THREADS, bwd_dq_kernel, bwd_kernel, bwd_layout, rowdot_kernel
     from numba_flash.launch import numba_launch
 
     B, H, Nq, D = call["q_shape"]
     Nk = call["n_k"]
-    bm, bn, threads = backward_tiles(D)
+    block, _, _ = backward_tiles(D)
     scale = np.float32(call["scale"])
     wide = call["dtype"] == "bfloat16"  # the kernels read float16 or float32
     do, q, k, v, o, lse = (_widen(x, ctx.kind) if wide and i != 5 else x for i, x in enumerate(inputs))
@@ -93,18 +82,21 @@ def _run(ctx, call, algorithm, deterministic, inputs, grads, Hkv) -> None:
     stream = ctx.stream()
     dev = _DeviceArgs(ctx)
     if algorithm == "fa2":  # FA-2 line 4: D = rowsum(dO * O), once
-        numba_launch(rowdot_kernel(D, threads), (-(-(B * H * Nq) // threads),), threads, stream,
+        numba_launch(rowdot_kernel(D), (-(-(B * H * Nq) // ROWDOT_THREADS),), ROWDOT_THREADS, stream,
                      dev(("in", do), ("in", o), ("out", dvec)))
-        grid = (-(-Nk // bn) * B * Hkv,)
+        grid = (-(-Nk // block) * B * Hkv,)
     else:
         grid = (B * Hkv,)
-    kernel = bwd_kernel(algorithm, D, bm, bn, call["causal"], not deterministic or algorithm == "fa1", threads)
-    numba_launch(kernel, grid, threads, stream,
+    layout = bwd_layout(algorithm, D, block)
+    kernel = bwd_kernel(algorithm, D, block, call["causal"], not deterministic or algorithm == "fa1")
+    numba_launch(kernel, grid, layout.threads, stream,
                  dev(("in", q), ("in", k), ("in", v), ("in", o), ("in", do), ("in", lse), ("in", dvec),
-                     ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale))
+                     ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale), shared_mem_bytes=layout.smem_bytes)
     if deterministic and algorithm == "fa2":
-        numba_launch(bwd_dq_kernel(D, bm, bn, call["causal"], threads), (-(-Nq // bm) * B * H,), threads, stream,
-                     dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale))
+        dq_layout = bwd_layout("dq", D, block)
+        numba_launch(bwd_dq_kernel(D, block, call["causal"]), (-(-Nq // block) * B * H,), dq_layout.threads, stream,
+                     dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale),
+                     shared_mem_bytes=dq_layout.smem_bytes)
     dev.copy_back()
     dq[...] = _narrow(dq_acc, dq, ctx.kind) if call["dtype"] != "float32" else dq_acc
     if wide:

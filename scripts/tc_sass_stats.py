@@ -37,9 +37,25 @@ def cuobjdump() -> str:
 
 
 def compile_sass(cfg, max_registers=None):
-    from numba_flash.profiling.occupancy import compile_ptx, find_ptxas
+    from numba_flash.profiling.occupancy import compile_ptx
 
-    ptx = compile_ptx(cfg)
+    return sass_of_ptx(compile_ptx(cfg), max_registers)
+
+
+def compile_sass_of(pyfunc, signature, fastmath=None, max_registers=None, cc=(9, 0)):
+    """``compile_sass`` for any kernel: its Python function, argument types and fastmath flags."""
+    from numba_flash._cuda import cuda
+    from numba_flash.profiling.occupancy import _no_device_compilation
+
+    with _no_device_compilation(cc):
+        ptx, _ = cuda.compile_ptx(pyfunc, signature, cc=cc, fastmath=fastmath)
+    return sass_of_ptx(ptx, max_registers)
+
+
+def sass_of_ptx(ptx, max_registers=None):
+    """(ptx, SASS, resources) of PTX through ptxas -v (sm_90) and cuobjdump."""
+    from numba_flash.profiling.occupancy import find_ptxas
+
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
         with open(src, "w") as f:

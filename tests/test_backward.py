@@ -110,3 +110,72 @@ def test_errors(change, error, match):
         do = do.astype(change.pop("do_dtype"))
     with pytest.raises(error, match=match):
         attention_backward(do, q, k, v, o, lse, **change)
+
+
+# Tiles other than the simulator's default 8 x 8 (kernels.bwd.backward_block): 16 x 16 (32
+# threads, two score columns per thread) and 32 x 32 (64 threads, four), with lengths around the
+# tile edges, head dims that are not multiples of 4, GQA, causal with Nq != Nk (rows that see no
+# key). Float32 only: the dtype handling is the wrapper's, tested above.
+@settings(max_examples=examples(4), deadline=None)
+@given(
+    block=st.sampled_from([16, 32]),
+    variant=st.sampled_from(VARIANTS),
+    gqa=st.booleans(),
+    n_q=st.integers(1, 40),
+    n_k=st.integers(1, 40),
+    head_dim=st.sampled_from([3, 13, 32]),
+    causal=st.booleans(),
+    seed=st.integers(0, 2**32 - 1),
+)
+def test_larger_tiles_match_float64_reference(block, variant, gqa, n_q, n_k, head_dim, causal, seed):
+    _check_with_block(block, variant, gqa, n_q, n_k, head_dim, causal, seed)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_wide_head_dim_loads_in_two_passes_and_sums_dq_in_halves(variant):
+    """D > 64 (padded to 128): Q_i, dO_i are copied in two passes of rows (``load_rows``) and the
+    K/V kernels sum each step's dQ_i share in two halves of the head dim (``atb_half_tile``);
+    causal with Nq > Nk (rows that see no key), GQA, lengths off the tile edges."""
+    _check_with_block(8, variant, True, 13, 10, 70, True, 5)
+
+
+@pytest.mark.parametrize(
+    "block, n_q, n_k, variant, causal",
+    [(16, 32, 17, VARIANTS[0], True), (16, 16, 48, VARIANTS[1], True), (32, 33, 31, VARIANTS[2], True),
+     (32, 31, 33, VARIANTS[0], False)],
+)
+def test_tile_edges(block, n_q, n_k, variant, causal):
+    """Lengths one off a multiple of the tile, and a multiple: the last Q or K/V tile full or
+    holding one row; causal Nq < Nk and Nq > Nk."""
+    _check_with_block(block, variant, False, n_q, n_k, 8, causal, 6)
+
+
+def _check_with_block(block, variant, gqa, n_q, n_k, head_dim, causal, seed):
+    from unittest import mock
+
+    from numba_flash.kernels import bwd
+
+    algorithm, deterministic = variant
+    do, q, k, v, o, lse = problem(np.random.default_rng(seed), 1, 2, 1 if gqa else 2, n_q, n_k, head_dim, "float32", causal)
+    with mock.patch.object(bwd, "backward_block", lambda d: block):
+        grads = attention_backward(do, q, k, v, o, lse, causal=causal, algorithm=algorithm, deterministic=deterministic)
+    refs = reference.attention_backward(*(x.astype(np.float64) for x in (do, q, k, v)), causal=causal)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+        assert not np.isnan(got).any(), name
+        assert rel(got, ref) < TOL["float32"], (name, block, rel(got, ref))
+
+
+def test_tile_rule():
+    """kernels.bwd.gpu_block: 64 x 64 up to D = 64, 32 x 32 up to D = 128, and every choice
+    leaves two blocks per SM by shared memory within the opt-in limit of one block."""
+    from numba_flash.kernels import bwd
+
+    assert [bwd.gpu_block(d) for d in (1, 16, 32, 40, 64, 65, 96, 128)] == [64] * 5 + [32] * 3
+    for d in (1, 40, 64, 100, 128):
+        block = bwd.gpu_block(d)
+        for kernel in bwd.KERNELS:
+            layout = bwd.bwd_layout(kernel, d, block)
+            assert layout.smem_bytes <= bwd.SMEM_PER_BLOCK_MAX
+            assert layout.threads == 2 * block
+        assert bwd.blocks_per_sm_by_smem(bwd.bwd_layout("fa2", d, block).smem_bytes) >= 2
+        assert bwd.blocks_per_sm_by_smem(bwd.bwd_layout("fa2", d, 2 * block).smem_bytes) < 2 or block == 64

@@ -29,7 +29,11 @@ def _grads64(do, q, k, v, causal):
 
 @pytest.mark.parametrize("variant", [("fa2", False), ("fa2", True), ("fa1", False)])
 @pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
-@pytest.mark.parametrize("shape, causal", [((2, 4, 2, 700, 900, 64), True), ((1, 2, 2, 513, 257, 128), False)])
+# D = 64: 64 x 64 tiles (128 threads); D = 128: 32 x 32 (64 threads, dQ in two halves, copies in
+# two passes); D = 40 and 100: padded head dims (40 -> 64, 100 -> 128); Nq > Nk causal: rows
+# that see no key.
+@pytest.mark.parametrize("shape, causal", [((2, 4, 2, 700, 900, 64), True), ((1, 2, 2, 513, 257, 128), False),
+                                           ((1, 4, 2, 301, 517, 40), True), ((1, 4, 1, 333, 130, 100), True)])
 def test_backward_large(variant, dtype, shape, causal):
     torch = pytest.importorskip("torch")
     import numba_flash

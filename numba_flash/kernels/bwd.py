@@ -15,139 +15,364 @@ work goes and how dQ is summed:
   over Q, inner over K/V: the forward's order) with no atomics, so results are bitwise
   reproducible.
 
-GQA: the block of a KV head walks the query heads that share it, so dK_j and dV_j sum over them
-in shared memory. Rows that see no key (lse = -inf) have P = 0: zero gradients, never NaN.
+The tile steps are the forward's (``tile_ops``, layout ``tiles.TileLayout`` of a square
+``block x block`` tile): every product is a register micro-tile, each thread owning 4 rows x
+``block / 8`` columns of a score-shaped tile and 4 rows x ``D / 8`` columns of a D-wide one, so
+one 128-bit shared load feeds 8-32 FMAs:
 
-This is the first, plain version: every thread computes whole dot products over the head dim
-from shared tiles (no register micro-tiles, no tensor cores). All arithmetic is float32.
+==================  =========================  ============================================
+product             tile_ops primitive         rows of a thread's micro-tile
+==================  =========================  ============================================
+S^T = K_j Q_i^T     ``score_tile(k_s, q_s)``   keys (the K/V kernels); queries (dQ kernel:
+dP^T = V_j dO_i^T   ``score_tile(v_s, do_s)``  S = Q_i K_j^T, dP = dO_i V_j^T)
+dV_j += P^T dO_i    ``ab_tile(pt_s, do_s)``    keys: dV_j in registers for the whole Q walk
+dK_j += dS^T Q_i    ``ab_tile(dst_s, q_s)``    keys: dK_j in registers for the whole Q walk
+dQ_i += dS K_j      ``atb_tile(dst_s, k_s)``   queries, then atomics (FA-2) or a read-modify-
+                                               write (FA-1); the dQ kernel: ``ab_tile(ds_s,
+                                               k_s)``, dQ_i in registers for the whole K/V walk
+==================  =========================  ============================================
+
+The K/V kernels compute the scores transposed (keys as the micro-tile rows), so that P^T and
+dS^T leave the registers in the row-major form that dV_j += P^T dO_i and dK_j += dS^T Q_i read
+with 128-bit loads (the forward's P~ V product), and dK_j, dV_j stay in the registers of the
+threads that own those key rows across the whole inner loop over Q tiles (and over the query
+heads of a KV head: GQA sums there). dQ_i = dS K_j reads dS^T down its columns: a thread owns
+four neighbouring query rows, so one 128-bit load gives its four entries of a key's column.
+
+Q_i is loaded scaled by ``scale * log2(e)`` as the forward does, so S is in log2 units, P =
+exp2(S - L_i log2(e)) is one ``exp2``, and dK_j = scale dS^T Q_i = ln(2) dS^T (Q_i scale
+log2(e)) is scaled once, when it is written. Rows that see no key (lse = -inf) get L = +inf:
+P = 0, zero gradients, never NaN; keys hidden by the causal mask or past Nk get P = dS = 0
+(block-uniform: only tiles on the diagonal or at the tail test).
+
+Shared memory (float32, dynamic: above 48 KiB the launcher opts in): Q_i, dO_i, K_j, V_j with
+rows padded to ``D_pad + 4`` (and O_i for FA-1), P^T and dS^T (``block x (block + 8)``), L_i
+and D_i. :func:`backward_block` picks the tile.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from dataclasses import dataclass
 
-from numba_flash._cuda import cuda, float32
+from numba_flash._cuda import cuda, float32, int32
 
-from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_jit
+from numba_flash._world import simulated
+from numba_flash.kernels.jit import LN2, LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile
 from numba_flash.kernels.row_state import last_visible_key
+from numba_flash.kernels.tile_ops import at, tile_ops
+from numba_flash.kernels.tiles import VEC, tile_layout
 
-BWD_THREADS = 128
+POS_INF = math.inf  # L_i of a row that sees no key: P = exp2(S - inf) = 0
+BLOCK_CHOICES = (64, 32, 16, 8)  # square tiles, largest first (64: the registers of a thread stay < 255)
+SIM_BLOCK = 8  # the simulator: 16 threads, one micro-tile column per thread
+SMEM_PER_SM = 228 * 1024  # H100/H200 (sm_90): shared memory of one SM
+SMEM_PER_BLOCK_MAX = 227 * 1024  # what one block may opt in to
+SMEM_RESERVED = 1024  # taken by the system for every resident block
+MIN_BLOCKS_PER_SM = 2  # the tile rule: at least this many blocks resident per SM by shared memory
+ROWDOT_THREADS = 128
+
+KERNELS = ("fa1", "fa2", "dq")  # the K/V kernels of each loop order, and the deterministic dQ kernel
+
+
+@dataclass(frozen=True)
+class BwdLayout:
+    """Where each tile lives in the dynamic shared memory of one backward kernel (float32
+    offsets, multiples of 4: every tile starts 16-byte aligned)."""
+
+    kernel: str  # one of KERNELS
+    head_dim: int
+    block: int
+
+    @property
+    def tiles(self):
+        """The forward's thread layout of a block x block tile (``tiles.TileLayout``)."""
+        return tile_layout(self.head_dim, self.block, self.block)
+
+    @property
+    def threads(self) -> int:
+        return self.tiles.threads
+
+    @property
+    def row_tile(self) -> int:  # floats of one block x D tile (row stride D_pad + 4)
+        return self.block * self.tiles.q_stride
+
+    @property
+    def prob_tile(self) -> int:  # floats of one block x block tile (row stride block + 8)
+        return self.block * self.tiles.p_stride
+
+    @property
+    def n_row_tiles(self) -> int:  # Q_i, dO_i, K_j, V_j (and O_i for FA-1)
+        return 5 if self.kernel == "fa1" else 4
+
+    @property
+    def n_prob_tiles(self) -> int:  # P^T and dS^T (the dQ kernel: dS only)
+        return 1 if self.kernel == "dq" else 2
+
+    def offset(self, name: str) -> int:
+        order = ["q", "do", "k", "v"] + (["o"] if self.kernel == "fa1" else [])
+        if name in order:
+            return order.index(name) * self.row_tile
+        base = self.n_row_tiles * self.row_tile
+        probs = ["ds"] if self.kernel == "dq" else ["p", "ds"]
+        if name in probs:
+            return base + probs.index(name) * self.prob_tile
+        base += self.n_prob_tiles * self.prob_tile
+        return base + {"lse": 0, "dvec": self.block}[name]
+
+    @property
+    def floats(self) -> int:
+        return self.n_row_tiles * self.row_tile + self.n_prob_tiles * self.prob_tile + 2 * self.block
+
+    @property
+    def smem_bytes(self) -> int:
+        return 4 * self.floats
+
+
+def dq_parts(layout: BwdLayout) -> int:
+    """Parts of the head dim in which the K/V kernels sum a step's dQ_i share in registers: two
+    when a thread's dK_j, dV_j already take 128 registers (D > 64), so that the third
+    accumulator fits without spilling; else one."""
+    return 2 if layout.tiles.dim_groups >= 4 else 1
+
+
+def bwd_layout(kernel: str, head_dim: int, block: int) -> BwdLayout:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {list(KERNELS)}; got {kernel!r}")
+    return BwdLayout(kernel, int(head_dim), int(block))
+
+
+def blocks_per_sm_by_smem(smem_bytes: int) -> int:
+    return SMEM_PER_SM // (smem_bytes + SMEM_RESERVED)
+
+
+def gpu_block(head_dim: int) -> int:
+    """The square tile of the backward kernels on an sm_90 GPU (block_m = block_n = the result).
+
+    Rule: the largest of 64, 32, 16, 8 whose FA-2 K/V kernel (Q_i, dO_i, K_j, V_j, P^T, dS^T:
+    the most shared memory of the FA-2 kernels) leaves ``MIN_BLOCKS_PER_SM`` = 2 blocks resident
+    on an SM by shared memory. D <= 64: 64 (104.5 KiB at D = 64, 2 blocks of 128 threads, 8
+    warps per SM); 64 < D <= 128: 32 (76.3 KiB, 2 blocks of 64 threads; 64 would need 168.5
+    KiB, one block per SM, and ~230 registers). Square, because the K/V kernels run the
+    forward's layout on the transposed scores: its rows are keys and its columns queries. 64 at
+    most: at 128 a thread's dK_j, dV_j, S^T and dP^T micro-tiles alone exceed 255 registers."""
+    for block in BLOCK_CHOICES:
+        if blocks_per_sm_by_smem(bwd_layout("fa2", head_dim, block).smem_bytes) >= MIN_BLOCKS_PER_SM:
+            return block
+    return BLOCK_CHOICES[-1]
+
+
+def backward_block(head_dim: int) -> int:
+    """:func:`gpu_block`; in the simulator 8 (16 threads; the same code paths, each thread one
+    column of the scores)."""
+    if simulated():
+        return SIM_BLOCK
+    return gpu_block(head_dim)
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_ops(head_dim: int, block_m: int, block_n: int, threads: int = BWD_THREADS):
-    """Device functions of one (head_dim, block_m, block_n) specialisation."""
+def bwd_ops(head_dim: int, block: int):
+    """Device functions of one (head_dim, block) specialisation: the steps the K/V kernels of
+    both loop orders and the dQ kernel share."""
     from types import ModuleType
 
-    D, BM, BN, NT = head_dim, block_m, block_n, threads
-
-    @device_jit
-    def load_rows(x, b, h, row0, n_rows, n_valid, dst):
-        """Rows ``row0 ..`` of ``x[b, h]`` -> ``dst`` (n_rows x D, float32); rows past n_valid are 0."""
-        for e in range(cuda.threadIdx.x, n_rows * D, NT):
-            r = e // D
-            d = e - r * D
-            row = row0 + r
-            dst[e] = float32(x[b, h, row, d]) if row < n_valid else float32(0.0)
+    D, B = head_dim, block
+    ops = tile_ops(D, B, B)
+    L = ops.layout
+    TM, TX, TN, DG, NT = L.rows_per_thread, L.threads_per_row, L.cols_per_thread, L.dim_groups, L.threads
+    QS, PS = L.q_stride, L.p_stride
+    NEVER = 1 << 30  # first visible query of a key past Nk: after every row
 
     @device_jit
     def load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, read_dvec):
-        """L_i (and D_i when ``read_dvec``) of the Q tile (rows past Nq: L = -inf, so they
-        contribute nothing)."""
-        for r in range(cuda.threadIdx.x, BM, NT):
+        """L_i in log2 units (+inf for rows that see no key and rows past Nq, so that their P is
+        0) and, when ``read_dvec``, D_i (0 past Nq)."""
+        for r in range(cuda.threadIdx.x, B, NT):
             row = row0 + r
-            lse_s[r] = lse[b, h, row] if row < n_q else float32(NEG_INF)
+            l2 = float32(POS_INF)
+            dd = float32(0.0)
+            if row < n_q:
+                x = lse[b, h, row]
+                if x != NEG_INF:
+                    l2 = x * float32(LOG2E)
+                if read_dvec:
+                    dd = dvec[b, h, row]
+            lse_s[r] = l2
             if read_dvec:
-                dvec_s[r] = dvec[b, h, row] if row < n_q else float32(0.0)
+                dvec_s[r] = dd
 
     @device_jit
     def rowdot_tile(do_s, o_s, dvec_s):
-        """D_i = rowsum(dO_i * O_i) of the tile's rows (FA-1 line 19)."""
-        for r in range(cuda.threadIdx.x, BM, NT):
+        """D_i = rowsum(dO_i * O_i) of the tile's rows from shared memory (FA-1 line 19; the
+        padded columns and the rows past Nq are 0)."""
+        for r in range(cuda.threadIdx.x, B, NT):
             acc = float32(0.0)
             for d in range(D):
-                acc += do_s[r * D + d] * o_s[r * D + d]
+                acc += do_s[at(r * QS + d)] * o_s[at(r * QS + d)]
             dvec_s[r] = acc
 
-    @device_jit
-    def probs_and_dscores(q_s, k_s, v_s, do_s, lse_s, dvec_s, p_s, ds_s, row0, col0, n_q, n_k, causal, scale):
-        """P_ij = exp(scale Q_i K_j^T - L_i) (0 where masked or the row sees nothing) and
-        dS_ij = P_ij * (dO_i V_j^T - D_i), both BM x BN in shared memory."""
-        for e in range(cuda.threadIdx.x, BM * BN, NT):
-            r = e // BN
-            c = e - r * BN
-            key = col0 + c
-            lse_r = lse_s[r]
-            p = float32(0.0)
-            ds = float32(0.0)
-            if lse_r != NEG_INF and key < n_k and key <= last_visible_key(row0 + r, n_q, n_k, causal):
-                s = float32(0.0)
-                dp = float32(0.0)
-                for d in range(D):
-                    s += q_s[r * D + d] * k_s[c * D + d]
-                    dp += do_s[r * D + d] * v_s[c * D + d]
-                p = math.exp(s * scale - lse_r)  # FA-2 line 11 (FA-1 line 13: diag(l)^-1 exp(S - m))
-                ds = p * (dp - dvec_s[r])  # FA-2 lines 13-14 (FA-1 lines 17, 20)
-            p_s[e] = p
-            ds_s[e] = ds
+    def make_probs(key_rows, write_p):
+        """P = exp2(S - L) and dS = P * (dP - D) of this thread's micro-tile, into shared memory
+        (``p_s``, ``ds_s``: the layout's P~ form, row stride PS). ``key_rows``: the micro-tile is
+        transposed (rows keys, columns queries: L and D per column, and ``bounds[i]`` is the
+        first query that sees key row i); else rows are queries (``bounds[i]``: the last key
+        query row i sees). ``masked`` (block-uniform): test every entry against ``bounds``,
+        ``col0``: the absolute index of column 0. A hidden entry gets P = dS = 0 (not 0 times
+        a dP that a NaN in a hidden V row could make NaN)."""
+
+        N_STATS = TN if key_rows else TM  # L and D of each column (key rows) or row (query rows)
+
+        @device_jit
+        def probs(s, dp, lse_s, dvec_s, masked, bounds, col0, p_s, ds_s):
+            tx = ops.thread_col()
+            l2 = cuda.local.array(N_STATS, float32)
+            dd = cuda.local.array(N_STATS, float32)
+            if key_rows:  # per column (query), read once
+                for j in range(TN):
+                    l2[j] = lse_s[tx + TX * j]
+                    dd[j] = dvec_s[tx + TX * j]
+            else:
+                for i in range(TM):
+                    l2[i] = lse_s[ops.thread_row(i)]
+                    dd[i] = dvec_s[ops.thread_row(i)]
+            for i in range(TM):
+                r = ops.thread_row(i)
+                for j in range(TN):
+                    c = tx + TX * j
+                    stat = j if key_rows else i
+                    p = math.exp2(s[i, j] - l2[stat])  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
+                    ds = p * (dp[i, j] - dd[stat])  # FA-2 line 14 (Alg. 4 line 20)
+                    if masked:
+                        hidden = col0 + c < bounds[i] if key_rows else col0 + c > bounds[i]
+                        if hidden:
+                            p = float32(0.0)
+                            ds = float32(0.0)
+                    if write_p:
+                        p_s[at(r * PS + c)] = p
+                    ds_s[at(r * PS + c)] = ds
+
+        return probs
+
+    probs_key_rows = make_probs(True, True)
+    dscores_query_rows = make_probs(False, False)
 
     @device_jit
-    def accumulate_dkdv(p_s, ds_s, q_s, do_s, dk_s, dv_s, scale):
-        """dV_j += P^T dO_i; dK_j += scale dS^T Q_i (FA-2 lines 12, 16; FA-1 lines 16, 22)."""
-        for e in range(cuda.threadIdx.x, BN * D, NT):
-            c = e // D
-            d = e - c * D
-            dv = float32(0.0)
-            dk = float32(0.0)
-            for r in range(BM):
-                dv += p_s[r * BN + c] * do_s[r * D + d]
-                dk += ds_s[r * BN + c] * q_s[r * D + d]
-            dv_s[e] += dv
-            dk_s[e] += dk * scale
+    def key_bounds(col0, n_q, n_k, causal, first_q):
+        """The first query each of this thread's key rows is visible to (bottom-right causal:
+        key j is seen by query i iff i >= j - (Nk - Nq)); keys past Nk: none."""
+        for i in range(TM):
+            key = col0 + ops.thread_row(i)
+            first = 0
+            if causal:
+                first = key - (n_k - n_q)
+            if key >= n_k:
+                first = NEVER
+            first_q[i] = first
 
     @device_jit
-    def dq_step(ds_s, k_s, r, d, scale):
-        """scale (dS_ij K_j)[r, d]: this K/V tile's share of dQ_i (FA-2 line 15, FA-1 line 21)."""
-        acc = float32(0.0)
-        for c in range(BN):
-            acc += ds_s[r * BN + c] * k_s[c * D + d]
-        return acc * scale
+    def write_rows(x, b, h, row0, n_valid, acc, factor):
+        """This thread's rows (``thread_row``) and columns (``out_col``) of ``acc`` times
+        ``factor`` -> ``x[b, h]`` (rows below ``n_valid``, d < D)."""
+        for i in range(TM):
+            row = row0 + ops.thread_row(i)
+            if row < n_valid:
+                for g in range(DG):
+                    for u in range(VEC):
+                        d = ops.out_col(g, u)
+                        if d < D:
+                            x[b, h, row, d] = acc[i, VEC * g + u] * factor
 
-    ops = ModuleType(f"numba_flash.kernels.bwd_ops_d{D}_m{BM}_n{BN}")
-    for name, func in dict(load_rows=load_rows, load_row_stats=load_row_stats, rowdot_tile=rowdot_tile,
-                           probs_and_dscores=probs_and_dscores, accumulate_dkdv=accumulate_dkdv,
-                           dq_step=dq_step).items():
-        setattr(ops, name, func)
-    return ops
+    ns = ModuleType(f"numba_flash.kernels.bwd_ops_d{D}_b{B}")
+    for name, func in dict(load_row_stats=load_row_stats, rowdot_tile=rowdot_tile, probs_key_rows=probs_key_rows,
+                           dscores_query_rows=dscores_query_rows, key_bounds=key_bounds,
+                           write_rows=write_rows).items():
+        setattr(ns, name, func)
+    ns.tile = ops
+    return ns
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_kernel(order: str, head_dim: int, block_m: int, block_n: int, causal: bool, compute_dq: bool = True,
-               threads: int = BWD_THREADS):
+def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: bool = True):
     """The dK/dV (and dQ) kernel of one loop order (memoised).
 
-    Launch: ``"fa1"``: ``grid = (B * Hkv,)``; ``"fa2"``: ``grid = (ceil(Nk / block_n) * B * Hkv,)``;
-    ``block = (threads,)``. Arguments: ``q, do, o (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``,
-    ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq) float32`` (D_i; read by ``"fa2"`` only, FA-1
-    computes it: any float32 array of that shape will do), ``dq (B,H,Nq,D) float32``, zeroed before the launch and accumulated into
-    (atomically for ``"fa2"``; untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D)`` out,
-    ``scale`` (float32).
+    Launch: ``"fa1"``: ``grid = (B * Hkv,)``; ``"fa2"``: ``grid = (ceil(Nk / block) * B * Hkv,)``;
+    ``block = (bwd_layout(order, head_dim, block).threads,)``, dynamic shared memory
+    ``bwd_layout(order, head_dim, block).smem_bytes``. Arguments: ``q, do, o (B,H,Nq,D)``,
+    ``k, v (B,Hkv,Nk,D)``, ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq) float32`` (D_i; read by
+    ``"fa2"`` only, FA-1 computes it: any float32 array of that shape will do), ``dq (B,H,Nq,D)
+    float32``, zeroed before the launch and accumulated into (atomically for ``"fa2"``;
+    untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D)`` out, ``scale`` (float32).
     """
     if order not in ("fa1", "fa2"):
         raise ValueError(f"order must be 'fa1' or 'fa2'; got {order!r}")
-    D, BM, BN, NT = head_dim, block_m, block_n, threads
+    D, B = head_dim, block
     FA1, CAUSAL, DQ = order == "fa1", bool(causal), bool(compute_dq)
-    ops = bwd_ops(D, BM, BN, NT)
-    Q_FLOATS, KV_FLOATS, P_FLOATS = BM * D, BN * D, BM * BN  # shared array sizes: compile-time constants
+    bops = bwd_ops(D, B)
+    ops = bops.tile
+    lay = bwd_layout(order, D, B)
+    TM, TN, ACC = lay.tiles.rows_per_thread, lay.tiles.cols_per_thread, VEC * lay.tiles.dim_groups
+    ROWS, PROBS = lay.row_tile, lay.prob_tile
+    DQ_PARTS = dq_parts(lay)
+    DQ_COLS = ACC // DQ_PARTS
+    # the tiles of the dynamic shared memory (jit.shared_tile: views that keep 16-byte alignment)
+    Q_TILE, DO_TILE, K_TILE, V_TILE = (shared_tile(lay.offset(x), ROWS) for x in ("q", "do", "k", "v"))
+    O_TILE = shared_tile(lay.offset("o") if FA1 else 0, ROWS)
+    P_TILE, DS_TILE = (shared_tile(lay.offset(x), PROBS) for x in ("p", "ds"))
+    LSE_TILE, DVEC_TILE = (shared_tile(lay.offset(x), B) for x in ("lse", "dvec"))
 
-    @kernel_jit(fastmath={"contract", "arcp"})
+    @device_jit
+    def kv_step(q, do, o, lse, dvec, dq, b, h, row0, col0, n_q, n_k, q_scale, scale, q_s, do_s, k_s, v_s, o_s, pt_s,
+                dst_s, lse_s, dvec_s, s, dp, first_q, dk_acc, dv_acc, dq_acc):
+        """One (Q_i, K_j) step of the inner loop (Alg. 4 lines 9-22, FA-2 Alg. 2 lines 8-16)."""
+        one = float32(1.0)
+        cuda.syncthreads()  # everyone is done with the previous Q_i, dO_i, P^T, dS^T
+        # Line 9: Q_i (times scale log2(e): S in log2 units), dO_i, L_i (FA-2: D_i; Alg. 4: O_i)
+        ops.load_rows(q, b, h, row0, n_q, q_scale, q_s)
+        ops.load_rows(do, b, h, row0, n_q, one, do_s)
+        bops.load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, not FA1)
+        if FA1:
+            ops.load_rows(o, b, h, row0, n_q, one, o_s)
+            cuda.syncthreads()  # dO_i, O_i are in shared memory
+            bops.rowdot_tile(do_s, o_s, dvec_s)  # Alg. 4 line 19: D_i = rowsum(dO_i * O_i)
+        cuda.syncthreads()  # Q_i, dO_i, L_i, D_i are in shared memory
+        ops.score_tile(k_s, q_s, s)  # FA-2 line 10 (Alg. 4 before line 13): S_ij^T = K_j Q_i^T
+        ops.score_tile(v_s, do_s, dp)  # Alg. 4 line 17, FA-2 line 13: dP_ij^T = V_j dO_i^T
+        masked = ops.tile_needs_mask(col0, last_visible_key(row0, n_q, n_k, CAUSAL))
+        # Alg. 4 lines 13, 20 (FA-2 lines 11, 14): P^T = exp(S^T - L_i), dS^T = P^T * (dP^T - D_i)
+        bops.probs_key_rows(s, dp, lse_s, dvec_s, masked, first_q, row0, pt_s, dst_s)
+        cuda.syncthreads()  # P^T, dS^T of every entry are in shared memory
+        ops.ab_tile(pt_s, do_s, dv_acc)  # Alg. 4 line 16, FA-2 line 12: dV_j += P_ij^T dO_i
+        ops.ab_tile(dst_s, q_s, dk_acc)  # Alg. 4 line 22, FA-2 line 16: dK_j += dS_ij^T Q_i (scale: at the end)
+        if DQ:
+            for part in range(DQ_PARTS):  # (D > 64: half the head dim at a time, for registers)
+                for i in range(TM):
+                    for c in range(DQ_COLS):
+                        dq_acc[i, c] = float32(0.0)
+                if DQ_PARTS == 1:
+                    ops.atb_tile(dst_s, k_s, dq_acc)  # dS_ij K_j
+                else:
+                    ops.atb_half_tile(dst_s, k_s, dq_acc, part)
+                for i in range(TM):
+                    row = row0 + ops.block_row(i)
+                    if row < n_q:
+                        for g in range(DQ_COLS // VEC):
+                            for u in range(VEC):
+                                d = ops.out_col(part * (DQ_COLS // VEC) + g, u)
+                                if d < D:
+                                    x = dq_acc[i, VEC * g + u] * scale
+                                    if FA1:  # Alg. 4 line 21: dQ_i += dS_ij K_j, read and written back (this block only)
+                                        dq[b, h, row, d] += x
+                                    else:  # FA-2 line 15: other K/V tiles' blocks add to dQ_i too
+                                        cuda.atomic.add(dq, (b, h, row, d), x)
+
+    @kernel_jit(fastmath={"contract", "afn", "arcp"})
     def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale):
-        n_batch, n_heads, n_q = q.shape[0], q.shape[1], q.shape[2]
+        n_heads, n_q = q.shape[1], q.shape[2]
         n_kv_heads, n_k = k.shape[1], k.shape[2]
         group = n_heads // n_kv_heads
-        n_kv_tiles = (n_k + BN - 1) // BN
-        n_q_tiles = (n_q + BM - 1) // BM
+        n_kv_tiles = (n_k + B - 1) // B
+        n_q_tiles = (n_q + B - 1) // B
         if FA1:  # one block per (batch, KV head): it walks every K/V tile (line 5)
             bh = cuda.blockIdx.x
             j_first, j_end = 0, n_kv_tiles
@@ -157,134 +382,116 @@ def bwd_kernel(order: str, head_dim: int, block_m: int, block_n: int, causal: bo
             bh = cuda.blockIdx.x // n_kv_tiles
         b = bh // n_kv_heads
         hk = bh - b * n_kv_heads
+        q_scale = scale * float32(LOG2E)
 
-        q_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
-        do_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
-        o_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
-        k_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
-        v_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
-        dk_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
-        dv_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
-        p_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
-        ds_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
-        lse_s = cuda.shared.array(BM, float32)
-        dvec_s = cuda.shared.array(BM, float32)
+        smem = cuda.shared.array(0, float32, SMEM_ALIGN)  # dynamic: Q_i | dO_i | K_j | V_j | (O_i) | P^T | dS^T | L_i | D_i
+        q_s, do_s, k_s, v_s = Q_TILE(smem), DO_TILE(smem), K_TILE(smem), V_TILE(smem)
+        o_s = O_TILE(smem)  # (FA-1 only; FA-2: an alias of Q_i, never touched)
+        pt_s, dst_s = P_TILE(smem), DS_TILE(smem)
+        lse_s, dvec_s = LSE_TILE(smem), DVEC_TILE(smem)
+        s = cuda.local.array((TM, TN), float32)
+        dp = cuda.local.array((TM, TN), float32)
+        dk_acc = cuda.local.array((TM, ACC), float32)
+        dv_acc = cuda.local.array((TM, ACC), float32)
+        dq_acc = cuda.local.array((TM, DQ_COLS), float32)
+        first_q = cuda.local.array(TM, int32)
+        one = float32(1.0)
 
         for j in range(j_first, j_end):  # line 5: for 1 <= j <= Tc
-            col0 = j * BN
-            cuda.syncthreads()  # the previous tile's dK_j, dV_j are written out
-            ops.load_rows(k, b, hk, col0, BN, n_k, k_s)  # line 6: K_j, V_j
-            ops.load_rows(v, b, hk, col0, BN, n_k, v_s)
-            for e in range(cuda.threadIdx.x, BN * D, NT):  # line 7: dK_j = 0, dV_j = 0 on chip
-                dk_s[e] = float32(0.0)
-                dv_s[e] = float32(0.0)
+            col0 = j * B
+            cuda.syncthreads()  # everyone is done with the previous K_j, V_j
+            ops.load_rows(k, b, hk, col0, n_k, one, k_s)  # line 6: K_j, V_j to shared memory
+            ops.load_rows(v, b, hk, col0, n_k, one, v_s)
+            ops.zero(dk_acc)  # line 7: dK_j = 0, dV_j = 0 on chip (registers)
+            ops.zero(dv_acc)
+            bops.key_bounds(col0, n_q, n_k, CAUSAL, first_q)
+            # Causal: the Q tiles before the one holding the first query that sees key col0 see
+            # none of this tile's keys (bottom-right: query i sees key col0 iff i >= col0 - (Nk - Nq)).
+            i_first = max(0, col0 - (n_k - n_q)) // B if CAUSAL else 0
             for g in range(group):  # the query heads of this KV head (GQA): dK_j, dV_j sum over them
                 h = hk * group + g
-                for i in range(n_q_tiles):  # line 8: for 1 <= i <= Tr
-                    row0 = i * BM
-                    # Causal: a Q tile whose last row sees no key of this tile contributes nothing.
-                    if col0 > last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL):
-                        continue
-                    cuda.syncthreads()  # everyone is done with the previous Q_i, dO_i, P, dS
-                    ops.load_rows(q, b, h, row0, BM, n_q, q_s)  # line 9: Q_i, dO_i, L_i, D_i
-                    ops.load_rows(do, b, h, row0, BM, n_q, do_s)
-                    ops.load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, not FA1)
-                    if FA1:
-                        ops.load_rows(o, b, h, row0, BM, n_q, o_s)
-                        cuda.syncthreads()
-                        ops.rowdot_tile(do_s, o_s, dvec_s)  # FA-1 line 19: D_i
-                    cuda.syncthreads()
-                    ops.probs_and_dscores(q_s, k_s, v_s, do_s, lse_s, dvec_s, p_s, ds_s, row0, col0, n_q, n_k,
-                                          CAUSAL, scale)
-                    cuda.syncthreads()  # P_ij, dS_ij are in shared memory
-                    ops.accumulate_dkdv(p_s, ds_s, q_s, do_s, dk_s, dv_s, scale)
-                    if DQ:
-                        for e in range(cuda.threadIdx.x, BM * D, NT):
-                            r = e // D
-                            d = e - r * D
-                            row = row0 + r
-                            if row < n_q:
-                                x = ops.dq_step(ds_s, k_s, r, d, scale)
-                                if FA1:  # line 21: dQ_i read, updated, written back (this block only)
-                                    dq[b, h, row, d] += x
-                                else:  # FA-2 line 15: other K/V tiles' blocks add to dQ_i too
-                                    cuda.atomic.add(dq, (b, h, row, d), x)
-            cuda.syncthreads()  # every step's dK_j, dV_j share is in
-            for e in range(cuda.threadIdx.x, BN * D, NT):  # line 24 (FA-2 line 18): write dK_j, dV_j
-                c = e // D
-                d = e - c * D
-                if col0 + c < n_k:
-                    dk[b, hk, col0 + c, d] = dk_s[e]
-                    dv[b, hk, col0 + c, d] = dv_s[e]
+                for i in range(i_first, n_q_tiles):  # line 8: for 1 <= i <= Tr
+                    kv_step(q, do, o, lse, dvec, dq, b, h, i * B, col0, n_q, n_k, q_scale, scale, q_s, do_s, k_s, v_s,
+                            o_s, pt_s, dst_s, lse_s, dvec_s, s, dp, first_q, dk_acc, dv_acc, dq_acc)
+            # Line 24 (FA-2 line 18): write dK_j (= ln 2 dS^T (Q scale log2 e)), dV_j
+            bops.write_rows(dk, b, hk, col0, n_k, dk_acc, float32(LN2))
+            bops.write_rows(dv, b, hk, col0, n_k, dv_acc, one)
 
     return attention_bwd
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_dq_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, threads: int = BWD_THREADS):
+def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
     """dQ without atomics (``deterministic=True``): one block per (Q tile, batch, head) walks the
-    K/V tiles it sees, recomputing P and dS, and sums dQ_i = scale sum_j dS_ij K_j on chip.
+    K/V tiles it sees, recomputing P and dS (S = Q_i K_j^T with queries as the micro-tile rows,
+    the forward's orientation), and sums dQ_i = scale sum_j dS_ij K_j in registers.
 
-    Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (threads,)``. Arguments: ``q, do
+    Launch: ``grid = (ceil(Nq / block) * B * H,)``, ``block = (bwd_layout("dq", ...).threads,)``,
+    dynamic shared memory ``bwd_layout("dq", head_dim, block).smem_bytes``. Arguments: ``q, do
     (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``, ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D)`` out
     (any float dtype), ``scale`` (float32).
     """
-    D, BM, BN, NT = head_dim, block_m, block_n, threads
+    D, B = head_dim, block
     CAUSAL = bool(causal)
-    ops = bwd_ops(D, BM, BN, NT)
-    Q_FLOATS, KV_FLOATS, P_FLOATS = BM * D, BN * D, BM * BN  # shared array sizes: compile-time constants
+    bops = bwd_ops(D, B)
+    ops = bops.tile
+    lay = bwd_layout("dq", D, B)
+    TM, TN, ACC = lay.tiles.rows_per_thread, lay.tiles.cols_per_thread, VEC * lay.tiles.dim_groups
+    ROWS, PROBS = lay.row_tile, lay.prob_tile
+    Q_TILE, DO_TILE, K_TILE, V_TILE = (shared_tile(lay.offset(x), ROWS) for x in ("q", "do", "k", "v"))
+    DS_TILE = shared_tile(lay.offset("ds"), PROBS)
+    LSE_TILE, DVEC_TILE = (shared_tile(lay.offset(x), B) for x in ("lse", "dvec"))
 
-    @kernel_jit(fastmath={"contract", "arcp"})
+    @kernel_jit(fastmath={"contract", "afn", "arcp"})
     def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_k = k.shape[2]
         group = n_heads // k.shape[1]
-        n_q_tiles = (n_q + BM - 1) // BM
+        n_q_tiles = (n_q + B - 1) // B
         i_tile = cuda.blockIdx.x % n_q_tiles
         bh = cuda.blockIdx.x // n_q_tiles
         b = bh // n_heads
         h = bh - b * n_heads
         hk = h // group
-        row0 = i_tile * BM
+        row0 = i_tile * B
+        one = float32(1.0)
 
-        q_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
-        do_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
-        dq_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
-        k_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
-        v_s = cuda.shared.array(KV_FLOATS, float32, SMEM_ALIGN)
-        p_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
-        ds_s = cuda.shared.array(P_FLOATS, float32, SMEM_ALIGN)
-        lse_s = cuda.shared.array(BM, float32)
-        dvec_s = cuda.shared.array(BM, float32)
+        smem = cuda.shared.array(0, float32, SMEM_ALIGN)  # dynamic: Q_i | dO_i | K_j | V_j | dS | L_i | D_i
+        q_s, do_s, k_s, v_s = Q_TILE(smem), DO_TILE(smem), K_TILE(smem), V_TILE(smem)
+        ds_s = DS_TILE(smem)
+        lse_s, dvec_s = LSE_TILE(smem), DVEC_TILE(smem)
+        s = cuda.local.array((TM, TN), float32)
+        dp = cuda.local.array((TM, TN), float32)
+        dq_acc = cuda.local.array((TM, ACC), float32)
+        last_keys = cuda.local.array(TM, int32)
 
-        ops.load_rows(q, b, h, row0, BM, n_q, q_s)
-        ops.load_rows(do, b, h, row0, BM, n_q, do_s)
-        ops.load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, True)
-        for e in range(cuda.threadIdx.x, BM * D, NT):
-            dq_s[e] = float32(0.0)
-        last_key = last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL)
-        n_walk = min((n_k + BN - 1) // BN, last_key // BN + 1) if last_key >= 0 else 0
-        for j in range(n_walk):
-            col0 = j * BN
+        ops.load_rows(q, b, h, row0, n_q, scale * float32(LOG2E), q_s)  # Q_i in log2 units, dO_i, L_i, D_i
+        ops.load_rows(do, b, h, row0, n_q, one, do_s)
+        bops.load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, True)
+        ops.zero(dq_acc)
+        ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
+        first_row_last_key = last_visible_key(row0, n_q, n_k, CAUSAL)
+        last_key = last_visible_key(min(row0 + B, n_q) - 1, n_q, n_k, CAUSAL)
+        n_walk = min((n_k + B - 1) // B, last_key // B + 1) if last_key >= 0 else 0
+        for j in range(n_walk):  # the K/V tiles this Q tile sees
+            col0 = j * B
             cuda.syncthreads()  # everyone is done with the previous K_j, V_j, dS
-            ops.load_rows(k, b, hk, col0, BN, n_k, k_s)
-            ops.load_rows(v, b, hk, col0, BN, n_k, v_s)
-            cuda.syncthreads()
-            ops.probs_and_dscores(q_s, k_s, v_s, do_s, lse_s, dvec_s, p_s, ds_s, row0, col0, n_q, n_k, CAUSAL, scale)
-            cuda.syncthreads()
-            for e in range(cuda.threadIdx.x, BM * D, NT):  # each element owned by one thread: no race
-                dq_s[e] += ops.dq_step(ds_s, k_s, e // D, e - (e // D) * D, scale)
-        cuda.syncthreads()
-        for e in range(cuda.threadIdx.x, BM * D, NT):
-            r = e // D
-            if row0 + r < n_q:
-                dq[b, h, row0 + r, e - r * D] = dq_s[e]
+            ops.load_rows(k, b, hk, col0, n_k, one, k_s)
+            ops.load_rows(v, b, hk, col0, n_k, one, v_s)
+            cuda.syncthreads()  # (and Q_i, dO_i, L_i, D_i before the first step)
+            ops.score_tile(q_s, k_s, s)  # S_ij = Q_i K_j^T (FA-2 line 10)
+            ops.score_tile(do_s, v_s, dp)  # dP_ij = dO_i V_j^T (line 13)
+            masked = ops.tile_needs_mask(col0, first_row_last_key)
+            bops.dscores_query_rows(s, dp, lse_s, dvec_s, masked, last_keys, col0, ds_s, ds_s)  # lines 11, 14
+            cuda.syncthreads()  # dS_ij is in shared memory
+            ops.ab_tile(ds_s, k_s, dq_acc)  # line 15: dQ_i += dS_ij K_j (scale at the end), on chip
+        bops.write_rows(dq, b, h, row0, n_q, dq_acc, scale)
 
     return attention_bwd_dq
 
 
 @functools.lru_cache(maxsize=None)
-def rowdot_kernel(head_dim: int, threads: int = BWD_THREADS):
+def rowdot_kernel(head_dim: int, threads: int = ROWDOT_THREADS):
     """FA-2 line 4: ``dvec[b, h, i] = sum_d do[b, h, i, d] * o[b, h, i, d]`` (float32).
     Launch: ``grid = (ceil(B * H * Nq / threads),)``, ``block = (threads,)``; one row a thread."""
     D = head_dim

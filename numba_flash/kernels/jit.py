@@ -7,6 +7,7 @@ option that only the GPU understands is added here and nowhere else.
 
 from __future__ import annotations
 
+import functools
 import math
 
 from numba_flash._cuda import cuda
@@ -35,3 +36,54 @@ def device_jit(func):
     if simulated():
         return cuda.jit(device=True)(func)
     return cuda.jit(device=True, forceinline=True)(func)
+
+
+@functools.lru_cache(maxsize=None)
+def shared_tile(offset: int, count: int):
+    """A device function ``view(smem) -> smem[offset : offset + count]`` for carving a dynamic
+    shared array (``cuda.shared.array(0, ...)``) into tiles, ``offset`` and ``count`` compile-time
+    constants (elements; ``offset`` a multiple of 4 keeps a float32 tile 16-byte aligned).
+
+    Not a slice: numba sizes a dynamic shared array by the launch (the ``%dynamic_smem_size``
+    register), so a slice's start is clamped against a length known only at run time, and the
+    compiler can no longer prove the tile 16-byte aligned: the four-float loads of the micro-tile
+    products stay four ``LDS`` instead of one ``LDS.128`` (seen in the backward kernels' PTX:
+    16 ``ld.shared.v4`` of 172 loads). On the GPU the view's data pointer is the base plus a
+    constant, nothing else; the simulator slices."""
+    if simulated():
+
+        @device_jit
+        def view_sim(smem):
+            return smem[offset : offset + count]
+
+        return view_sim
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def view(typingctx, smem):
+        if not (isinstance(smem, types.Array) and smem.ndim == 1):
+            return None
+        aryty = smem.copy(layout="C")
+        sig = aryty(smem)
+
+        def codegen(context, builder, signature, args):
+            base = context.make_array(signature.args[0])(context, builder, value=args[0])
+            out = context.make_array(signature.return_type)(context, builder)
+            (stride,) = cgutils.unpack_tuple(builder, base.strides, 1)
+            context.populate_array(
+                out,
+                data=builder.gep(base.data, [ir.Constant(ir.IntType(64), offset)], inbounds=True),
+                shape=[context.get_constant(types.intp, count)],
+                strides=[stride],
+                itemsize=base.itemsize,
+                meminfo=None,
+            )
+            return out._getvalue()
+
+        return sig, codegen
+
+    return view

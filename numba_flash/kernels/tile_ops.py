@@ -13,6 +13,11 @@ register micro-tile layout of ``tiles.TileLayout``, and both kernels call it:
 - :func:`pv_tile`       O~ += P~ V_j, each thread a rows_per_thread x (4 * dim_groups) block
 - :func:`nan_max`       max that propagates NaN (a NaN score must reach the output)
 
+The backward kernels (``kernels.bwd``) run on the same layout and the same primitives: its S and
+dP are :func:`score_tile` products, dV += P^T dO and dK += dS^T Q are :func:`ab_tile` (the
+P~V product with a padded B operand), dQ += dS K is :func:`atb_tile` (A read transposed); its
+tiles are copied by :func:`load_rows`.
+
 Scores are kept in log2 units: q is multiplied by ``scale * log2(e)`` as it is loaded, so
 ``exp(s - m)`` is one ``exp2`` (FlashAttention-2, section 3.1).
 
@@ -28,9 +33,9 @@ import functools
 import math
 from types import ModuleType
 
-from numba_flash._cuda import cuda, float32, uint64
+from numba_flash._cuda import cuda, float32, int32, uint64
 
-from numba_flash.kernels.jit import NEG_INF, device_jit
+from numba_flash.kernels.jit import NEG_INF, device_jit, shared_tile
 from numba_flash.kernels.row_reduce import row_allreduce
 from numba_flash.kernels.row_state import (
     exp2_diff, finite_or_zero, last_visible_key, log_sum_exp, packed_last_visible_key, reciprocal_or_zero,
@@ -240,7 +245,10 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1) -> Modu
                 p_s[at(thread_row(i) * PS + tx + TX * j)] = p
             row_sums[i] = total
 
-    def make_pv_tile(guarded):
+    def make_pv_tile(guarded, v_stride=DP):
+        """acc += P~ V for this thread's rows: P~ (block_m x block_n, row stride PS), V
+        (block_n x D, row stride ``v_stride``: DP for the forward's V_j, QS for a padded tile)."""
+
         @device_jit
         def pv(p_s, v_s, acc, col0, last_keys):
             tx = thread_col()
@@ -252,7 +260,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1) -> Modu
                         pf[i, e] = p_s[at(thread_row(i) * PS + c0 + e)]
                 for e in range(CK):
                     for g in range(DG):
-                        base = (c0 + e) * DP + VEC * tx + VEC * TX * g
+                        base = (c0 + e) * v_stride + VEC * tx + VEC * TX * g
                         for u in range(VEC):
                             vf[u] = v_s[at(base + u)]
                         for i in range(TM):
@@ -277,6 +285,86 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1) -> Modu
             pv_visible_keys(p_s, v_s, acc, col0, last_keys)
         else:
             pv_all_keys(p_s, v_s, acc, col0, last_keys)
+
+    pv_padded = make_pv_tile(False, QS)
+
+    @device_jit
+    def ab_tile(a_s, b_s, acc):
+        """acc += A B for this thread's rows (``thread_row``) and output columns (``out_col``):
+        A is block_m x block_n in ``a_s`` (row stride PS, as :func:`exp_scores` writes P~), B is
+        block_n x D in ``b_s`` (row stride QS, as :func:`load_rows` writes). The P~V product of
+        the forward with a padded B; no key is skipped (the caller zeroes A where masked)."""
+        no_keys = cuda.local.array(TM, int32)  # (read only by the masked P~V)
+        pv_padded(a_s, b_s, acc, 0, no_keys)
+
+    @device_jit
+    def block_row(i):
+        """Tile row of this thread's i-th row in :func:`atb_tile`: ``TM * ty + i`` (a thread's
+        rows are neighbours, so one 128-bit load reads its four entries of a column of A)."""
+        return (tid() // TX) * TM + i
+
+    def make_atb_tile(parts):
+        GP = max(1, DG // parts)  # groups of four output columns per part
+
+        @device_jit
+        def atb(at_s, b_s, acc, part):
+            tx = thread_col()
+            ty = tid() // TX
+            af = cuda.local.array(TM, float32)
+            bf = cuda.local.array(VEC, float32)
+            for c in range(BN):
+                for i in range(TM):
+                    af[i] = at_s[at(c * PS + TM * ty + i)]
+                for g in range(GP):
+                    base = c * QS + VEC * tx + VEC * TX * (GP * part + g)
+                    for u in range(VEC):
+                        bf[u] = b_s[at(base + u)]
+                    for i in range(TM):
+                        for u in range(VEC):
+                            acc[i, VEC * g + u] += af[i] * bf[u]
+
+        return atb
+
+    atb_whole = make_atb_tile(1)
+    atb_half = make_atb_tile(2)
+
+    @device_jit
+    def atb_tile(at_s, b_s, acc):
+        """acc += A B for this thread's rows (``block_row``) and output columns (``out_col``),
+        A given transposed: ``at_s`` holds A^T (block_n x block_m, row stride PS; block_n ==
+        block_m), B is block_n x D in ``b_s`` (row stride QS). Per key: one 128-bit load of A^T
+        (the thread's TM rows), DG of B, TM x 4 DG FMAs -- the load-to-FMA ratio of P~V. All
+        lanes of a warp read one row of A^T and of B: broadcasts, no bank conflicts."""
+        atb_whole(at_s, b_s, acc, 0)
+
+    @device_jit
+    def atb_half_tile(at_s, b_s, acc, half):
+        """:func:`atb_tile` for half of this thread's output columns, groups ``half * DG / 2 ..``
+        (``acc``: TM x 2 DG; column ``VEC * g + u`` of it is ``out_col(half * DG / 2 + g, u)``):
+        half the accumulator registers, for callers that hold other accumulators meanwhile."""
+        atb_half(at_s, b_s, acc, half)
+
+    # load_rows: a block_m x D tile through at most ROWS_IN_FLIGHT registers per thread, in
+    # ROW_PARTS passes of block_m / ROW_PARTS rows (the backward loads Q_i, dO_i while a thread's
+    # dK_j, dV_j take 64-128 registers: at D = 128 a whole 32-row tile would take 64 more)
+    ROWS_IN_FLIGHT = 32
+    ROW_PARTS = 2 if Q_LOADS > ROWS_IN_FLIGHT and BM % 2 == 0 and BM // 2 >= RP else 1  # (2 suffice to D = 128)
+    PART_ROWS = BM // ROW_PARTS
+    fetch_part, store_part, PART_LOADS = make_row_copy(PART_ROWS, QS, True)
+    part_view = shared_tile(PART_ROWS * QS, PART_ROWS * QS)  # the second part's rows of the tile
+
+    @device_jit
+    def load_rows(x, b, h, row0, n_valid, scale, x_s):
+        """Rows ``row0 ..`` (block_m of them) of ``x[b, h]`` -> ``x_s`` (row stride QS), times
+        ``scale``; rows at or past ``n_valid`` and d >= D are 0. The copy of :func:`load_q_tile`
+        (the backward's Q_i, dO_i, O_i, and K_j, V_j when block_n == block_m), in one or two
+        passes so that at most 32 values per thread are in flight."""
+        reg = cuda.local.array(PART_LOADS, float32)
+        fetch_part(x[b, h], row0, n_valid, scale, reg)
+        store_part(reg, x_s)
+        if ROW_PARTS == 2:
+            fetch_part(x[b, h], row0 + PART_ROWS, n_valid, scale, reg)
+            store_part(reg, part_view(x_s))
 
     @device_jit
     def rescale_row(acc, i, alpha):
@@ -306,7 +394,9 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1) -> Modu
         row_max=row_max, allreduce_sum=allreduce_sum, finite_or_zero=finite_or_zero,
         exp_scores=exp_scores, pv_tile=pv_tile, rescale_row=rescale_row, zero=zero,
         out_col=out_col, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,
-        reciprocal_or_zero=reciprocal_or_zero,
+        reciprocal_or_zero=reciprocal_or_zero, ab_tile=ab_tile, atb_tile=atb_tile, atb_half_tile=atb_half_tile,
+        block_row=block_row,
+        load_rows=load_rows,
     ).items():
         setattr(ops, name, func)
     return ops
