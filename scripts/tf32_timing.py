@@ -115,7 +115,7 @@ def main():
             # flipped (none <-> 128); each is one more compile (~10-20 s)
             default = default_tc_tiles("tf32x3", D)
             flip = "0" if tc_register_cap("tf32x3", D, *default) else "128"
-            for (bm, bn), env in [(default, flip), ((64, 32), None), ((128, 64), None)]:
+            for (bm, bn), env in [(default, flip), ((64, 32), None), ((128, 64), None), ((64, 64), None)]:
                 if env is None:
                     os.environ.pop("NUMBA_FLASH_TC_MAXREG", None)
                 else:
