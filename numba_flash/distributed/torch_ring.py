@@ -187,16 +187,16 @@ class TorchShift:
 
         if self.works is None:
             raise RuntimeError("this shift was already waited for")
-        with torch.cuda.device(self.device), torch.cuda.stream(self.comm):
-            for work in self.works:
-                work.wait()  # the comm stream waits for NCCL's
+        with torch.cuda.device(self.device):
+            with torch.cuda.stream(self.comm):
+                for work in self.works:
+                    work.wait()  # the comm stream waits for NCCL's
             if self.events is not None:
                 self.events.transfer_end.record(self.comm)
-        if self.events is not None:
-            self.events.computed.record(self.compute)
-        self.compute.wait_stream(self.comm)  # the received shard is read only after it landed
-        if self.events is not None:
-            self.events.resumed.record(self.compute)
+                self.events.computed.record(self.compute)
+            self.compute.wait_stream(self.comm)  # the received shard is read only after it landed
+            if self.events is not None:
+                self.events.resumed.record(self.compute)
         self.works = self._keep = None
         self.ring._in_flight = False
         return self.receiving
