@@ -6,7 +6,8 @@ The claims under test: gathering every rank's ``(o, lse)`` gives attention on th
 visible (query, key) pair exactly once over the ring and no masked one; the zigzag layout gives
 every rank the same causal work at every step (the contiguous one does not, which shows that the
 check can fail); split and gather are inverses; a partial whose rows see no key merges as the
-identity (o = 0, lse = -inf, never NaN); a missing transport says so.
+identity (o = 0, lse = -inf, never NaN). The transports themselves (receive slots, the NCCL
+ring's stream order against a fake torch.distributed): ``tests/test_ring_transport.py``.
 """
 
 from __future__ import annotations
@@ -313,18 +314,6 @@ def test_a_partial_that_sees_no_key_is_the_merge_identity(merge):
 
 
 # --------------------------------------------------------------------------- transport and errors
-
-
-def test_group_none_or_a_process_group_names_the_missing_transport():
-    q = np.zeros((1, 1, 4, 4), np.float32)
-    with pytest.raises(NotImplementedError, match="NCCL transport.*torch.distributed"):
-        dist.ring_attention(q, q, q)
-
-    class ProcessGroup:  # what torch.distributed hands out: no ring_shift
-        rank, world_size = 0, 2
-
-    with pytest.raises(NotImplementedError, match="ProcessGroup, not a ring communicator"):
-        dist.ring_attention(q, q, q, group=ProcessGroup())
 
 
 def test_a_rank_with_other_shapes_stops_the_ring_with_an_error():

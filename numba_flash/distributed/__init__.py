@@ -7,14 +7,15 @@ API.md section 6; theory and cost model: ``docs/theory/ring-attention.md``.
 - the shard layouts and :func:`split_sequence` / :func:`gather_sequence` (``layout.py``):
   contiguous, or zigzag for causal attention (rank ``r`` holds chunks ``r`` and ``2R - 1 - r``);
 - :class:`RingSchedule` (``schedule.py``): what each rank holds and computes at each step;
-- the transport (``comm.py``): the :class:`RingCommunicator` protocol and :class:`LocalRing`, every
-  rank in one process (tests, CI, the simulator).
-
-Built and tested without GPUs: the schedule, layouts, merge and a fake ring. **Not built yet**
-(issue 13): the NCCL transport. The plan is ``torch.distributed`` (``batch_isend_irecv`` of the
-K/V shard to ``rank + 1`` and from ``rank - 1`` as one NCCL group, asynchronous handles for the
-overlap on a second stream, ``torchrun`` as the launcher); ``group=None`` or a process group
-raises ``NotImplementedError`` until then. Why not ``cupyx.distributed``: ``comm.py``.
+- the transport (``comm.py``): the :class:`RingCommunicator` protocol, :func:`as_communicator`
+  (``group=None`` or a process group: NCCL), and :class:`LocalRing`, every rank in one process
+  (tests, CI, the simulator); the receive slots both transports share (``buffers.py``: double
+  buffering);
+- :class:`TorchRing` (``torch_ring.py``): NCCL point-to-point through ``torch.distributed``
+  (``batch_isend_irecv`` of the K/V shard to ``rank + 1`` and from ``rank - 1``, overlapped with
+  the step's attention on a stream of its own); torch is imported only when it is used;
+- ``python -m numba_flash.distributed.demo`` under ``torchrun`` (``demo.py``): the ring on N GPUs
+  checked against one GPU, timed, with the per-step overlap of transfer and attention.
 """
 
 from numba_flash.distributed.comm import LocalRing, RingCommunicator, as_communicator
@@ -28,6 +29,7 @@ from numba_flash.distributed.layout import (
 )
 from numba_flash.distributed.ring import ring_attention
 from numba_flash.distributed.schedule import BlockCall, BlockKind, RingSchedule
+from numba_flash.distributed.torch_ring import StepTimes, TorchRing
 
 __all__ = [
     "LAYOUTS",
@@ -36,6 +38,8 @@ __all__ = [
     "LocalRing",
     "RingCommunicator",
     "RingSchedule",
+    "StepTimes",
+    "TorchRing",
     "as_communicator",
     "chunk_count",
     "default_layout",

@@ -10,7 +10,7 @@ sets is associative and commutative (``docs/theory/ring-attention.md``, section 
 
 The loop is ring-flash-attention's (zhuzilin, ``ring_flash_attn.py``): start sending the held
 shard on, compute with it, then wait for the next one, so that a GPU transport can hide the
-transfer behind the step's attention.
+transfer behind the step's attention (``torch_ring.py``: the NCCL transport, its streams).
 """
 
 from __future__ import annotations
@@ -49,10 +49,14 @@ def ring_attention(q, k, v, *, causal=False, scale=None, group=None, layout=None
     multiple of the chunks per shard (2 for zigzag). Split and gather full sequences with
     ``split_sequence(x, R, layout)`` / ``gather_sequence(shards, layout)``.
 
-    ``group``: the transport, a ring communicator (``comm.RingCommunicator``: ``rank``,
-    ``world_size``, ``ring_shift``), e.g. a :class:`~numba_flash.distributed.LocalRing`'s, which
-    runs every rank in one process. ``None`` (the default process group) and process-group
-    objects raise ``NotImplementedError``: the NCCL transport is not built yet.
+    ``group``: the transport (``comm.as_communicator``). ``None``: NCCL through torch.distributed's
+    default process group (a :class:`~numba_flash.distributed.TorchRing` over it; each rank one
+    process, e.g. started by ``torchrun``); a ``torch.distributed`` process group: NCCL over that
+    group; a ring communicator (``comm.RingCommunicator``: ``rank``, ``world_size``,
+    ``ring_shift``) as it is, e.g. a ``TorchRing`` kept across calls, or a
+    :class:`~numba_flash.distributed.LocalRing`'s, which runs every rank in one process.
+    Over NCCL, q, k, v are torch CUDA tensors or CuPy arrays on this rank's GPU, and the call
+    returns once its work is queued on the caller's current stream (as ``attention`` does).
 
     Beyond the contract: ``merge`` (``"host"``: ``online.combine`` in float64, NumPy only;
     ``"device"``: the split-KV combine kernel; ``None``: host for NumPy, device otherwise) and the
