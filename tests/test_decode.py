@@ -110,3 +110,43 @@ def test_decode_errors(kwargs, error, match):
 def test_decode_heads_must_divide():
     with pytest.raises(ValueError, match="multiple"):
         numba_flash.decode(np.ones((1, 3, 1, 8), np.float32), np.ones((1, 2, 5, 8), np.float32), np.ones((1, 2, 5, 8), np.float32))
+
+
+@pytest.mark.parametrize("kind", ["f16", "tf32"])
+def test_row_walk_copies_what_the_indexed_copies_do(kind):
+    """Decode's one-warp tiles copy K/V by row walks (``tc_ops.row_walk_default``; on the GPU 32
+    copies per thread and tile at D = 128). The simulator's tiles are below the rule, so the
+    kernel is asked for it: full tiles walked, the tail tile indexed, the partials bit for bit
+    those of the indexed copies, and right (merged on the host, against float64)."""
+    from numba_flash import online
+    from numba_flash.kernels.jit import LOG2E
+    from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
+    from numba_flash.kernels.tc_ops import tc_layout
+    from numba_flash.launch import numba_launch
+
+    rng = np.random.default_rng(5)
+    B, group, D, n_max, S, BN = 2, 4, 32, 48, 2, 16  # D = 32: each thread walks 2 (f16) or 4 (tf32) rows
+    lens = np.array([45, 32], np.int32)  # sequence 0: two full tiles and a tail of 13 keys
+    dtype = np.float16 if kind == "f16" else np.float32
+    q, k, v = (rng.standard_normal(shape).astype(dtype) for shape in [(B, 1, group, D), *[(B, 1, n_max, D)] * 2])
+    for b, n in enumerate(lens):
+        k[b, :, n:] = np.nan
+        v[b, :, n:] = np.nan
+    bits = [x.view(np.uint16) if kind == "f16" else x for x in (q, k, v)]
+    scale = 1 / np.sqrt(D)
+    results = []
+    for walk in (False, True):
+        o = np.full((S * B, 1, group, D), np.nan, np.float32)
+        lse = np.full((S * B, 1, group), np.nan, np.float32)
+        kernel = tc_fa2_kernel(kind, D, 16, BN, False, True, True, None, walk)
+        numba_launch(kernel, (B * S,), 32, None, [*bits, o, lse, np.float32(scale * LOG2E), lens, np.int32(S), np.int32(group)],
+                     shared_mem_bytes=tc_layout(kind, D, 16, BN).smem_bytes)
+        results.append((o, lse))
+    (o0, l0), (o1, l1) = results
+    assert np.array_equal(o0, o1) and np.array_equal(l0, l1) and not np.isnan(o1).any()
+    for b, n in enumerate(lens):
+        o, _ = online.combine(o1[b::B, 0].astype(np.float64), l1[b::B, 0].astype(np.float64))
+        s = q[b, 0].astype(np.float64) @ k[b, 0, :n].astype(np.float64).T * scale
+        p = np.exp(s - s.max(axis=1, keepdims=True))
+        ref = p @ v[b, 0, :n].astype(np.float64) / p.sum(axis=1, keepdims=True)
+        assert rel_err(o, ref) < (2e-3 if kind == "f16" else 5e-3)

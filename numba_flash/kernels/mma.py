@@ -196,6 +196,27 @@ if simulated():
         for e in range(4):
             dst[dst_i + e] = src[b, h, n, d + e] if valid else float32(0.0)
 
+    # Row walks (``tc_ops``' copy loop): an "address" is a row index here, and a row's step 1;
+    # on the GPU they are a byte address and the row stride in bytes. Kernels only add steps.
+    @device_jit
+    def row_address(src, b, h, n, d):
+        return n
+
+    @device_jit
+    def row_step(src):
+        return 1
+
+    @device_jit
+    def cp_async16_at(dst, dst_i, src, b, h, d, address):
+        """16 bytes (8 x 16-bit) of row ``address`` (a :func:`row_address`), columns d:d+8."""
+        for e in range(8):
+            dst[dst_i + e] = src[b, h, address, d + e]
+
+    @device_jit
+    def cp_async16_at_f32(dst, dst_i, src, b, h, d, address):
+        for e in range(4):
+            dst[dst_i + e] = src[b, h, address, d + e]
+
     @device_jit
     def cp_async_commit():
         pass
@@ -465,6 +486,33 @@ else:
 
         return sig, codegen
 
+    @intrinsic
+    def _global_address(typingctx, src, b, h, n, d):
+        sig = types.int64(src, b, h, n, d)
+
+        def codegen(context, builder, signature, args):
+            sty, *index_types = signature.args
+            return _global_addr(builder, _element_ptr(context, builder, sty, args[0], index_types, args[1:]))
+
+        return sig, codegen
+
+    @intrinsic
+    def _cp_async_cg16_at(typingctx, dst, dst_i, address):
+        sig = types.void(dst, dst_i, address)
+
+        def codegen(context, builder, signature, args):
+            dty, dity, aty = signature.args
+            dptr = _element_ptr(context, builder, dty, args[0], [dity], [args[1]])
+            src = context.cast(builder, args[2], aty, types.int64)
+            _asm(
+                builder, ir.VoidType(), [_I32, ir.IntType(64)],
+                "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
+                [_shared_addr(builder, dptr), src], side_effect=True,
+            )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     def _asm_statement(text):
         @intrinsic
         def statement(typingctx):
@@ -493,6 +541,27 @@ else:
     def cp_async16_f32(dst, dst_i, src, b, h, n, d, valid):
         """16 bytes from ``src[b, h, n, d:d+4]`` (float32) to ``dst[dst_i:]``, asynchronously."""
         _cp_async_cg16(dst, dst_i, src, b, h, n, d, valid)
+
+    @device_jit
+    def row_address(src, b, h, n, d):
+        """The global address of ``src[b, h, n, d]``: the start of a row walk, advanced by
+        :func:`row_step` per row (one 64-bit add per copy instead of the element's full index)."""
+        return _global_address(src, b, h, n, d)
+
+    @device_jit
+    def row_step(src):
+        """Bytes from one row of ``src`` (B, H, N, D) to the next."""
+        return src.strides[2]
+
+    @device_jit
+    def cp_async16_at(dst, dst_i, src, b, h, d, address):
+        """16 bytes at global ``address`` (a :func:`row_address`; ``src``, ``b``, ``h``, ``d``
+        name it for the simulator) to ``dst[dst_i:]``, asynchronously, always read."""
+        _cp_async_cg16_at(dst, dst_i, address)
+
+    @device_jit
+    def cp_async16_at_f32(dst, dst_i, src, b, h, d, address):
+        _cp_async_cg16_at(dst, dst_i, address)
 
     @device_jit
     def cp_async_commit():

@@ -30,11 +30,12 @@ from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
 @functools.lru_cache(maxsize=None)
 def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, ragged: bool = False,
-                  f32_out: bool = False, max_registers=None):
+                  f32_out: bool = False, max_registers=None, row_walk=None):
     """The tensor-core FA-2 kernel for one specialisation (memoised); ``max_registers``: the
-    register cap (``tc_ops.tc_register_cap``, through the spec)."""
+    register cap (``tc_ops.tc_register_cap``, through the spec); ``row_walk``: the K/V copies'
+    loop (``tc_ops.row_walk_default`` when ``None``; an experiment knob of scripts/decode_sweep.py)."""
     CAUSAL, RAGGED, F32_OUT = bool(causal), bool(ragged), bool(f32_out)
-    ops = tc_ops(kind, head_dim, block_m, block_n)
+    ops = tc_ops(kind, head_dim, block_m, block_n, row_walk)
     L = ops.layout
     BM, BN, D = block_m, block_n, head_dim
     TM, NS, DT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles
