@@ -10,11 +10,13 @@ it is timed (``median_ms``: CUDA events, calls back to back, median of ``--repea
 - ``decode()``: the library's call as a user makes it (its tiles, copies and split heuristic).
   ``host_us``: Python time per call while the GPU is busy (the enqueue rate); when it reaches
   the GPU time the figure is the host's, not the kernels'.
-- candidates ``BN:copies:splits`` (``--candidates``): the FA-2 kernel with 16 x BN tiles
-  (one warp), its full K/V tiles copied by row walks (``walk``) or by the indexed copies of
-  every other configuration (``indexed``: the decode kernel before this sweep), ``splits``
-  ranges of K/V tiles (``auto``: ``split_kv.num_splits_heuristic``), then the combine kernel.
-  Launched prepared (``launch.prepare_launch``): ~no host work per call.
+- candidates ``BN:copies:splits[:stages]`` (``--candidates``): the FA-2 kernel with 16 x BN
+  tiles (one warp), its full K/V tiles copied by row walks (``walk``) or by the indexed copies
+  of every other configuration (``indexed``: the decode kernel before this sweep), ``splits``
+  ranges of K/V tiles (``auto``: ``split_kv.num_splits_heuristic``), ``stages`` K/V tiles in
+  shared memory (1, the default: K_j and V_j in flight in turn; more: a ring, tiles j + 1 ..
+  j + stages - 1 in flight during tile j), then the combine kernel. Launched prepared
+  (``launch.prepare_launch``): ~no host work per call. ``decode()`` is ``64:walk:auto``.
 - peers: torch SDPA flash and cuDNN (``decode_bench.measure_peer``, ``enable_gqa=True``).
 
 ``fa2_us`` / ``comb_us``: each kernel's own GPU time per call, from torch.profiler (CUPTI), when
@@ -35,8 +37,10 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_CANDIDATES = ["64:indexed:auto", "64:walk:auto", "64:walk:32", "64:walk:48", "64:walk:82",
-                      "32:walk:auto", "32:walk:63", "128:walk:auto", "128:walk:32"]  # fmt: skip
+# Six kernels to compile (~10 s each): 16x64 walk (decode()'s) and indexed (the kernel before the
+# walk), 16x32, 16x128, and the rings 16x64 x 3 stages, 16x32 x 4 stages.
+DEFAULT_CANDIDATES = ["64:indexed:auto", "64:walk:auto", "64:walk:32", "64:walk:82", "32:walk:auto", "32:walk:63",
+                      "128:walk:auto", "64:walk:auto:3", "64:walk:48:3", "32:walk:auto:4", "32:walk:63:4"]  # fmt: skip
 
 
 def _bench():
@@ -48,17 +52,20 @@ def _bench():
     return module
 
 
-def candidate(text: str) -> tuple[int, str, int | None]:
-    """``BN:copies:splits`` -> (block_n, "walk" | "indexed", splits or None for the heuristic)."""
+def candidate(text: str) -> tuple[int, str, int | None, int]:
+    """``BN:copies:splits[:stages]`` -> (block_n, "walk" | "indexed", splits or None for the
+    heuristic, stages)."""
     try:
-        bn, copies, splits = text.split(":")
-        bn = int(bn)
+        bn, copies, splits, *stages = text.split(":")
+        bn, stages = int(bn), int(stages[0]) if stages else 1
         splits = None if splits == "auto" else int(splits)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected BN:walk|indexed:S|auto; got {text!r}") from None
-    if bn not in (16, 32, 64, 128) or copies not in ("walk", "indexed") or (splits is not None and not 1 <= splits <= 128):
-        raise argparse.ArgumentTypeError(f"expected BN in 16/32/64/128, walk|indexed, 1 <= S <= 128; got {text!r}")
-    return bn, copies, splits
+    except (ValueError, IndexError):
+        raise argparse.ArgumentTypeError(f"expected BN:walk|indexed:S|auto[:stages]; got {text!r}") from None
+    if (bn not in (16, 32, 64, 128) or copies not in ("walk", "indexed") or not 1 <= stages <= 8
+            or (splits is not None and not 1 <= splits <= 128)):
+        raise argparse.ArgumentTypeError(f"expected BN in 16/32/64/128, walk|indexed, 1 <= S <= 128, 1 <= stages <= 8; "
+                                         f"got {text!r}")
+    return bn, copies, splits, stages
 
 
 def parse_args(argv):
@@ -69,7 +76,7 @@ def parse_args(argv):
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--candidates", type=candidate, nargs="*", default=[candidate(c) for c in DEFAULT_CANDIDATES],
-                    help=f"BN:walk|indexed:S|auto (default: {' '.join(DEFAULT_CANDIDATES)})")
+                    help=f"BN:walk|indexed:S|auto[:stages] (default: {' '.join(DEFAULT_CANDIDATES)})")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel times of torch.profiler")
@@ -81,10 +88,10 @@ def parse_args(argv):
 
 
 class Candidate:
-    """The FA-2 decode kernel of one (block_n, copies, splits), prepared on given arrays, then
-    the combine: ``__call__`` queues both on CuPy's current stream."""
+    """The FA-2 decode kernel of one (block_n, copies, splits, stages), prepared on given
+    arrays, then the combine: ``__call__`` queues both on CuPy's current stream."""
 
-    def __init__(self, block_n, copies, splits, q, k, v, seqlens, scale):
+    def __init__(self, block_n, copies, splits, stages, q, k, v, seqlens, scale):
         import cupy as cp
 
         from numba_flash.kernels.combine import COMBINE_THREADS, combine_kernel
@@ -98,19 +105,19 @@ class Candidate:
         B, H, Nq, D = q.shape
         Hkv, N = k.shape[1], k.shape[2]
         group, rows = H // Hkv, Nq * H // Hkv
-        spec = kernel_spec("fa2", D, "float16", 16, block_n, False, "f16", ragged=True, split_out=True)
+        spec = kernel_spec("fa2", D, "float16", 16, block_n, False, "f16", ragged=True, split_out=True, kv_stages=stages)
         sms = multiprocessors(None)
         self.resident = resident_blocks(spec.threads, spec.smem_bytes)
         blocks = spec.grid(B, Hkv, rows)[0]
         if splits is None:
             splits = num_splits_heuristic(blocks, sms, self.resident, -(-N // block_n))
         self.splits, self.per_sm = splits, blocks * splits / sms
-        self.label = f"16x{block_n} {copies}"
+        self.label = f"16x{block_n} {copies}" + (f" {stages} stages" if stages > 1 else "")
         walk = copies == "walk"
         if walk == row_walk_default("f16", spec.head_dim, 16, block_n):  # the library's kernel: compiled once
             kernel = spec.kernel
         else:
-            kernel = tc_fa2_kernel("f16", spec.head_dim, 16, block_n, False, True, True, spec.register_cap, walk)
+            kernel = tc_fa2_kernel("f16", spec.head_dim, 16, block_n, False, True, True, spec.register_cap, walk, stages)
         self.o = cp.empty((B, H, Nq, D), cp.float16)
         self.lse = cp.empty((B, H, Nq), cp.float32)
         self.o_parts = cp.empty((splits * B, Hkv, rows, D), cp.float32)
@@ -120,9 +127,9 @@ class Candidate:
         args = [*arrays, np.float32(scale * LOG2E), device_array(seqlens, "cupy"), np.int32(splits), np.int32(group)]
         device = cp.cuda.runtime.getDevice()
         self.main = prepare_launch(kernel, spec.grid(B, Hkv, rows, splits), (spec.threads,), args, spec.dynamic_smem, device)
-        comb = [device_array(x, "cupy") for x in (self.o_parts, self.lse_parts, self.o.reshape(B, Hkv, rows, D).view(cp.uint16),
-                                                  self.lse.reshape(B, Hkv, rows))]
-        self.combine = prepare_launch(combine_kernel("f16"), (B * Hkv * rows,), (COMBINE_THREADS,), comb, 0, device)
+        comb = [device_array(x, "cupy") for x in (self.o_parts, self.lse_parts, self.o.reshape(B, Hkv, rows, D),
+                                                  self.lse.reshape(B, Hkv, rows))]  # float16 o: as decode() passes it
+        self.combine = prepare_launch(combine_kernel(None), (B * Hkv * rows,), (COMBINE_THREADS,), comb, 0, device)
         self.stream = core_stream(cp.cuda.get_current_stream().ptr, device)
 
     def __call__(self):
@@ -232,9 +239,9 @@ def main(argv=None) -> int:
         row = measure("decode()", library, cfg, ref, bench, arrays, args)
         row["host"] = host_us(library) if row["ms"] else None
         rows.append(row)
-        for bn, copies, splits in args.candidates:
+        for bn, copies, splits, stages in args.candidates:
             try:
-                c = Candidate(bn, copies, splits, q, k, v, seqlens, 1 / math.sqrt(cfg.head_dim))
+                c = Candidate(bn, copies, splits, stages, q, k, v, seqlens, 1 / math.sqrt(cfg.head_dim))
             except Exception as exc:
                 rows.append(dict(label=f"16x{bn} {copies}", status=bench.failure(exc)))
                 continue

@@ -18,6 +18,11 @@ m16n8k8 (tf32)              A (16x8): a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8,
                             B (8x8): b0 (t, g) b1 (t+4, g); C/D as above
 ==========================  ==============================================================
 
+Copies (``cp.async``, 16 bytes each) are indexed (:func:`cp_async16`: the source element
+``src[b, h, n, d]``, zero-filled when not valid) or walked (:func:`row_address` once, then
+:func:`row_step` added per row, :func:`cp_async16_at`: no index arithmetic per copy; in the
+simulator an "address" is the row index).
+
 Loads from shared memory hide the lane addressing of ``ldmatrix``: :func:`ldsm_x4` reads the
 16x16 block at (row0, col0) of a row-major 16-bit matrix as four 8x8 matrices
 (rows 0-7 | 8-15) x (cols 0-7 | 8-15), in the order m0 = (0-7, 0-7), m1 = (8-15, 0-7),
@@ -229,6 +234,15 @@ if simulated():
     def cp_async_wait_one():
         """All but the most recent committed group are complete."""
         pass
+
+    def cp_async_wait_group(n: int):
+        """A device function: all but the ``n`` most recent committed groups are complete."""
+
+        @device_jit
+        def wait():
+            pass
+
+        return wait
 
     # ----------------------------------------------------------------------------------------
     # mma.sync, through a shared scratch exchange
@@ -575,6 +589,17 @@ else:
     def cp_async_wait_one():
         """All but the most recent committed group are complete."""
         _wait_one()
+
+    def cp_async_wait_group(n: int):
+        """A device function: all but the ``n`` most recent committed groups are complete
+        (``cp.async.wait_group n``: ``n`` is an immediate, so one function per ``n``)."""
+        statement = _asm_statement(f"cp.async.wait_group {int(n)};")
+
+        @device_jit
+        def wait():
+            statement()
+
+        return wait
 
     # ---------------------------------- mma.sync -------------------------------------------
 

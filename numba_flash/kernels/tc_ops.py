@@ -71,6 +71,7 @@ class TcLayout:
     chunk: int  # elements per 16-byte cp.async copy
     score_tiles: int  # 8-wide key tiles of S: block_n / 8
     out_tiles: int  # 8-wide head-dim tiles of O: DP / 8
+    kv_stages: int = 1  # FA-2: K/V tiles in shared memory at once (``tc_fa2``: 1, or a ring)
 
     @property
     def q_elems(self) -> int:
@@ -82,12 +83,12 @@ class TcLayout:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of one block: Q_i, K_j, V_j."""
-        return (self.q_elems + 2 * self.kv_elems) * self.elem_bytes
+        """Dynamic shared memory of one block: Q_i, and K_j, V_j of each stage."""
+        return (self.q_elems + 2 * self.kv_stages * self.kv_elems) * self.elem_bytes
 
 
 @functools.lru_cache(maxsize=None)
-def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int) -> TcLayout:
+def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: int = 1) -> TcLayout:
     sixteen = kind in mma.HALF_KINDS
     elem = 2 if sixteen else 4
     dp = -(-head_dim // 16) * 16
@@ -105,6 +106,7 @@ def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int) -> TcLayout:
         chunk=16 // elem,
         score_tiles=block_n // 8,
         out_tiles=dp // 8,
+        kv_stages=kv_stages,
     )
 
 
