@@ -27,6 +27,7 @@ from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtyp
 from numba_flash.split_kv import check_num_splits
 
 DECODE_BLOCK_N = 64  # K/V rows per tile: 16 KiB of K (and of V) per tile at D = 128, 16-bit
+DECODE_KV_STAGES = 1  # K/V tiles in shared memory at once (tc_fa2_kernel's kv_stages; 1: K_j, V_j in turn)
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False):
@@ -65,6 +66,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         # Every check of attention (shapes, dtypes, scale, tiles), on the packed problem.
         packed = _pack(q, kind, group)
         call = api._validate(packed, k_cache, v_cache, causal, scale, "fa2", block_m, block_n)
+        if call["regime"] != "ieee":
+            call["kv_stages"] = DECODE_KV_STAGES
         call["num_splits"] = check_num_splits(num_splits, "fa2")
         ctx = ArrayContext(kind, q)
         with ctx.on_device():

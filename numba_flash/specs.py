@@ -36,6 +36,7 @@ class KernelSpec:
     split_out: bool = False  # FA-2: writes float32 partials for the combine (num_splits > 1)
     permuted: bool = False  # CUDA cores: walks the K/V tiles in a given order (``kv_tile_order``)
     variant: object = None  # CUDA cores: a point of the ablation space (``kernels.forward.Variant``), not a named one
+    kv_stages: int = 1  # tensor-core FA-2: K/V tiles in shared memory at once (``tc_fa2_kernel``; decode's knob)
 
     @property
     def kv_outer(self) -> bool:
@@ -78,8 +79,9 @@ class KernelSpec:
             from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
 
             if self.algorithm == "fa2":
+                stages = {} if self.kv_stages == 1 else {"kv_stages": self.kv_stages}
                 return tc_fa2_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal,
-                                     self.ragged, self.split_out, self.register_cap)
+                                     self.ragged, self.split_out, self.register_cap, **stages)
             return tc_fa1_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal, self.register_cap)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
@@ -121,13 +123,14 @@ class KernelSpec:
 
 @functools.lru_cache(maxsize=1024)
 def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regime="ieee", ragged=False,
-                split_out=False, permuted=False, variant=None) -> KernelSpec:
+                split_out=False, permuted=False, variant=None, kv_stages=1) -> KernelSpec:
     """The launch specification of one configuration (tiles as the caller gives them; ``api``
     checks them). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
     rounded up to its copy width. ``ragged`` and ``split_out`` (FA-2 only): a valid key count
     per batch, and float32 partial outputs for the split-KV combine. ``permuted`` and
     ``variant`` (CUDA cores): a given K/V tile order, and a point of the ablation space
-    (``algorithm`` then names its loop order's family: fa1 for kv_outer, fa2 for q_outer)."""
+    (``algorithm`` then names its loop order's family: fa1 for kv_outer, fa2 for q_outer).
+    ``kv_stages`` (tensor-core FA-2 only, else 1): the K/V ring of ``tc_fa2_kernel``."""
     if variant is not None:
         from numba_flash.kernels.forward import FA1, FA2
 
@@ -139,10 +142,11 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
         from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout, tc_register_cap
 
         d = kernel_head_dim(regime, head_dim)
-        layout = tc_layout(regime, d, block_m, block_n)
+        stages = int(kv_stages) if algorithm == "fa2" else 1
+        layout = tc_layout(regime, d, block_m, block_n, stages)
         cap = tc_register_cap(regime, d, block_m, block_n)
         return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes,
-                          cap, ragged, split_out)
+                          cap, ragged, split_out, kv_stages=stages)
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
     threads, smem = threads_per_block(head_dim, block_m, block_n), smem_bytes(head_dim, block_m, block_n)

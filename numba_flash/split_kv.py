@@ -26,10 +26,10 @@ import math
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.kernels.combine import COMBINE_THREADS, combine_kernel
+from numba_flash.kernels.combine import COMBINE_THREADS, MAX_PARTIALS, combine_kernel
 from numba_flash.launch import device_array, launch, numba_launch
 
-MAX_SPLITS = 128
+MAX_SPLITS = MAX_PARTIALS  # the combine kernel holds a row's weights in shared memory
 MIN_TILES_PER_SPLIT = 4  # shorter walks do not pay for the partials and the second launch
 FILL = 0.75  # share of the GPU's resident blocks a grid must fill to run unsplit
 SM_SHARED_BYTES = 228 * 1024  # shared memory per SM on H100 / H200 (the blocks' share)

@@ -110,3 +110,51 @@ def test_decode_errors(kwargs, error, match):
 def test_decode_heads_must_divide():
     with pytest.raises(ValueError, match="multiple"):
         numba_flash.decode(np.ones((1, 3, 1, 8), np.float32), np.ones((1, 2, 5, 8), np.float32), np.ones((1, 2, 5, 8), np.float32))
+
+
+@pytest.mark.parametrize("kind", ["f16", "tf32"])
+def test_decode_kernel_knobs_change_no_bit(kind):
+    """The decode kernel's knobs (``tc_fa2_kernel``): K/V copies by row walks (``row_walk``,
+    ``tc_ops.row_walk_default``: on the GPU 32 copies per thread of a 16 x 64 tile at D = 128,
+    below the rule in the simulator's small tiles, so asked for here) and a ring of
+    ``kv_stages`` K/V tiles. Same products in the same order: the partials are bit for bit the
+    indexed one-stage kernel's, whatever the splits (full tiles walked, the tail tile indexed,
+    rings deeper than a split's range), and right (merged on the host, against float64)."""
+    from numba_flash import online
+    from numba_flash.kernels.jit import LOG2E
+    from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
+    from numba_flash.kernels.tc_ops import tc_layout
+    from numba_flash.launch import numba_launch
+
+    rng = np.random.default_rng(5)
+    B, group, D, n_max, BN = 2, 4, 32, 48, 16  # D = 32: each thread walks 2 (f16) or 4 (tf32) rows
+    lens = np.array([45, 32], np.int32)  # sequence 0: two full tiles and a tail of 13 keys
+    dtype = np.float16 if kind == "f16" else np.float32
+    q, k, v = (rng.standard_normal(shape).astype(dtype) for shape in [(B, 1, group, D), *[(B, 1, n_max, D)] * 2])
+    for b, n in enumerate(lens):
+        k[b, :, n:] = np.nan
+        v[b, :, n:] = np.nan
+    bits = [x.view(np.uint16) if kind == "f16" else x for x in (q, k, v)]
+    scale = 1 / np.sqrt(D)
+
+    def run(walk, stages, n_splits):
+        o = np.full((n_splits * B, 1, group, D), np.nan, np.float32)
+        lse = np.full((n_splits * B, 1, group), np.nan, np.float32)
+        kernel = tc_fa2_kernel(kind, D, 16, BN, False, True, True, None, walk, stages)
+        numba_launch(kernel, (B * n_splits,), 32, None,
+                     [*bits, o, lse, np.float32(scale * LOG2E), lens, np.int32(n_splits), np.int32(group)],
+                     shared_mem_bytes=tc_layout(kind, D, 16, BN, stages).smem_bytes)
+        return o, lse
+
+    for n_splits in (1, 2):
+        o0, l0 = run(False, 1, n_splits)
+        assert not np.isnan(o0).any() and not np.isnan(l0).any()
+        for walk, stages in ((True, 1), (True, 2), (False, 3)):
+            o1, l1 = run(walk, stages, n_splits)
+            assert np.array_equal(o0, o1) and np.array_equal(l0, l1), (walk, stages, n_splits)
+        for b, n in enumerate(lens):
+            o, _ = online.combine(o0[b::B, 0].astype(np.float64), l0[b::B, 0].astype(np.float64))
+            s = q[b, 0].astype(np.float64) @ k[b, 0, :n].astype(np.float64).T * scale
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            ref = p @ v[b, 0, :n].astype(np.float64) / p.sum(axis=1, keepdims=True)
+            assert rel_err(o, ref) < (2e-3 if kind == "f16" else 5e-3)

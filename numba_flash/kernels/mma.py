@@ -18,6 +18,11 @@ m16n8k8 (tf32)              A (16x8): a0 (g, t) a1 (g+8, t) a2 (g, t+4) a3 (g+8,
                             B (8x8): b0 (t, g) b1 (t+4, g); C/D as above
 ==========================  ==============================================================
 
+Copies (``cp.async``, 16 bytes each) are indexed (:func:`cp_async16`: the source element
+``src[b, h, n, d]``, zero-filled when not valid) or walked (:func:`row_address` once, then
+:func:`row_step` added per row, :func:`cp_async16_at`: no index arithmetic per copy; in the
+simulator an "address" is the row index).
+
 Loads from shared memory hide the lane addressing of ``ldmatrix``: :func:`ldsm_x4` reads the
 16x16 block at (row0, col0) of a row-major 16-bit matrix as four 8x8 matrices
 (rows 0-7 | 8-15) x (cols 0-7 | 8-15), in the order m0 = (0-7, 0-7), m1 = (8-15, 0-7),
@@ -196,6 +201,27 @@ if simulated():
         for e in range(4):
             dst[dst_i + e] = src[b, h, n, d + e] if valid else float32(0.0)
 
+    # Row walks (``tc_ops``' copy loop): an "address" is a row index here, and a row's step 1;
+    # on the GPU they are a byte address and the row stride in bytes. Kernels only add steps.
+    @device_jit
+    def row_address(src, b, h, n, d):
+        return n
+
+    @device_jit
+    def row_step(src):
+        return 1
+
+    @device_jit
+    def cp_async16_at(dst, dst_i, src, b, h, d, address):
+        """16 bytes (8 x 16-bit) of row ``address`` (a :func:`row_address`), columns d:d+8."""
+        for e in range(8):
+            dst[dst_i + e] = src[b, h, address, d + e]
+
+    @device_jit
+    def cp_async16_at_f32(dst, dst_i, src, b, h, d, address):
+        for e in range(4):
+            dst[dst_i + e] = src[b, h, address, d + e]
+
     @device_jit
     def cp_async_commit():
         pass
@@ -208,6 +234,15 @@ if simulated():
     def cp_async_wait_one():
         """All but the most recent committed group are complete."""
         pass
+
+    def cp_async_wait_group(n: int):
+        """A device function: all but the ``n`` most recent committed groups are complete."""
+
+        @device_jit
+        def wait():
+            pass
+
+        return wait
 
     # ----------------------------------------------------------------------------------------
     # mma.sync, through a shared scratch exchange
@@ -465,6 +500,33 @@ else:
 
         return sig, codegen
 
+    @intrinsic
+    def _global_address(typingctx, src, b, h, n, d):
+        sig = types.int64(src, b, h, n, d)
+
+        def codegen(context, builder, signature, args):
+            sty, *index_types = signature.args
+            return _global_addr(builder, _element_ptr(context, builder, sty, args[0], index_types, args[1:]))
+
+        return sig, codegen
+
+    @intrinsic
+    def _cp_async_cg16_at(typingctx, dst, dst_i, address):
+        sig = types.void(dst, dst_i, address)
+
+        def codegen(context, builder, signature, args):
+            dty, dity, aty = signature.args
+            dptr = _element_ptr(context, builder, dty, args[0], [dity], [args[1]])
+            src = context.cast(builder, args[2], aty, types.int64)
+            _asm(
+                builder, ir.VoidType(), [_I32, ir.IntType(64)],
+                "cp.async.cg.shared.global [$0], [$1], 16;", "r,l,~{memory}",
+                [_shared_addr(builder, dptr), src], side_effect=True,
+            )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
     def _asm_statement(text):
         @intrinsic
         def statement(typingctx):
@@ -495,6 +557,27 @@ else:
         _cp_async_cg16(dst, dst_i, src, b, h, n, d, valid)
 
     @device_jit
+    def row_address(src, b, h, n, d):
+        """The global address of ``src[b, h, n, d]``: the start of a row walk, advanced by
+        :func:`row_step` per row (one 64-bit add per copy instead of the element's full index)."""
+        return _global_address(src, b, h, n, d)
+
+    @device_jit
+    def row_step(src):
+        """Bytes from one row of ``src`` (B, H, N, D) to the next."""
+        return src.strides[2]
+
+    @device_jit
+    def cp_async16_at(dst, dst_i, src, b, h, d, address):
+        """16 bytes at global ``address`` (a :func:`row_address`; ``src``, ``b``, ``h``, ``d``
+        name it for the simulator) to ``dst[dst_i:]``, asynchronously, always read."""
+        _cp_async_cg16_at(dst, dst_i, address)
+
+    @device_jit
+    def cp_async16_at_f32(dst, dst_i, src, b, h, d, address):
+        _cp_async_cg16_at(dst, dst_i, address)
+
+    @device_jit
     def cp_async_commit():
         _commit()
 
@@ -506,6 +589,17 @@ else:
     def cp_async_wait_one():
         """All but the most recent committed group are complete."""
         _wait_one()
+
+    def cp_async_wait_group(n: int):
+        """A device function: all but the ``n`` most recent committed groups are complete
+        (``cp.async.wait_group n``: ``n`` is an immediate, so one function per ``n``)."""
+        statement = _asm_statement(f"cp.async.wait_group {int(n)};")
+
+        @device_jit
+        def wait():
+            statement()
+
+        return wait
 
     # ---------------------------------- mma.sync -------------------------------------------
 

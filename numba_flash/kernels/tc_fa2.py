@@ -4,7 +4,10 @@ The loop nest of ``fa2`` (grid over Q tiles x batch x heads; each block walks th
 O~, l, m on chip and rescales once at the end), with the tile steps of ``tc_ops``: products on
 ``mma.sync``, Q_i's fragments in registers for the whole walk, P~ kept in registers and
 converted to the input type for P~V. Copies are ``cp.async``, and overlap the products: V_j is
-in flight while S = Q_i K_j^T is computed, K_{j+1} while O~ += P~ V_j is.
+in flight while S = Q_i K_j^T is computed, K_{j+1} while O~ += P~ V_j is. Or, compiled with
+``kv_stages = S > 1`` (decode's knob, ``decoding.DECODE_KV_STAGES``), K/V tiles j+1 .. j+S-1
+are in flight in a ring of S shared tiles while tile j is used: more bytes in flight per block
+for the one-warp decode tiles, one barrier per tile.
 
 Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (layout.threads,)``, dynamic shared
 memory ``layout.smem_bytes``. Arguments: ``q (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)`` (16-bit bit
@@ -22,7 +25,7 @@ import functools
 
 from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mma
-from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, kernel_jit
+from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_jit
 from numba_flash.kernels.kv_split import split_of_block, split_tiles, valid_keys
 from numba_flash.kernels.row_reduce import scratch_floats as reduce_scratch_floats
 from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
@@ -30,21 +33,55 @@ from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
 @functools.lru_cache(maxsize=None)
 def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, ragged: bool = False,
-                  f32_out: bool = False, max_registers=None):
+                  f32_out: bool = False, max_registers=None, row_walk=None, kv_stages: int = 1):
     """The tensor-core FA-2 kernel for one specialisation (memoised); ``max_registers``: the
-    register cap (``tc_ops.tc_register_cap``, through the spec)."""
+    register cap (``tc_ops.tc_register_cap``, through the spec); ``row_walk``: the K/V copies'
+    loop (``tc_ops.row_walk_default`` when ``None``); ``kv_stages``: 1 (K_j and V_j in flight
+    in turn) or a ring of that many K/V tiles (launch with ``tc_layout(..., kv_stages)``'s
+    shared memory). Both are decode's knobs (scripts/decode_sweep.py tries them)."""
     CAUSAL, RAGGED, F32_OUT = bool(causal), bool(ragged), bool(f32_out)
-    ops = tc_ops(kind, head_dim, block_m, block_n)
+    ops = tc_ops(kind, head_dim, block_m, block_n, row_walk)
     L = ops.layout
     BM, BN, D = block_m, block_n, head_dim
     TM, NS, DT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles
     QF_ROWS, QF_SMALL = ops.q_frag_rows, ops.q_small_rows  # Q_i fragments kept in registers
     Q_ELEMS, KV_ELEMS = L.q_elems, L.kv_elems
+    STAGES = int(kv_stages)
+    if STAGES < 1:
+        raise ValueError(f"kv_stages must be >= 1; got {kv_stages}")
+    wait_ring = mma.cp_async_wait_group(max(STAGES - 2, 0))  # tile j's group: STAGES - 2 committed after it
     SMEM_TYPE = mma.uint16 if L.elem_bytes == 2 else float32
     MMA_SCRATCH = mma.scratch_floats(L.threads)
     ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
 
     cap = {"max_registers": max_registers} if max_registers else {}
+
+    @device_jit
+    def online_softmax(s, q_scale, col0, last_keys, first_row_last_key, m, l_part, acc, tile_max, m_ref, row_sums,
+                       rscratch):
+        """Lines 9-10 but P~V: S in log2 units and masked; m^(j) = max(m^(j-1), rowmax(S));
+        O~ and l rescaled where the max moved; P~ = exp(S - m^(j)) in place; l += rowsum(P~)."""
+        masked = ops.tile_needs_mask(col0, first_row_last_key)
+        ops.scale_mask(s, q_scale, col0, last_keys, masked)
+        ops.row_max(s, tile_max, rscratch)
+        for i in range(TM):
+            m_new = ops.nan_max(m[i], tile_max[i])
+            m_ref[i] = ops.finite_or_zero(m_new)
+            if m_new != m[i]:  # alpha == 1 when the max did not move: nothing to rescale
+                alpha = ops.exp2_diff(m[i], m_ref[i])  # e^{m^(j-1) - m^(j)}
+                l_part[i] *= alpha
+                ops.rescale_row(acc, i, alpha)  # Line 10: diag(e^{m^(j-1) - m^(j)}) O~^(j-1)
+            m[i] = m_new
+        ops.exp_scores(s, m_ref, row_sums)
+        for i in range(TM):
+            l_part[i] += row_sums[i]
+
+    @device_jit
+    def load_kv_stage(k, v, b, hk, tile, n_k, smem, stage):
+        """K and V of K/V tile ``tile`` into ring stage ``stage`` (asynchronous)."""
+        base = Q_ELEMS + 2 * KV_ELEMS * stage
+        ops.load_kv_tile(k, b, hk, tile * BN, n_k, smem[base : base + KV_ELEMS])
+        ops.load_kv_tile(v, b, hk, tile * BN, n_k, smem[base + KV_ELEMS : base + 2 * KV_ELEMS])
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
     def tc_fa2_forward(q, k, v, o, lse, q_scale, seqlens, n_splits, rows_per_query):
@@ -95,51 +132,61 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         n_visible = min(n_kv_tiles, tile_last_key // BN + 1) if tile_last_key >= 0 else 0
         first, end = split_tiles(n_visible, n_splits, split)
 
-        # Line 4: load Q_i (and K_first) into shared memory.
-        ops.load_q_tile(q, b, h, row0, n_q, q_s)
-        if end > first:
-            ops.load_kv_tile(k, b, hk, first * BN, n_k, k_s)
-        ops.commit()
+        if STAGES == 1:
+            # Line 4: load Q_i (and K_first) into shared memory.
+            ops.load_q_tile(q, b, h, row0, n_q, q_s)
+            if end > first:
+                ops.load_kv_tile(k, b, hk, first * BN, n_k, k_s)
+            ops.commit()
+        else:  # Q_i and the first STAGES - 1 tiles, a commit group each (Q_i's with the first)
+            ops.load_q_tile(q, b, h, row0, n_q, q_s)
+            for t in range(STAGES - 1):
+                if first + t < end:
+                    load_kv_stage(k, v, b, hk, first + t, n_k, smem, t)
+                ops.commit()
         # Line 5: O~ = 0, l = 0, m = -inf, on chip.
         ops.zero(acc)
         for i in range(TM):
             m[i] = float32(NEG_INF)
             l_part[i] = float32(0.0)
 
-        for j in range(first, end):  # Line 6: for 1 <= j <= Tc
-            col0 = j * BN
-            cuda.syncthreads()  # everyone is done reading V_{j-1}
-            ops.load_kv_tile(v, b, hk, col0, n_k, v_s)  # Line 7 (V_j, in flight during S)
-            ops.commit()
-            ops.wait_one()  # this thread's copies of Q_i and K_j have landed
-            cuda.syncthreads()  # ... and everyone's
-            if j == first:
-                ops.load_q_frags(q_s, qf, qf_small)
-            ops.score_tile(qf, qf_small, q_s, k_s, s, scratch)  # Line 8: S = Q_i K_j^T
-            masked = ops.tile_needs_mask(col0, first_row_last_key)
-            ops.scale_mask(s, q_scale, col0, last_keys, masked)
-            # Line 9: m^(j) = max(m^(j-1), rowmax(S)); P~ = exp(S - m^(j)); l^(j) = ... + rowsum(P~).
-            ops.row_max(s, tile_max, rscratch)
-            for i in range(TM):
-                m_new = ops.nan_max(m[i], tile_max[i])
-                m_ref[i] = ops.finite_or_zero(m_new)
-                if m_new != m[i]:  # alpha == 1 when the max did not move: nothing to rescale
-                    alpha = ops.exp2_diff(m[i], m_ref[i])  # e^{m^(j-1) - m^(j)}
-                    l_part[i] *= alpha
-                    ops.rescale_row(acc, i, alpha)  # Line 10: diag(e^{m^(j-1) - m^(j)}) O~^(j-1)
-                m[i] = m_new
-            ops.exp_scores(s, m_ref, row_sums)
-            for i in range(TM):
-                l_part[i] += row_sums[i]
-            cuda.syncthreads()  # everyone is done reading K_j
-            if j + 1 < end:
-                ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight during P~V
+        if STAGES == 1:
+            for j in range(first, end):  # Line 6: for 1 <= j <= Tc
+                col0 = j * BN
+                cuda.syncthreads()  # everyone is done reading V_{j-1}
+                ops.load_kv_tile(v, b, hk, col0, n_k, v_s)  # Line 7 (V_j, in flight during S)
                 ops.commit()
-                ops.wait_one()  # V_j has landed
-            else:
-                ops.wait_all()
-            cuda.syncthreads()  # V_j is visible to everyone
-            ops.pv_tile(s, v_s, acc, scratch)  # Line 10: O~ += P~ V_j
+                ops.wait_one()  # this thread's copies of Q_i and K_j have landed
+                cuda.syncthreads()  # ... and everyone's
+                if j == first:
+                    ops.load_q_frags(q_s, qf, qf_small)
+                ops.score_tile(qf, qf_small, q_s, k_s, s, scratch)  # Line 8: S = Q_i K_j^T
+                online_softmax(s, q_scale, col0, last_keys, first_row_last_key, m, l_part, acc, tile_max, m_ref,
+                               row_sums, rscratch)  # Lines 9-10
+                cuda.syncthreads()  # everyone is done reading K_j
+                if j + 1 < end:
+                    ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight during P~V
+                    ops.commit()
+                    ops.wait_one()  # V_j has landed
+                else:
+                    ops.wait_all()
+                cuda.syncthreads()  # V_j is visible to everyone
+                ops.pv_tile(s, v_s, acc, scratch)  # Line 10: O~ += P~ V_j
+        else:
+            for j in range(first, end):  # Line 6, over a ring of STAGES tiles
+                stage = (j - first) % STAGES
+                wait_ring()  # this thread's copies of tile j (and Q_i) have landed
+                cuda.syncthreads()  # ... and everyone's; and everyone is done with tile j - 1
+                if j + STAGES - 1 < end:  # Line 7, STAGES - 1 tiles ahead, into tile j - 1's stage
+                    load_kv_stage(k, v, b, hk, j + STAGES - 1, n_k, smem, (stage + STAGES - 1) % STAGES)
+                ops.commit()  # a group per tile, empty past the end: the wait above counts groups
+                base = Q_ELEMS + 2 * KV_ELEMS * stage
+                if j == first:
+                    ops.load_q_frags(q_s, qf, qf_small)
+                ops.score_tile(qf, qf_small, q_s, smem[base : base + KV_ELEMS], s, scratch)  # Line 8
+                online_softmax(s, q_scale, j * BN, last_keys, first_row_last_key, m, l_part, acc, tile_max, m_ref,
+                               row_sums, rscratch)  # Lines 9-10
+                ops.pv_tile(s, smem[base + KV_ELEMS : base + 2 * KV_ELEMS], acc, scratch)  # Line 10
         ops.wait_all()  # no copy outlives the block (an empty range: Q_i's)
 
         ops.allreduce_sum(l_part, rscratch)  # l of each row: the sum of its four lanes' parts

@@ -71,6 +71,7 @@ class TcLayout:
     chunk: int  # elements per 16-byte cp.async copy
     score_tiles: int  # 8-wide key tiles of S: block_n / 8
     out_tiles: int  # 8-wide head-dim tiles of O: DP / 8
+    kv_stages: int = 1  # FA-2: K/V tiles in shared memory at once (``tc_fa2``: 1, or a ring)
 
     @property
     def q_elems(self) -> int:
@@ -82,12 +83,12 @@ class TcLayout:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of one block: Q_i, K_j, V_j."""
-        return (self.q_elems + 2 * self.kv_elems) * self.elem_bytes
+        """Dynamic shared memory of one block: Q_i, and K_j, V_j of each stage."""
+        return (self.q_elems + 2 * self.kv_stages * self.kv_elems) * self.elem_bytes
 
 
 @functools.lru_cache(maxsize=None)
-def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int) -> TcLayout:
+def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: int = 1) -> TcLayout:
     sixteen = kind in mma.HALF_KINDS
     elem = 2 if sixteen else 4
     dp = -(-head_dim // 16) * 16
@@ -105,6 +106,7 @@ def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int) -> TcLayout:
         chunk=16 // elem,
         score_tiles=block_n // 8,
         out_tiles=dp // 8,
+        kv_stages=kv_stages,
     )
 
 
@@ -156,10 +158,25 @@ def tc_register_cap(kind: str, head_dim: int, block_m: int, block_n: int) -> int
     return None
 
 
-@functools.lru_cache(maxsize=None)
-def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
-    """Device functions for one (kind, head_dim, block_m, block_n) specialisation (memoised)."""
+ROW_WALK_MIN_COPIES = 16  # 16-byte copies per thread and K/V tile from which the loader walks rows
+
+
+def row_walk_default(kind: str, head_dim: int, block_m: int, block_n: int) -> bool:
+    """Do the K/V copies walk rows (``tc_ops``' loader)? Yes when a thread makes at least
+    ``ROW_WALK_MIN_COPIES`` copies per tile: the one-warp decode tiles (16 x 64 at D = 128: 32
+    copies, which ptxas leaves in a loop of ~54 instructions per copy when indexed). The
+    multi-warp forward tiles make 4 copies, which ptxas unrolls and folds; there the walk's
+    64-bit addresses cost registers (f16 D = 128 64 x 32: 163 -> 235, 3 -> 2 blocks per SM)."""
     L = tc_layout(kind, head_dim, block_m, block_n)
+    return L.block_n * (L.padded_dim // L.chunk) >= ROW_WALK_MIN_COPIES * L.threads
+
+
+@functools.lru_cache(maxsize=None)
+def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None) -> ModuleType:
+    """Device functions for one (kind, head_dim, block_m, block_n) specialisation (memoised);
+    ``row_walk``: the copies of full K/V tiles walk rows (``None``: :func:`row_walk_default`)."""
+    L = tc_layout(kind, head_dim, block_m, block_n)
+    ROW_WALK = row_walk_default(kind, head_dim, block_m, block_n) if row_walk is None else bool(row_walk)
     D, BM, BN, DP, S = head_dim, block_m, block_n, L.padded_dim, L.stride
     NT, NS, DT, CH = L.threads, L.score_tiles, L.out_tiles, L.chunk
     TM = ROWS_PER_THREAD
@@ -176,15 +193,24 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
     CHUNKS_PER_ROW = DP // CH
     if SIXTEEN:
         MMA, PACK, BITS = mma.MMA_16[kind], mma.PACK_16[kind], mma.BITS_16[kind]
-        copy16 = mma.cp_async16
+        copy16, copy_at = mma.cp_async16, mma.cp_async16_at
     else:
         MMA = mma.mma_tf32
-        copy16 = mma.cp_async16_f32
+        copy16, copy_at = mma.cp_async16_f32, mma.cp_async16_at_f32
     to_tf32, tf32_value = mma.to_tf32, mma.tf32_value
 
     def make_loader(tile_rows):
         COPIES = -(-tile_rows * CHUNKS_PER_ROW // NT)  # copies per thread
         EXACT = tile_rows * CHUNKS_PER_ROW % NT == 0
+        # A row walk: when the block's threads cover whole rows (NT a multiple of the chunks per
+        # row), thread ``tid`` copies the same 16-byte column of rows tid // CHUNKS_PER_ROW +
+        # n * ROW_STEP, so the address of its next copy is the last one plus a constant: one
+        # 64-bit add per copy, where the indexed copy spends ~50 instructions on a 64-bit signed
+        # division, clamps and the element's full index (SASS of the 16 x 64 decode tile at D
+        # = 128: 215 instructions per 4 LDGSTS). Full tiles only: every row valid, D == DP.
+        WALK = ROW_WALK and D == DP and NT % CHUNKS_PER_ROW == 0 and tile_rows % (NT // CHUNKS_PER_ROW) == 0
+        ROW_STEP = NT // CHUNKS_PER_ROW if WALK else 1
+        WALK_COPIES = tile_rows // ROW_STEP
 
         @device_jit
         def load(x, b, h, first, n_valid, x_s):
@@ -192,6 +218,15 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
             rows at or past ``n_valid`` and columns past D are zero. Consecutive threads copy
             consecutive 16-byte chunks of a row (coalesced). Asynchronous: commit and wait."""
             tid = cuda.threadIdx.x
+            if WALK and first + tile_rows <= n_valid:  # a full tile: the row walk
+                r = tid // CHUNKS_PER_ROW
+                d = (tid - r * CHUNKS_PER_ROW) * CH
+                address = mma.row_address(x, b, h, first + r, d)
+                step = mma.row_step(x) * ROW_STEP
+                for n in range(WALK_COPIES):
+                    copy_at(x_s, (r + ROW_STEP * n) * S + d, x, b, h, d, address)
+                    address += step
+                return
             for n in range(COPIES):
                 c = tid + NT * n
                 if EXACT or c < tile_rows * CHUNKS_PER_ROW:
@@ -444,6 +479,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int) -> ModuleType:
 
     ops = ModuleType(f"numba_flash.kernels.tc_ops_{kind}_d{D}_m{BM}_n{BN}")
     ops.layout = L
+    ops.row_walk = ROW_WALK
     ops.q_frag_rows = Q_FRAG_ROWS  # rows of the kernel's qf / qf_small arrays
     ops.q_small_rows = Q_FRAG_ROWS if SPLIT else 1
     for name, func in dict(
