@@ -8,7 +8,11 @@ the GPU idle, into a count that fills whole waves); the rules are ours, fitted t
 launch measured on the H200 (``docs/results.md``, section 8):
 
 - ``blocks`` unsplit blocks already fill 75% of the GPU's resident blocks (``slots`` = SMs x
-  blocks per SM): one split (the partials' traffic and the combine's launch would buy nothing);
+  blocks per SM, counting at most ``MAX_SLOTS_PER_SM`` = 2 per SM, as ``flash_api.cpp`` passes
+  ``multiProcessorCount * 2``; measured on the H200, 2026-11-30: decoding B1 Hkv8 131072 keys
+  with 32 splits (1.94 one-warp blocks per SM) 0.1475 ms against 63 (3.8 per SM, 75% of the 5
+  that fit) 0.1548, and 1.036 ms against 1.056 at 1M keys: more concurrent K/V streams per SM
+  only lengthen the combine): one split (the partials' traffic and the combine's launch would buy nothing);
 - fewer than ``2 * MIN_TILES_PER_SPLIT`` K/V tiles: one split (a split must walk at least
   ``MIN_TILES_PER_SPLIT`` tiles to pay for its partial);
 - else the fewest splits that fill 75% of the slots (``s0``), or a few more: the first ``s`` in
@@ -32,6 +36,7 @@ from numba_flash.launch import device_array, launch, numba_launch
 MAX_SPLITS = MAX_PARTIALS  # the combine kernel holds a row's weights in shared memory
 MIN_TILES_PER_SPLIT = 4  # shorter walks do not pay for the partials and the second launch
 FILL = 0.75  # share of the GPU's resident blocks a grid must fill to run unsplit
+MAX_SLOTS_PER_SM = 2  # resident blocks per SM the heuristic counts (FlashAttention's 2 x SMs)
 SM_SHARED_BYTES = 228 * 1024  # shared memory per SM on H100 / H200 (the blocks' share)
 
 
@@ -52,7 +57,7 @@ def check_num_splits(num_splits, algorithm: str):
 def num_splits_heuristic(blocks: int, sms: int, resident: int, kv_tiles: int, max_splits: int = MAX_SPLITS) -> int:
     """Splits for a grid of ``blocks`` unsplit blocks on ``sms`` SMs holding ``resident`` blocks
     each, ``kv_tiles`` K/V tiles per row walk (the rules: the module doc)."""
-    slots = sms * resident
+    slots = sms * min(resident, MAX_SLOTS_PER_SM)
     if blocks >= FILL * slots or kv_tiles < 2 * MIN_TILES_PER_SPLIT:
         return 1
     limit = max(1, min(max_splits, kv_tiles // MIN_TILES_PER_SPLIT))
