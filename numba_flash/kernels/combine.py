@@ -105,10 +105,12 @@ def combine_kernel(bits: str | None = None, cols: int = COMBINE_COLS, groups: in
             d = d0 + c
             acc = float32(0.0)
             if total != NEG_INF and d < dim:
+                # Unconditional loads, so ptxas can keep several in flight (a load under
+                # ``if w != 0`` waited for the one before it: ~0.25 us per split on the H200,
+                # 9.7 us at 32 splits). Every split writes its partial, an empty one O = 0 and
+                # weight 0, so the product is the one the skip gave.
                 for s in range(g, n_splits, NG):
-                    w = weights[s]
-                    if w != 0:  # an empty partial's O is 0 anyway; skip its read
-                        acc += w * o_parts[s * batch + b, h, i, d]
+                    acc += weights[s] * o_parts[s * batch + b, h, i, d]
             sums[g, c] = acc
             cuda.syncthreads()
             if g == 0 and d < dim:
