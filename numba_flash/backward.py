@@ -72,10 +72,13 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
     return gradients(do, q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic)
 
 
-def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None):
+def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,
+              tiles=None):
     """:func:`attention_backward` with the regime chosen by ``precision`` (:func:`backward_regime`):
     ``None`` (the public default: tensor cores for float16 and bfloat16) or ``"ieee"`` (CUDA
-    cores for any dtype: the research baseline, and the kernels the tests compare against)."""
+    cores for any dtype: the research baseline, and the kernels the tests compare against).
+    ``tiles``: ``(block_m, block_n)`` of the tensor-core kernels (queries per Q tile, keys per
+    K/V tile; default :func:`backward_tc_tiles`), for sweeps."""
     from numba_flash import api
 
     do, q, k, v, o, lse = (as_cupy_view(x) for x in (do, q, k, v, o, lse))
@@ -101,7 +104,7 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
         if regime == "ieee":
             _run(ctx, call, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv)
         else:
-            _run_tc(ctx, call, regime, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv)
+            _run_tc(ctx, call, regime, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, tiles)
     return dq, dk, dv
 
 
@@ -145,15 +148,14 @@ def _run(ctx, call, algorithm, deterministic, inputs, grads, Hkv) -> None:
         dv[...] = _narrow(dv_k, dv, ctx.kind)
 
 
-def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv) -> None:
+def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles=None) -> None:
     """The tensor-core kernels (``kernels.tc_bwd``) on 16-bit inputs: FA-2 D = rowsum(dO * O)
     first, then dK/dV with dQ by atomics (or dQ by its own kernel when ``deterministic``), or
     FA-1 in one kernel; dK, dV written by the kernel in the inputs' dtype, dQ summed in float32."""
     import contextlib
 
-    from numba_flash.arrays import ArrayContext
     from numba_flash.kernels.tc_bwd import (
-        ROWDOT_THREADS, check_tc_bwd_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout, tc_rowdot_kernel,
+        ROWDOT_THREADS, check_tc_bwd_tiles, dq_kernel_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout, tc_rowdot_kernel,
     )
     from numba_flash.kernels.tc_ops import kernel_head_dim
     from numba_flash.launch import numba_launch
@@ -162,7 +164,7 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv) -> No
     B, H, Nq, D = call["q_shape"]
     Nk = call["n_k"]
     dim = kernel_head_dim(kind, D)
-    block_m, block_n = backward_tc_tiles(dim)
+    block_m, block_n = backward_tc_tiles(dim) if tiles is None else tiles
     check_tc_bwd_tiles(kind, dim, block_m, block_n)
     do, q, k, v, o, lse = inputs
     dq, dk, dv = grads
@@ -190,8 +192,9 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv) -> No
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
                          ("out", dq_b), ("out", dk_b), ("out", dv_b), scale), shared_mem_bytes=layout.smem_bytes)
         if deterministic and algorithm == "fa2":
-            dq_layout = tc_bwd_layout("dq", kind, dim, block_m, block_n)
-            numba_launch(tc_bwd_dq_kernel(kind, dim, block_m, block_n, call["causal"]), (-(-Nq // block_m) * B * H,),
+            dq_m, dq_n = dq_kernel_tiles(block_m, block_n)
+            dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
+            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, call["causal"]), (-(-Nq // dq_m) * B * H,),
                          dq_layout.threads, stream,
                          dev(("in", kq), ("in", kk), ("in", kv), ("in", kdo), ("in", lse_b), ("in", dvec_b), ("out", dq_b),
                              scale), shared_mem_bytes=dq_layout.smem_bytes)

@@ -228,10 +228,10 @@ if simulated():
         smem[i + 1] = (int(bits) >> 16) & 0xFFFF
 
     @device_jit
-    def red_add_f32x2(x, b, h, n, d, v0, v1):
-        """``x[b, h, n, d] += v0`` and ``x[b, h, n, d + 1] += v1``, atomically (float32)."""
-        cuda.atomic.add(x, (b, h, n, d), v0)
-        cuda.atomic.add(x, (b, h, n, d + 1), v1)
+    def red_add_f32x2(x, n, d, v0, v1):
+        """``x[n, d] += v0`` and ``x[n, d + 1] += v1``, atomically (float32, 2-D)."""
+        cuda.atomic.add(x, (n, d), v0)
+        cuda.atomic.add(x, (n, d + 1), v1)
 
     # ----------------------------------------------------------------------------------------
     # mma.sync, through a shared scratch exchange
@@ -566,14 +566,14 @@ else:
         return sig, codegen
 
     @intrinsic
-    def _red_add_v2(typingctx, x, b, h, n, d, v0, v1):
-        sig = types.void(x, b, h, n, d, types.float32, types.float32)
+    def _red_add_v2(typingctx, x, n, d, v0, v1):
+        sig = types.void(x, n, d, types.float32, types.float32)
 
         def codegen(context, builder, signature, args):
-            xty, bt, ht, nt, dt = signature.args[:5]
-            ptr = _element_ptr(context, builder, xty, args[0], [bt, ht, nt, dt], args[1:5])
+            xty, nt, dt = signature.args[:3]
+            ptr = _element_ptr(context, builder, xty, args[0], [nt, dt], args[1:3])
             _asm(builder, ir.VoidType(), [ir.IntType(64), _F32, _F32], "red.global.add.v2.f32 [$0], {$1, $2};",
-                 "l,f,f,~{memory}", [_global_addr(builder, ptr), args[5], args[6]], side_effect=True)
+                 "l,f,f,~{memory}", [_global_addr(builder, ptr), args[3], args[4]], side_effect=True)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -595,10 +595,11 @@ else:
         _st_shared_b32(smem, i, bits)
 
     @device_jit
-    def red_add_f32x2(x, b, h, n, d, v0, v1):
-        """``x[b, h, n, d:d + 2] += (v0, v1)`` atomically, one ``red.global.add.v2.f32`` (sm_90;
-        ``x`` float32 in global memory, the address 8-byte aligned: ``d`` and the row stride even)."""
-        _red_add_v2(x, b, h, n, d, v0, v1)
+    def red_add_f32x2(x, n, d, v0, v1):
+        """``x[n, d:d + 2] += (v0, v1)`` atomically, one ``red.global.add.v2.f32`` (sm_90; ``x``
+        a 2-D float32 array in global memory, e.g. ``dq[b, h]``; the address 8-byte aligned:
+        ``d`` and the row stride even)."""
+        _red_add_v2(x, n, d, v0, v1)
 
     # ---------------------------------- mma.sync -------------------------------------------
 

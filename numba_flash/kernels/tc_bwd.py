@@ -28,8 +28,8 @@ dQ_i += dS K_j      the sum over keys spans the warps, so dS^T goes to shared me
 ==================  ===========================================================================
 
 This is FlashAttention-2's choice (dV, dK from P^T, dS^T in registers; dQ through shared memory
-and atomics). ``block_m`` must be a multiple of ``block_n`` (each warp the same number of
-16-query groups in dQ).
+and atomics). In dQ the warps take whole 16-query groups, or, when there are fewer groups than
+warps (``block_m < block_n``), split a group's 16-column chunks of D.
 
 **Kernels.** ``"fa2"`` (:func:`tc_bwd_kernel`): one block per (K/V tile, batch, KV head), D_i =
 rowsum(dO_i O_i) computed before by :func:`tc_rowdot_kernel`, dQ by float32 atomics into a
@@ -58,6 +58,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
@@ -110,11 +111,13 @@ class TcBwdLayout:
 
     @property
     def a_in_regs(self) -> bool:
-        """Does a warp keep the A fragments of its own rows (K_j, V_j; the dQ kernel: Q_i, dO_i)
-        in registers for the whole walk? Up to D = 64 (16 + 16 registers); above, they are read
-        by ``ldmatrix`` at every product (one per 16-wide step of D, against ``block_m / 16``
-        for the B operand), which leaves the registers to dK_j and dV_j (64 + 64 at D = 128)."""
-        return self.padded_dim <= A_IN_REGS_MAX_DIM
+        """Does a warp keep the A fragments of its own rows in registers for the whole walk?
+        The dQ kernel (Q_i, dO_i) up to D = 64 (16 + 16 registers); above, and in the K/V
+        kernels (K_j, V_j) always, they are read by ``ldmatrix`` at every product (one per
+        16-wide step of D, against ``block_m / 16`` for the B operand): the registers go to
+        dK_j, dV_j (ptxas for sm_90, offline: with K_j, V_j in registers the D = 64 FA-2
+        kernel spilled at 255 registers; without, 235 and none)."""
+        return self.kernel == "dq" and self.padded_dim <= A_IN_REGS_MAX_DIM
 
     def tiles(self) -> list[tuple[str, int]]:
         """(name, elements) of the shared tiles in order."""
@@ -157,25 +160,39 @@ def tc_bwd_layout(kernel: str, kind: str, head_dim: int, block_m: int, block_n: 
     return TcBwdLayout(kernel, kind, int(head_dim), int(block_m), int(block_n))
 
 
+def dq_kernel_tiles(block_m: int, block_n: int) -> tuple[int, int]:
+    """(block_m, block_n) of the deterministic dQ kernel for the K/V kernels' tiles: the same Q
+    tile, K/V tiles of at most 64 keys (its S and dP hold ``block_n / 2`` floats per thread
+    each; at 128 keys and D = 64 it spilled 100 bytes, offline)."""
+    return block_m, min(block_n, 64)
+
+
 def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int) -> None:
     """``ValueError`` naming the argument when the backward kernels cannot run these tiles."""
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(value, bool) or value not in BLOCK_CHOICES:
             raise ValueError(f"{name}={value!r}: the tensor-core backward needs one of {list(BLOCK_CHOICES)}")
-    if block_m % block_n:
-        raise ValueError(f"block_m={block_m} must be a multiple of block_n={block_n} (dQ: 16-query groups per warp)")
     for kernel in KERNELS:
-        need = tc_bwd_layout(kernel, kind, head_dim, block_m, block_n).smem_bytes
+        tiles = dq_kernel_tiles(block_m, block_n) if kernel == "dq" else (block_m, block_n)
+        need = tc_bwd_layout(kernel, kind, head_dim, *tiles).smem_bytes
         if need > SMEM_OPTIN_LIMIT:
             raise ValueError(f"block_m={block_m}, block_n={block_n} at head_dim={head_dim}: the {kernel} kernel needs "
                              f"{need} bytes of shared memory, more than the {SMEM_OPTIN_LIMIT} a block can have")
 
 
 def default_tc_bwd_tiles(head_dim: int) -> tuple[int, int]:
-    """(block_m, block_n) of the tensor-core backward on an sm_90 GPU: 64 x 64 (4 warps of 16
-    keys; 64-query steps). Unmeasured: chosen offline by registers and shared memory
-    (docs/performance-log.md, "Backward on tensor cores")."""
-    return (64, 64)
+    """(block_m, block_n) of the tensor-core backward on an sm_90 GPU: 64 queries per Q tile,
+    128 keys per K/V tile (8 warps of 16 keys), FlashAttention-2's shape for its sm80 D = 128
+    backward. Chosen offline, unmeasured (docs/performance-log.md, "Backward on tensor cores"):
+    ptxas for sm_90 gives the FA-2 kernel 254 registers at D = 64 and 248 at D = 128 with no
+    spills, one block of 8 warps per SM; 64 x 64 (4 warps, two blocks per SM: also 8 warps) has
+    no spills either but twice the dQ atomics and the L2 reads of Q_i, dO_i.
+    ``NUMBA_FLASH_TC_BWD_TILES="MxN"`` overrides (an experiment knob for sweeps on a GPU)."""
+    env = os.environ.get("NUMBA_FLASH_TC_BWD_TILES")
+    if env:
+        m, n = env.lower().split("x")
+        return int(m), int(n)
+    return (64, 128)
 
 
 # ------------------------------------------------------------------------------------------
@@ -228,6 +245,46 @@ def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_r
 
 
 @functools.lru_cache(maxsize=None)
+def _row_loader(head_dim: int, rows: int, threads: int):
+    """``load(x, b, h, first, n_valid, x_s)``: rows ``first ..`` of ``x[b, h]`` (16-bit, D =
+    ``head_dim`` a multiple of 8) -> ``x_s`` (``rows`` x D_pad, row stride D_pad + 8) by 16-byte
+    ``cp.async`` copies, consecutive threads on consecutive chunks of a row; rows at or past
+    ``n_valid`` and columns past D zero-filled. ``tc_ops``' loader, with the chunk's row and
+    column by shift and mask when a row has a power-of-two number of chunks (D = 64: 8,
+    D = 128: 16): the loop-invariant index arithmetic of the copies is then cheap enough for
+    ptxas to recompute instead of keeping (or spilling) it across the step. The caller commits."""
+    D, NT = head_dim, threads
+    DP = -(-D // 16) * 16
+    S, CPR = DP + 8, DP // 8
+    COPIES = -(-rows * CPR // NT)
+    EXACT = rows * CPR % NT == 0
+    POW2 = CPR & (CPR - 1) == 0
+    SHIFT = CPR.bit_length() - 1
+    FULL = DP == D  # no padded columns to zero-fill
+
+    @device_jit
+    def load(x, b, h, first, n_valid, x_s):
+        tid = cuda.threadIdx.x
+        last = n_valid - 1
+        for n in range(COPIES):
+            c = tid + NT * n
+            if EXACT or c < rows * CPR:
+                if POW2:
+                    r = c >> SHIFT
+                    d = (c & (CPR - 1)) << 3
+                else:
+                    r = c // CPR
+                    d = (c - r * CPR) * 8
+                row = first + r
+                if FULL:
+                    mma.cp_async16(x_s, r * S + d, x, b, h, min(row, last), d, row < n_valid)
+                else:  # an invalid copy reads nothing, but its source address must be in bounds
+                    mma.cp_async16(x_s, r * S + d, x, b, h, min(row, last), min(d, D - 8), row < n_valid and d < D)
+
+    return load
+
+
+@functools.lru_cache(maxsize=None)
 def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, causal: bool,
                   compute_dq: bool = True):
     """The dK/dV (and dQ) kernel of one loop order on tensor cores (memoised).
@@ -263,6 +320,10 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     O0_TILE, O1_TILE = (shared_tile(lay.offset(n), lay.elems(n)) for n in (("o0", "o1") if FA1 else ("q0", "q1")))
     STATS = lay.stat_floats
     MMA_SCRATCH = mma.scratch_floats(NT)
+    load_kv_rows, load_q_rows = _row_loader(D, BN, NT), _row_loader(D, BM, NT)
+    GROUPS_PER_WARP = max(1, QG // WARPS)  # dQ: 16-query groups per warp
+    SPLIT = max(1, WARPS // QG)  # dQ: warps sharing a group (they split its 16-column chunks of D)
+    CHUNKS_PER_WARP = -(-(DT // 2) // SPLIT)
 
     @device_jit
     def key_bounds(col0, n_q, n_k, first_q):
@@ -317,10 +378,10 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     @device_jit
     def load_step(q, do, o, b, h, row0, n_q, q_s, do_s, o_s):
         """Q_i, dO_i (FA-1: O_i) of one step -> shared memory, asynchronously (the caller commits)."""
-        ops.load_kv_tile(q, b, h, row0, n_q, q_s)
-        ops.load_kv_tile(do, b, h, row0, n_q, do_s)
+        load_q_rows(q, b, h, row0, n_q, q_s)
+        load_q_rows(do, b, h, row0, n_q, do_s)
         if FA1:
-            ops.load_kv_tile(o, b, h, row0, n_q, o_s)
+            load_q_rows(o, b, h, row0, n_q, o_s)
 
     @device_jit
     def probs_t(s, dp, stats, base, q_scale, masked, first_q, row0):
@@ -350,39 +411,45 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
 
     @device_jit
     def dq_tile(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch):
-        """dQ_i += scale dS K_j (FA-2 line 15 by atomics; Alg. 4 line 21 read and written back):
-        warp w takes the 16-query groups w, w + warps, ..; A = dS from dS^T by ldmatrix.trans,
-        B = K_j by ldmatrix.trans, 16 columns of D at a time (8 accumulators)."""
+        """dQ_i += scale dS K_j (FA-2 line 15 by atomics; Alg. 4 line 21 read and written back),
+        16 columns of D at a time (8 accumulators): A = dS from dS^T by ldmatrix.trans, B = K_j
+        by ldmatrix.trans. The work: 16-query groups x 16-column chunks of D; with at least as
+        many groups as warps, warp w takes groups w, w + warps, .. whole; with fewer, the warps
+        of a group split its chunks (a chunk past D, when they do not divide evenly, is
+        computed on a clamped chunk and not written: every warp makes the same products)."""
         lane = cuda.threadIdx.x & 31
         g, t = lane >> 2, lane & 3
-        af = cuda.local.array((KN, 4), mma.uint32)
+        w = cuda.threadIdx.x >> 5
+        dq_h = dq[b, h]  # (Nq, D): two indices per element instead of four
         acc = cuda.local.array((2, 4), float32)
-        for qg in range(cuda.threadIdx.x >> 5, QG, WARPS):
-            for kk in range(KN):
-                a = mma.ldsm_x4_a_trans(ds_s, 16 * kk, 16 * qg, DSS)
-                for e in range(4):
-                    af[kk, e] = a[e]
-            for dt2 in range(DT // 2):
+        for m in range(GROUPS_PER_WARP):
+            qg = w % QG + WARPS * m
+            part = w // QG  # 0 unless the warps of a group split its chunks
+            for u in range(CHUNKS_PER_WARP):
+                dt2 = min(part + SPLIT * u, DT // 2 - 1)
                 for n in range(2):
                     for e in range(4):
                         acc[n, e] = float32(0.0)
                 for kk in range(KN):
+                    # dS's fragments again for every chunk: kept across D they made the kernels spill
+                    a = mma.ldsm_x4_a_trans(ds_s, 16 * kk, 16 * qg, DSS)
                     kb = mma.ldsm_x4_trans(k_s, 16 * kk, 16 * dt2, S)
-                    MMA(acc, 0, af[kk, 0], af[kk, 1], af[kk, 2], af[kk, 3], kb[0], kb[1], scratch)
-                    MMA(acc, 1, af[kk, 0], af[kk, 1], af[kk, 2], af[kk, 3], kb[2], kb[3], scratch)
-                for n in range(2):
-                    d = 16 * dt2 + 8 * n + 2 * t  # even; D % 8 == 0, so d + 1 < D when d < D
-                    if d < D:
-                        for i in range(2):
-                            row = row0 + 16 * qg + g + 8 * i
-                            if row < n_q:
-                                x0 = acc[n, 2 * i] * scale
-                                x1 = acc[n, 2 * i + 1] * scale
-                                if FA1:  # Alg. 4 line 21: this block is alone on its head
-                                    dq[b, h, row, d] += x0
-                                    dq[b, h, row, d + 1] += x1
-                                else:  # FA-2 line 15: other K/V tiles' blocks add to dQ_i too
-                                    mma.red_add_f32x2(dq, b, h, row, d, x0, x1)
+                    MMA(acc, 0, a[0], a[1], a[2], a[3], kb[0], kb[1], scratch)
+                    MMA(acc, 1, a[0], a[1], a[2], a[3], kb[2], kb[3], scratch)
+                if part + SPLIT * u < DT // 2:
+                    for n in range(2):
+                        d = 16 * dt2 + 8 * n + 2 * t  # even; D % 8 == 0, so d + 1 < D when d < D
+                        if d < D:
+                            for i in range(2):
+                                row = row0 + 16 * qg + g + 8 * i
+                                if row < n_q:
+                                    x0 = acc[n, 2 * i] * scale
+                                    x1 = acc[n, 2 * i + 1] * scale
+                                    if FA1:  # Alg. 4 line 21: this block is alone on its head
+                                        dq_h[row, d] += x0
+                                        dq_h[row, d + 1] += x1
+                                    else:  # FA-2 line 15: other K/V tiles' blocks add to dQ_i too
+                                        mma.red_add_f32x2(dq_h, row, d, x0, x1)
 
     @device_jit
     def write_grad(x, b, h, col0, n_k, acc, factor):
@@ -441,8 +508,8 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
             n_i = max(0, n_q_tiles - i_first)
             n_steps = group * n_i  # (query head, Q tile) steps, one flat loop (GQA: dK_j, dV_j sum over heads)
             cuda.syncthreads()  # (FA-1) everyone is done with the previous K_j, V_j, buffers, L, D
-            ops.load_q_tile(k, b, hk, col0, n_k, k_s)  # line 6: K_j, V_j to shared memory
-            ops.load_q_tile(v, b, hk, col0, n_k, v_s)
+            load_kv_rows(k, b, hk, col0, n_k, k_s)  # line 6: K_j, V_j to shared memory
+            load_kv_rows(v, b, hk, col0, n_k, v_s)
             if n_steps > 0:  # the first step's Q_i, dO_i, L_i, D_i
                 load_step(q, do, o, b, hk * group, i_first * BM, n_q, q0_s, do0_s, o0_s)
                 read_stats(lse, dvec, b, hk * group, i_first * BM, n_q, nxt)
@@ -453,28 +520,30 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
                     dk_acc[dt, e] = float32(0.0)
                     dv_acc[dt, e] = float32(0.0)
             key_bounds(col0, n_q, n_k, first_q)
+            h = hk * group  # this step's query head and Q tile (counters: no division in the loop)
+            i = i_first
             for st in range(n_steps):  # line 8: for 1 <= i <= Tr (and the query heads of this KV head)
                 buf = st & 1
-                h = hk * group + st // n_i
-                row0 = (i_first + st % n_i) * BM
+                row0 = i * BM
                 q_s = q0_s if buf == 0 else q1_s
                 do_s = do0_s if buf == 0 else do1_s
                 o_s = o0_s if buf == 0 else o1_s
                 base = buf * 2 * BM
+                i_next = i + 1  # the next step: the next Q tile, or the first of the next query head
+                h_next = h
+                if i_next == n_q_tiles:
+                    i_next = i_first
+                    h_next = h + 1
                 ops.wait_all()  # this thread's copies of Q_i, dO_i (and K_j, V_j) have landed
                 cuda.syncthreads()  # ... and everyone's, with L_i, D_i; everyone is done with the other buffers and dS^T
                 if st == 0:
                     load_frags(k_s, kf)
                     load_frags(v_s, vf)
-                if st + 1 < n_steps:  # the next step's tiles, in flight during this one
-                    h_next = hk * group + (st + 1) // n_i
-                    row_next = (i_first + (st + 1) % n_i) * BM
-                    if buf == 0:
-                        load_step(q, do, o, b, h_next, row_next, n_q, q1_s, do1_s, o1_s)
-                    else:
-                        load_step(q, do, o, b, h_next, row_next, n_q, q0_s, do0_s, o0_s)
+                if st + 1 < n_steps:  # the next step's tiles into the other buffers, in flight during this step
+                    load_step(q, do, o, b, h_next, i_next * BM, n_q, q1_s if buf == 0 else q0_s,
+                              do1_s if buf == 0 else do0_s, o1_s if buf == 0 else o0_s)
                     ops.commit()
-                    read_stats(lse, dvec, b, h_next, row_next, n_q, nxt)
+                    read_stats(lse, dvec, b, h_next, i_next * BM, n_q, nxt)
                 if FA1:
                     rowdot(do_s, o_s, stats, base)  # Alg. 4 line 19
                     cuda.syncthreads()  # D_i is in shared memory
@@ -489,7 +558,9 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
                     cuda.syncthreads()  # dS^T of every warp is in shared memory
                     dq_tile(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch)  # FA-2 line 15 (Alg. 4 line 21)
                 if st + 1 < n_steps:
-                    write_stats(stats, 2 * BM - base, nxt)  # the other buffer: read again after the next top barrier
+                    write_stats(stats, 2 * BM - base, nxt)  # the other buffer: read after the next top barrier
+                h = h_next
+                i = i_next
             ops.wait_all()  # no copy outlives the block (a tile with no step: K_j, V_j's)
             # Line 24 (FA-2 line 18): write dK_j = scale dS^T Q, dV_j
             write_grad(dk, b, hk, col0, n_k, dk_acc, scale)
