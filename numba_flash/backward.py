@@ -165,7 +165,7 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
     Nk = call["n_k"]
     dim = kernel_head_dim(kind, D)
     block_m, block_n = backward_tc_tiles(dim) if tiles is None else tiles
-    check_tc_bwd_tiles(kind, dim, block_m, block_n)
+    check_tc_bwd_tiles(kind, dim, block_m, block_n, [algorithm] + (["dq"] if deterministic and algorithm == "fa2" else []))
     do, q, k, v, o, lse = inputs
     dq, dk, dv = grads
     dq_acc = ctx.empty((B, H, Nq, dim), "float32")  # the kernel's head dim: dQ's atomics add column pairs

@@ -167,12 +167,12 @@ def dq_kernel_tiles(block_m: int, block_n: int) -> tuple[int, int]:
     return block_m, min(block_n, 64)
 
 
-def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int) -> None:
-    """``ValueError`` naming the argument when the backward kernels cannot run these tiles."""
+def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int, kernels=KERNELS) -> None:
+    """``ValueError`` naming the argument when the backward ``kernels`` cannot run these tiles."""
     for name, value in (("block_m", block_m), ("block_n", block_n)):
         if isinstance(value, bool) or value not in BLOCK_CHOICES:
             raise ValueError(f"{name}={value!r}: the tensor-core backward needs one of {list(BLOCK_CHOICES)}")
-    for kernel in KERNELS:
+    for kernel in kernels:
         tiles = dq_kernel_tiles(block_m, block_n) if kernel == "dq" else (block_m, block_n)
         need = tc_bwd_layout(kernel, kind, head_dim, *tiles).smem_bytes
         if need > SMEM_OPTIN_LIMIT:
