@@ -27,6 +27,11 @@ m2 = (0-7, 8-15), m3 = (8-15, 8-15). Lane l receives of matrix j the pair
 B fragments of two key tiles ((m0, m2) and (m1, m3)); ``ldsm_x4_trans`` of a V block
 (keys x d) gives the B fragments of two head-dim tiles ((m0, m1) and (m2, m3)).
 
+The backward adds :func:`ldsm_x4_a_trans` (the A fragment of the transpose of a stored block:
+dS from dS^T), :func:`st_shared_u32` (a packed pair of 16-bit values to shared memory),
+:func:`red_add_f32x2` (``red.global.add.v2.f32``: two float32 of a row added atomically) and
+``f16_value`` / ``bf16_value`` (16-bit bits -> float32).
+
 The simulated ``mma`` needs the other lanes' fragments: each thread writes its fragments to a
 per-warp slot of a shared ``scratch`` array and meets the block at a barrier (double-buffered:
 one barrier per product). So in the simulator every thread of the block must call every
