@@ -156,6 +156,7 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
 
     from numba_flash.kernels.tc_bwd import (
         ROWDOT_THREADS, check_tc_bwd_tiles, dq_kernel_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout, tc_rowdot_kernel,
+        vector_reductions,
     )
     from numba_flash.kernels.tc_ops import kernel_head_dim
     from numba_flash.launch import numba_launch
@@ -187,7 +188,9 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
         else:
             grid = (B * Hkv,)
         layout = tc_bwd_layout(algorithm, kind, dim, block_m, block_n)
-        kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, call["causal"], not deterministic or algorithm == "fa1")
+        cc = None if simulated() else cuda_device_capability()
+        kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, call["causal"], not deterministic or algorithm == "fa1",
+                               vector_reductions(cc))
         numba_launch(kernel, grid, layout.threads, stream,
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
                          ("out", dq_b), ("out", dk_b), ("out", dv_b), scale), shared_mem_bytes=layout.smem_bytes)
@@ -200,6 +203,13 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
                              scale), shared_mem_bytes=dq_layout.smem_bytes)
         dev.copy_back()
     dq[...] = _narrow(dq_acc[..., :D], dq, ctx.kind)
+
+
+def cuda_device_capability():
+    """numba's current device's compute capability (the kernels are compiled for it)."""
+    from numba_flash._cuda import cuda
+
+    return cuda.get_current_device().compute_capability
 
 
 class _DeviceArgs:

@@ -200,6 +200,12 @@ def default_tc_bwd_tiles(head_dim: int) -> tuple[int, int]:
 # ------------------------------------------------------------------------------------------
 
 
+def vector_reductions(compute_capability) -> bool:
+    """Can a GPU of this compute capability run ``red.global.add.v2.f32``? (sm_90 and later;
+    ``None``: the simulator, whose reduction is two atomics anyway.)"""
+    return compute_capability is None or tuple(compute_capability) >= (9, 0)
+
+
 @functools.lru_cache(maxsize=None)
 def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_regs: bool):
     """``(load_frags, ab_t)`` for a block whose warps own 16 rows each of an A tile:
@@ -286,7 +292,7 @@ def _row_loader(head_dim: int, rows: int, threads: int):
 
 @functools.lru_cache(maxsize=None)
 def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, causal: bool,
-                  compute_dq: bool = True):
+                  compute_dq: bool = True, vector_red: bool = True):
     """The dK/dV (and dQ) kernel of one loop order on tensor cores (memoised).
 
     Launch: ``"fa2"``: ``grid = (ceil(Nk / block_n) * B * Hkv,)``; ``"fa1"``: ``grid = (B * Hkv,)``;
@@ -296,12 +302,13 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq) float32`` (D_i; read by ``"fa2"``; FA-1 computes
     it from O_i), ``dq (B,H,Nq,D) float32`` zeroed and accumulated into (untouched when not
     ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` uint16 bit patterns out (``D' <= D`` columns
-    written), ``scale`` (float32).
+    written), ``scale`` (float32). ``vector_red``: FA-2's dQ atomics as ``red.global.add.v2.f32``
+    (sm_90 and later; else two float32 atomics: :func:`vector_reductions`).
     """
     if order not in ("fa1", "fa2"):
         raise ValueError(f"order must be 'fa1' or 'fa2'; got {order!r}")
     lay = tc_bwd_layout(order, kind, head_dim, block_m, block_n)
-    FA1, CAUSAL, DQ = order == "fa1", bool(causal), bool(compute_dq)
+    FA1, CAUSAL, DQ, VECTOR_RED = order == "fa1", bool(causal), bool(compute_dq), bool(vector_red)
     D, BM, BN = head_dim, block_m, block_n
     # The forward's tile ops with the roles swapped: "Q tile" rows = keys (one warp per 16),
     # "K/V tile" rows = queries. load_q_tile copies K_j, V_j; load_kv_tile Q_i, dO_i, O_i;
@@ -448,8 +455,11 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
                                     if FA1:  # Alg. 4 line 21: this block is alone on its head
                                         dq_h[row, d] += x0
                                         dq_h[row, d + 1] += x1
-                                    else:  # FA-2 line 15: other K/V tiles' blocks add to dQ_i too
+                                    elif VECTOR_RED:  # FA-2 line 15: other K/V tiles' blocks add to dQ_i too
                                         mma.red_add_f32x2(dq_h, row, d, x0, x1)
+                                    else:
+                                        cuda.atomic.add(dq_h, (row, d), x0)
+                                        cuda.atomic.add(dq_h, (row, d + 1), x1)
 
     @device_jit
     def write_grad(x, b, h, col0, n_k, acc, factor):
