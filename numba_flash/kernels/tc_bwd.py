@@ -310,9 +310,9 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     lay = tc_bwd_layout(order, kind, head_dim, block_m, block_n)
     FA1, CAUSAL, DQ, VECTOR_RED = order == "fa1", bool(causal), bool(compute_dq), bool(vector_red)
     D, BM, BN = head_dim, block_m, block_n
-    # The forward's tile ops with the roles swapped: "Q tile" rows = keys (one warp per 16),
-    # "K/V tile" rows = queries. load_q_tile copies K_j, V_j; load_kv_tile Q_i, dO_i, O_i;
-    # pv_tile(P^T, dO_i) is dV += P^T dO_i.
+    # The forward's tile ops with the roles swapped: their "Q tile" rows are keys (one warp per
+    # 16: warp_row0, thread_row), their "K/V tile" rows queries, so pv_tile(P^T, dO_i) is
+    # dV_j += P^T dO_i. (The copies are this module's _row_loader.)
     ops = tc_ops(kind, D, BN, BM)
     S, DSS, DP = lay.stride, lay.ds_stride, lay.padded_dim
     NQ, DT, KT = BM // 8, DP // 8, DP // 16
