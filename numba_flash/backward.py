@@ -1,11 +1,19 @@
 """``numba_flash.attention_backward``: gradients of attention (API.md section 5).
 
-The kernels are ``kernels.bwd`` (FlashAttention Algorithm 4 and FlashAttention-2 Algorithm 2 on
-CUDA cores, register micro-tiles on the forward's ``tile_ops``, square tiles in dynamic shared
-memory). This wrapper validates, launches them in their order (FA-2: D = rowsum(dO * O)
-first, then dK/dV with dQ by atomics, or dQ by its own kernel when ``deterministic``) and
-answers in the inputs' kind and dtypes. float16 is read as it is; bfloat16 is widened to
-float32 for the kernels and the gradients narrowed back.
+Two regimes, chosen by dtype as the forward's ``precision=None`` does (API.md section 2a):
+
+- float16 and bfloat16: tensor cores (``kernels.tc_bwd``: ``mma.sync`` m16n8k16 with float32
+  accumulation; FlashAttention-2 Algorithm 2 and FlashAttention Algorithm 4 loop nests, dQ by
+  float32 atomics, or by its own kernel when ``deterministic``). Inputs reach the kernels as
+  uint16 bit patterns, padded to 16-byte rows when they are not; dK and dV are written in the
+  inputs' dtype by the kernel, dQ summed in float32 and narrowed at the end.
+- float32: CUDA cores (``kernels.bwd``: register micro-tiles on the forward's ``tile_ops``,
+  square tiles in dynamic shared memory), exact FFMA.
+
+The public signature has no ``precision`` (API.md section 5). The CUDA-core kernels stay
+reachable for any dtype through :func:`gradients` with ``precision="ieee"`` (the research
+baseline, as the forward's ``precision="ieee"``: float16 read as it is, bfloat16 widened to
+float32 and narrowed back); ``scripts/bwd_timing.py --regime ieee`` times them.
 """
 
 from __future__ import annotations
@@ -28,6 +36,27 @@ def backward_tiles(head_dim: int) -> tuple[int, int, int]:
     return block, block, bwd_layout("fa2", head_dim, block).threads
 
 
+def backward_regime(precision, dtype: str) -> str:
+    """``"ieee"`` (CUDA cores) or the tensor-core kind (``"f16"``, ``"bf16"``) of a backward call:
+    ``precision=None`` picks tensor cores for 16-bit inputs, ``"ieee"`` CUDA cores for any dtype.
+    (TF32 has no backward kernels: float32 runs on CUDA cores.)"""
+    if precision is None:
+        return {"float16": "f16", "bfloat16": "bf16"}.get(dtype, "ieee")
+    if isinstance(precision, str) and precision == "ieee":
+        return "ieee"
+    raise ValueError(f"the backward's precision must be None or 'ieee'; got {precision!r}")
+
+
+def backward_tc_tiles(head_dim: int) -> tuple[int, int]:
+    """(block_m, block_n) of the tensor-core backward: queries per Q tile, keys per K/V tile
+    (``kernels.tc_bwd.default_tc_bwd_tiles``; the simulator: 16 x 16, one warp)."""
+    from numba_flash.kernels.tc_bwd import default_tc_bwd_tiles
+
+    if simulated():
+        return 16, 16
+    return default_tc_bwd_tiles(head_dim)
+
+
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` for the upstream gradient ``do``.
 
@@ -37,8 +66,19 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
     GQA: dk and dv of a KV head sum over its query heads. Rows that see no key give zero
     gradients. ``algorithm``: ``"fa2"`` (FlashAttention-2 Algorithm 2; dQ summed by float32
     atomics, whose order varies from run to run, unless ``deterministic=True``) or ``"fa1"``
-    (FlashAttention Algorithm 4; deterministic by construction).
+    (FlashAttention Algorithm 4; deterministic by construction). float16 and bfloat16 run on
+    tensor cores, float32 on CUDA cores (:func:`gradients` chooses otherwise).
     """
+    return gradients(do, q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic)
+
+
+def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,
+              tiles=None):
+    """:func:`attention_backward` with the regime chosen by ``precision`` (:func:`backward_regime`):
+    ``None`` (the public default: tensor cores for float16 and bfloat16) or ``"ieee"`` (CUDA
+    cores for any dtype: the research baseline, and the kernels the tests compare against).
+    ``tiles``: ``(block_m, block_n)`` of the tensor-core kernels (queries per Q tile, keys per
+    K/V tile; default :func:`backward_tc_tiles`), for sweeps."""
     from numba_flash import api
 
     do, q, k, v, o, lse = (as_cupy_view(x) for x in (do, q, k, v, o, lse))
@@ -60,7 +100,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
             for g in (dq, dk, dv):
                 g[...] = 0
             return dq, dk, dv
-        _run(ctx, call, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv)
+        regime = backward_regime(precision, call["dtype"])
+        if regime == "ieee":
+            _run(ctx, call, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv)
+        else:
+            _run_tc(ctx, call, regime, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, tiles)
     return dq, dk, dv
 
 
@@ -102,6 +146,70 @@ def _run(ctx, call, algorithm, deterministic, inputs, grads, Hkv) -> None:
     if wide:
         dk[...] = _narrow(dk_k, dk, ctx.kind)
         dv[...] = _narrow(dv_k, dv, ctx.kind)
+
+
+def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles=None) -> None:
+    """The tensor-core kernels (``kernels.tc_bwd``) on 16-bit inputs: FA-2 D = rowsum(dO * O)
+    first, then dK/dV with dQ by atomics (or dQ by its own kernel when ``deterministic``), or
+    FA-1 in one kernel; dK, dV written by the kernel in the inputs' dtype, dQ summed in float32."""
+    import contextlib
+
+    from numba_flash.kernels.tc_bwd import (
+        ROWDOT_THREADS, check_tc_bwd_tiles, dq_kernel_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout, tc_rowdot_kernel,
+        vector_reductions,
+    )
+    from numba_flash.kernels.tc_ops import kernel_head_dim
+    from numba_flash.launch import numba_launch
+    from numba_flash.tensor_cores import _cupy_stream, bits_view, kernel_arrays
+
+    B, H, Nq, D = call["q_shape"]
+    Nk = call["n_k"]
+    dim = kernel_head_dim(kind, D)
+    block_m, block_n = backward_tc_tiles(dim) if tiles is None else tiles
+    check_tc_bwd_tiles(kind, dim, block_m, block_n, [algorithm] + (["dq"] if deterministic and algorithm == "fa2" else []))
+    do, q, k, v, o, lse = inputs
+    dq, dk, dv = grads
+    dq_acc = ctx.empty((B, H, Nq, dim), "float32")  # the kernel's head dim: dQ's atomics add column pairs
+    dq_acc[...] = 0
+    dvec = ctx.empty((B, H, Nq), "float32")
+    scale = np.float32(call["scale"])
+    # torch: the CuPy views and padded copies on torch's stream
+    on_stream = _cupy_stream(ctx.stream_ptr()) if ctx.kind == "torch" else contextlib.nullcontext()
+    with on_stream:
+        kq, kk, kv, kdo, ko = kernel_arrays(kind, ctx.kind, q, k, v, do, o)
+        dk_b, dv_b = (bits_view(g, ctx.kind, True) for g in (dk, dv))  # written by the kernel, D columns
+        dq_b, lse_b, dvec_b = (bits_view(x, ctx.kind, False) for x in (dq_acc, lse, dvec))
+        dev = _DeviceArgs(ctx if ctx.kind == "numpy" else ArrayContext("cupy", kq))
+        stream = ctx.stream()
+        if algorithm == "fa2":  # FA-2 line 4: D = rowsum(dO * O), once
+            numba_launch(tc_rowdot_kernel(kind), (-(-(B * H * Nq) // ROWDOT_THREADS),), ROWDOT_THREADS, stream,
+                         dev(("in", kdo), ("in", ko), ("out", dvec_b)))
+            grid = (-(-Nk // block_n) * B * Hkv,)
+        else:
+            grid = (B * Hkv,)
+        layout = tc_bwd_layout(algorithm, kind, dim, block_m, block_n)
+        cc = None if simulated() else cuda_device_capability()
+        kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, call["causal"], not deterministic or algorithm == "fa1",
+                               vector_reductions(cc))
+        numba_launch(kernel, grid, layout.threads, stream,
+                     dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
+                         ("out", dq_b), ("out", dk_b), ("out", dv_b), scale), shared_mem_bytes=layout.smem_bytes)
+        if deterministic and algorithm == "fa2":
+            dq_m, dq_n = dq_kernel_tiles(block_m, block_n)
+            dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
+            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, call["causal"]), (-(-Nq // dq_m) * B * H,),
+                         dq_layout.threads, stream,
+                         dev(("in", kq), ("in", kk), ("in", kv), ("in", kdo), ("in", lse_b), ("in", dvec_b), ("out", dq_b),
+                             scale), shared_mem_bytes=dq_layout.smem_bytes)
+        dev.copy_back()
+    dq[...] = _narrow(dq_acc[..., :D], dq, ctx.kind)
+
+
+def cuda_device_capability():
+    """numba's current device's compute capability (the kernels are compiled for it)."""
+    from numba_flash._cuda import cuda
+
+    return cuda.get_current_device().compute_capability
 
 
 class _DeviceArgs:

@@ -125,11 +125,18 @@ def _padded_copy(x, dim: int):
 
 def kernel_inputs(kind: str, kind_of_array: str, q, k, v):
     """q, k, v as the tensor-core kernel reads them (views when they can be, else padded copies)."""
+    return kernel_arrays(kind, kind_of_array, q, k, v)
+
+
+def kernel_arrays(kind: str, kind_of_array: str, *arrays):
+    """4-D inputs of one head dim as the tensor-core kernels read them with ``cp.async``: the
+    kernel's element type, the kernel head dim, 16-byte aligned rows (views when they can be,
+    else zero-padded copies). The forward's q, k, v; the backward's also do and o."""
     sixteen = kind in _TC_OF_DTYPE.values()
-    dim = kernel_head_dim(kind, int(q.shape[3]))
+    dim = kernel_head_dim(kind, int(arrays[0].shape[3]))
     width = input_alignment(kind)
     out = []
-    for x in (q, k, v):
+    for x in arrays:
         if kind_of_array == "numpy":  # a '>f2' array would view as byte-swapped bits
             x = x.astype(x.dtype.newbyteorder("="), copy=False)
         x = bits_view(x, kind_of_array, sixteen)

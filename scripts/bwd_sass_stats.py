@@ -1,11 +1,14 @@
-"""Offline SASS statistics of the CUDA-core backward kernels (no GPU): registers, spills, shared
-memory, blocks per SM, and the instruction mix of the inner loop over Q tiles (one step).
+"""Offline SASS statistics of the backward kernels (no GPU): registers, spills, shared memory,
+blocks per SM, and the instruction mix of the inner loop over Q tiles (one step). CUDA cores
+(``kernels.bwd``) by default; ``--tensor-cores`` the float16 kernels of ``kernels.tc_bwd``
+(per warp and step: HMMA, LDSM, local memory inside the step loop, barriers, reductions).
 
 Run with numba's CUDA target (``NUMBA_ENABLE_CUDASIM=0``, set here before numba loads) and the
 ptxas of the ``occupancy`` extra; needs ``cuobjdump`` (nvidia-cuda-cuobjdump wheel) on PATH or
 in ``CUOBJDUMP`` (as ``scripts/tc_sass_stats.py``).
 
     python scripts/bwd_sass_stats.py --head-dim 64 128 [--causal] [--loops]
+    python scripts/bwd_sass_stats.py --tensor-cores --head-dim 64 128 [--tiles 64x128 64x64] [--causal]
 
 Counts are static (each instruction once). ptxas keeps the reduction loop of each micro-tile
 product rolled (one step of the head dim for S^T and dP^T, four keys for dV and dK, one key for
@@ -142,24 +145,104 @@ def stats(head_dim, causal, show_loops=False):
     return rows
 
 
+TC_KEYS = ("HMMA", "LDSM", "LDS", "STS", "LDGSTS", "RED", "MUFU", "BAR", "LDL", "STL", "total")
+
+
+def tc_kernels(head_dim, tiles, causal):
+    """(name, dispatcher, signature, layout, HMMA per warp and step) of each tensor-core backward
+    kernel (float16; bfloat16 differs in the conversions only)."""
+    from numba import types
+
+    from numba_flash.kernels import tc_bwd
+
+    u4, f4, f3 = types.Array(types.uint16, 4, "C"), types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
+    kv_sig = (u4,) * 5 + (f3, f3, f4, u4, u4, types.float32)
+    bm, bn = tiles
+    dm, dn = tc_bwd.dq_kernel_tiles(bm, bn)
+    out = []
+    for name, order, dq in (("fa2 (dK, dV, atomic dQ)", "fa2", True), ("fa2 deterministic (dK, dV)", "fa2", False),
+                            ("fa1 (Alg. 4)", "fa1", True)):
+        lay = tc_bwd.tc_bwd_layout(order, "f16", head_dim, bm, bn)
+        kt, qg = lay.padded_dim // 16, bm // 16
+        products = 2 * (bm // 8) * kt + 2 * (bm // 16) * (lay.padded_dim // 8)  # S^T, dP^T, dV, dK
+        if dq:
+            groups, split = max(1, qg // lay.warps), max(1, lay.warps // qg)
+            products += groups * -(-(kt) // split) * (bn // 16) * 2
+        out.append((name, tc_bwd.tc_bwd_kernel(order, "f16", head_dim, bm, bn, causal, dq), kv_sig, lay, products))
+    lay = tc_bwd.tc_bwd_layout("dq", "f16", head_dim, dm, dn)
+    products = 2 * (dn // 8) * (lay.padded_dim // 16) + (dn // 16) * (lay.padded_dim // 8)
+    out.append(("fa2 deterministic dQ", tc_bwd.tc_bwd_dq_kernel("f16", head_dim, dm, dn, causal),
+                (u4,) * 4 + (f3, f3, f4, types.float32), lay, products))
+    return out
+
+
+def tc_stats(head_dim, tiles, causal):
+    """Rows of the tensor-core kernels: the step loop is the smallest loop holding every HMMA of
+    the kernel; loops inside it that hold HMMA (ptxas keeps dQ's loop over 16-column chunks
+    rolled) are weighted by the trip count that makes the step's HMMA equal the products a warp
+    must make (checked: an integer)."""
+    from numba_flash.profiling.occupancy import ARCH, occupancy_from_resources
+
+    rows = []
+    for name, k, sig, lay, expected in tc_kernels(head_dim, tiles, causal):
+        _, sass, res = compile_sass_of(k.py_func, sig, k.targetoptions.get("fastmath"))
+        instrs = parse(sass)
+        hmma = [a for a, o, _ in instrs if o.startswith("HMMA")]
+        step = min((r for r in loops(instrs) if r[0] <= min(hmma) and max(hmma) <= r[1]), key=lambda r: r[1] - r[0])
+        inner = [r for r in loops(instrs) if step[0] <= r[0] and r[1] <= step[1] and r != step
+                 and any(r[0] <= a <= r[1] for a in hmma)]
+        inner = [r for r in inner if not any(o != r and o[0] <= r[0] and r[1] <= o[1] for o in inner)]  # outermost
+        body = [x for x in instrs if step[0] <= x[0] <= step[1]]
+        in_inner = sum(1 for a in hmma if any(r[0] <= a <= r[1] for r in inner))
+        trip, check = 1, "ok"
+        if inner:
+            t = (expected - (len(hmma) - in_inner)) / in_inner
+            trip, check = (int(t), "ok") if t == int(t) and t >= 1 else (1, f"HMMA: trip {t:.2f}")
+        elif len(hmma) != expected:
+            check = f"HMMA {len(hmma)} != {expected}"
+        weights = {a: (trip if any(r[0] <= a <= r[1] for r in inner) else 1) for a, _, _ in body}
+        c = collections.Counter()
+        for a, op, _ in body:
+            fam = op.split(".")[0]
+            fam = "RED" if fam in ("RED", "REDG") else fam
+            c[fam] += weights[a]
+            c["total"] += weights[a]
+        blocks, limiter = occupancy_from_resources(res["regs"], lay.smem_bytes + 4 * lay.stat_floats, lay.threads,
+                                                   ARCH[(9, 0)])
+        rows.append(dict(kernel=name, D=head_dim, tile=f"{lay.block_m}x{lay.block_n}", threads=lay.threads,
+                         smem=lay.smem_bytes, regs=res["regs"], spills=f"{res['spill_stores']}/{res['spill_loads']}",
+                         blocks=blocks, warps=blocks * lay.warps, limiter=limiter,
+                         **{f"{k}/step": c[k] for k in TC_KEYS}, check=check))
+    return rows
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--head-dim", nargs="+", type=int, default=[64, 128])
     p.add_argument("--causal", action="store_true")
     p.add_argument("--loops", action="store_true", help="print each loop of the step (stderr)")
+    p.add_argument("--tensor-cores", action="store_true", help="the tensor-core kernels (kernels.tc_bwd, float16)")
+    p.add_argument("--tiles", nargs="+", default=None, help="tensor-core tiles 'MxN' (block_m queries x block_n keys)")
     a = p.parse_args(argv)
     import numba_flash
 
     print(f"# numba_flash from {os.path.dirname(numba_flash.__file__)}; per thread and step (one Q tile x one K/V "
           "tile), branches of the step body counted once each", file=sys.stderr)
     header = None
-    for d in a.head_dim:
-        for row in stats(d, a.causal, a.loops):
-            if header is None:
-                header = list(row)
-                print("| " + " | ".join(header) + " |")
-                print("|" + "---|" * len(header))
-            print("| " + " | ".join(str(row[k]) for k in header) + " |", flush=True)
+    if a.tensor_cores:
+        from numba_flash.kernels.tc_bwd import default_tc_bwd_tiles
+
+        rows = (row for d in a.head_dim
+                for t in ([tuple(int(x) for x in t.lower().split("x")) for t in a.tiles] if a.tiles else [default_tc_bwd_tiles(d)])
+                for row in tc_stats(d, t, a.causal))
+    else:
+        rows = (row for d in a.head_dim for row in stats(d, a.causal, a.loops))
+    for row in rows:
+        if header is None:
+            header = list(row)
+            print("| " + " | ".join(header) + " |")
+            print("|" + "---|" * len(header))
+        print("| " + " | ".join(str(row[k]) for k in header) + " |", flush=True)
 
 
 if __name__ == "__main__":

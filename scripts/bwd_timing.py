@@ -1,12 +1,18 @@
 """Backward pass of ``numba_flash.attention_backward`` against PyTorch SDPA's backward (issue 12).
 
     python scripts/bwd_timing.py [--batch 4 --heads 16 --seq 4096 --head-dim 64 128 --dtype float32 float16]
+                                 [--precision default ieee] [--tc-tiles 64x128 64x64] [--causal]
 
 For each head dim and dtype: PyTorch's backward (memory-efficient SDPA for float32, flash for
 16-bit) and numba_flash's FA-2 backward (atomics, and ``deterministic=True``) and FA-1 backward
-(Algorithm 4) on the same torch tensors, CUDA cores. CUDA-event medians after warm-up
-(``profiling.timing.median_ms``, calls back to back). FLOPs: 2.5x the forward's 4 B H N^2 D, as
-the FlashAttention papers count the backward. One JSON object per row on stdout.
+(Algorithm 4) on the same torch tensors. ``--precision default`` times what
+``attention_backward`` runs (tensor cores for float16/bfloat16, ``kernels.tc_bwd``; CUDA cores
+for float32), ``ieee`` the CUDA-core kernels for every dtype (``backward.gradients(precision=
+"ieee")``, the research baseline); each row names its ``regime`` ("f16", "bf16": tensor cores;
+"ieee": CUDA cores) and, on tensor cores, its ``tiles`` (block_m queries x block_n keys;
+``--tc-tiles`` sweeps them). CUDA-event medians after warm-up (``profiling.timing.median_ms``,
+calls back to back). FLOPs: 2.5x the forward's 4 B H N^2 D (halved when causal), as the
+FlashAttention papers count the backward. One JSON object per row on stdout.
 """
 
 from __future__ import annotations
@@ -24,6 +30,11 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--algorithms", nargs="+", default=["fa2", "fa2-deterministic", "fa1"],
                     choices=["fa2", "fa2-deterministic", "fa1"], help="numba_flash backward kernels to time")
+    ap.add_argument("--precision", nargs="+", default=["default"], choices=["default", "ieee"],
+                    help="default: attention_backward's regime (tensor cores for 16-bit); ieee: CUDA cores for every dtype")
+    ap.add_argument("--tc-tiles", nargs="+", default=[None],
+                    help="tensor-core tiles 'MxN' (block_m queries x block_n keys) to time; default: the kernels' default")
+    ap.add_argument("--causal", action="store_true", help="causal attention (PyTorch: is_causal=True)")
     ap.add_argument("--repeats", type=int, default=5, help="timed runs per row (median)")
     args = ap.parse_args(argv)
 
@@ -32,7 +43,8 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import numba_flash
-    from numba_flash.backward import attention_backward
+    from numba_flash.backward import backward_regime, backward_tc_tiles, gradients
+    from numba_flash.kernels.tc_ops import kernel_head_dim
     from numba_flash.profiling.timing import attention_flops, median_ms, tflops
 
     B, H, N = args.batch, args.heads, args.seq
@@ -40,25 +52,35 @@ def main(argv=None) -> int:
         for name in args.dtype:
             dt = getattr(torch, name)
             q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dt) for _ in range(3))
-            o, lse = numba_flash.attention(q, k, v, return_lse=True)
+            o, lse = numba_flash.attention(q, k, v, causal=args.causal, return_lse=True)
             do = torch.randn_like(o)
-            flops = 2.5 * attention_flops(B, H, N, N, D, False)
+            flops = 2.5 * attention_flops(B, H, N, N, D, args.causal)
             backend = SDPBackend.EFFICIENT_ATTENTION if name == "float32" else SDPBackend.FLASH_ATTENTION
             qr, kr, vr = (x.detach().requires_grad_() for x in (q, k, v))
             with sdpa_kernel([backend]):
-                out = F.scaled_dot_product_attention(qr, kr, vr)
+                out = F.scaled_dot_product_attention(qr, kr, vr, is_causal=args.causal)
             peer_ms = median_ms(lambda: torch.autograd.grad(out, (qr, kr, vr), do, retain_graph=True), repeats=args.repeats)
-            print(json.dumps(dict(D=D, dtype=name, impl=f"torch {backend.name.lower()}", ms=round(peer_ms, 3),
-                                  tflops=round(tflops(flops, peer_ms), 2))), flush=True)
-            for label in args.algorithms:
-                algorithm, deterministic = label.split("-")[0], label.endswith("deterministic")
+            print(json.dumps(dict(D=D, dtype=name, causal=args.causal, impl=f"torch {backend.name.lower()}",
+                                  ms=round(peer_ms, 3), tflops=round(tflops(flops, peer_ms), 2))), flush=True)
+            for precision in args.precision:
+                prec = None if precision == "default" else precision
+                regime = backward_regime(prec, name)
+                tile_list = args.tc_tiles if regime != "ieee" else [None]
+                for tiles_arg in tile_list:
+                    tiles = tuple(int(x) for x in tiles_arg.lower().split("x")) if tiles_arg else None
+                    shown = tiles or (backward_tc_tiles(kernel_head_dim(regime, D)) if regime != "ieee" else None)
+                    for label in args.algorithms:
+                        algorithm, deterministic = label.split("-")[0], label.endswith("deterministic")
 
-                def run():
-                    return attention_backward(do, q, k, v, o, lse, algorithm=algorithm, deterministic=deterministic)
+                        def run():
+                            return gradients(do, q, k, v, o, lse, causal=args.causal, algorithm=algorithm,
+                                             deterministic=deterministic, precision=prec, tiles=tiles)
 
-                ms = median_ms(run, warmup=1, repeats=args.repeats if algorithm == "fa2" else 2)
-                print(json.dumps(dict(D=D, dtype=name, impl=label, ms=round(ms, 3), tflops=round(tflops(flops, ms), 2),
-                                      vs_peer=round(peer_ms / ms, 3))), flush=True)
+                        ms = median_ms(run, warmup=1, repeats=args.repeats if algorithm == "fa2" else 2)
+                        row = dict(D=D, dtype=name, causal=args.causal, impl=label, regime=regime,
+                                   tiles=f"{shown[0]}x{shown[1]}" if shown else None, ms=round(ms, 3),
+                                   tflops=round(tflops(flops, ms), 2), vs_peer=round(peer_ms / ms, 3))
+                        print(json.dumps(row), flush=True)
             del q, k, v, o, lse, do, qr, kr, vr, out
             torch.cuda.empty_cache()
     return 0

@@ -4,7 +4,7 @@
     python scripts/sanitize.py --tool memcheck --precision ieee f16 tf32 tf32x3
     python scripts/sanitize.py --list                 # the cases, without running anything
     python scripts/sanitize.py --split-kv --precision ieee f16   # split-KV, combine, decode
-    python scripts/sanitize.py --backward             # attention_backward: FA-1, FA-2, FA-2 deterministic
+    python scripts/sanitize.py --backward             # attention_backward: FA-1, FA-2, FA-2 deterministic (CUDA and tensor cores)
 
 The script re-invokes itself as a child process under ``compute-sanitizer --tool TOOL``; the
 child runs each case (``CASES``: a list of (name, callable)) on the GPU and synchronises after
@@ -113,20 +113,22 @@ def _variant_cases(xp):
 
 
 def _backward_cases(xp):
-    """``attention_backward`` (CUDA cores): FA-1 (Algorithm 4), FA-2 with atomics and FA-2
-    deterministic (Algorithm 2), float32 and float16, causal or not, D 40 and 128, on the awkward
-    lengths, GQA."""
+    """``attention_backward``: FA-1 (Algorithm 4), FA-2 with atomics and FA-2 deterministic
+    (Algorithm 2); float32 (CUDA cores), float16 on tensor cores (``kernels.tc_bwd``, the default
+    for 16-bit inputs) and on CUDA cores (``gradients(precision="ieee")``: the "-ieee" cases);
+    causal or not, D 40 and 128, on the awkward lengths, GQA."""
     cases = []
     for algorithm, deterministic in (("fa1", False), ("fa2", False), ("fa2", True)):
         label = algorithm + ("-deterministic" if deterministic else "")
-        for dtype in ("float32", "float16"):
+        for dtype, precision in (("float32", None), ("float16", None), ("float16", "ieee")):
+            regime = "-ieee" if precision else ""
             for causal in (False, True):
                 for head_dim in (40, 128):
                     for n_q, n_k in LENGTHS:
-                        name = (f"backward-{label}-{dtype}-{'causal' if causal else 'full'}-D{head_dim}"
+                        name = (f"backward-{label}-{dtype}{regime}-{'causal' if causal else 'full'}-D{head_dim}"
                                 f"-Nq{n_q}-Nk{n_k}-B{BATCH}H{HEADS}/{KV_HEADS}")
                         spec = dict(algorithm=algorithm, deterministic=deterministic, dtype=dtype, causal=causal,
-                                    head_dim=head_dim, n_q=n_q, n_k=n_k)
+                                    head_dim=head_dim, n_q=n_q, n_k=n_k, precision=precision)
                         cases.append((name, _backward_case(spec, xp)))
     return cases
 
@@ -137,7 +139,7 @@ def _backward_case(spec, xp):
 
         from numba_flash import reference
         from numba_flash.api import forward
-        from numba_flash.backward import attention_backward
+        from numba_flash import backward
 
         arrays = xp or __import__("cupy")
         rng = np.random.default_rng(zlib.crc32(repr(sorted((k, str(v)) for k, v in spec.items())).encode()))
@@ -145,8 +147,11 @@ def _backward_case(spec, xp):
         host = [rng.standard_normal(s).astype(spec["dtype"]) for s in (shapes[0], shapes[1], shapes[1], shapes[0])]
         q, k, v, do = (arrays.asarray(x) for x in host)
         o, lse = forward(q, k, v, causal=spec["causal"], precision="ieee")
-        grads = attention_backward(do, q, k, v, o, lse, causal=spec["causal"], algorithm=spec["algorithm"],
-                                   deterministic=spec["deterministic"])
+        kw = dict(causal=spec["causal"], algorithm=spec["algorithm"], deterministic=spec["deterministic"])
+        if spec["precision"] is None:  # the public function (tests patch it)
+            grads = backward.attention_backward(do, q, k, v, o, lse, **kw)
+        else:
+            grads = backward.gradients(do, q, k, v, o, lse, precision=spec["precision"], **kw)
         if arrays is not np:
             arrays.cuda.Device().synchronize()
         refs = reference.attention_backward(*(x.astype(np.float64) for x in (host[3], *host[:3])), causal=spec["causal"])

@@ -1,7 +1,9 @@
-"""``numba_flash.attention_backward`` (API.md section 5) in the simulator: both loop orders
-(FlashAttention Algorithm 4, FlashAttention-2 Algorithm 2 with atomics or deterministic) against
-the float64 reference gradients, on small awkward shapes: causal with Nq != Nk (rows that see no
-key), GQA, lengths that are not multiples of a tile, D = 1, float16 and bfloat16 inputs."""
+"""``numba_flash.attention_backward`` (API.md section 5) on CUDA cores (``kernels.bwd``) in the
+simulator: both loop orders (FlashAttention Algorithm 4, FlashAttention-2 Algorithm 2 with
+atomics or deterministic) against the float64 reference gradients, on small awkward shapes:
+causal with Nq != Nk (rows that see no key), GQA, lengths that are not multiples of a tile,
+D = 1, float16 and bfloat16 inputs (those through ``gradients(precision="ieee")``: by default
+they run on tensor cores, ``test_backward_tc.py``)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from hypothesis import strategies as st
 
 import numba_flash
 from numba_flash import reference
-from numba_flash.backward import attention_backward
+from numba_flash.backward import attention_backward, gradients
 
 NUMPY_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 VARIANTS = [("fa2", False), ("fa2", True), ("fa1", False)]
@@ -52,7 +54,8 @@ TOL = {"float32": 2e-5, "float16": 2e-2, "bfloat16": 1e-1}  # relative to the la
 def test_gradients_match_float64_reference(variant, dtype, gqa, n_q, n_k, head_dim, causal, seed):
     algorithm, deterministic = variant
     do, q, k, v, o, lse = problem(np.random.default_rng(seed), 1, 2, 1 if gqa else 2, n_q, n_k, head_dim, dtype, causal)
-    grads = attention_backward(do, q, k, v, o, lse, causal=causal, algorithm=algorithm, deterministic=deterministic)
+    grads = gradients(do, q, k, v, o, lse, causal=causal, algorithm=algorithm, deterministic=deterministic,
+                      precision="ieee")
     # The reference of the inputs as the kernels saw them (16-bit values widened exactly).
     refs = reference.attention_backward(*(x.astype(np.float64) for x in (do, q, k, v)), causal=causal)
     for name, got, ref, x in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):

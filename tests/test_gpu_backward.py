@@ -1,6 +1,8 @@
 """``numba_flash.attention_backward`` on a real GPU (``pytest -m gpu``; skipped in the simulator):
-larger shapes than the simulator reaches, every loop order, against float64 autograd through a
-PyTorch implementation of attention (GQA by repetition, bottom-right causal)."""
+larger shapes than the simulator reaches, every loop order, both regimes (float16 and bfloat16 on
+tensor cores by default, and on CUDA cores through ``gradients(precision="ieee")``), against
+float64 autograd through a PyTorch implementation of attention (GQA by repetition, bottom-right
+causal)."""
 
 from __future__ import annotations
 
@@ -28,16 +30,17 @@ def _grads64(do, q, k, v, causal):
 
 
 @pytest.mark.parametrize("variant", [("fa2", False), ("fa2", True), ("fa1", False)])
-@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+@pytest.mark.parametrize("dtype, precision", [("float32", None), ("float16", None), ("bfloat16", None),
+                                              ("float16", "ieee"), ("bfloat16", "ieee")])
 # D = 64: 64 x 64 tiles (128 threads); D = 128: 32 x 32 (64 threads, dQ in two halves, copies in
 # two passes); D = 40 and 100: padded head dims (40 -> 64, 100 -> 128); Nq > Nk causal: rows
 # that see no key.
 @pytest.mark.parametrize("shape, causal", [((2, 4, 2, 700, 900, 64), True), ((1, 2, 2, 513, 257, 128), False),
                                            ((1, 4, 2, 301, 517, 40), True), ((1, 4, 1, 333, 130, 100), True)])
-def test_backward_large(variant, dtype, shape, causal):
+def test_backward_large(variant, dtype, precision, shape, causal):
     torch = pytest.importorskip("torch")
     import numba_flash
-    from numba_flash.backward import attention_backward
+    from numba_flash.backward import gradients
 
     algorithm, deterministic = variant
     B, H, Hkv, Nq, Nk, D = shape
@@ -47,7 +50,11 @@ def test_backward_large(variant, dtype, shape, causal):
     k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", generator=gen).to(dt) for _ in range(2))
     o, lse = numba_flash.attention(q, k, v, causal=causal, return_lse=True, precision="ieee")
     do = torch.randn(o.shape, device="cuda", generator=gen).to(dt)
-    grads = attention_backward(do, q, k, v, o, lse, causal=causal, algorithm=algorithm, deterministic=deterministic)
+    def run():
+        return gradients(do, q, k, v, o, lse, causal=causal, algorithm=algorithm, deterministic=deterministic,
+                         precision=precision)
+
+    grads = run()
     refs = _grads64(do, q, k, v, causal)
     tol = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
     for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
@@ -55,5 +62,62 @@ def test_backward_large(variant, dtype, shape, causal):
         err = float((got.double() - ref).abs().max() / ref.abs().max())
         assert err < tol, (name, err)
     if deterministic or algorithm == "fa1":
-        again = attention_backward(do, q, k, v, o, lse, causal=causal, algorithm=algorithm, deterministic=deterministic)
+        again = run()
         assert all(torch.equal(a, b) for a, b in zip(grads, again))
+
+
+# The tensor-core backward at other tiles than the default 64 x 128 (block_m queries x block_n
+# keys): 64 x 64 (4 warps), 32 x 32 (2 warps), 128 x 64 (dQ: two 16-query groups per warp),
+# 16 x 64 (dQ: four warps split a group's columns), D = 64 and 128, causal Nq != Nk, GQA.
+@pytest.mark.parametrize("tiles", [(64, 64), (32, 32), (128, 64), (16, 64)])
+@pytest.mark.parametrize("variant", [("fa2", False), ("fa2", True), ("fa1", False)])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tensor_core_backward_tiles(tiles, variant, head_dim):
+    torch = pytest.importorskip("torch")
+    import numba_flash
+    from numba_flash.backward import gradients
+    from numba_flash.kernels.tc_bwd import SMEM_OPTIN_LIMIT, tc_bwd_layout
+
+    algorithm, deterministic = variant
+    if tc_bwd_layout(algorithm, "f16", head_dim, *tiles).smem_bytes > SMEM_OPTIN_LIMIT:
+        pytest.skip(f"{tiles} at D={head_dim}: {algorithm}'s tiles exceed a block's shared memory")
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    q = torch.randn(1, 4, 333, head_dim, device="cuda", generator=gen).half()
+    k, v = (torch.randn(1, 2, 401, head_dim, device="cuda", generator=gen).half() for _ in range(2))
+    o, lse = numba_flash.attention(q, k, v, causal=True, return_lse=True, precision="ieee")
+    do = torch.randn(o.shape, device="cuda", generator=gen).half()
+    grads = gradients(do, q, k, v, o, lse, causal=True, algorithm=algorithm, deterministic=deterministic, tiles=tiles)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, _grads64(do, q, k, v, True)):
+        err = float((got.double() - ref).abs().max() / ref.abs().max())
+        assert err < 2e-2, (name, tiles, err)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_tensor_core_backward_registers_and_no_local_memory(head_dim):
+    """The default tiles' kernels as the device's JIT compiled them: no local memory (offline
+    ptxas 13.5 for sm_90 found none, docs/performance-log.md), and the blocks per SM the
+    prediction assumes (one block of 8 warps for the K/V kernels)."""
+    torch = pytest.importorskip("torch")
+    import numba_flash
+    from numba_flash.backward import attention_backward, backward_tc_tiles
+    from numba_flash.kernels.tc_bwd import dq_kernel_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout
+    from numba_flash.profiling.resources import compiled_resources
+
+    q, k, v = (torch.randn(1, 2, 300, head_dim, device="cuda").half() for _ in range(3))
+    o, lse = numba_flash.attention(q, k, v, return_lse=True)
+    do = torch.randn_like(o)
+    for deterministic in (False, True):
+        attention_backward(do, q, k, v, o, lse, deterministic=deterministic)
+    attention_backward(do, q, k, v, o, lse, algorithm="fa1")
+    torch.cuda.synchronize()
+    bm, bn = backward_tc_tiles(head_dim)
+    dm, dn = dq_kernel_tiles(bm, bn)
+    for kernel, layout in ((tc_bwd_kernel("fa2", "f16", head_dim, bm, bn, False, True), tc_bwd_layout("fa2", "f16", head_dim, bm, bn)),
+                           (tc_bwd_kernel("fa2", "f16", head_dim, bm, bn, False, False), tc_bwd_layout("fa2", "f16", head_dim, bm, bn)),
+                           (tc_bwd_kernel("fa1", "f16", head_dim, bm, bn, False, True), tc_bwd_layout("fa1", "f16", head_dim, bm, bn)),
+                           (tc_bwd_dq_kernel("f16", head_dim, dm, dn, False), tc_bwd_layout("dq", "f16", head_dim, dm, dn))):
+        res = compiled_resources(kernel, layout.threads, layout.smem_bytes)
+        print(layout.kernel, head_dim, res.as_dict())
+        assert res.blocks_per_sm >= 1
+        if layout.kernel != "fa1":  # (FA-1: a few bytes at some tiles offline; its grid is B x Hkv anyway)
+            assert res.local_bytes == 0, (layout.kernel, res.as_dict())

@@ -184,3 +184,92 @@ def test_bf16_rounding_is_round_to_nearest_even():
     assert mma._bf16_bits(np.float32(1 + 3 * 2.0**-8)) == 0x3F82  # tie to even, upwards
     assert mma._bf16_bits(np.float32(np.nan)) & 0x7FC0 == 0x7FC0
     assert mma._bf16_bits(np.float32(-np.inf)) == 0xFF80
+
+
+# ---------------------------------------------------------------------------------------------
+# The backward's additions: A = X^T by ldmatrix.trans, packed 16-bit stores of accumulators,
+# vector float32 reductions, 16-bit values.
+# ---------------------------------------------------------------------------------------------
+
+DS_STRIDE = 24
+
+
+@functools.lru_cache(maxsize=None)
+def transposed_a_kernel(kind: str):
+    """c = X^T @ B where X (16 x 16, k x m) is stored row-major and read as the A operand by
+    ``ldsm_x4_a_trans``, after a round trip of the accumulators of P = X (given as float32 in
+    the C layout of two 8-wide tiles) through ``st_shared_u32`` (as the backward stores dS^T);
+    and ``out[n, d:d+2] += c[n, d:d+2]`` by ``red_add_f32x2`` from every lane's fragments."""
+    MMA, PACK = mma.MMA_16[kind], mma.PACK_16[kind]
+    SCRATCH = mma.scratch_floats(32)
+
+    @cuda.jit
+    def transposed_a(x_f32, b_bits, c, out):
+        x_s = cuda.shared.array(16 * DS_STRIDE, mma.uint16)
+        b_s = cuda.shared.array(TILE, mma.uint16)
+        scratch = cuda.shared.array(SCRATCH, float32)
+        lane = cuda.threadIdx.x
+        g, t = lane // 4, lane % 4
+        for i in range(lane, 256, 32):
+            b_s[(i // 16) * STRIDE + i % 16] = b_bits[i // 16, i % 16]
+        # X's accumulators (rows g, g + 8; columns 2t, 2t + 1 of two 8-wide tiles) -> shared
+        for n in range(2):
+            c0 = 8 * n + 2 * t
+            mma.st_shared_u32(x_s, g * DS_STRIDE + c0, PACK(x_f32[g, c0], x_f32[g, c0 + 1]))
+            mma.st_shared_u32(x_s, (g + 8) * DS_STRIDE + c0, PACK(x_f32[g + 8, c0], x_f32[g + 8, c0 + 1]))
+        cuda.syncthreads()
+        a = mma.ldsm_x4_a_trans(x_s, 0, 0, DS_STRIDE)
+        acc = cuda.local.array((2, 4), float32)
+        for n in range(2):
+            for e in range(4):
+                acc[n, e] = float32(0.0)
+        vb = mma.ldsm_x4_trans(b_s, 0, 0, STRIDE)
+        MMA(acc, 0, a[0], a[1], a[2], a[3], vb[0], vb[1], scratch)
+        MMA(acc, 1, a[0], a[1], a[2], a[3], vb[2], vb[3], scratch)
+        for n in range(2):
+            for e in range(4):
+                c[g + 8 * (e // 2), 8 * n + 2 * t + e % 2] = acc[n, e]
+            for i in range(2):
+                mma.red_add_f32x2(out, g + 8 * i, 8 * n + 2 * t, acc[n, 2 * i], acc[n, 2 * i + 1])
+
+    return transposed_a
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(kind=st.sampled_from(["f16", "bf16"]), seed=st.integers(0, 2**32 - 1))
+def test_transposed_a_operand_and_packed_stores_equal_numpy(kind, seed):
+    rng = np.random.default_rng(seed)
+    x_bits, x = _rounded16(kind, rng.standard_normal((16, 16)))
+    b_bits, b = _rounded16(kind, rng.standard_normal((16, 16)))
+    c = cuda.to_device(np.full((16, 16), np.nan, np.float32))
+    start = rng.standard_normal((16, 16)).astype(np.float32)
+    out = cuda.to_device(start.copy())
+    transposed_a_kernel(kind)[1, 32](cuda.to_device(x.astype(np.float32)), cuda.to_device(b_bits), c, out)
+    _close(c.copy_to_host(), x.T @ b)
+    _close(out.copy_to_host(), start + (x.T @ b).astype(np.float32))
+
+
+@functools.lru_cache(maxsize=None)
+def values_kernel(kind: str):
+    VALUE = mma.VALUE_16[kind]
+
+    @cuda.jit
+    def values(bits, out):
+        i = cuda.grid(1)
+        if i < bits.shape[0]:
+            out[i] = VALUE(bits[i])
+
+    return values
+
+
+@settings(max_examples=examples(4), deadline=None)
+@given(kind=st.sampled_from(["f16", "bf16"]), seed=st.integers(0, 2**32 - 1))
+def test_16_bit_values_are_exact(kind, seed):
+    """f16_value / bf16_value: the float32 value of a 16-bit pattern, exactly (normal,
+    subnormal, zero, inf)."""
+    rng = np.random.default_rng(seed)
+    x = np.concatenate([rng.standard_normal(60) * 10.0 ** rng.integers(-6, 4, 60), [0.0, -0.0, np.inf, -np.inf]])
+    bits, values = _rounded16(kind, x)
+    out = cuda.to_device(np.full(len(x), np.nan, np.float32))
+    values_kernel(kind)[1, 64](cuda.to_device(np.ascontiguousarray(bits)), out)
+    np.testing.assert_array_equal(out.copy_to_host(), values.astype(np.float32))

@@ -145,8 +145,10 @@ def test_backward_cases_check_their_gradients(sanitize, monkeypatch):
     if not simulated():
         pytest.skip("the script's child runs them on the GPU")
     cases = dict(sanitize.build_cases(("ieee",), "default", xp=np, backward=True))
-    assert len(cases) == 3 * 2 * 2 * 2 * len(sanitize.LENGTHS)
+    assert len(cases) == 3 * 3 * 2 * 2 * len(sanitize.LENGTHS)  # loop orders x (float32, float16 x 2 regimes) x ..
     assert {n.split("-float")[0] for n in cases} == {"backward-fa1", "backward-fa2", "backward-fa2-deterministic"}
+    assert "backward-fa2-float16-causal-D40-Nq1-Nk33-B2H4/2" in cases  # tensor cores (run: test_backward_tc.py)
+    assert "backward-fa2-float16-ieee-causal-D40-Nq1-Nk33-B2H4/2" in cases  # CUDA cores
     name = "backward-fa2-float32-causal-D40-Nq1-Nk33-B2H4/2"
     cases[name]()
 

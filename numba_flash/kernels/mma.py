@@ -32,6 +32,11 @@ m2 = (0-7, 8-15), m3 = (8-15, 8-15). Lane l receives of matrix j the pair
 B fragments of two key tiles ((m0, m2) and (m1, m3)); ``ldsm_x4_trans`` of a V block
 (keys x d) gives the B fragments of two head-dim tiles ((m0, m1) and (m2, m3)).
 
+The backward adds :func:`ldsm_x4_a_trans` (the A fragment of the transpose of a stored block:
+dS from dS^T), :func:`st_shared_u32` (a packed pair of 16-bit values to shared memory),
+:func:`red_add_f32x2` (``red.global.add.v2.f32``: two float32 of a row added atomically) and
+``f16_value`` / ``bf16_value`` (16-bit bits -> float32).
+
 The simulated ``mma`` needs the other lanes' fragments: each thread writes its fragments to a
 per-warp slot of a shared ``scratch`` array and meets the block at a barrier (double-buffered:
 one barrier per product). So in the simulator every thread of the block must call every
@@ -243,6 +248,30 @@ if simulated():
             pass
 
         return wait
+
+    # ----------------------------------------------------------------------------------------
+    # 16-bit values, shared stores of packed pairs, vector reductions (the backward's)
+    # ----------------------------------------------------------------------------------------
+
+    @device_jit
+    def f16_value(bits):
+        return float32(_f16_value(int(bits) & 0xFFFF))
+
+    @device_jit
+    def bf16_value(bits):
+        return float32(_bf16_value(int(bits) & 0xFFFF))
+
+    @device_jit
+    def st_shared_u32(smem, i, bits):
+        """``smem[i], smem[i + 1]`` (16-bit elements, ``i`` even) = the low, high half of ``bits``."""
+        smem[i] = int(bits) & 0xFFFF
+        smem[i + 1] = (int(bits) >> 16) & 0xFFFF
+
+    @device_jit
+    def red_add_f32x2(x, n, d, v0, v1):
+        """``x[n, d] += v0`` and ``x[n, d + 1] += v1``, atomically (float32, 2-D)."""
+        cuda.atomic.add(x, (n, d), v0)
+        cuda.atomic.add(x, (n, d + 1), v1)
 
     # ----------------------------------------------------------------------------------------
     # mma.sync, through a shared scratch exchange
@@ -601,6 +630,76 @@ else:
 
         return wait
 
+    # --------------------- 16-bit values, packed shared stores, vector reductions -----------
+
+    @intrinsic
+    def _cvt_f16_f32(typingctx, bits):
+        sig = types.float32(types.uint16)
+
+        def codegen(context, builder, signature, args):
+            return _asm(builder, _F32, [_I16], "cvt.f32.f16 $0, $1;", "=f,h", [args[0]])
+
+        return sig, codegen
+
+    @intrinsic
+    def _bf16_as_f32(typingctx, bits):
+        sig = types.float32(types.uint16)
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16)), _F32)
+
+        return sig, codegen
+
+    @intrinsic
+    def _st_shared_b32(typingctx, smem, index, bits):
+        sig = types.void(smem, index, types.uint32)
+
+        def codegen(context, builder, signature, args):
+            aryty, idxty, _ = signature.args
+            ptr = _element_ptr(context, builder, aryty, args[0], [idxty], [args[1]])
+            # volatile with a memory clobber, as ldmatrix: the compiler cannot see this store
+            _asm(builder, ir.VoidType(), [_I32, _I32], "st.shared.b32 [$0], $1;", "r,r,~{memory}",
+                 [_shared_addr(builder, ptr), args[2]], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @intrinsic
+    def _red_add_v2(typingctx, x, n, d, v0, v1):
+        sig = types.void(x, n, d, types.float32, types.float32)
+
+        def codegen(context, builder, signature, args):
+            xty, nt, dt = signature.args[:3]
+            ptr = _element_ptr(context, builder, xty, args[0], [nt, dt], args[1:3])
+            _asm(builder, ir.VoidType(), [ir.IntType(64), _F32, _F32], "red.global.add.v2.f32 [$0], {$1, $2};",
+                 "l,f,f,~{memory}", [_global_addr(builder, ptr), args[3], args[4]], side_effect=True)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @device_jit
+    def f16_value(bits):
+        """The float32 value of float16 bits (``cvt.f32.f16``, exact)."""
+        return _cvt_f16_f32(bits)
+
+    @device_jit
+    def bf16_value(bits):
+        """The float32 value of bfloat16 bits (the high half of a float32, exact)."""
+        return _bf16_as_f32(bits)
+
+    @device_jit
+    def st_shared_u32(smem, i, bits):
+        """``smem[i], smem[i + 1]`` (16-bit elements of shared memory, ``i`` even) = the low and
+        high half of ``bits``: one 32-bit store (``st.shared.b32``)."""
+        _st_shared_b32(smem, i, bits)
+
+    @device_jit
+    def red_add_f32x2(x, n, d, v0, v1):
+        """``x[n, d:d + 2] += (v0, v1)`` atomically, one ``red.global.add.v2.f32`` (sm_90; ``x``
+        a 2-D float32 array in global memory, e.g. ``dq[b, h]``; the address 8-byte aligned:
+        ``d`` and the row stride even)."""
+        _red_add_v2(x, n, d, v0, v1)
+
     # ---------------------------------- mma.sync -------------------------------------------
 
     def _mma(shape, a_type):
@@ -643,6 +742,18 @@ else:
     mma_tf32 = _accumulate(_mma_tf32)
 
 
+@device_jit
+def ldsm_x4_a_trans(smem, row0, col0, stride):
+    """The m16n8k16 A fragment of the *transpose* of the 16x16 block at (row0, col0) of a
+    row-major 16-bit matrix X: A = X^T (A's rows are X's columns), by one ``ldmatrix.trans``.
+    Lane (g, t) of ``ldsm_x4_trans`` gets (X[2t, g], X[2t+1, g]) of each 8x8 matrix, i.e.
+    (A[g, 2t], A[g, 2t+1]); A's a1 (rows 8-15 = X's columns 8-15) is matrix m2 and a2 (A's
+    columns 8-15 = X's rows 8-15) is m1. The backward reads dS this way from dS^T."""
+    x = ldsm_x4_trans(smem, row0, col0, stride)
+    return x[0], x[2], x[1], x[3]
+
+
 MMA_16 = {"f16": mma_f16, "bf16": mma_bf16}  # m16n8k16 product of a 16-bit kind
 PACK_16 = {"f16": pack_f16x2, "bf16": pack_bf16x2}  # two float32 -> two 16-bit in a uint32
 BITS_16 = {"f16": f16_bits, "bf16": bf16_bits}  # float32 -> one 16-bit pattern (uint16)
+VALUE_16 = {"f16": f16_value, "bf16": bf16_value}  # one 16-bit pattern (uint16) -> float32

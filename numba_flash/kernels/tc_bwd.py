@@ -1,0 +1,722 @@
+"""Attention backward on tensor cores (16-bit inputs, float32 accumulation): FlashAttention-2
+Algorithm 2 and FlashAttention's Algorithm 4, on the forward's primitives (``mma``, ``tc_ops``).
+
+The loop nests are those of the CUDA-core backward (``kernels.bwd``): K/V tiles outside, Q tiles
+inside, P recomputed from the forward's logsumexp. What changes is where each product lives.
+
+**Orientation.** A block of the K/V kernels has ``block_n / 16`` warps; warp ``w`` owns keys
+``16 w .. 16 w + 15`` of K_j (lane ``(g, t)``: keys ``g`` and ``g + 8``) and computes the
+*transposed* scores of its keys against all ``block_m`` queries of Q_i:
+
+==================  ===========================================================================
+S^T = K_j Q_i^T     A = the warp's K_j rows (``ldmatrix``; kept in registers for the whole walk
+                    when D <= 64), B = Q_i rows (``ldmatrix`` of the row-major tile: the
+                    forward's S = Q K^T with the roles swapped)
+dP^T = V_j dO_i^T   the same with V_j and dO_i
+P^T, dS^T           elementwise in the accumulators: P^T = exp2(S^T scale log2 e - L),
+                    dS^T = P^T (dP^T - D), L and D per *column* (query), from shared memory
+dV_j += P^T dO_i    P^T never leaves the registers: the accumulator layout of two adjacent
+                    8-query tiles is the A-fragment layout of one 16-query step (the forward's
+                    P~ V, ``tc_ops.pv_tile``), dO_i's B fragments by ``ldmatrix.trans``
+dK_j += dS^T Q_i    the same with dS^T and Q_i; dK_j, dV_j stay in registers (float32 C
+                    fragments) across the whole walk over Q tiles and query heads (GQA)
+dQ_i += dS K_j      the sum over keys spans the warps, so dS^T goes to shared memory (16-bit,
+                    packed pairs), and after a barrier warp ``w`` takes queries ``16 w ..``:
+                    A = dS by ``ldmatrix.trans`` of dS^T (``mma.ldsm_x4_a_trans``), B = K_j by
+                    ``ldmatrix.trans``; the float32 result goes to dQ by
+                    ``red.global.add.v2.f32`` (FA-2) or a read-modify-write (FA-1)
+==================  ===========================================================================
+
+This is FlashAttention-2's choice (dV, dK from P^T, dS^T in registers; dQ through shared memory
+and atomics). In dQ the warps take whole 16-query groups, or, when there are fewer groups than
+warps (``block_m < block_n``), split a group's 16-column chunks of D.
+
+**Kernels.** ``"fa2"`` (:func:`tc_bwd_kernel`): one block per (K/V tile, batch, KV head), D_i =
+rowsum(dO_i O_i) computed before by :func:`tc_rowdot_kernel`, dQ by float32 atomics into a
+zeroed float32 buffer; ``compute_dq=False`` leaves dQ to :func:`tc_bwd_dq_kernel`
+(``deterministic=True``: one block per (Q tile, batch, head) walks the K/V tiles in the
+forward's orientation, S = Q_i K_j^T, dP = dO_i V_j^T, dQ_i += dS K_j with dS in registers,
+no atomics). ``"fa1"``: one block per (batch, KV head) walks every K/V tile (Alg. 4 line 5);
+D_i = rowsum(dO_i O_i) from O_i in shared memory inside the step (line 19), and dQ_i is read,
+updated and written back in global memory (line 21): the block is alone on its head.
+
+**Pipeline.** Q_i, dO_i (FA-1: O_i) are double-buffered: the copies of the next step (``cp.async``)
+are issued at the top of a step and land during its products; L and D of the next step are
+read into registers there and stored at the end. The walk over Q tiles and query heads is one
+flat loop of steps, so the pipeline does not drain between heads. Two barriers per step:
+the top one (this step's tiles visible, everyone done with the other buffers and dS^T), and the
+one between storing dS^T and reading it (FA-1 one more, for D_i).
+
+**Masks.** Rows past Nq and rows that see no key (lse = -inf) get L = +inf (P = 0) and D = 0;
+Q, dO, K, V rows past the end are zero-filled by the copies. Keys hidden by the causal mask
+(bottom-right) or past Nk get P = dS = 0, tested only in tiles that need it (block-uniform).
+S is not pre-scaled (Q stays 16-bit): P = exp2(S scale log2 e - L log2 e), and dK = scale
+dS^T Q, dQ = scale dS K are scaled when written.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+from numba_flash._cuda import cuda, float32, int32
+from numba_flash.kernels import mma
+from numba_flash.kernels.jit import LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile
+from numba_flash.kernels.row_state import last_visible_key
+from numba_flash.kernels.tc_ops import SMEM_OPTIN_LIMIT, tc_ops
+
+KINDS = ("f16", "bf16")  # the tensor-core backward reads 16-bit inputs
+KERNELS = ("fa2", "fa1", "dq")  # the K/V kernels of each loop order, and the deterministic dQ kernel
+BLOCK_CHOICES = (16, 32, 64, 128)
+POS_INF = math.inf  # L of a row that sees no key (or past Nq): P = exp2(S - inf) = 0
+NEVER = 1 << 30  # first visible query of a key past Nk: after every row
+A_IN_REGS_MAX_DIM = 64  # padded head dims up to which a warp keeps its own rows' fragments in registers
+ROWDOT_THREADS = 128
+
+
+@dataclass(frozen=True)
+class TcBwdLayout:
+    """Sizes of one tensor-core backward kernel; shared memory is one dynamic ``uint16`` buffer
+    carved into tiles (offsets multiples of 8 elements: 16-byte aligned for ``cp.async`` and
+    ``ldmatrix``), rows padded by 16 bytes so that the eight rows of an ``ldmatrix`` fall in
+    distinct banks; L and D (float32) are a static array beside it."""
+
+    kernel: str  # one of KERNELS
+    kind: str  # "f16" or "bf16"
+    head_dim: int  # the kernel head dim (a multiple of 8: ``tc_ops.kernel_head_dim``)
+    block_m: int  # queries of a Q tile
+    block_n: int  # keys of a K/V tile
+
+    @property
+    def warps(self) -> int:  # 16 rows a warp: keys (K/V kernels) or queries (dQ kernel)
+        return (self.block_m if self.kernel == "dq" else self.block_n) // 16
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def padded_dim(self) -> int:  # the k-step of the products along D is 16
+        return -(-self.head_dim // 16) * 16
+
+    @property
+    def stride(self) -> int:  # elements of a shared row of Q, dO, O, K, V
+        return self.padded_dim + 8
+
+    @property
+    def ds_stride(self) -> int:  # elements of a shared row of dS^T (keys x queries)
+        return self.block_m + 8
+
+    @property
+    def a_in_regs(self) -> bool:
+        """Does a warp keep the A fragments of its own rows in registers for the whole walk?
+        The dQ kernel (Q_i, dO_i) up to D = 64 (16 + 16 registers); above, and in the K/V
+        kernels (K_j, V_j) always, they are read by ``ldmatrix`` at every product (one per
+        16-wide step of D, against ``block_m / 16`` for the B operand): the registers go to
+        dK_j, dV_j (ptxas for sm_90, offline: with K_j, V_j in registers the D = 64 FA-2
+        kernel spilled at 255 registers; without, 235 and none)."""
+        return self.kernel == "dq" and self.padded_dim <= A_IN_REGS_MAX_DIM
+
+    def tiles(self) -> list[tuple[str, int]]:
+        """(name, elements) of the shared tiles in order."""
+        q_rows, kv_rows = self.block_m * self.stride, self.block_n * self.stride
+        if self.kernel == "dq":  # K_j double-buffered: read first (S) and last (dQ)
+            return [("q", q_rows), ("do", q_rows), ("k0", kv_rows), ("k1", kv_rows), ("v", kv_rows)]
+        out = [("k", kv_rows), ("v", kv_rows), ("q0", q_rows), ("q1", q_rows), ("do0", q_rows), ("do1", q_rows)]
+        if self.kernel == "fa1":
+            out += [("o0", q_rows), ("o1", q_rows)]
+        return out + [("ds", self.block_n * self.ds_stride)]
+
+    def offset(self, name: str) -> int:
+        at = 0
+        for n, size in self.tiles():
+            if n == name:
+                return at
+            at += size
+        raise KeyError(name)
+
+    def elems(self, name: str) -> int:
+        return dict(self.tiles())[name]
+
+    @property
+    def smem_bytes(self) -> int:
+        """Dynamic shared memory of one block (16-bit elements)."""
+        return 2 * sum(size for _, size in self.tiles())
+
+    @property
+    def stat_floats(self) -> int:
+        """Static float32 shared memory: L and D of two steps (the K/V kernels); the dQ kernel
+        keeps its rows' L and D in registers."""
+        return 1 if self.kernel == "dq" else 4 * self.block_m
+
+
+def tc_bwd_layout(kernel: str, kind: str, head_dim: int, block_m: int, block_n: int) -> TcBwdLayout:
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {list(KERNELS)}; got {kernel!r}")
+    if kind not in KINDS:
+        raise ValueError(f"the tensor-core backward reads 16-bit inputs: kind must be one of {list(KINDS)}; got {kind!r}")
+    return TcBwdLayout(kernel, kind, int(head_dim), int(block_m), int(block_n))
+
+
+def dq_kernel_tiles(block_m: int, block_n: int) -> tuple[int, int]:
+    """(block_m, block_n) of the deterministic dQ kernel for the K/V kernels' tiles: the same Q
+    tile, K/V tiles of at most 64 keys (its S and dP hold ``block_n / 2`` floats per thread
+    each; at 128 keys and D = 64 it spilled 100 bytes, offline)."""
+    return block_m, min(block_n, 64)
+
+
+def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int, kernels=KERNELS) -> None:
+    """``ValueError`` naming the argument when the backward ``kernels`` cannot run these tiles."""
+    for name, value in (("block_m", block_m), ("block_n", block_n)):
+        if isinstance(value, bool) or value not in BLOCK_CHOICES:
+            raise ValueError(f"{name}={value!r}: the tensor-core backward needs one of {list(BLOCK_CHOICES)}")
+    for kernel in kernels:
+        tiles = dq_kernel_tiles(block_m, block_n) if kernel == "dq" else (block_m, block_n)
+        need = tc_bwd_layout(kernel, kind, head_dim, *tiles).smem_bytes
+        if need > SMEM_OPTIN_LIMIT:
+            raise ValueError(f"block_m={block_m}, block_n={block_n} at head_dim={head_dim}: the {kernel} kernel needs "
+                             f"{need} bytes of shared memory, more than the {SMEM_OPTIN_LIMIT} a block can have")
+
+
+def default_tc_bwd_tiles(head_dim: int) -> tuple[int, int]:
+    """(block_m, block_n) of the tensor-core backward on an sm_90 GPU: 64 queries per Q tile,
+    128 keys per K/V tile (8 warps of 16 keys), FlashAttention-2's shape for its sm80 D = 128
+    backward. Chosen offline, unmeasured (docs/performance-log.md, "Backward on tensor cores"):
+    ptxas for sm_90 gives the FA-2 kernel 254 registers at D = 64 and 248 at D = 128 with no
+    spills, one block of 8 warps per SM; 64 x 64 (4 warps, two blocks per SM: also 8 warps) has
+    no spills either but twice the dQ atomics and the L2 reads of Q_i, dO_i.
+    ``NUMBA_FLASH_TC_BWD_TILES="MxN"`` overrides (an experiment knob for sweeps on a GPU)."""
+    env = os.environ.get("NUMBA_FLASH_TC_BWD_TILES")
+    if env:
+        m, n = env.lower().split("x")
+        return int(m), int(n)
+    return (64, 128)
+
+
+# ------------------------------------------------------------------------------------------
+# Device functions shared by the kernels
+# ------------------------------------------------------------------------------------------
+
+
+def vector_reductions(compute_capability) -> bool:
+    """Can a GPU of this compute capability run ``red.global.add.v2.f32``? (sm_90 and later;
+    ``None``: the simulator, whose reduction is two atomics anyway.)"""
+    return compute_capability is None or tuple(compute_capability) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_regs: bool):
+    """``(load_frags, ab_t)`` for a block whose warps own 16 rows each of an A tile:
+
+    - ``load_frags(a_s, af)``: the A fragments of this warp's rows, one per 16-wide step of D
+      (``af`` is ``(D_pad / 16, 4)`` when ``a_in_regs``, else unused);
+    - ``ab_t(af, a_s, b_s, acc, scratch)``: ``acc = A_w B^T`` over the first ``n_cols`` rows of
+      the B tile (``n_cols / 8`` accumulator tiles): the forward's S = Q_i K_j^T, with A from
+      registers or, when not ``a_in_regs``, by one ``ldmatrix`` per 16-wide step of D.
+    ``warp_rows_tile``: rows of the A tile (only for the tile ops' layout)."""
+    ops = tc_ops(kind, head_dim, warp_rows_tile, n_cols)
+    L = ops.layout
+    S, KT, NC = L.stride, L.padded_dim // 16, n_cols // 8
+    MMA = mma.MMA_16[kind]
+    A_REGS = bool(a_in_regs)
+
+    @device_jit
+    def load_frags(a_s, af):
+        if A_REGS:
+            r0 = ops.warp_row0()
+            for kt in range(KT):
+                a = mma.ldsm_x4(a_s, r0, 16 * kt, S)
+                for e in range(4):
+                    af[kt, e] = a[e]
+
+    @device_jit
+    def ab_t(af, a_s, b_s, acc, scratch):
+        for nt in range(NC):
+            for e in range(4):
+                acc[nt, e] = float32(0.0)
+        r0 = ops.warp_row0()
+        for kt in range(KT):
+            if A_REGS:
+                a0, a1, a2, a3 = af[kt, 0], af[kt, 1], af[kt, 2], af[kt, 3]
+            else:
+                a0, a1, a2, a3 = mma.ldsm_x4(a_s, r0, 16 * kt, S)
+            for nt2 in range(NC // 2):  # 16 B rows: two 8-column tiles per ldmatrix.x4
+                bb = mma.ldsm_x4(b_s, 16 * nt2, 16 * kt, S)
+                MMA(acc, 2 * nt2, a0, a1, a2, a3, bb[0], bb[2], scratch)
+                MMA(acc, 2 * nt2 + 1, a0, a1, a2, a3, bb[1], bb[3], scratch)
+
+    return load_frags, ab_t
+
+
+@functools.lru_cache(maxsize=None)
+def _row_loader(head_dim: int, rows: int, threads: int):
+    """``load(x, b, h, first, n_valid, x_s)``: rows ``first ..`` of ``x[b, h]`` (16-bit, D =
+    ``head_dim`` a multiple of 8) -> ``x_s`` (``rows`` x D_pad, row stride D_pad + 8) by 16-byte
+    ``cp.async`` copies, consecutive threads on consecutive chunks of a row; rows at or past
+    ``n_valid`` and columns past D zero-filled. ``tc_ops``' loader, with the chunk's row and
+    column by shift and mask when a row has a power-of-two number of chunks (D = 64: 8,
+    D = 128: 16): the loop-invariant index arithmetic of the copies is then cheap enough for
+    ptxas to recompute instead of keeping (or spilling) it across the step. The caller commits."""
+    D, NT = head_dim, threads
+    DP = -(-D // 16) * 16
+    S, CPR = DP + 8, DP // 8
+    COPIES = -(-rows * CPR // NT)
+    EXACT = rows * CPR % NT == 0
+    POW2 = CPR & (CPR - 1) == 0
+    SHIFT = CPR.bit_length() - 1
+    FULL = DP == D  # no padded columns to zero-fill
+
+    @device_jit
+    def load(x, b, h, first, n_valid, x_s):
+        tid = cuda.threadIdx.x
+        last = n_valid - 1
+        for n in range(COPIES):
+            c = tid + NT * n
+            if EXACT or c < rows * CPR:
+                if POW2:
+                    r = c >> SHIFT
+                    d = (c & (CPR - 1)) << 3
+                else:
+                    r = c // CPR
+                    d = (c - r * CPR) * 8
+                row = first + r
+                if FULL:
+                    mma.cp_async16(x_s, r * S + d, x, b, h, min(row, last), d, row < n_valid)
+                else:  # an invalid copy reads nothing, but its source address must be in bounds
+                    mma.cp_async16(x_s, r * S + d, x, b, h, min(row, last), min(d, D - 8), row < n_valid and d < D)
+
+    return load
+
+
+@functools.lru_cache(maxsize=None)
+def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, causal: bool,
+                  compute_dq: bool = True, vector_red: bool = True):
+    """The dK/dV (and dQ) kernel of one loop order on tensor cores (memoised).
+
+    Launch: ``"fa2"``: ``grid = (ceil(Nk / block_n) * B * Hkv,)``; ``"fa1"``: ``grid = (B * Hkv,)``;
+    ``block = (layout.threads,)``, dynamic shared memory ``layout.smem_bytes`` (``layout =
+    tc_bwd_layout(order, kind, head_dim, block_m, block_n)``). Arguments: ``q, o, do (B,H,Nq,D)``
+    and ``k, v (B,Hkv,Nk,D)`` as uint16 bit patterns (D = ``head_dim``, rows 16-byte aligned),
+    ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq) float32`` (D_i; read by ``"fa2"``; FA-1 computes
+    it from O_i), ``dq (B,H,Nq,D) float32`` zeroed and accumulated into (untouched when not
+    ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` uint16 bit patterns out (``D' <= D`` columns
+    written), ``scale`` (float32). ``vector_red``: FA-2's dQ atomics as ``red.global.add.v2.f32``
+    (sm_90 and later; else two float32 atomics: :func:`vector_reductions`).
+    """
+    if order not in ("fa1", "fa2"):
+        raise ValueError(f"order must be 'fa1' or 'fa2'; got {order!r}")
+    lay = tc_bwd_layout(order, kind, head_dim, block_m, block_n)
+    FA1, CAUSAL, DQ, VECTOR_RED = order == "fa1", bool(causal), bool(compute_dq), bool(vector_red)
+    D, BM, BN = head_dim, block_m, block_n
+    # The forward's tile ops with the roles swapped: their "Q tile" rows are keys (one warp per
+    # 16: warp_row0, thread_row), their "K/V tile" rows queries, so pv_tile(P^T, dO_i) is
+    # dV_j += P^T dO_i. (The copies are this module's _row_loader.)
+    ops = tc_ops(kind, D, BN, BM)
+    S, DSS, DP = lay.stride, lay.ds_stride, lay.padded_dim
+    NQ, DT, KT = BM // 8, DP // 8, DP // 16
+    KN, QG, WARPS, NT = BN // 16, BM // 16, lay.warps, lay.threads
+    SR = -(-BM // NT)  # rows of L, D each thread reads for the next step
+    A_REGS = lay.a_in_regs
+    AF_ROWS = KT if A_REGS else 1
+    load_frags, scores_t = _products(kind, D, BN, BM, A_REGS)
+    MMA, PACK, BITS, VALUE = mma.MMA_16[kind], mma.PACK_16[kind], mma.BITS_16[kind], mma.VALUE_16[kind]
+    K_TILE, V_TILE, Q0_TILE, Q1_TILE, DO0_TILE, DO1_TILE, DS_TILE = (
+        shared_tile(lay.offset(n), lay.elems(n)) for n in ("k", "v", "q0", "q1", "do0", "do1", "ds"))
+    O0_TILE, O1_TILE = (shared_tile(lay.offset(n), lay.elems(n)) for n in (("o0", "o1") if FA1 else ("q0", "q1")))
+    STATS = lay.stat_floats
+    MMA_SCRATCH = mma.scratch_floats(NT)
+    load_kv_rows, load_q_rows = _row_loader(D, BN, NT), _row_loader(D, BM, NT)
+    GROUPS_PER_WARP = max(1, QG // WARPS)  # dQ: 16-query groups per warp
+    SPLIT = max(1, WARPS // QG)  # dQ: warps sharing a group (they split its 16-column chunks of D)
+    CHUNKS_PER_WARP = -(-(DT // 2) // SPLIT)
+
+    @device_jit
+    def key_bounds(col0, n_q, n_k, first_q):
+        """The first query each of this lane's keys (rows g, g + 8 of its warp) is visible to
+        (bottom-right causal: key j is seen by query i iff i >= j - (Nk - Nq)); past Nk: none."""
+        for i in range(2):
+            key = col0 + ops.thread_row(i)
+            first = 0
+            if CAUSAL:
+                first = key - (n_k - n_q)
+            if key >= n_k:
+                first = NEVER
+            first_q[i] = first
+
+    @device_jit
+    def read_stats(lse, dvec, b, h, row0, n_q, nxt):
+        """L (log2 units; +inf past Nq and for rows that see no key) and D of the rows this
+        thread stores, into registers (``nxt``), for the next step."""
+        for u in range(SR):
+            r = cuda.threadIdx.x + NT * u
+            row = row0 + r
+            l2 = float32(POS_INF)
+            dd = float32(0.0)
+            if r < BM and row < n_q:
+                x = lse[b, h, row]
+                if x != NEG_INF:
+                    l2 = x * float32(LOG2E)
+                if not FA1:
+                    dd = dvec[b, h, row]
+            nxt[u, 0] = l2
+            nxt[u, 1] = dd
+
+    @device_jit
+    def write_stats(stats, base, nxt):
+        for u in range(SR):
+            r = cuda.threadIdx.x + NT * u
+            if r < BM:
+                stats[base + r] = nxt[u, 0]
+                if not FA1:
+                    stats[base + BM + r] = nxt[u, 1]
+
+    @device_jit
+    def rowdot(do_s, o_s, stats, base):
+        """Alg. 4 line 19: D_i = rowsum(dO_i * O_i) from shared memory (padded columns and
+        rows past Nq are zero), float32."""
+        for r in range(cuda.threadIdx.x, BM, NT):
+            acc = float32(0.0)
+            for d in range(DP):
+                acc += VALUE(do_s[r * S + d]) * VALUE(o_s[r * S + d])
+            stats[base + BM + r] = acc
+
+    @device_jit
+    def load_step(q, do, o, b, h, row0, n_q, q_s, do_s, o_s):
+        """Q_i, dO_i (FA-1: O_i) of one step -> shared memory, asynchronously (the caller commits)."""
+        load_q_rows(q, b, h, row0, n_q, q_s)
+        load_q_rows(do, b, h, row0, n_q, do_s)
+        if FA1:
+            load_q_rows(o, b, h, row0, n_q, o_s)
+
+    @device_jit
+    def probs_t(s, dp, stats, base, q_scale, masked, first_q, row0):
+        """In place: S^T -> P^T = exp2(S^T scale log2 e - L) (FA-2 line 11, Alg. 4 line 13),
+        dP^T -> dS^T = P^T (dP^T - D) (FA-2 line 14, Alg. 4 line 20); L and D of each column
+        (query) from shared memory; hidden entries P = dS = 0."""
+        t = ops.lane_t()
+        for nt in range(NQ):
+            for e in range(4):
+                c = 8 * nt + 2 * t + (e & 1)  # the query (column) of this accumulator
+                p = math.exp2(s[nt, e] * q_scale - stats[base + c])
+                ds = p * (dp[nt, e] - stats[base + BM + c])
+                if masked and row0 + c < first_q[e >> 1]:
+                    p = float32(0.0)
+                    ds = float32(0.0)
+                s[nt, e] = p
+                dp[nt, e] = ds
+
+    @device_jit
+    def store_ds_t(ds, ds_s):
+        """dS^T (this warp's 16 keys x block_m queries) -> shared memory as 16-bit pairs."""
+        r = ops.thread_row(0)
+        t2 = 2 * ops.lane_t()
+        for nt in range(NQ):
+            mma.st_shared_u32(ds_s, r * DSS + 8 * nt + t2, PACK(ds[nt, 0], ds[nt, 1]))
+            mma.st_shared_u32(ds_s, (r + 8) * DSS + 8 * nt + t2, PACK(ds[nt, 2], ds[nt, 3]))
+
+    @device_jit
+    def dq_tile(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch):
+        """dQ_i += scale dS K_j (FA-2 line 15 by atomics; Alg. 4 line 21 read and written back),
+        16 columns of D at a time (8 accumulators): A = dS from dS^T by ldmatrix.trans, B = K_j
+        by ldmatrix.trans. The work: 16-query groups x 16-column chunks of D; with at least as
+        many groups as warps, warp w takes groups w, w + warps, .. whole; with fewer, the warps
+        of a group split its chunks (a chunk past D, when they do not divide evenly, is
+        computed on a clamped chunk and not written: every warp makes the same products)."""
+        lane = cuda.threadIdx.x & 31
+        g, t = lane >> 2, lane & 3
+        w = cuda.threadIdx.x >> 5
+        dq_h = dq[b, h]  # (Nq, D): two indices per element instead of four
+        acc = cuda.local.array((2, 4), float32)
+        for m in range(GROUPS_PER_WARP):
+            qg = w % QG + WARPS * m
+            part = w // QG  # 0 unless the warps of a group split its chunks
+            for u in range(CHUNKS_PER_WARP):
+                dt2 = min(part + SPLIT * u, DT // 2 - 1)
+                for n in range(2):
+                    for e in range(4):
+                        acc[n, e] = float32(0.0)
+                for kk in range(KN):
+                    # dS's fragments again for every chunk: kept across D they made the kernels spill
+                    a = mma.ldsm_x4_a_trans(ds_s, 16 * kk, 16 * qg, DSS)
+                    kb = mma.ldsm_x4_trans(k_s, 16 * kk, 16 * dt2, S)
+                    MMA(acc, 0, a[0], a[1], a[2], a[3], kb[0], kb[1], scratch)
+                    MMA(acc, 1, a[0], a[1], a[2], a[3], kb[2], kb[3], scratch)
+                if part + SPLIT * u < DT // 2:
+                    for n in range(2):
+                        d = 16 * dt2 + 8 * n + 2 * t  # even; D % 8 == 0, so d + 1 < D when d < D
+                        if d < D:
+                            for i in range(2):
+                                row = row0 + 16 * qg + g + 8 * i
+                                if row < n_q:
+                                    x0 = acc[n, 2 * i] * scale
+                                    x1 = acc[n, 2 * i + 1] * scale
+                                    if FA1:  # Alg. 4 line 21: this block is alone on its head
+                                        dq_h[row, d] += x0
+                                        dq_h[row, d + 1] += x1
+                                    elif VECTOR_RED:  # FA-2 line 15: other K/V tiles' blocks add to dQ_i too
+                                        mma.red_add_f32x2(dq_h, row, d, x0, x1)
+                                    else:
+                                        cuda.atomic.add(dq_h, (row, d), x0)
+                                        cuda.atomic.add(dq_h, (row, d + 1), x1)
+
+    @device_jit
+    def write_grad(x, b, h, col0, n_k, acc, factor):
+        """This lane's rows (keys g, g + 8 of its warp) of dK_j or dV_j, times ``factor``, as
+        16-bit values into ``x[b, h]`` (keys below Nk, the first ``x.shape[3]`` columns)."""
+        n_out = x.shape[3]
+        t2 = 2 * ops.lane_t()
+        for i in range(2):
+            row = col0 + ops.thread_row(i)
+            if row < n_k:
+                for dt in range(DT):
+                    for e in range(2):
+                        d = 8 * dt + t2 + e
+                        if d < n_out:
+                            x[b, h, row, d] = BITS(acc[dt, 2 * i + e] * factor)
+
+    @kernel_jit(fastmath={"contract", "afn", "arcp"})
+    def tc_attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale):
+        n_heads, n_q = q.shape[1], q.shape[2]
+        n_kv_heads, n_k = k.shape[1], k.shape[2]
+        group = n_heads // n_kv_heads
+        n_kv_tiles = (n_k + BN - 1) // BN
+        n_q_tiles = (n_q + BM - 1) // BM
+        if FA1:  # one block per (batch, KV head): it walks every K/V tile (Alg. 4 line 5)
+            bh = cuda.blockIdx.x
+            j_first, j_end = 0, n_kv_tiles
+        else:  # one block per (K/V tile, batch, KV head): line 5's loop is the grid
+            j_first = cuda.blockIdx.x % n_kv_tiles
+            j_end = j_first + 1
+            bh = cuda.blockIdx.x // n_kv_tiles
+        b = bh // n_kv_heads
+        hk = bh - b * n_kv_heads
+        q_scale = scale * float32(LOG2E)
+
+        smem = cuda.shared.array(0, mma.uint16, SMEM_ALIGN)  # K_j | V_j | Q_i x2 | dO_i x2 | (O_i x2) | dS^T
+        k_s, v_s, ds_s = K_TILE(smem), V_TILE(smem), DS_TILE(smem)
+        q0_s, q1_s, do0_s, do1_s = Q0_TILE(smem), Q1_TILE(smem), DO0_TILE(smem), DO1_TILE(smem)
+        o0_s, o1_s = O0_TILE(smem), O1_TILE(smem)  # (FA-1 only; FA-2: aliases of Q_i, never touched)
+        stats = cuda.shared.array(STATS, float32)  # per buffer: L_i (block_m) | D_i (block_m)
+        scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
+
+        kf = cuda.local.array((AF_ROWS, 4), mma.uint32)  # K_j's A fragments of this warp's keys
+        vf = cuda.local.array((AF_ROWS, 4), mma.uint32)
+        s = cuda.local.array((NQ, 4), float32)  # S^T, then P^T
+        dp = cuda.local.array((NQ, 4), float32)  # dP^T, then dS^T
+        dk_acc = cuda.local.array((DT, 4), float32)
+        dv_acc = cuda.local.array((DT, 4), float32)
+        first_q = cuda.local.array(2, int32)
+        nxt = cuda.local.array((SR, 2), float32)
+
+        for j in range(j_first, j_end):  # line 5: for 1 <= j <= Tc
+            col0 = j * BN
+            # Causal: Q tiles before the one holding the first query that sees key col0 see none
+            # of this tile's keys (bottom-right: query i sees key col0 iff i >= col0 - (Nk - Nq)).
+            i_first = max(0, col0 - (n_k - n_q)) // BM if CAUSAL else 0
+            n_i = max(0, n_q_tiles - i_first)
+            n_steps = group * n_i  # (query head, Q tile) steps, one flat loop (GQA: dK_j, dV_j sum over heads)
+            cuda.syncthreads()  # (FA-1) everyone is done with the previous K_j, V_j, buffers, L, D
+            load_kv_rows(k, b, hk, col0, n_k, k_s)  # line 6: K_j, V_j to shared memory
+            load_kv_rows(v, b, hk, col0, n_k, v_s)
+            if n_steps > 0:  # the first step's Q_i, dO_i, L_i, D_i
+                load_step(q, do, o, b, hk * group, i_first * BM, n_q, q0_s, do0_s, o0_s)
+                read_stats(lse, dvec, b, hk * group, i_first * BM, n_q, nxt)
+                write_stats(stats, 0, nxt)
+            ops.commit()
+            for dt in range(DT):  # line 7: dK_j = 0, dV_j = 0 on chip (registers)
+                for e in range(4):
+                    dk_acc[dt, e] = float32(0.0)
+                    dv_acc[dt, e] = float32(0.0)
+            key_bounds(col0, n_q, n_k, first_q)
+            h = hk * group  # this step's query head and Q tile (counters: no division in the loop)
+            i = i_first
+            for st in range(n_steps):  # line 8: for 1 <= i <= Tr (and the query heads of this KV head)
+                buf = st & 1
+                row0 = i * BM
+                q_s = q0_s if buf == 0 else q1_s
+                do_s = do0_s if buf == 0 else do1_s
+                o_s = o0_s if buf == 0 else o1_s
+                base = buf * 2 * BM
+                i_next = i + 1  # the next step: the next Q tile, or the first of the next query head
+                h_next = h
+                if i_next == n_q_tiles:
+                    i_next = i_first
+                    h_next = h + 1
+                ops.wait_all()  # this thread's copies of Q_i, dO_i (and K_j, V_j) have landed
+                cuda.syncthreads()  # ... and everyone's, with L_i, D_i; everyone is done with the other buffers and dS^T
+                if st == 0:
+                    load_frags(k_s, kf)
+                    load_frags(v_s, vf)
+                if st + 1 < n_steps:  # the next step's tiles into the other buffers, in flight during this step
+                    load_step(q, do, o, b, h_next, i_next * BM, n_q, q1_s if buf == 0 else q0_s,
+                              do1_s if buf == 0 else do0_s, o1_s if buf == 0 else o0_s)
+                    ops.commit()
+                    read_stats(lse, dvec, b, h_next, i_next * BM, n_q, nxt)
+                if FA1:
+                    rowdot(do_s, o_s, stats, base)  # Alg. 4 line 19
+                    cuda.syncthreads()  # D_i is in shared memory
+                scores_t(kf, k_s, q_s, s, scratch)  # FA-2 line 10: S_ij^T = K_j Q_i^T
+                scores_t(vf, v_s, do_s, dp, scratch)  # FA-2 line 13 (Alg. 4 line 17): dP_ij^T = V_j dO_i^T
+                masked = col0 + BN - 1 > last_visible_key(row0, n_q, n_k, CAUSAL)
+                probs_t(s, dp, stats, base, q_scale, masked, first_q, row0)  # lines 11, 14
+                ops.pv_tile(s, do_s, dv_acc, scratch)  # FA-2 line 12 (Alg. 4 line 16): dV_j += P_ij^T dO_i
+                ops.pv_tile(dp, q_s, dk_acc, scratch)  # FA-2 line 16 (Alg. 4 line 22): dK_j += dS_ij^T Q_i
+                if DQ:
+                    store_ds_t(dp, ds_s)
+                    cuda.syncthreads()  # dS^T of every warp is in shared memory
+                    dq_tile(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch)  # FA-2 line 15 (Alg. 4 line 21)
+                if st + 1 < n_steps:
+                    write_stats(stats, 2 * BM - base, nxt)  # the other buffer: read after the next top barrier
+                h = h_next
+                i = i_next
+            ops.wait_all()  # no copy outlives the block (a tile with no step: K_j, V_j's)
+            # Line 24 (FA-2 line 18): write dK_j = scale dS^T Q, dV_j
+            write_grad(dk, b, hk, col0, n_k, dk_acc, scale)
+            write_grad(dv, b, hk, col0, n_k, dv_acc, float32(1.0))
+
+    return tc_attention_bwd
+
+
+@functools.lru_cache(maxsize=None)
+def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool):
+    """dQ without atomics on tensor cores (``deterministic=True``; memoised): one block per
+    (Q tile, batch, head), warps of 16 query rows (the forward's orientation), walks the K/V
+    tiles it sees: S = Q_i K_j^T, dP = dO_i V_j^T (A = Q_i, dO_i fragments, in registers when
+    D <= 64), P and dS in registers with L and D of the lane's two rows, dQ_i += dS K_j (dS as
+    the A operand straight from the accumulators, the forward's P~V), float32 in registers for
+    the whole walk. K_j is double-buffered (read by the first product and the last).
+
+    Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (layout.threads,)``, dynamic
+    shared memory ``layout.smem_bytes``. Arguments: ``q, do (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``
+    uint16 bit patterns, ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D) float32`` out,
+    ``scale`` (float32).
+    """
+    lay = tc_bwd_layout("dq", kind, head_dim, block_m, block_n)
+    CAUSAL = bool(causal)
+    D, BM, BN = head_dim, block_m, block_n
+    ops = tc_ops(kind, D, BM, BN)
+    NS, DT, KT = BN // 8, lay.padded_dim // 8, lay.padded_dim // 16
+    A_REGS = lay.a_in_regs
+    AF_ROWS = KT if A_REGS else 1
+    load_frags, scores = _products(kind, D, BM, BN, A_REGS)
+    Q_TILE, DO_TILE, K0_TILE, K1_TILE, V_TILE = (shared_tile(lay.offset(n), lay.elems(n)) for n in ("q", "do", "k0", "k1", "v"))
+    MMA_SCRATCH = mma.scratch_floats(lay.threads)
+
+    @kernel_jit(fastmath={"contract", "afn", "arcp"})
+    def tc_attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale):
+        n_heads, n_q = q.shape[1], q.shape[2]
+        n_k = k.shape[2]
+        group = n_heads // k.shape[1]
+        n_q_tiles = (n_q + BM - 1) // BM
+        n_kv_tiles = (n_k + BN - 1) // BN
+        i_tile = cuda.blockIdx.x % n_q_tiles
+        if CAUSAL:  # the longest walks (last Q tiles) first: fewer idle SMs at the grid's tail
+            i_tile = n_q_tiles - 1 - i_tile
+        bh = cuda.blockIdx.x // n_q_tiles
+        b = bh // n_heads
+        h = bh - b * n_heads
+        hk = h // group
+        row0 = i_tile * BM
+        q_scale = scale * float32(LOG2E)
+
+        smem = cuda.shared.array(0, mma.uint16, SMEM_ALIGN)  # Q_i | dO_i | K_j x2 | V_j
+        q_s, do_s, k0_s, k1_s, v_s = Q_TILE(smem), DO_TILE(smem), K0_TILE(smem), K1_TILE(smem), V_TILE(smem)
+        scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
+
+        qf = cuda.local.array((AF_ROWS, 4), mma.uint32)
+        dof = cuda.local.array((AF_ROWS, 4), mma.uint32)
+        s = cuda.local.array((NS, 4), float32)  # S, then P
+        dp = cuda.local.array((NS, 4), float32)  # dP, then dS
+        acc = cuda.local.array((DT, 4), float32)  # dQ_i
+        l2 = cuda.local.array(2, float32)
+        dd = cuda.local.array(2, float32)
+        last_keys = cuda.local.array(2, int32)
+
+        for i in range(2):  # L, D of this lane's rows g, g + 8 (L = +inf: P = 0)
+            row = row0 + ops.thread_row(i)
+            l2[i] = float32(POS_INF)
+            dd[i] = float32(0.0)
+            if row < n_q:
+                x = lse[b, h, row]
+                if x != NEG_INF:
+                    l2[i] = x * float32(LOG2E)
+                dd[i] = dvec[b, h, row]
+        ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
+        first_row_last_key = last_visible_key(row0, n_q, n_k, CAUSAL)
+        last_key = last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL)
+        n_walk = min(n_kv_tiles, last_key // BN + 1) if last_key >= 0 else 0  # the K/V tiles this Q tile sees
+
+        ops.load_q_tile(q, b, h, row0, n_q, q_s)
+        ops.load_q_tile(do, b, h, row0, n_q, do_s)
+        if n_walk > 0:
+            ops.load_kv_tile(k, b, hk, 0, n_k, k0_s)
+            ops.load_kv_tile(v, b, hk, 0, n_k, v_s)
+        ops.commit()
+        ops.zero(acc)
+        for j in range(n_walk):
+            col0 = j * BN
+            k_s = k0_s if (j & 1) == 0 else k1_s
+            ops.wait_all()  # K_j, V_j (and Q_i, dO_i) have landed
+            cuda.syncthreads()  # ... for everyone; everyone is done with K_{j-1}
+            if j == 0:
+                load_frags(q_s, qf)
+                load_frags(do_s, dof)
+            if j + 1 < n_walk:  # K_{j+1} into the other buffer, in flight during this step
+                if (j & 1) == 0:
+                    ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k1_s)
+                else:
+                    ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k0_s)
+                ops.commit()
+            scores(qf, q_s, k_s, s, scratch)  # FA-2 line 10: S_ij = Q_i K_j^T
+            scores(dof, do_s, v_s, dp, scratch)  # line 13: dP_ij = dO_i V_j^T
+            cuda.syncthreads()  # everyone is done reading V_j
+            if j + 1 < n_walk:
+                ops.load_kv_tile(v, b, hk, col0 + BN, n_k, v_s)  # V_{j+1}, in flight during dS and dQ
+                ops.commit()
+            masked = ops.tile_needs_mask(col0, first_row_last_key)
+            for nt in range(NS):  # lines 11, 14: P = exp2(S scale log2 e - L), dS = P (dP - D)
+                for e in range(4):
+                    p = math.exp2(s[nt, e] * q_scale - l2[e >> 1])
+                    ds = p * (dp[nt, e] - dd[e >> 1])
+                    if masked and col0 + ops.col_of(nt, e) > last_keys[e >> 1]:
+                        ds = float32(0.0)
+                    dp[nt, e] = ds
+            ops.pv_tile(dp, k_s, acc, scratch)  # line 15: dQ_i += dS_ij K_j, on chip
+        ops.wait_all()  # no copy outlives the block
+        t2 = 2 * ops.lane_t()
+        for i in range(2):
+            row = row0 + ops.thread_row(i)
+            if row < n_q:
+                for dt in range(DT):
+                    for e in range(2):
+                        d = 8 * dt + t2 + e
+                        if d < D:
+                            dq[b, h, row, d] = acc[dt, 2 * i + e] * scale
+
+    return tc_attention_bwd_dq
+
+
+@functools.lru_cache(maxsize=None)
+def tc_rowdot_kernel(kind: str, threads: int = ROWDOT_THREADS):
+    """FA-2 line 4 on 16-bit bit patterns: ``dvec[b, h, i] = sum_d do[b, h, i, d] * o[b, h, i, d]``
+    (float32). Launch: ``grid = (ceil(B * H * Nq / threads),)``, ``block = (threads,)``; one row a
+    thread; ``do``, ``o`` uint16 ``(B,H,Nq,D)``, any strides."""
+    VALUE = mma.VALUE_16[kind]
+
+    @kernel_jit(fastmath={"contract", "arcp"})
+    def tc_rowdot(do, o, dvec):
+        n_heads, n_q, n_d = do.shape[1], do.shape[2], do.shape[3]
+        row = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
+        if row < do.shape[0] * n_heads * n_q:
+            i = row % n_q
+            bh = row // n_q
+            h = bh % n_heads
+            b = bh // n_heads
+            acc = float32(0.0)
+            for d in range(n_d):
+                acc += VALUE(do[b, h, i, d]) * VALUE(o[b, h, i, d])
+            dvec[b, h, i] = acc
+
+    return tc_rowdot
