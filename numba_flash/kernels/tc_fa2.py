@@ -30,16 +30,19 @@ from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
 @functools.lru_cache(maxsize=None)
 def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, ragged: bool = False,
-                  f32_out: bool = False, max_registers=None):
+                  f32_out: bool = False, max_registers=None, presplit=None):
     """The tensor-core FA-2 kernel for one specialisation (memoised); ``max_registers``: the
-    register cap (``tc_ops.tc_register_cap``, through the spec)."""
+    register cap (``tc_ops.tc_register_cap``, through the spec); ``presplit``: ``tc_ops.tc_layout``'s."""
     CAUSAL, RAGGED, F32_OUT = bool(causal), bool(ragged), bool(f32_out)
-    ops = tc_ops(kind, head_dim, block_m, block_n)
+    ops = tc_ops(kind, head_dim, block_m, block_n, presplit)
     L = ops.layout
     BM, BN, D = block_m, block_n, head_dim
     TM, NS, DT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles
     QF_ROWS, QF_SMALL = ops.q_frag_rows, ops.q_small_rows  # Q_i fragments kept in registers
     Q_ELEMS, KV_ELEMS = L.q_elems, L.kv_elems
+    # tf32x3, D > 64 (tc_ops.presplit_operands): K_j and/or V_j split once per tile, for every warp
+    SPLIT_K, SPLIT_V, K_SPLIT, V_SPLIT = ops.presplit_k, ops.presplit_v, L.k_split_elems, L.v_split_elems
+    SPLIT_BASE = Q_ELEMS + 2 * KV_ELEMS
     SMEM_TYPE = mma.uint16 if L.elem_bytes == 2 else float32
     MMA_SCRATCH = mma.scratch_floats(L.threads)
     ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
@@ -73,6 +76,8 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         q_s = smem[:Q_ELEMS]
         k_s = smem[Q_ELEMS : Q_ELEMS + KV_ELEMS]
         v_s = smem[Q_ELEMS + KV_ELEMS : Q_ELEMS + 2 * KV_ELEMS]
+        k_split = smem[SPLIT_BASE : SPLIT_BASE + K_SPLIT]  # K_j's, V_j's split fragments (if pre-split;
+        v_split = smem[SPLIT_BASE + K_SPLIT : SPLIT_BASE + K_SPLIT + V_SPLIT]  # k_s, v_s stage the copies)
         scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
         rscratch = cuda.shared.array(ROW_SCRATCH, float32)  # simulated row reductions only
 
@@ -100,6 +105,10 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         if end > first:
             ops.load_kv_tile(k, b, hk, first * BN, n_k, k_s)
         ops.commit()
+        if SPLIT_V:  # V_first as a second group: that walk issues each V_{j+1} after V_j's split
+            if end > first:
+                ops.load_kv_tile(v, b, hk, first * BN, n_k, v_s)
+            ops.commit()
         # Line 5: O~ = 0, l = 0, m = -inf, on chip.
         ops.zero(acc)
         for i in range(TM):
@@ -108,14 +117,24 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
 
         for j in range(first, end):  # Line 6: for 1 <= j <= Tc
             col0 = j * BN
-            cuda.syncthreads()  # everyone is done reading V_{j-1}
-            ops.load_kv_tile(v, b, hk, col0, n_k, v_s)  # Line 7 (V_j, in flight during S)
-            ops.commit()
-            ops.wait_one()  # this thread's copies of Q_i and K_j have landed
-            cuda.syncthreads()  # ... and everyone's
+            if SPLIT_V:  # four barriers per tile too; V_j was issued after V_{j-1}'s split
+                ops.wait_one()  # this thread's copies of Q_i and K_j have landed (V_j may not)
+                cuda.syncthreads()  # ... and everyone's; everyone is done with tile j-1
+                if SPLIT_K:
+                    ops.split_k_tile(k_s, k_split)
+                    cuda.syncthreads()  # K_j's fragments are visible; k_s is free
+                    if j + 1 < end:
+                        ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight a whole step
+                        ops.commit()
+            else:
+                cuda.syncthreads()  # everyone is done reading V_{j-1}
+                ops.load_kv_tile(v, b, hk, col0, n_k, v_s)  # Line 7 (V_j, in flight during S)
+                ops.commit()
+                ops.wait_one()  # this thread's copies of Q_i and K_j have landed
+                cuda.syncthreads()  # ... and everyone's
             if j == first:
                 ops.load_q_frags(q_s, qf, qf_small)
-            ops.score_tile(qf, qf_small, q_s, k_s, s, scratch)  # Line 8: S = Q_i K_j^T
+            ops.score_tile(qf, qf_small, q_s, k_split if SPLIT_K else k_s, s, scratch)  # Line 8: S = Q_i K_j^T
             masked = ops.tile_needs_mask(col0, first_row_last_key)
             ops.scale_mask(s, q_scale, col0, last_keys, masked)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S)); P~ = exp(S - m^(j)); l^(j) = ... + rowsum(P~).
@@ -131,15 +150,32 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
             ops.exp_scores(s, m_ref, row_sums)
             for i in range(TM):
                 l_part[i] += row_sums[i]
-            cuda.syncthreads()  # everyone is done reading K_j
-            if j + 1 < end:
-                ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight during P~V
-                ops.commit()
-                ops.wait_one()  # V_j has landed
+            if SPLIT_V:
+                if not SPLIT_K:
+                    cuda.syncthreads()  # everyone is done reading K_j
+                    if j + 1 < end:
+                        ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}
+                        ops.commit()
+                if j + 1 < end:
+                    ops.wait_one()  # V_j has landed (K_{j+1} may not)
+                else:
+                    ops.wait_all()
+                cuda.syncthreads()  # V_j is visible to everyone
+                ops.split_v_tile(v_s, v_split)
+                cuda.syncthreads()  # V_j's fragments are visible; v_s is free
+                if j + 1 < end:
+                    ops.load_kv_tile(v, b, hk, col0 + BN, n_k, v_s)  # V_{j+1}, in flight during P~V and S
+                    ops.commit()
             else:
-                ops.wait_all()
-            cuda.syncthreads()  # V_j is visible to everyone
-            ops.pv_tile(s, v_s, acc, scratch)  # Line 10: O~ += P~ V_j
+                cuda.syncthreads()  # everyone is done reading K_j
+                if j + 1 < end:
+                    ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight during P~V
+                    ops.commit()
+                    ops.wait_one()  # V_j has landed
+                else:
+                    ops.wait_all()
+                cuda.syncthreads()  # V_j is visible to everyone
+            ops.pv_tile(s, v_split if SPLIT_V else v_s, acc, scratch)  # Line 10: O~ += P~ V_j
         ops.wait_all()  # no copy outlives the block (an empty range: Q_i's)
 
         ops.allreduce_sum(l_part, rscratch)  # l of each row: the sum of its four lanes' parts
