@@ -97,10 +97,12 @@ def loops(instrs):
     return out
 
 
-def loop_body(instrs, trip):
+def loop_body(instrs, trip, step_hmma=None):
     """[(weight, instruction)] of the K/V loop: the largest backward-branch range holding an
     HMMA. Loops nested in it (ptxas keeps e.g. the head-dim steps of S rolled at D = 128) run
-    over the head dim: their instructions are weighted by ``trip`` (DP / k-step); the caller
+    over the head dim: their instructions are weighted by ``trip`` (DP / k-step), divided by the
+    steps one iteration makes when ``step_hmma`` (HMMAs per head-dim step) is given and the
+    nested loop holds a multiple of it (ptxas may unroll the rolled loop by 2); the caller
     checks the weighted HMMA count against the products a tile must make."""
     ranges = [r for r in loops(instrs) if any(r[0] <= a <= r[1] and o.startswith("HMMA") for a, o, _ in instrs)]
     if not ranges:
@@ -108,12 +110,17 @@ def loop_body(instrs, trip):
     lo, hi = max(ranges, key=lambda r: r[1] - r[0])
     inner = [r for r in loops(instrs) if lo <= r[0] and r[1] <= hi and r != (lo, hi)]
     body = [x for x in instrs if lo <= x[0] <= hi]
+    trips = {}
+    for r0, r1 in inner:
+        n = sum(1 for a, o, _ in body if r0 <= a <= r1 and o.startswith("HMMA"))
+        steps = n // step_hmma if step_hmma and n and n % step_hmma == 0 else 1
+        trips[(r0, r1)] = max(1, trip // steps)
     out = []
     for a, o, r in body:
         w = 1
         for r0, r1 in inner:
             if r0 <= a <= r1:
-                w *= trip
+                w *= trips[(r0, r1)]
         out.append((w, (a, o, r)))
     return out, inner
 
@@ -122,6 +129,8 @@ def mix(body):
     c = collections.Counter()
     for w, (_, op, _) in body:
         c[op.split(".")[0]] += w
+        if op.startswith("LDS.") and not op.startswith("LDS.U."):
+            c["LDS." + op.split(".")[1]] += w  # LDS.64, LDS.128
     hmma = c["HMMA"]
     lds = c["LDS"]
     ldsm = c["LDSM"]
@@ -130,7 +139,7 @@ def mix(body):
     return dict(
         body=sum(w for w, _ in body), HMMA=hmma, LDS=lds, LDSM=ldsm, F2F=c["F2F"], FADD=c["FADD"], LOP3=c["LOP3"],
         conv=conv, VIADD=c["VIADD"], FSETP=c["FSETP"], SEL=c["SEL"], FMUL=c["FMUL"], FFMA=c["FFMA"], MUFU=c["MUFU"], IMAD=c["IMAD"], BAR=c["BAR"],
-        LDL=c["LDL"], STL=c["STL"], MOV=c["MOV"], NOP=c["NOP"],
+        LDL=c["LDL"], STL=c["STL"], MOV=c["MOV"], NOP=c["NOP"], LDS128=c["LDS.128"], STS=c["STS"],
     )
 
 
@@ -153,7 +162,7 @@ def stats(precision, head_dim, block_m, block_n, algorithm="fa2", causal=False, 
     L = tc_layout(precision, spec.head_dim, block_m, block_n)
     kstep = 16 if precision in ("f16", "bf16") else 8
     expected = (3 if precision == "tf32x3" else 1) * L.score_tiles * (L.padded_dim // kstep + L.out_tiles * 8 // kstep)
-    body, inner = loop_body(parse(sass), L.padded_dim // kstep)
+    body, inner = loop_body(parse(sass), L.padded_dim // kstep, (3 if precision == "tf32x3" else 1) * L.score_tiles)
     m = mix(body)
     if m["HMMA"] != expected:
         m["note_hmma"] = f"HMMA {m['HMMA']} != {expected} expected: inner-loop weights wrong"
@@ -180,7 +189,7 @@ def main(argv=None):
     print(f"# numba_flash from {os.path.dirname(numba_flash.__file__)}", file=sys.stderr)
     keys = ("algorithm", "precision", "head_dim", "block_m", "block_n", "maxrreg", "threads", "smem", "regs",
             "spill_stores", "spill_loads", "blocks", "limiter", "inner_loops", "HMMA", "conv", "FADD", "LOP3", "VIADD", "FSETP", "SEL", "LDS",
-            "LDSM", "FMUL", "FFMA", "IMAD", "MOV", "LDL", "STL", "NOP", "BAR", "body", "note")
+            "LDS128", "LDSM", "STS", "FMUL", "FFMA", "IMAD", "MOV", "LDL", "STL", "NOP", "BAR", "body", "note")
     print("| " + " | ".join(keys) + " |")
     print("|" + "---|" * len(keys))
     for alg in a.algorithm:

@@ -13,7 +13,7 @@ import sys
 import pytest
 from test_occupancy import _ptxas_available
 
-from numba_flash.kernels.tc_ops import tc_layout
+from numba_flash.kernels.tc_ops import SMEM_OPTIN_LIMIT, tc_layout
 from numba_flash.kernels.tiles import smem_bytes, threads_per_block
 from numba_flash.specs import kernel_spec
 
@@ -42,6 +42,13 @@ def test_shared_memory_and_threads_of_each_regime():
     assert tc.dynamic_smem == (128 + 2 * 64) * (112 + 8) * 2  # rows padded by 16 bytes
     split = kernel_spec("fa2", 64, "float32", 64, 32, regime="tf32x3")
     assert split.dynamic_smem == (64 + 2 * 32) * (64 + 4) * 4  # float32 rows padded by 16 bytes
+    # tf32x3, D > 64, 128-row Q tiles: Q_i's and V_j's TF32 big/small fragments (two words per
+    # element, unpadded) besides the K_j, V_j copies (tc_ops.presplit_operands)
+    qv = tc_layout("tf32x3", 128, 128, 32, presplit="qv")
+    assert qv.smem_bytes == (2 * 128 * 128 + 2 * 32 * (128 + 4) + 2 * 32 * 128) * 4 == 197632
+    assert tc_layout("tf32x3", 128, 128, 32, presplit="qkv").smem_bytes == 230400 <= SMEM_OPTIN_LIMIT
+    assert tc_layout("tf32x3", 128, 128, 64).smem_bytes <= SMEM_OPTIN_LIMIT  # "q" dropped: it would not fit
+    assert tc_layout("tf32x3", 128, 64, 32).presplit == tc_layout("tf32x3", 64, 128, 32).presplit == ""
 
 
 @pytest.mark.skipif(not _ptxas_available(), reason="needs numba-flash[occupancy] (libNVVM and ptxas)")

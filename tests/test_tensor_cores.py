@@ -8,6 +8,9 @@ Outputs are poisoned with NaN first, so an unwritten element fails.
 
 from __future__ import annotations
 
+import contextlib
+import os
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -17,6 +20,7 @@ from hypothesis import strategies as st
 
 from numba_flash import reference
 from numba_flash.api import attention, forward
+from numba_flash.kernels.tc_ops import tc_layout
 from numba_flash.tensor_cores import regime
 
 ALGORITHMS = ["fa1", "fa2"]
@@ -86,6 +90,45 @@ def test_every_kind_over_many_kv_tiles(kind, causal, algorithm, rng):
     k[..., 28:, :] *= 3  # later keys score higher: the max moves after the first tiles
     o, lse = run_poisoned(q, k, v, causal=causal, algorithm=algorithm, precision=precision, block_m=16, block_n=16)
     check(q, k, v, o, lse, causal, kind)
+
+
+@contextlib.contextmanager
+def presplit_mode(mode):
+    """``NUMBA_FLASH_TF32X3_PRESPLIT=mode`` for the block, with the memoised layouts, kernels and
+    specs that read it made afresh (and again after)."""
+    from numba_flash import specs
+    from numba_flash.kernels import tc_fa1, tc_fa2, tc_ops
+
+    def clear():
+        for f in (tc_ops.tc_layout, tc_ops.tc_ops, tc_fa1.tc_fa1_kernel, tc_fa2.tc_fa2_kernel, specs.kernel_spec):
+            f.cache_clear()
+
+    before = os.environ.get("NUMBA_FLASH_TF32X3_PRESPLIT")
+    os.environ["NUMBA_FLASH_TF32X3_PRESPLIT"] = mode
+    clear()
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop("NUMBA_FLASH_TF32X3_PRESPLIT")
+        else:
+            os.environ["NUMBA_FLASH_TF32X3_PRESPLIT"] = before
+        clear()
+
+
+@pytest.mark.parametrize("algorithm, mode, causal, n_k", [("fa2", "qv", True, 20), ("fa2", "kv", False, 20),
+                                                        ("fa1", "qkv", True, 16)])
+def test_tf32x3_presplit_operands_at_large_head_dim(algorithm, mode, causal, n_k, rng):
+    """tf32x3 at D > 64 with 128-row Q tiles splits Q_i, V_j (and K_j) into TF32 big/small
+    fragments once, in shared memory (``tc_ops.presplit_operands``): the default "qv" and the
+    walks of the other operands (FA-2 over two K/V tiles), 20 of 128 rows, D = 68 (80 padded).
+    10-15 s each in the simulator (every product is a barrier of 256 threads)."""
+    with presplit_mode(mode):
+        assert tc_layout("tf32x3", 68, 128, 16).presplit == mode
+        q, k, v = qkv(rng, 1, 1, 1, 20, n_k, 68, "float32")
+        k[..., 12:, :] *= 3  # the max moves in the second tile: O~ is rescaled
+        o, lse = run_poisoned(q, k, v, causal=causal, algorithm=algorithm, precision="tf32x3", block_m=128, block_n=16)
+        check(q, k, v, o, lse, causal, "tf32x3")
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -194,6 +194,20 @@ if simulated():
         return out[0], out[1], out[2], out[3]
 
     @device_jit
+    def lds_x4(smem, index):
+        """Four 32-bit words ``smem[index:index+4]`` (``ld.shared.v4.b32``) as uint32 bit patterns."""
+        out = []
+        for j in range(4):
+            out.append(_u32(int(np.asarray(smem[index + j], np.float32).view(np.uint32))))
+        return out[0], out[1], out[2], out[3]
+
+    @device_jit
+    def sts_x4(smem, index, w0, w1, w2, w3):
+        """``smem[index:index+4] = w0..w3`` (uint32 bit patterns, ``st.shared.v4.b32``)."""
+        for j, w in enumerate((w0, w1, w2, w3)):
+            smem[index + j] = np.uint32(int(w) & 0xFFFFFFFF).view(np.float32)
+
+    @device_jit
     def cp_async16(dst, dst_i, src, b, h, n, d, valid):
         """16 bytes (8 x 16-bit) from ``src[b, h, n, d:d+8]`` to ``dst[dst_i:dst_i+8]``; zeros
         when not ``valid`` (``cp.async``'s src-size 0)."""
@@ -507,6 +521,51 @@ else:
         lane = cuda.threadIdx.x & 31
         r = _ldmatrix_x4(smem, (row0 + (lane & 7) + (lane & 8)) * stride + col0 + ((lane >> 4) << 2))
         return _bits_as_f32(r[0]), _bits_as_f32(r[1]), _bits_as_f32(r[2]), _bits_as_f32(r[3])
+
+    @intrinsic
+    def _lds_v4(typingctx, smem, index):
+        sig = types.UniTuple(types.uint32, 4)(smem, index)
+
+        def codegen(context, builder, signature, args):
+            aryty, idxty = signature.args
+            ptr = _element_ptr(context, builder, aryty, args[0], [idxty], [args[1]])
+            ret = ir.LiteralStructType([_I32] * 4)
+            # volatile with a memory clobber, as ldmatrix: the tile is rewritten every K/V step
+            r = _asm(
+                builder, ret, [_I32], "ld.shared.v4.b32 {$0,$1,$2,$3}, [$4];", "=r,=r,=r,=r,r,~{memory}",
+                [_shared_addr(builder, ptr)], side_effect=True,
+            )
+            vals = [builder.extract_value(r, i) for i in range(4)]
+            return context.make_tuple(builder, signature.return_type, vals)
+
+        return sig, codegen
+
+    @intrinsic
+    def _sts_v4(typingctx, smem, index, w0, w1, w2, w3):
+        sig = types.void(smem, index, w0, w1, w2, w3)
+
+        def codegen(context, builder, signature, args):
+            aryty, idxty = signature.args[:2]
+            ptr = _element_ptr(context, builder, aryty, args[0], [idxty], [args[1]])
+            words = [context.cast(builder, a, t, types.uint32) for a, t in zip(args[2:], signature.args[2:])]
+            _asm(
+                builder, ir.VoidType(), [_I32] * 5, "st.shared.v4.b32 [$0], {$1,$2,$3,$4};", "r,r,r,r,r,~{memory}",
+                [_shared_addr(builder, ptr)] + words, side_effect=True,
+            )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    @device_jit
+    def lds_x4(smem, index):
+        """Four 32-bit words ``smem[index:index+4]`` (one ``ld.shared.v4``; ``index`` a multiple
+        of 4 in a 16-byte aligned array) as uint32 bit patterns."""
+        return _lds_v4(smem, index)
+
+    @device_jit
+    def sts_x4(smem, index, w0, w1, w2, w3):
+        """``smem[index:index+4] = w0..w3`` as bit patterns (one ``st.shared.v4``)."""
+        _sts_v4(smem, index, w0, w1, w2, w3)
 
     # ---------------------------------- cp.async -------------------------------------------
 

@@ -26,16 +26,21 @@ from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
 
 @functools.lru_cache(maxsize=None)
-def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, max_registers=None):
+def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, max_registers=None,
+                  presplit=None):
     """The tensor-core FA-1 kernel for one specialisation (memoised);
-    ``max_registers``: the register cap (``tc_ops.tc_register_cap``, through the spec)."""
+    ``max_registers``: the register cap (``tc_ops.tc_register_cap``, through the spec);
+    ``presplit``: ``tc_ops.tc_layout``'s."""
     CAUSAL = bool(causal)
-    ops = tc_ops(kind, head_dim, block_m, block_n)
+    ops = tc_ops(kind, head_dim, block_m, block_n, presplit=presplit)
     L = ops.layout
     BM, BN, D = block_m, block_n, head_dim
     TM, NS, DT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles
     QF_ROWS, QF_SMALL = ops.q_frag_rows, ops.q_small_rows  # Q_i fragments kept in registers
     Q_ELEMS, KV_ELEMS = L.q_elems, L.kv_elems
+    # tf32x3, D > 64 (tc_ops.presplit_operands): K_j and/or V_j split once per K/V tile
+    SPLIT_K, SPLIT_V, K_SPLIT, V_SPLIT = ops.presplit_k, ops.presplit_v, L.k_split_elems, L.v_split_elems
+    SPLIT_BASE = Q_ELEMS + 2 * KV_ELEMS
     SMEM_TYPE = mma.uint16 if L.elem_bytes == 2 else float32
     MMA_SCRATCH = mma.scratch_floats(L.threads)
     ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
@@ -59,6 +64,8 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         q_s = smem[:Q_ELEMS]
         k_s = smem[Q_ELEMS : Q_ELEMS + KV_ELEMS]
         v_s = smem[Q_ELEMS + KV_ELEMS : Q_ELEMS + 2 * KV_ELEMS]
+        k_split = smem[SPLIT_BASE : SPLIT_BASE + K_SPLIT]  # K_j's, V_j's split fragments (if pre-split)
+        v_split = smem[SPLIT_BASE + K_SPLIT : SPLIT_BASE + K_SPLIT + V_SPLIT]
         scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
         rscratch = cuda.shared.array(ROW_SCRATCH, float32)  # simulated row reductions only
 
@@ -94,6 +101,12 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
             ops.load_kv_tile(k, b, hk, col0, n_k, k_s)  # Line 6: load K_j, V_j
             ops.load_kv_tile(v, b, hk, col0, n_k, v_s)
             ops.commit()
+            if SPLIT_V:  # once per K/V tile for all Q tiles (the Q loop's barriers publish it)
+                ops.wait_all()
+                cuda.syncthreads()  # K_j, V_j landed
+                if SPLIT_K:
+                    ops.split_k_tile(k_s, k_split)
+                ops.split_v_tile(v_s, v_split)
             for i_tile in range(n_q_tiles):  # Line 7: for 1 <= i <= Tr
                 row0 = i_tile * BM
                 # causal: skip Q tiles for which every key of K_j is masked (block-uniform)
@@ -105,7 +118,7 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                 ops.wait_all()
                 cuda.syncthreads()  # Q_i (and K_j, V_j) in shared memory
                 ops.load_q_frags(q_s, qf, qf_small)
-                ops.score_tile(qf, qf_small, q_s, k_s, s, scratch)  # Line 9: S_ij = Q_i K_j^T
+                ops.score_tile(qf, qf_small, q_s, k_split if SPLIT_K else k_s, s, scratch)  # Line 9: S_ij = Q_i K_j^T
                 ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
                 first_row_last_key = ops.last_visible_key(row0, n_q, n_k, CAUSAL)
                 masked = ops.tile_needs_mask(col0, first_row_last_key)
@@ -124,7 +137,7 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                         m_old[i] = m_hbm[b, h, row]
                 cuda.syncthreads()  # every lane has read l_i, m_i
                 ops.zero(acc)
-                ops.pv_tile(s, v_s, acc, scratch)  # acc = P~_ij V_j
+                ops.pv_tile(s, v_split if SPLIT_V else v_s, acc, scratch)  # acc = P~_ij V_j
                 for i in range(TM):
                     row = row0 + ops.thread_row(i)
                     if row < n_q and tile_max[i] != NEG_INF:  # else the tile adds nothing

@@ -33,14 +33,16 @@ from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
 @functools.lru_cache(maxsize=None)
 def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, ragged: bool = False,
-                  f32_out: bool = False, max_registers=None, row_walk=None, kv_stages: int = 1):
+                  f32_out: bool = False, max_registers=None, row_walk=None, kv_stages: int = 1, presplit=None):
     """The tensor-core FA-2 kernel for one specialisation (memoised); ``max_registers``: the
     register cap (``tc_ops.tc_register_cap``, through the spec); ``row_walk``: the K/V copies'
     loop (``tc_ops.row_walk_default`` when ``None``); ``kv_stages``: 1 (K_j and V_j in flight
     in turn) or a ring of that many K/V tiles (launch with ``tc_layout(..., kv_stages)``'s
-    shared memory). Both are decode's knobs (scripts/decode_sweep.py tries them)."""
+    shared memory). Both are decode's knobs (scripts/decode_sweep.py tries them). ``presplit``:
+    ``tc_ops.tc_layout``'s (tf32x3 at D > 64: operands split into TF32 parts once, in shared
+    memory; only with ``kv_stages = 1``)."""
     CAUSAL, RAGGED, F32_OUT = bool(causal), bool(ragged), bool(f32_out)
-    ops = tc_ops(kind, head_dim, block_m, block_n, row_walk)
+    ops = tc_ops(kind, head_dim, block_m, block_n, row_walk, presplit)
     L = ops.layout
     BM, BN, D = block_m, block_n, head_dim
     TM, NS, DT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles
@@ -50,6 +52,11 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
     if STAGES < 1:
         raise ValueError(f"kv_stages must be >= 1; got {kv_stages}")
     wait_ring = mma.cp_async_wait_group(max(STAGES - 2, 0))  # tile j's group: STAGES - 2 committed after it
+    # tf32x3, D > 64 (tc_ops.presplit_operands): K_j and/or V_j split once per tile, for every warp
+    SPLIT_K, SPLIT_V, K_SPLIT, V_SPLIT = ops.presplit_k, ops.presplit_v, L.k_split_elems, L.v_split_elems
+    if STAGES > 1 and (SPLIT_K or SPLIT_V or L.presplit):
+        raise ValueError("a ring of K/V tiles (kv_stages > 1) takes no pre-split operands")
+    SPLIT_BASE = Q_ELEMS + 2 * KV_ELEMS
     SMEM_TYPE = mma.uint16 if L.elem_bytes == 2 else float32
     MMA_SCRATCH = mma.scratch_floats(L.threads)
     ROW_SCRATCH = reduce_scratch_floats(TM, L.threads)
@@ -110,6 +117,8 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         q_s = smem[:Q_ELEMS]
         k_s = smem[Q_ELEMS : Q_ELEMS + KV_ELEMS]
         v_s = smem[Q_ELEMS + KV_ELEMS : Q_ELEMS + 2 * KV_ELEMS]
+        k_split = smem[SPLIT_BASE : SPLIT_BASE + K_SPLIT]  # K_j's, V_j's split fragments (if pre-split;
+        v_split = smem[SPLIT_BASE + K_SPLIT : SPLIT_BASE + K_SPLIT + V_SPLIT]  # k_s, v_s stage the copies)
         scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
         rscratch = cuda.shared.array(ROW_SCRATCH, float32)  # simulated row reductions only
 
@@ -138,6 +147,10 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
             if end > first:
                 ops.load_kv_tile(k, b, hk, first * BN, n_k, k_s)
             ops.commit()
+            if SPLIT_V:  # V_first as a second group: that walk issues each V_{j+1} after V_j's split
+                if end > first:
+                    ops.load_kv_tile(v, b, hk, first * BN, n_k, v_s)
+                ops.commit()
         else:  # Q_i and the first STAGES - 1 tiles, a commit group each (Q_i's with the first)
             ops.load_q_tile(q, b, h, row0, n_q, q_s)
             for t in range(STAGES - 1):
@@ -153,25 +166,52 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         if STAGES == 1:
             for j in range(first, end):  # Line 6: for 1 <= j <= Tc
                 col0 = j * BN
-                cuda.syncthreads()  # everyone is done reading V_{j-1}
-                ops.load_kv_tile(v, b, hk, col0, n_k, v_s)  # Line 7 (V_j, in flight during S)
-                ops.commit()
-                ops.wait_one()  # this thread's copies of Q_i and K_j have landed
-                cuda.syncthreads()  # ... and everyone's
+                if SPLIT_V:  # four barriers per tile too; V_j was issued after V_{j-1}'s split
+                    ops.wait_one()  # this thread's copies of Q_i and K_j have landed (V_j may not)
+                    cuda.syncthreads()  # ... and everyone's; everyone is done with tile j-1
+                    if SPLIT_K:
+                        ops.split_k_tile(k_s, k_split)
+                        cuda.syncthreads()  # K_j's fragments are visible; k_s is free
+                        if j + 1 < end:
+                            ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight a whole step
+                            ops.commit()
+                else:
+                    cuda.syncthreads()  # everyone is done reading V_{j-1}
+                    ops.load_kv_tile(v, b, hk, col0, n_k, v_s)  # Line 7 (V_j, in flight during S)
+                    ops.commit()
+                    ops.wait_one()  # this thread's copies of Q_i and K_j have landed
+                    cuda.syncthreads()  # ... and everyone's
                 if j == first:
                     ops.load_q_frags(q_s, qf, qf_small)
-                ops.score_tile(qf, qf_small, q_s, k_s, s, scratch)  # Line 8: S = Q_i K_j^T
+                ops.score_tile(qf, qf_small, q_s, k_split if SPLIT_K else k_s, s, scratch)  # Line 8: S = Q_i K_j^T
                 online_softmax(s, q_scale, col0, last_keys, first_row_last_key, m, l_part, acc, tile_max, m_ref,
                                row_sums, rscratch)  # Lines 9-10
-                cuda.syncthreads()  # everyone is done reading K_j
-                if j + 1 < end:
-                    ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight during P~V
-                    ops.commit()
-                    ops.wait_one()  # V_j has landed
+                if SPLIT_V:
+                    if not SPLIT_K:
+                        cuda.syncthreads()  # everyone is done reading K_j
+                        if j + 1 < end:
+                            ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}
+                            ops.commit()
+                    if j + 1 < end:
+                        ops.wait_one()  # V_j has landed (K_{j+1} may not)
+                    else:
+                        ops.wait_all()
+                    cuda.syncthreads()  # V_j is visible to everyone
+                    ops.split_v_tile(v_s, v_split)
+                    cuda.syncthreads()  # V_j's fragments are visible; v_s is free
+                    if j + 1 < end:
+                        ops.load_kv_tile(v, b, hk, col0 + BN, n_k, v_s)  # V_{j+1}, in flight during P~V and S
+                        ops.commit()
                 else:
-                    ops.wait_all()
-                cuda.syncthreads()  # V_j is visible to everyone
-                ops.pv_tile(s, v_s, acc, scratch)  # Line 10: O~ += P~ V_j
+                    cuda.syncthreads()  # everyone is done reading K_j
+                    if j + 1 < end:
+                        ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight during P~V
+                        ops.commit()
+                        ops.wait_one()  # V_j has landed
+                    else:
+                        ops.wait_all()
+                    cuda.syncthreads()  # V_j is visible to everyone
+                ops.pv_tile(s, v_split if SPLIT_V else v_s, acc, scratch)  # Line 10: O~ += P~ V_j
         else:
             for j in range(first, end):  # Line 6, over a ring of STAGES tiles
                 stage = (j - first) % STAGES

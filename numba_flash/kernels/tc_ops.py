@@ -27,10 +27,17 @@ depend on their order.
 
 Shared memory is dynamic (one buffer carved into Q_i, K_j, V_j; above 48 KiB the launcher opts
 in), rows padded by 16 bytes so a warp's ``ldmatrix`` rows fall in distinct banks.
+
+tf32x3 at D > 64 with 8 warps (``presplit_operands``): Q_i, V_j (and optionally K_j) are split
+once into TF32 big/small fragments in shared memory, in fragment order (each lane's four words
+of a fragment pair contiguous: one ``ld.shared.v4``, conflict-free), instead of by every warp at
+every use; K_j and V_j then stage the copies and ``split_k_tile`` / ``split_v_tile`` fill the
+fragments, four barriers per tile as before.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import os
@@ -72,9 +79,13 @@ class TcLayout:
     score_tiles: int  # 8-wide key tiles of S: block_n / 8
     out_tiles: int  # 8-wide head-dim tiles of O: DP / 8
     kv_stages: int = 1  # FA-2: K/V tiles in shared memory at once (``tc_fa2``: 1, or a ring)
+    presplit: str = ""  # tf32x3: the operands split once in shared memory, of "qkv" (``presplit_operands``)
 
     @property
     def q_elems(self) -> int:
+        """Q_i's rows, or with "q" pre-split its A fragments (big and small, fragment order)."""
+        if "q" in self.presplit:
+            return 2 * self.block_m * self.padded_dim
         return self.block_m * self.stride
 
     @property
@@ -82,18 +93,58 @@ class TcLayout:
         return self.block_n * self.stride
 
     @property
+    def k_split_elems(self) -> int:
+        """32-bit words of K_j's pre-split B fragments (big and small per element, fragment
+        order, no padding); 0 unless "k" is pre-split."""
+        return 2 * self.block_n * self.padded_dim if "k" in self.presplit else 0
+
+    @property
+    def v_split_elems(self) -> int:
+        """The same for V_j ("v")."""
+        return 2 * self.block_n * self.padded_dim if "v" in self.presplit else 0
+
+    @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of one block: Q_i, and K_j, V_j of each stage."""
-        return (self.q_elems + 2 * self.kv_stages * self.kv_elems) * self.elem_bytes
+        """Dynamic shared memory of one block: Q_i, K_j and V_j of each stage (and pre-split K_j, V_j)."""
+        return (self.q_elems + 2 * self.kv_stages * self.kv_elems + self.k_split_elems + self.v_split_elems) * self.elem_bytes
+
+
+PRESPLIT_DEFAULT = "q"  # measured on the H200 (docs/performance-log.md, 8g): D=128 10.22 ms against 10.91 (none), 11.00 (qv)
+PRESPLIT_MODES = ("", "q", "v", "qv", "kv", "qkv")
+
+
+def presplit_operands(kind: str, head_dim: int, block_m: int) -> str:
+    """Which operands a tf32x3 kernel splits into TF32 big and small parts once, into shared
+    memory, instead of in every warp at every use: "q" (Q_i's A fragments, once per Q tile),
+    "v" (V_j's B fragments, once per K/V tile for all 8 warps), "k" (K_j's, only with "v").
+    Each trades ALU work (3 instructions per element and use) for shared-memory traffic (the
+    products read two words per element instead of one). Only at D > 64 with 8 warps (128-row Q
+    tiles), where a block holds an SM alone (~240 registers) and larger tiles cost no
+    occupancy; elsewhere "" (the kernels of version 8d, unchanged). ``NUMBA_FLASH_TF32X3_PRESPLIT``
+    (one of ``PRESPLIT_MODES``, or "none") overrides the default: an experiment knob, read when a
+    configuration's layout is first made (memoised: one value per process)."""
+    if kind != "tf32x3" or head_dim <= 64 or block_m != 8 * ROWS_PER_WARP:
+        return ""
+    mode = os.environ.get("NUMBA_FLASH_TF32X3_PRESPLIT", PRESPLIT_DEFAULT).strip().lower()
+    mode = "" if mode in ("none", "0") else mode
+    if set(mode) - set("qkv"):
+        raise ValueError(f"NUMBA_FLASH_TF32X3_PRESPLIT={mode!r}: letters of 'qkv', or 'none'")
+    if "k" in mode:
+        mode += "v"  # K_j's split walks the loop that splits V_j
+    return "".join(c for c in "qkv" if c in mode)
 
 
 @functools.lru_cache(maxsize=None)
-def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: int = 1) -> TcLayout:
+def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: int = 1,
+              presplit: str | None = None) -> TcLayout:
+    """Sizes of one specialisation. ``kv_stages``: FA-2's ring of K/V tiles (decode's knob; no
+    pre-split with a ring). ``presplit`` None: ``presplit_operands``, less "q" and then "k" where
+    the tiles would not fit the opt-in shared memory (D = 128 with block_n = 64)."""
     sixteen = kind in mma.HALF_KINDS
     elem = 2 if sixteen else 4
     dp = -(-head_dim // 16) * 16
     warps = block_m // ROWS_PER_WARP
-    return TcLayout(
+    layout = TcLayout(
         kind=kind,
         head_dim=head_dim,
         block_m=block_m,
@@ -108,6 +159,18 @@ def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: i
         out_tiles=dp // 8,
         kv_stages=kv_stages,
     )
+    if kv_stages > 1:  # the ring (16-bit decode) splits nothing in advance
+        if presplit:
+            raise ValueError(f"presplit={presplit!r} needs kv_stages=1; got {kv_stages}")
+        return layout
+    if presplit is not None:
+        return dataclasses.replace(layout, presplit=presplit)
+    mode = presplit_operands(kind, head_dim, block_m)
+    for fallback in (mode, mode.replace("q", ""), mode.replace("q", "").replace("k", "")):
+        split = dataclasses.replace(layout, presplit=fallback)
+        if split.smem_bytes <= SMEM_OPTIN_LIMIT:
+            return split
+    return layout
 
 
 def input_alignment(kind: str) -> int:
@@ -172,10 +235,12 @@ def row_walk_default(kind: str, head_dim: int, block_m: int, block_n: int) -> bo
 
 
 @functools.lru_cache(maxsize=None)
-def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None) -> ModuleType:
+def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
+           presplit: str | None = None) -> ModuleType:
     """Device functions for one (kind, head_dim, block_m, block_n) specialisation (memoised);
-    ``row_walk``: the copies of full K/V tiles walk rows (``None``: :func:`row_walk_default`)."""
-    L = tc_layout(kind, head_dim, block_m, block_n)
+    ``row_walk``: the copies of full K/V tiles walk rows (``None``: :func:`row_walk_default`);
+    ``presplit``: ``tc_layout``'s."""
+    L = tc_layout(kind, head_dim, block_m, block_n, presplit=presplit)
     ROW_WALK = row_walk_default(kind, head_dim, block_m, block_n) if row_walk is None else bool(row_walk)
     D, BM, BN, DP, S = head_dim, block_m, block_n, L.padded_dim, L.stride
     NT, NS, DT, CH = L.threads, L.score_tiles, L.out_tiles, L.chunk
@@ -190,6 +255,15 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None) 
     # occupancy (D = 64, 128x32: 126 registers and 2 blocks per SM instead of 164 and 1).
     Q_IN_REGS = KT * 4 <= 64 and not SPLIT
     Q_FRAG_ROWS = KT if Q_IN_REGS else 1
+    # tf32x3 at D > 64 with 8 warps (``presplit_operands``): operands split into their TF32 big
+    # and small parts once, into shared memory in fragment order (``load_q_tile``,
+    # ``split_k_tile``, ``split_v_tile``); the products then read ready fragments, one
+    # ``ld.shared.v4`` per fragment pair, instead of every warp splitting the same tile.
+    PRESPLIT = L.presplit != ""
+    PRESPLIT_Q, PRESPLIT_K, PRESPLIT_V = ("q" in L.presplit), ("k" in L.presplit), ("v" in L.presplit)
+    WARPS = L.warps
+    K_PAIRS = KT * (NS // 2)  # (head-dim step, 16 keys) blocks of K_j: one ldmatrix each
+    V_UNITS = NS * DT  # (8 keys, 8 head-dim columns) B fragments of V_j
     CHUNKS_PER_ROW = DP // CH
     if SIXTEEN:
         MMA, PACK, BITS = mma.MMA_16[kind], mma.PACK_16[kind], mma.BITS_16[kind]
@@ -241,6 +315,36 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None) 
 
     load_q_tile = make_loader(BM)
     load_kv_tile = make_loader(BN)
+
+    if PRESPLIT_Q:
+
+        @device_jit
+        def load_q_tile(q, b, h, first, n_valid, q_s):  # noqa: F811 (replaces the row copy)
+            """Q_i's tf32x3 A fragments -> ``q_s``, split once per Q tile: warp w's fragment of
+            head-dim step kt is 256 words at ``(w KT + kt) 256``, lane l's big a0..a3 at ``4 l``
+            and its small ones 128 words on (a0 = Q[16w + g, 8kt + t], a1 row g + 8, a2 and a3
+            column t + 4). Plain loads from global memory by the lane that will read them back
+            (once per Q tile: no copy to overlap, no barrier needed); rows at or past
+            ``n_valid`` and columns past D are zero."""
+            warp = cuda.threadIdx.x >> 5
+            lane = cuda.threadIdx.x & 31
+            g = lane >> 2
+            t = lane & 3
+            hi = cuda.local.array(4, mma.uint32)
+            lo = cuda.local.array(4, mma.uint32)
+            for kt in range(KT):
+                for e in range(4):
+                    row = first + 16 * warp + g + 8 * (e & 1)
+                    d = KSTEP * kt + t + 4 * (e >> 1)
+                    x = float32(0.0)
+                    if row < n_valid and d < D:
+                        x = q[b, h, row, d]
+                    big, small = mma.split_tf32(x)
+                    hi[e] = big
+                    lo[e] = small
+                i = (warp * KT + kt) * 256 + 4 * lane
+                mma.sts_x4(q_s, i, hi[0], hi[1], hi[2], hi[3])
+                mma.sts_x4(q_s, i + 128, lo[0], lo[1], lo[2], lo[3])
 
     @device_jit
     def warp_row0():
@@ -303,6 +407,14 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None) 
         def store_out(o, b, h, row, d, x):
             o[b, h, row, d] = BITS(x)
 
+        @device_jit
+        def split_k_tile(k_s, k_split):
+            pass
+
+        @device_jit
+        def split_v_tile(v_s, v_split):
+            pass
+
     else:
 
         @device_jit
@@ -330,6 +442,69 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None) 
                 MMA(corr, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], lb0, lb1, scratch)
             else:
                 MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], to_tf32(b0), to_tf32(b1), scratch)
+
+        @device_jit
+        def presplit_product(acc, corr, ci, a_big, a_small, ai, w, scratch):
+            """``tf32_product`` (tf32x3) with B given split: w = (big b0, big b1, small b0,
+            small b1), one ``lds_x4`` of a pre-split tile; the same products in the same order."""
+            MMA(acc, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], w[0], w[1], scratch)
+            MMA(corr, ci, a_small[ai, 0], a_small[ai, 1], a_small[ai, 2], a_small[ai, 3], w[0], w[1], scratch)
+            MMA(corr, ci, a_big[ai, 0], a_big[ai, 1], a_big[ai, 2], a_big[ai, 3], w[2], w[3], scratch)
+
+        @device_jit
+        def split_k_tile(k_s, k_split):
+            """K_j (``k_s``, rows of keys) -> its tf32x3 B fragments in ``k_split``, once for
+            every warp: fragment (kt, nt) (keys 8nt.., head-dim step kt) is 128 words, lane
+            l's four at ``((kt NS + nt) 32 + l) 4``: big b0, big b1, small b0, small b1 (b0 =
+            K[8nt + g, 8kt + t], b1 = K[.., 8kt + t + 4]). Warp w splits the 16-key blocks
+            w, w + warps, ..: one ``ldmatrix`` (two fragments), 12 ALU, two ``st.shared.v4``.
+            The caller fences: K_j landed before, a barrier after."""
+            warp = cuda.threadIdx.x >> 5
+            lane = cuda.threadIdx.x & 31
+            for r in range(-(-K_PAIRS // WARPS)):
+                pair = warp + WARPS * r
+                if K_PAIRS % WARPS == 0 or pair < K_PAIRS:
+                    kt = pair // (NS // 2)
+                    nt2 = pair - kt * (NS // 2)
+                    kb = mma.ldsm_x4_f32(k_s, 16 * nt2, KSTEP * kt, S)
+                    h0, l0 = mma.split_tf32(kb[0])  # key tile 2 nt2: b0, b1 = m0, m2
+                    h2, l2 = mma.split_tf32(kb[2])
+                    h1, l1 = mma.split_tf32(kb[1])  # key tile 2 nt2 + 1: m1, m3
+                    h3, l3 = mma.split_tf32(kb[3])
+                    i = ((kt * NS + 2 * nt2) * 32 + lane) * 4
+                    mma.sts_x4(k_split, i, h0, h2, l0, l2)
+                    mma.sts_x4(k_split, i + 128, h1, h3, l1, l3)
+
+        @device_jit
+        def split_v_tile(v_s, v_split):
+            """V_j -> its tf32x3 B fragments in ``v_split`` (``pv_tile``'s permuted keys):
+            fragment (kk, dt) at ``((kk DT + dt) 32 + l) 4``: big b0, big b1, small b0, small
+            b1 with b0 = V[8kk + 2t, 8dt + g], b1 = V[8kk + 2t + 1, 8dt + g] (two conflict-free
+            ``LDS``, 6 ALU, one ``st.shared.v4`` per fragment; warp w takes w, w + warps, ..)."""
+            warp = cuda.threadIdx.x >> 5
+            lane = cuda.threadIdx.x & 31
+            g = lane >> 2
+            t = lane & 3
+            for r in range(-(-V_UNITS // WARPS)):
+                u = warp + WARPS * r
+                if V_UNITS % WARPS == 0 or u < V_UNITS:
+                    kk = u // DT
+                    dt = u - kk * DT
+                    row = (8 * kk + 2 * t) * S + g + 8 * dt
+                    h0, l0 = mma.split_tf32(v_s[row])
+                    h1, l1 = mma.split_tf32(v_s[row + S])
+                    mma.sts_x4(v_split, (u * 32 + lane) * 4, h0, h1, l0, l1)
+
+        @device_jit
+        def presplit_q_step(q_s, qf, qf_small, kt):
+            """Q_i's split A fragment of head-dim step ``kt`` from ``q_s`` (``load_q_tile`` with
+            "q"): two ``ld.shared.v4``, no ALU."""
+            i = ((cuda.threadIdx.x >> 5) * KT + kt) * 256 + 4 * (cuda.threadIdx.x & 31)
+            big = mma.lds_x4(q_s, i)
+            small = mma.lds_x4(q_s, i + 128)
+            for e in range(4):
+                qf[0, e] = big[e]
+                qf_small[0, e] = small[e]
 
         @device_jit
         def split_q_step(q_s, qf, qf_small, kt, at):
@@ -363,6 +538,25 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None) 
                         kb = mma.ldsm_x4_f32(k_s, 16 * nt2, KSTEP * kt, S)
                         tf32_product(s, corr, 2 * nt2, qf, qf_small, kt, kb[0], kb[2], scratch)
                         tf32_product(s, corr, 2 * nt2 + 1, qf, qf_small, kt, kb[1], kb[3], scratch)
+            elif PRESPLIT:  # q_s, k_s: pre-split fragments where asked
+                lane = cuda.threadIdx.x & 31
+                kt = 0
+                while kt < KT:  # not range(): its lowering keeps a 64-bit trip count (~17 instructions
+                    # per step at D = 128); this loop NVVM unrolls by 4
+                    if PRESPLIT_Q:
+                        presplit_q_step(q_s, qf, qf_small, kt)
+                    else:
+                        split_q_step(q_s, qf, qf_small, kt, 0)
+                    if PRESPLIT_K:
+                        for nt in range(NS):
+                            w = mma.lds_x4(k_s, ((kt * NS + nt) * 32 + lane) * 4)
+                            presplit_product(s, corr, nt, qf, qf_small, 0, w, scratch)
+                    else:
+                        for nt2 in range(NS // 2):
+                            kb = mma.ldsm_x4_f32(k_s, 16 * nt2, KSTEP * kt, S)
+                            tf32_product(s, corr, 2 * nt2, qf, qf_small, 0, kb[0], kb[2], scratch)
+                            tf32_product(s, corr, 2 * nt2 + 1, qf, qf_small, 0, kb[1], kb[3], scratch)
+                    kt += 1
             else:
                 for kt in range(KT):
                     split_q_step(q_s, qf, qf_small, kt, 0)
@@ -408,8 +602,12 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None) 
                 for e in range(4):
                     tile[0, e] = float32(0.0)
                 for kk in range(NS):
-                    row = (8 * kk + 2 * t) * S + g + 8 * dt
-                    tf32_product(tile, tile, 0, pb, ps, kk, v_s[row], v_s[row + S], scratch)
+                    if PRESPLIT_V:  # v_s is V_j's pre-split fragments (``split_v_tile``)
+                        w = mma.lds_x4(v_s, ((kk * DT + dt) * 32 + (cuda.threadIdx.x & 31)) * 4)
+                        presplit_product(tile, tile, 0, pb, ps, kk, w, scratch)
+                    else:
+                        row = (8 * kk + 2 * t) * S + g + 8 * dt
+                        tf32_product(tile, tile, 0, pb, ps, kk, v_s[row], v_s[row + S], scratch)
                 for e in range(4):
                     acc[dt, e] += tile[0, e]
 
@@ -482,6 +680,8 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None) 
     ops.row_walk = ROW_WALK
     ops.q_frag_rows = Q_FRAG_ROWS  # rows of the kernel's qf / qf_small arrays
     ops.q_small_rows = Q_FRAG_ROWS if SPLIT else 1
+    # the kernels call split_k_tile / split_v_tile where these are set and pass their tiles
+    ops.presplit_k, ops.presplit_v = PRESPLIT_K, PRESPLIT_V
     for name, func in dict(
         load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,
         score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0,
@@ -489,7 +689,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None) 
         row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
         row_max=row_max, allreduce_sum=allreduce_sum, exp_scores=exp_scores, rescale_row=rescale_row,
         zero=zero, finite_or_zero=finite_or_zero, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,
-        reciprocal_or_zero=reciprocal_or_zero, nan_max=nan_max,
+        reciprocal_or_zero=reciprocal_or_zero, nan_max=nan_max, split_k_tile=split_k_tile, split_v_tile=split_v_tile,
         commit=mma.cp_async_commit, wait_all=mma.cp_async_wait_all, wait_one=mma.cp_async_wait_one,
     ).items():
         setattr(ops, name, func)
