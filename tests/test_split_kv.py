@@ -140,6 +140,24 @@ def test_online_combine_is_merge_folded_then_finalized():
     np.testing.assert_allclose(lse, ref_lse, rtol=1e-12)
 
 
+@settings(max_examples=examples(60), deadline=None)
+@given(n_tiles=st.integers(0, 300), n_splits=st.integers(1, MAX_SPLITS))
+def test_split_walks_cover_the_tiles_once(n_tiles, n_splits):
+    """Both walks (``kv_split``: interleaved in the tensor-core kernel, contiguous ranges in the
+    CUDA-core kernels) give each tile to exactly one split, and the interleaved walk's splits
+    differ by at most one tile."""
+    from numba_flash.kernels.kv_split import split_tiles, split_walk
+
+    walks = {
+        "interleaved": [range(*split_walk.py_func(n_tiles, n_splits, s)) for s in range(n_splits)],
+        "contiguous": [range(*split_tiles.py_func(n_tiles, n_splits, s)) for s in range(n_splits)],
+    }
+    for name, tiles in walks.items():
+        assert sorted(itertools.chain.from_iterable(tiles)) == list(range(n_tiles)), name
+    sizes = [len(t) for t in walks["interleaved"]]
+    assert max(sizes) - min(sizes) <= 1
+
+
 def test_all_empty_partials_give_zero_and_minus_inf():
     o_parts = np.zeros((3, 2, 4))
     lse_parts = np.full((3, 2), -np.inf)
