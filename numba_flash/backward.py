@@ -8,7 +8,10 @@ Two regimes, chosen by dtype as the forward's ``precision=None`` does (API.md se
   uint16 bit patterns, padded to 16-byte rows when they are not; dK and dV are written in the
   inputs' dtype by the kernel, dQ summed in float32 and narrowed at the end.
 - float32: CUDA cores (``kernels.bwd``: register micro-tiles on the forward's ``tile_ops``,
-  square tiles in dynamic shared memory), exact FFMA.
+  square tiles in dynamic shared memory), exact FFMA; or, when :data:`TF32X3_BACKWARD` is set,
+  tensor cores in split precision (``kernels.tc_bwd`` with kind ``"tf32x3"``: each float32
+  operand split into TF32 big + small, three m16n8k8 products, error close to float32's, as
+  the forward's ``precision="tf32x3"`` and PyTorch's memory-efficient backward).
 
 The public signature has no ``precision`` (API.md section 5). The CUDA-core kernels stay
 reachable for any dtype through :func:`gradients` with ``precision="ieee"`` (the research
@@ -25,6 +28,11 @@ from numba_flash.arrays import ArrayContext, as_cupy_view
 
 ALGORITHMS = ("fa1", "fa2")
 
+# Does attention_backward run float32 on tensor cores (tf32x3) instead of CUDA cores? Off until
+# the tf32x3 backward has been checked and timed on a GPU (docs/performance-log.md, "Backward in
+# tf32x3 (unverified on a GPU)"); gradients(..., precision="tf32x3") reaches it either way.
+TF32X3_BACKWARD = False
+
 
 def backward_tiles(head_dim: int) -> tuple[int, int, int]:
     """(block_m, block_n, threads) of the backward kernels: square tiles by
@@ -37,24 +45,32 @@ def backward_tiles(head_dim: int) -> tuple[int, int, int]:
 
 
 def backward_regime(precision, dtype: str) -> str:
-    """``"ieee"`` (CUDA cores) or the tensor-core kind (``"f16"``, ``"bf16"``) of a backward call:
-    ``precision=None`` picks tensor cores for 16-bit inputs, ``"ieee"`` CUDA cores for any dtype.
-    (TF32 has no backward kernels: float32 runs on CUDA cores.)"""
+    """``"ieee"`` (CUDA cores) or the tensor-core kind (``"f16"``, ``"bf16"``, ``"tf32x3"``) of a
+    backward call: ``precision=None`` picks tensor cores for 16-bit inputs, and for float32 CUDA
+    cores, or tf32x3 when :data:`TF32X3_BACKWARD` is set; ``"ieee"`` CUDA cores for any dtype;
+    ``"tf32x3"`` split-precision tensor cores (float32 inputs only). (Plain TF32 has no backward
+    kernels: its error is far from float32's.)"""
     if precision is None:
+        if dtype == "float32" and TF32X3_BACKWARD:
+            return "tf32x3"
         return {"float16": "f16", "bfloat16": "bf16"}.get(dtype, "ieee")
     if isinstance(precision, str) and precision == "ieee":
         return "ieee"
-    raise ValueError(f"the backward's precision must be None or 'ieee'; got {precision!r}")
+    if isinstance(precision, str) and precision == "tf32x3":
+        if dtype != "float32":
+            raise ValueError(f"precision='tf32x3' needs float32 inputs; got {dtype}")
+        return "tf32x3"
+    raise ValueError(f"the backward's precision must be None, 'ieee' or 'tf32x3'; got {precision!r}")
 
 
-def backward_tc_tiles(head_dim: int) -> tuple[int, int]:
+def backward_tc_tiles(head_dim: int, kind: str = "f16") -> tuple[int, int]:
     """(block_m, block_n) of the tensor-core backward: queries per Q tile, keys per K/V tile
     (``kernels.tc_bwd.default_tc_bwd_tiles``; the simulator: 16 x 16, one warp)."""
     from numba_flash.kernels.tc_bwd import default_tc_bwd_tiles
 
     if simulated():
         return 16, 16
-    return default_tc_bwd_tiles(head_dim)
+    return default_tc_bwd_tiles(head_dim, kind)
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False):
@@ -75,8 +91,9 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
 def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,
               tiles=None):
     """:func:`attention_backward` with the regime chosen by ``precision`` (:func:`backward_regime`):
-    ``None`` (the public default: tensor cores for float16 and bfloat16) or ``"ieee"`` (CUDA
-    cores for any dtype: the research baseline, and the kernels the tests compare against).
+    ``None`` (the public default: tensor cores for float16 and bfloat16), ``"ieee"`` (CUDA
+    cores for any dtype: the research baseline, and the kernels the tests compare against) or
+    ``"tf32x3"`` (float32 on split-precision tensor cores; unverified on a GPU).
     ``tiles``: ``(block_m, block_n)`` of the tensor-core kernels (queries per Q tile, keys per
     K/V tile; default :func:`backward_tc_tiles`), for sweeps."""
     from numba_flash import api
@@ -149,9 +166,10 @@ def _run(ctx, call, algorithm, deterministic, inputs, grads, Hkv) -> None:
 
 
 def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles=None) -> None:
-    """The tensor-core kernels (``kernels.tc_bwd``) on 16-bit inputs: FA-2 D = rowsum(dO * O)
-    first, then dK/dV with dQ by atomics (or dQ by its own kernel when ``deterministic``), or
-    FA-1 in one kernel; dK, dV written by the kernel in the inputs' dtype, dQ summed in float32."""
+    """The tensor-core kernels (``kernels.tc_bwd``) on 16-bit inputs (or float32, kind
+    ``"tf32x3"``): FA-2 D = rowsum(dO * O) first, then dK/dV with dQ by atomics (or dQ by its own
+    kernel when ``deterministic``), or FA-1 in one kernel; dK, dV written by the kernel in the
+    inputs' dtype, dQ summed in float32."""
     import contextlib
 
     from numba_flash.kernels.tc_bwd import (
@@ -165,7 +183,7 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
     B, H, Nq, D = call["q_shape"]
     Nk = call["n_k"]
     dim = kernel_head_dim(kind, D)
-    block_m, block_n = backward_tc_tiles(dim) if tiles is None else tiles
+    block_m, block_n = backward_tc_tiles(dim, kind) if tiles is None else tiles
     check_tc_bwd_tiles(kind, dim, block_m, block_n, [algorithm] + (["dq"] if deterministic and algorithm == "fa2" else []))
     do, q, k, v, o, lse = inputs
     dq, dk, dv = grads
@@ -177,7 +195,8 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
     on_stream = _cupy_stream(ctx.stream_ptr()) if ctx.kind == "torch" else contextlib.nullcontext()
     with on_stream:
         kq, kk, kv, kdo, ko = kernel_arrays(kind, ctx.kind, q, k, v, do, o)
-        dk_b, dv_b = (bits_view(g, ctx.kind, True) for g in (dk, dv))  # written by the kernel, D columns
+        sixteen = kind != "tf32x3"
+        dk_b, dv_b = (bits_view(g, ctx.kind, sixteen) for g in (dk, dv))  # written by the kernel, D columns
         dq_b, lse_b, dvec_b = (bits_view(x, ctx.kind, False) for x in (dq_acc, lse, dvec))
         dev = _DeviceArgs(ctx if ctx.kind == "numpy" else ArrayContext("cupy", kq))
         stream = ctx.stream()
