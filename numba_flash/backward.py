@@ -214,7 +214,7 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
                          ("out", dq_b), ("out", dk_b), ("out", dv_b), scale), shared_mem_bytes=layout.smem_bytes)
         if deterministic and algorithm == "fa2":
-            dq_m, dq_n = dq_kernel_tiles(block_m, block_n)
+            dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind)
             dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
             numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, call["causal"]), (-(-Nq // dq_m) * B * H,),
                          dq_layout.threads, stream,

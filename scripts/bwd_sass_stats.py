@@ -161,7 +161,7 @@ def tc_kernels(head_dim, tiles, causal, kind="f16"):
     kv_sig = (x4,) * 5 + (f3, f3, f4, x4, x4, types.float32)
     ks, mult = (16, 1) if kind in tc_bwd.HALF_KINDS else (8, 3)  # k of one product, products per k-step
     bm, bn = tiles
-    dm, dn = tc_bwd.dq_kernel_tiles(bm, bn)
+    dm, dn = tc_bwd.dq_kernel_tiles(bm, bn, kind)
     out = []
     for name, order, dq in (("fa2 (dK, dV, atomic dQ)", "fa2", True), ("fa2 deterministic (dK, dV)", "fa2", False),
                             ("fa1 (Alg. 4)", "fa1", True)):

@@ -73,7 +73,7 @@ KERNELS = ("fa2", "fa1", "dq")  # the K/V kernels of each loop order, and the de
 BLOCK_CHOICES = (16, 32, 64, 128)
 POS_INF = math.inf  # L of a row that sees no key (or past Nq): P = exp2(S - inf) = 0
 NEVER = 1 << 30  # first visible query of a key past Nk: after every row
-TF32X3_TILES = {64: (64, 64), 128: (32, 64)}  # tf32x3 (block_m, block_n) by head dim (default_tc_bwd_tiles)
+TF32X3_TILES = {64: (16, 64), 128: (16, 64)}  # tf32x3 (block_m, block_n) by head dim (default_tc_bwd_tiles; offline choice)
 A_IN_REGS_MAX_DIM = 64  # padded head dims up to which a warp keeps its own rows' fragments in registers
 ROWDOT_THREADS = 128
 
@@ -169,10 +169,15 @@ def tc_bwd_layout(kernel: str, kind: str, head_dim: int, block_m: int, block_n: 
     return TcBwdLayout(kernel, kind, int(head_dim), int(block_m), int(block_n))
 
 
-def dq_kernel_tiles(block_m: int, block_n: int) -> tuple[int, int]:
+def dq_kernel_tiles(block_m: int, block_n: int, kind: str = "f16") -> tuple[int, int]:
     """(block_m, block_n) of the deterministic dQ kernel for the K/V kernels' tiles: the same Q
     tile, K/V tiles of at most 64 keys (its S and dP hold ``block_n / 2`` floats per thread
-    each; at 128 keys and D = 64 it spilled 100 bytes, offline)."""
+    each; at 128 keys and D = 64 it spilled 100 bytes, offline). tf32x3: 32 keys, and 64
+    queries for the default 16-query tiles (one warp a block otherwise), at most 64 (ptxas for
+    sm_90, 64 x 32: 172 / 255 registers at D = 64 / 128, no spills, no local memory; with 64
+    keys its dQ accumulator went to local memory at D = 128)."""
+    if kind not in HALF_KINDS:
+        return (64 if block_m <= 16 else min(block_m, 64)), 32
     return block_m, min(block_n, 64)
 
 
@@ -182,7 +187,7 @@ def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int, ker
         if isinstance(value, bool) or value not in BLOCK_CHOICES:
             raise ValueError(f"{name}={value!r}: the tensor-core backward needs one of {list(BLOCK_CHOICES)}")
     for kernel in kernels:
-        tiles = dq_kernel_tiles(block_m, block_n) if kernel == "dq" else (block_m, block_n)
+        tiles = dq_kernel_tiles(block_m, block_n, kind) if kernel == "dq" else (block_m, block_n)
         need = tc_bwd_layout(kernel, kind, head_dim, *tiles).smem_bytes
         if need > SMEM_OPTIN_LIMIT:
             raise ValueError(f"block_m={block_m}, block_n={block_n} at head_dim={head_dim}: the {kernel} kernel needs "
