@@ -1,5 +1,6 @@
 """Attention backward on tensor cores (16-bit inputs, float32 accumulation): FlashAttention-2
 Algorithm 2 and FlashAttention's Algorithm 4, on the forward's primitives (``mma``, ``tc_ops``).
+Also float32 inputs in split precision (kind ``"tf32x3"``, see the end of this docstring).
 
 The loop nests are those of the CUDA-core backward (``kernels.bwd``): K/V tiles outside, Q tiles
 inside, P recomputed from the forward's logsumexp. What changes is where each product lives.
@@ -52,6 +53,15 @@ Q, dO, K, V rows past the end are zero-filled by the copies. Keys hidden by the 
 (bottom-right) or past Nk get P = dS = 0, tested only in tiles that need it (block-uniform).
 S is not pre-scaled (Q stays 16-bit): P = exp2(S scale log2 e - L log2 e), and dK = scale
 dS^T Q, dQ = scale dS K are scaled when written.
+
+**tf32x3** (float32 inputs; unverified on a GPU, docs/performance-log.md "Backward in tf32x3"):
+the same kernels on float32 tiles (16 bytes of row padding). S^T, dP^T are the forward's tf32x3
+``score_tile`` and dV_j, dK_j updates its ``pv_tile`` (m16n8k8: every operand split into TF32
+big + small, products big*big + small*big + big*small; P^T and dS^T the A operand from the
+accumulators with each 8-query step's columns permuted, t <-> 2t, t + 4 <-> 2t + 1; each step's
+product summed from zero and added in float32); dS^T goes to shared memory as float32 and dQ's
+A operand is read from it as scalars (``dq_tile_tf32x3``). No ``ldmatrix`` A fragments kept in
+registers (two per element would crowd out dK_j, dV_j). Tiles: ``TF32X3_TILES``.
 """
 
 from __future__ import annotations
