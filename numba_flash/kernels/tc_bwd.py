@@ -73,7 +73,7 @@ from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mma
-from numba_flash.kernels.jit import LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile
+from numba_flash.kernels.jit import LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile, shared_tile_pair
 from numba_flash.kernels.row_state import last_visible_key
 from numba_flash.kernels.tc_ops import SMEM_OPTIN_LIMIT, tc_ops
 
@@ -631,6 +631,10 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
                             x[b, h, row, d] = BITS(acc[dt, 2 * i + e] * factor)
 
     STORE_DS_T, DQ_TILE = (store_ds_t, dq_tile) if SIXTEEN else (store_ds_t_f32, dq_tile_tf32x3)
+    # tf32x3: this step's Q_i, dO_i (O_i) views selected on the offset (``shared_tile_pair``), so
+    # that pv_tile's scalar reads of them stay LDS (a select of two views made them generic LD)
+    Q_PAIR, DO_PAIR = (shared_tile_pair(lay.offset(a), lay.offset(b), lay.elems(a)) for a, b in (("q0", "q1"), ("do0", "do1")))
+    O_PAIR = shared_tile_pair(lay.offset("o0"), lay.offset("o1"), lay.elems("o0")) if FA1 else Q_PAIR
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"})
     def tc_attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale):
@@ -691,9 +695,14 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
             for st in range(n_steps):  # line 8: for 1 <= i <= Tr (and the query heads of this KV head)
                 buf = st & 1
                 row0 = i * BM
-                q_s = q0_s if buf == 0 else q1_s
-                do_s = do0_s if buf == 0 else do1_s
-                o_s = o0_s if buf == 0 else o1_s
+                if SIXTEEN:
+                    q_s = q0_s if buf == 0 else q1_s
+                    do_s = do0_s if buf == 0 else do1_s
+                    o_s = o0_s if buf == 0 else o1_s
+                else:
+                    q_s = Q_PAIR(smem, buf)
+                    do_s = DO_PAIR(smem, buf)
+                    o_s = O_PAIR(smem, buf)
                 base = buf * 2 * BM
                 i_next = i + 1  # the next step: the next Q tile, or the first of the next query head
                 h_next = h
