@@ -172,8 +172,9 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
     inputs' dtype, dQ summed in float32."""
     import contextlib
 
+    from numba_flash.kernels.bwd import ROWDOT_THREADS, rowdot_kernel
     from numba_flash.kernels.tc_bwd import (
-        ROWDOT_THREADS, check_tc_bwd_tiles, dq_kernel_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout, tc_rowdot_kernel,
+        check_tc_bwd_tiles, dq_kernel_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout,
         vector_reductions,
     )
     from numba_flash.kernels.tc_ops import kernel_head_dim
@@ -201,7 +202,7 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
         dev = _DeviceArgs(ctx if ctx.kind == "numpy" else ArrayContext("cupy", kq))
         stream = ctx.stream()
         if algorithm == "fa2":  # FA-2 line 4: D = rowsum(dO * O), once
-            numba_launch(tc_rowdot_kernel(kind), (-(-(B * H * Nq) // ROWDOT_THREADS),), ROWDOT_THREADS, stream,
+            numba_launch(rowdot_kernel(None, bits=kind if sixteen else None), (-(-(B * H * Nq) // ROWDOT_THREADS),), ROWDOT_THREADS, stream,
                          dev(("in", kdo), ("in", ko), ("out", dvec_b)))
             grid = (-(-Nk // block_n) * B * Hkv,)
         else:

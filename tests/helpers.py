@@ -43,6 +43,31 @@ def poisoned(xp, shape, dtype):
     return out
 
 
+BACKWARD_DTYPES = {"float16": np.float16, "float32": np.float32}  # and "bfloat16" (ml_dtypes), below
+
+
+def backward_problem(rng, B, H, Hkv, Nq, Nk, D, dtype, causal, scale=1.0):
+    """A backward test's inputs: ``do, q, k, v`` of NumPy ``dtype`` (random normal, q times
+    ``scale``) and the CUDA-core forward's ``o, lse``."""
+    import ml_dtypes
+
+    import numba_flash
+
+    npdt = {**BACKWARD_DTYPES, "bfloat16": ml_dtypes.bfloat16}[dtype]
+    q = (scale * rng.standard_normal((B, H, Nq, D))).astype(npdt)
+    k = rng.standard_normal((B, Hkv, Nk, D)).astype(npdt)
+    v = rng.standard_normal((B, Hkv, Nk, D)).astype(npdt)
+    o, lse = numba_flash.attention(q, k, v, causal=causal, return_lse=True, precision="ieee")
+    do = rng.standard_normal(o.shape).astype(npdt)
+    return do, q, k, v, o, lse
+
+
+def max_rel(got, ref) -> float:
+    """Largest absolute error relative to the largest reference magnitude (gradients' rule)."""
+    got = np.asarray(got).astype(np.float64)
+    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
 def rel_err(got, ref) -> float:
     got = to_numpy(got).astype(np.float64)
     ref = np.asarray(ref, dtype=np.float64)

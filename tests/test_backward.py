@@ -7,34 +7,18 @@ they run on tensor cores, ``test_backward_tc.py``)."""
 
 from __future__ import annotations
 
-import ml_dtypes
 import numpy as np
 import pytest
+from helpers import backward_problem as problem
 from helpers import examples
+from helpers import max_rel as rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-import numba_flash
 from numba_flash import reference
 from numba_flash.backward import attention_backward, gradients
 
-NUMPY_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}
 VARIANTS = [("fa2", False), ("fa2", True), ("fa1", False)]
-
-
-def problem(rng, B, H, Hkv, Nq, Nk, D, dtype, causal):
-    npdt = NUMPY_DTYPE[dtype]
-    q = rng.standard_normal((B, H, Nq, D)).astype(npdt)
-    k = rng.standard_normal((B, Hkv, Nk, D)).astype(npdt)
-    v = rng.standard_normal((B, Hkv, Nk, D)).astype(npdt)
-    o, lse = numba_flash.attention(q, k, v, causal=causal, return_lse=True, precision="ieee")
-    do = rng.standard_normal(o.shape).astype(npdt)
-    return do, q, k, v, o, lse
-
-
-def rel(got, ref):
-    got = np.asarray(got).astype(np.float64)
-    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
 TOL = {"float32": 2e-5, "float16": 2e-2, "bfloat16": 1e-1}  # relative to the largest gradient

@@ -16,10 +16,11 @@ from __future__ import annotations
 
 from unittest import mock
 
-import ml_dtypes
 import numpy as np
 import pytest
+from helpers import backward_problem as problem
 from helpers import examples
+from helpers import max_rel as rel
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -27,26 +28,10 @@ import numba_flash
 from numba_flash import backward, reference
 from numba_flash.backward import attention_backward, gradients
 
-NUMPY_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16}
 VARIANTS = [("fa2", False), ("fa2", True), ("fa1", False)]
 TOL = {"float16": 2e-2, "bfloat16": 1e-1}  # test_backward.py's rule
 TC_TOL = {"float16": 5e-3, "bfloat16": 4e-2}
 TILES = [(16, 16), (32, 16), (16, 32)]  # (block_m queries, block_n keys): warps 1, 1, 2
-
-
-def problem(rng, B, H, Hkv, Nq, Nk, D, dtype, causal, scale=1.0):
-    npdt = NUMPY_DTYPE[dtype]
-    q = (scale * rng.standard_normal((B, H, Nq, D))).astype(npdt)
-    k = rng.standard_normal((B, Hkv, Nk, D)).astype(npdt)
-    v = rng.standard_normal((B, Hkv, Nk, D)).astype(npdt)
-    o, lse = numba_flash.attention(q, k, v, causal=causal, return_lse=True, precision="ieee")
-    do = rng.standard_normal(o.shape).astype(npdt)
-    return do, q, k, v, o, lse
-
-
-def rel(got, ref):
-    got = np.asarray(got).astype(np.float64)
-    return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
 def check(grads, inputs, causal, dtype):

@@ -491,10 +491,35 @@ def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def rowdot_kernel(head_dim: int, threads: int = ROWDOT_THREADS):
-    """FA-2 line 4: ``dvec[b, h, i] = sum_d do[b, h, i, d] * o[b, h, i, d]`` (float32).
-    Launch: ``grid = (ceil(B * H * Nq / threads),)``, ``block = (threads,)``; one row a thread."""
+def rowdot_kernel(head_dim: int | None, threads: int = ROWDOT_THREADS, bits: str | None = None):
+    """FA-2 line 4: ``dvec[b, h, i] = sum_d do[b, h, i, d] * o[b, h, i, d]`` (float32), for both
+    regimes. ``head_dim``: the columns summed (a compile-time count; ``None``: ``do.shape[3]``,
+    the tensor-core path's unpadded arrays); ``bits``: ``None`` (``do``, ``o`` hold values) or
+    ``"f16"`` / ``"bf16"`` (they hold that kind's 16-bit patterns, as ``kernels.tc_bwd`` reads
+    them). Launch: ``grid = (ceil(B * H * Nq / threads),)``, ``block = (threads,)``; one row a
+    thread; any strides."""
     D = head_dim
+    if bits is None:
+
+        @device_jit
+        def value(x):
+            return float32(x)
+
+    else:
+        from numba_flash.kernels import mma
+
+        value = mma.VALUE_16[bits]
+    if D is None:
+
+        @device_jit
+        def columns(x):
+            return x.shape[3]
+
+    else:
+
+        @device_jit
+        def columns(x):
+            return D
 
     @kernel_jit(fastmath={"contract", "arcp"})
     def rowdot(do, o, dvec):
@@ -506,8 +531,8 @@ def rowdot_kernel(head_dim: int, threads: int = ROWDOT_THREADS):
             h = bh % n_heads
             b = bh // n_heads
             acc = float32(0.0)
-            for d in range(D):
-                acc += float32(do[b, h, i, d]) * float32(o[b, h, i, d])
+            for d in range(columns(do)):
+                acc += value(do[b, h, i, d]) * value(o[b, h, i, d])
             dvec[b, h, i] = acc
 
     return rowdot

@@ -33,7 +33,7 @@ and atomics). In dQ the warps take whole 16-query groups, or, when there are few
 warps (``block_m < block_n``), split a group's 16-column chunks of D.
 
 **Kernels.** ``"fa2"`` (:func:`tc_bwd_kernel`): one block per (K/V tile, batch, KV head), D_i =
-rowsum(dO_i O_i) computed before by :func:`tc_rowdot_kernel`, dQ by float32 atomics into a
+rowsum(dO_i O_i) computed before by ``bwd.rowdot_kernel`` (on the 16-bit patterns), dQ by float32 atomics into a
 zeroed float32 buffer; ``compute_dq=False`` leaves dQ to :func:`tc_bwd_dq_kernel`
 (``deterministic=True``: one block per (Q tile, batch, head) walks the K/V tiles in the
 forward's orientation, S = Q_i K_j^T, dP = dO_i V_j^T, dQ_i += dS K_j with dS in registers,
@@ -85,7 +85,6 @@ POS_INF = math.inf  # L of a row that sees no key (or past Nq): P = exp2(S - inf
 NEVER = 1 << 30  # first visible query of a key past Nk: after every row
 TF32X3_TILES = {64: (16, 64), 128: (16, 64)}  # tf32x3 (block_m, block_n) by head dim (default_tc_bwd_tiles; offline choice)
 A_IN_REGS_MAX_DIM = 64  # padded head dims up to which a warp keeps its own rows' fragments in registers
-ROWDOT_THREADS = 128
 
 
 @dataclass(frozen=True)
@@ -862,27 +861,3 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
                             dq[b, h, row, d] = acc[dt, 2 * i + e] * scale
 
     return tc_attention_bwd_dq
-
-
-@functools.lru_cache(maxsize=None)
-def tc_rowdot_kernel(kind: str, threads: int = ROWDOT_THREADS):
-    """FA-2 line 4 on 16-bit bit patterns: ``dvec[b, h, i] = sum_d do[b, h, i, d] * o[b, h, i, d]``
-    (float32). Launch: ``grid = (ceil(B * H * Nq / threads),)``, ``block = (threads,)``; one row a
-    thread; ``do``, ``o`` uint16 ``(B,H,Nq,D)``, any strides."""
-    VALUE = _value(kind)
-
-    @kernel_jit(fastmath={"contract", "arcp"})
-    def tc_rowdot(do, o, dvec):
-        n_heads, n_q, n_d = do.shape[1], do.shape[2], do.shape[3]
-        row = cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x
-        if row < do.shape[0] * n_heads * n_q:
-            i = row % n_q
-            bh = row // n_q
-            h = bh % n_heads
-            b = bh // n_heads
-            acc = float32(0.0)
-            for d in range(n_d):
-                acc += VALUE(do[b, h, i, d]) * VALUE(o[b, h, i, d])
-            dvec[b, h, i] = acc
-
-    return tc_rowdot
