@@ -7,16 +7,16 @@ Two regimes, chosen by dtype as the forward's ``precision=None`` does (API.md se
   float32 atomics, or by its own kernel when ``deterministic``). Inputs reach the kernels as
   uint16 bit patterns, padded to 16-byte rows when they are not; dK and dV are written in the
   inputs' dtype by the kernel, dQ summed in float32 and narrowed at the end.
-- float32: CUDA cores (``kernels.bwd``: register micro-tiles on the forward's ``tile_ops``,
-  square tiles in dynamic shared memory), exact FFMA; or, when :data:`TF32X3_BACKWARD` is set,
-  tensor cores in split precision (``kernels.tc_bwd`` with kind ``"tf32x3"``: each float32
-  operand split into TF32 big + small, three m16n8k8 products, error close to float32's, as
-  the forward's ``precision="tf32x3"`` and PyTorch's memory-efficient backward).
+- float32: tensor cores in split precision (:data:`TF32X3_BACKWARD`, on: ``kernels.tc_bwd``
+  with kind ``"tf32x3"``: each float32 operand split into TF32 big + small, three m16n8k8
+  products, error close to float32's, as the forward's ``precision="tf32x3"`` and PyTorch's
+  memory-efficient backward); with the switch off, CUDA cores (``kernels.bwd``: register
+  micro-tiles on the forward's ``tile_ops``, square tiles in dynamic shared memory), exact FFMA.
 
 The public signature has no ``precision`` (API.md section 5). The CUDA-core kernels stay
 reachable for any dtype through :func:`gradients` with ``precision="ieee"`` (the research
 baseline, as the forward's ``precision="ieee"``: float16 read as it is, bfloat16 widened to
-float32 and narrowed back); ``scripts/bwd_timing.py --regime ieee`` times them.
+float32 and narrowed back); ``scripts/bwd_timing.py --precision ieee`` times them.
 """
 
 from __future__ import annotations
@@ -28,10 +28,12 @@ from numba_flash.arrays import ArrayContext, as_cupy_view
 
 ALGORITHMS = ("fa1", "fa2")
 
-# Does attention_backward run float32 on tensor cores (tf32x3) instead of CUDA cores? Off until
-# the tf32x3 backward has been checked and timed on a GPU (docs/performance-log.md, "Backward in
-# tf32x3 (unverified on a GPU)"); gradients(..., precision="tf32x3") reaches it either way.
-TF32X3_BACKWARD = False
+# Does attention_backward run float32 on tensor cores (tf32x3) instead of CUDA cores? On since
+# the H200 check (docs/performance-log.md, "Backward in tf32x3"): FA-2 B4 H16 N4096 D64 18.4 ms
+# (1.06x PyTorch memory-efficient, which splits its float32 products the same way) against
+# 24.9 ms on CUDA cores; errors against float64 within the CUDA-core bound. The CUDA-core kernels
+# stay reachable through gradients(..., precision="ieee").
+TF32X3_BACKWARD = True
 
 
 def backward_tiles(head_dim: int) -> tuple[int, int, int]:
@@ -91,9 +93,9 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
 def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,
               tiles=None):
     """:func:`attention_backward` with the regime chosen by ``precision`` (:func:`backward_regime`):
-    ``None`` (the public default: tensor cores for float16 and bfloat16), ``"ieee"`` (CUDA
+    ``None`` (the public default: tensor cores for float16 and bfloat16, tf32x3 for float32), ``"ieee"`` (CUDA
     cores for any dtype: the research baseline, and the kernels the tests compare against) or
-    ``"tf32x3"`` (float32 on split-precision tensor cores; unverified on a GPU).
+    ``"tf32x3"`` (float32 on split-precision tensor cores; the default for float32).
     ``tiles``: ``(block_m, block_n)`` of the tensor-core kernels (queries per Q tile, keys per
     K/V tile; default :func:`backward_tc_tiles`), for sweeps."""
     from numba_flash import api

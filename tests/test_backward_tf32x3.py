@@ -1,6 +1,6 @@
 """The float32 backward on split-precision tensor cores (``kernels.tc_bwd`` with kind
 ``"tf32x3"``), in the simulator: ``gradients(precision="tf32x3")``, and ``attention_backward``
-for float32 when ``backward.TF32X3_BACKWARD`` is set (off by default until a GPU has checked it).
+for float32 (``backward.TF32X3_BACKWARD``, on since the H200 check).
 
 Every loop order against the float64 reference on small awkward shapes: causal with Nq > Nk
 (rows that see no key: zero dq), GQA, lengths off a tile multiple, head dims padded to the
@@ -63,10 +63,11 @@ def test_tf32x3_gradients_match_float64_reference(variant, tiles, shape, causal)
 
 
 def test_switch_routes_float32_and_precision_is_checked():
-    """``attention_backward`` keeps CUDA cores for float32 unless ``TF32X3_BACKWARD`` is set;
-    ``precision="tf32x3"`` needs float32 inputs."""
-    assert backward.TF32X3_BACKWARD is False  # flipped only after GPU verification
-    assert backward.backward_regime(None, "float32") == "ieee"
+    """``attention_backward`` runs float32 in tf32x3 (``TF32X3_BACKWARD``, on since the H200
+    check), CUDA cores when it is unset; ``precision="tf32x3"`` needs float32 inputs."""
+    assert backward.TF32X3_BACKWARD is True
+    with mock.patch.object(backward, "TF32X3_BACKWARD", False):
+        assert backward.backward_regime(None, "float32") == "ieee"
     assert backward.backward_regime("tf32x3", "float32") == "tf32x3"
     with pytest.raises(ValueError, match="float32"):
         backward.backward_regime("tf32x3", "float16")

@@ -30,7 +30,7 @@ def _grads64(do, q, k, v, causal):
 
 
 @pytest.mark.parametrize("variant", [("fa2", False), ("fa2", True), ("fa1", False)])
-@pytest.mark.parametrize("dtype, precision", [("float32", None), ("float16", None), ("bfloat16", None),
+@pytest.mark.parametrize("dtype, precision", [("float32", "ieee"), ("float16", None), ("bfloat16", None),
                                               ("float16", "ieee"), ("bfloat16", "ieee")])
 # D = 64: 64 x 64 tiles (128 threads); D = 128: 32 x 32 (64 threads, dQ in two halves, copies in
 # two passes); D = 40 and 100: padded head dims (40 -> 64, 100 -> 128); Nq > Nk causal: rows
@@ -124,8 +124,8 @@ def test_tensor_core_backward_registers_and_no_local_memory(head_dim):
 
 
 # The float32 backward on split-precision tensor cores (kernels.tc_bwd kind "tf32x3", reached by
-# gradients(precision="tf32x3"); attention_backward runs it for float32 only when
-# backward.TF32X3_BACKWARD is set). Unverified on a GPU when written: the float32 bound (1e-4
+# gradients(precision="tf32x3"), and by attention_backward for float32 while
+# backward.TF32X3_BACKWARD is on, the default). Written before a GPU had run it: the float32 bound (1e-4
 # relative to float64) is the one the CUDA-core float32 backward meets; the long rows (N = 4096)
 # check that the TF32 accumulation's truncation does not build up over many Q tiles (dK, dV) or
 # K/V tiles (dQ): each tile's product is summed from zero and added in float32.

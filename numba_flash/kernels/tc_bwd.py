@@ -54,7 +54,7 @@ Q, dO, K, V rows past the end are zero-filled by the copies. Keys hidden by the 
 S is not pre-scaled (Q stays 16-bit): P = exp2(S scale log2 e - L log2 e), and dK = scale
 dS^T Q, dQ = scale dS K are scaled when written.
 
-**tf32x3** (float32 inputs; unverified on a GPU, docs/performance-log.md "Backward in tf32x3"):
+**tf32x3** (float32 inputs; measured on the H200, docs/performance-log.md "Backward in tf32x3"):
 the same kernels on float32 tiles (16 bytes of row padding). S^T, dP^T are the forward's tf32x3
 ``score_tile`` and dV_j, dK_j updates its ``pv_tile`` (m16n8k8: every operand split into TF32
 big + small, products big*big + small*big + big*small; P^T and dS^T the A operand from the
