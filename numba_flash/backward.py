@@ -7,13 +7,16 @@ Two regimes, chosen by dtype as the forward's ``precision=None`` does (API.md se
   float32 atomics, or by its own kernel when ``deterministic``). Inputs reach the kernels as
   uint16 bit patterns, padded to 16-byte rows when they are not; dK and dV are written in the
   inputs' dtype by the kernel, dQ summed in float32 and narrowed at the end.
-- float32: CUDA cores (``kernels.bwd``: register micro-tiles on the forward's ``tile_ops``,
-  square tiles in dynamic shared memory), exact FFMA.
+- float32: tensor cores in split precision (:data:`TF32X3_BACKWARD`, on: ``kernels.tc_bwd``
+  with kind ``"tf32x3"``: each float32 operand split into TF32 big + small, three m16n8k8
+  products, error close to float32's, as the forward's ``precision="tf32x3"`` and PyTorch's
+  memory-efficient backward); with the switch off, CUDA cores (``kernels.bwd``: register
+  micro-tiles on the forward's ``tile_ops``, square tiles in dynamic shared memory), exact FFMA.
 
 The public signature has no ``precision`` (API.md section 5). The CUDA-core kernels stay
 reachable for any dtype through :func:`gradients` with ``precision="ieee"`` (the research
 baseline, as the forward's ``precision="ieee"``: float16 read as it is, bfloat16 widened to
-float32 and narrowed back); ``scripts/bwd_timing.py --regime ieee`` times them.
+float32 and narrowed back); ``scripts/bwd_timing.py --precision ieee`` times them.
 """
 
 from __future__ import annotations
@@ -24,6 +27,13 @@ from numba_flash._world import simulated
 from numba_flash.arrays import ArrayContext, as_cupy_view
 
 ALGORITHMS = ("fa1", "fa2")
+
+# Does attention_backward run float32 on tensor cores (tf32x3) instead of CUDA cores? On since
+# the H200 check (docs/performance-log.md, "Backward in tf32x3"): FA-2 B4 H16 N4096 D64 18.4 ms
+# (1.06x PyTorch memory-efficient, which splits its float32 products the same way) against
+# 24.9 ms on CUDA cores; errors against float64 within the CUDA-core bound. The CUDA-core kernels
+# stay reachable through gradients(..., precision="ieee").
+TF32X3_BACKWARD = True
 
 
 def backward_tiles(head_dim: int) -> tuple[int, int, int]:
@@ -37,24 +47,32 @@ def backward_tiles(head_dim: int) -> tuple[int, int, int]:
 
 
 def backward_regime(precision, dtype: str) -> str:
-    """``"ieee"`` (CUDA cores) or the tensor-core kind (``"f16"``, ``"bf16"``) of a backward call:
-    ``precision=None`` picks tensor cores for 16-bit inputs, ``"ieee"`` CUDA cores for any dtype.
-    (TF32 has no backward kernels: float32 runs on CUDA cores.)"""
+    """``"ieee"`` (CUDA cores) or the tensor-core kind (``"f16"``, ``"bf16"``, ``"tf32x3"``) of a
+    backward call: ``precision=None`` picks tensor cores for 16-bit inputs, and for float32 CUDA
+    cores, or tf32x3 when :data:`TF32X3_BACKWARD` is set; ``"ieee"`` CUDA cores for any dtype;
+    ``"tf32x3"`` split-precision tensor cores (float32 inputs only). (Plain TF32 has no backward
+    kernels: its error is far from float32's.)"""
     if precision is None:
+        if dtype == "float32" and TF32X3_BACKWARD:
+            return "tf32x3"
         return {"float16": "f16", "bfloat16": "bf16"}.get(dtype, "ieee")
     if isinstance(precision, str) and precision == "ieee":
         return "ieee"
-    raise ValueError(f"the backward's precision must be None or 'ieee'; got {precision!r}")
+    if isinstance(precision, str) and precision == "tf32x3":
+        if dtype != "float32":
+            raise ValueError(f"precision='tf32x3' needs float32 inputs; got {dtype}")
+        return "tf32x3"
+    raise ValueError(f"the backward's precision must be None, 'ieee' or 'tf32x3'; got {precision!r}")
 
 
-def backward_tc_tiles(head_dim: int) -> tuple[int, int]:
+def backward_tc_tiles(head_dim: int, kind: str = "f16") -> tuple[int, int]:
     """(block_m, block_n) of the tensor-core backward: queries per Q tile, keys per K/V tile
     (``kernels.tc_bwd.default_tc_bwd_tiles``; the simulator: 16 x 16, one warp)."""
     from numba_flash.kernels.tc_bwd import default_tc_bwd_tiles
 
     if simulated():
         return 16, 16
-    return default_tc_bwd_tiles(head_dim)
+    return default_tc_bwd_tiles(head_dim, kind)
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False):
@@ -75,8 +93,9 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
 def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,
               tiles=None):
     """:func:`attention_backward` with the regime chosen by ``precision`` (:func:`backward_regime`):
-    ``None`` (the public default: tensor cores for float16 and bfloat16) or ``"ieee"`` (CUDA
-    cores for any dtype: the research baseline, and the kernels the tests compare against).
+    ``None`` (the public default: tensor cores for float16 and bfloat16, tf32x3 for float32), ``"ieee"`` (CUDA
+    cores for any dtype: the research baseline, and the kernels the tests compare against) or
+    ``"tf32x3"`` (float32 on split-precision tensor cores; the default for float32).
     ``tiles``: ``(block_m, block_n)`` of the tensor-core kernels (queries per Q tile, keys per
     K/V tile; default :func:`backward_tc_tiles`), for sweeps."""
     from numba_flash import api
@@ -149,9 +168,10 @@ def _run(ctx, call, algorithm, deterministic, inputs, grads, Hkv) -> None:
 
 
 def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles=None) -> None:
-    """The tensor-core kernels (``kernels.tc_bwd``) on 16-bit inputs: FA-2 D = rowsum(dO * O)
-    first, then dK/dV with dQ by atomics (or dQ by its own kernel when ``deterministic``), or
-    FA-1 in one kernel; dK, dV written by the kernel in the inputs' dtype, dQ summed in float32."""
+    """The tensor-core kernels (``kernels.tc_bwd``) on 16-bit inputs (or float32, kind
+    ``"tf32x3"``): FA-2 D = rowsum(dO * O) first, then dK/dV with dQ by atomics (or dQ by its own
+    kernel when ``deterministic``), or FA-1 in one kernel; dK, dV written by the kernel in the
+    inputs' dtype, dQ summed in float32."""
     import contextlib
 
     from numba_flash.kernels.bwd import ROWDOT_THREADS, rowdot_kernel
@@ -166,7 +186,7 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
     B, H, Nq, D = call["q_shape"]
     Nk = call["n_k"]
     dim = kernel_head_dim(kind, D)
-    block_m, block_n = backward_tc_tiles(dim) if tiles is None else tiles
+    block_m, block_n = backward_tc_tiles(dim, kind) if tiles is None else tiles
     check_tc_bwd_tiles(kind, dim, block_m, block_n, [algorithm] + (["dq"] if deterministic and algorithm == "fa2" else []))
     do, q, k, v, o, lse = inputs
     dq, dk, dv = grads
@@ -178,12 +198,13 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
     on_stream = _cupy_stream(ctx.stream_ptr()) if ctx.kind == "torch" else contextlib.nullcontext()
     with on_stream:
         kq, kk, kv, kdo, ko = kernel_arrays(kind, ctx.kind, q, k, v, do, o)
-        dk_b, dv_b = (bits_view(g, ctx.kind, True) for g in (dk, dv))  # written by the kernel, D columns
+        sixteen = kind != "tf32x3"
+        dk_b, dv_b = (bits_view(g, ctx.kind, sixteen) for g in (dk, dv))  # written by the kernel, D columns
         dq_b, lse_b, dvec_b = (bits_view(x, ctx.kind, False) for x in (dq_acc, lse, dvec))
         dev = _DeviceArgs(ctx if ctx.kind == "numpy" else ArrayContext("cupy", kq))
         stream = ctx.stream()
         if algorithm == "fa2":  # FA-2 line 4: D = rowsum(dO * O), once
-            numba_launch(rowdot_kernel(None, bits=kind), (-(-(B * H * Nq) // ROWDOT_THREADS),), ROWDOT_THREADS, stream,
+            numba_launch(rowdot_kernel(None, bits=kind if sixteen else None), (-(-(B * H * Nq) // ROWDOT_THREADS),), ROWDOT_THREADS, stream,
                          dev(("in", kdo), ("in", ko), ("out", dvec_b)))
             grid = (-(-Nk // block_n) * B * Hkv,)
         else:
@@ -196,7 +217,7 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
                          ("out", dq_b), ("out", dk_b), ("out", dv_b), scale), shared_mem_bytes=layout.smem_bytes)
         if deterministic and algorithm == "fa2":
-            dq_m, dq_n = dq_kernel_tiles(block_m, block_n)
+            dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind)
             dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
             numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, call["causal"]), (-(-Nq // dq_m) * B * H,),
                          dq_layout.threads, stream,

@@ -148,35 +148,38 @@ def stats(head_dim, causal, show_loops=False):
 TC_KEYS = ("HMMA", "LDSM", "LDS", "STS", "LDGSTS", "RED", "MUFU", "BAR", "LDL", "STL", "total")
 
 
-def tc_kernels(head_dim, tiles, causal):
+def tc_kernels(head_dim, tiles, causal, kind="f16"):
     """(name, dispatcher, signature, layout, HMMA per warp and step) of each tensor-core backward
-    kernel (float16; bfloat16 differs in the conversions only)."""
+    kernel (float16; bfloat16 differs in the conversions only; ``kind="tf32x3"``: the float32
+    kernels, m16n8k8 with three products per TF32 step)."""
     from numba import types
 
     from numba_flash.kernels import tc_bwd
 
     u4, f4, f3 = types.Array(types.uint16, 4, "C"), types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
-    kv_sig = (u4,) * 5 + (f3, f3, f4, u4, u4, types.float32)
+    x4 = u4 if kind in tc_bwd.HALF_KINDS else f4
+    kv_sig = (x4,) * 5 + (f3, f3, f4, x4, x4, types.float32)
+    ks, mult = (16, 1) if kind in tc_bwd.HALF_KINDS else (8, 3)  # k of one product, products per k-step
     bm, bn = tiles
-    dm, dn = tc_bwd.dq_kernel_tiles(bm, bn)
+    dm, dn = tc_bwd.dq_kernel_tiles(bm, bn, kind)
     out = []
     for name, order, dq in (("fa2 (dK, dV, atomic dQ)", "fa2", True), ("fa2 deterministic (dK, dV)", "fa2", False),
                             ("fa1 (Alg. 4)", "fa1", True)):
-        lay = tc_bwd.tc_bwd_layout(order, "f16", head_dim, bm, bn)
-        kt, qg = lay.padded_dim // 16, bm // 16
-        products = 2 * (bm // 8) * kt + 2 * (bm // 16) * (lay.padded_dim // 8)  # S^T, dP^T, dV, dK
+        lay = tc_bwd.tc_bwd_layout(order, kind, head_dim, bm, bn)
+        kt, qg = lay.padded_dim // ks, bm // 16
+        products = 2 * (bm // 8) * kt + 2 * (bm // ks) * (lay.padded_dim // 8)  # S^T, dP^T, dV, dK
         if dq:
             groups, split = max(1, qg // lay.warps), max(1, lay.warps // qg)
-            products += groups * -(-(kt) // split) * (bn // 16) * 2
-        out.append((name, tc_bwd.tc_bwd_kernel(order, "f16", head_dim, bm, bn, causal, dq), kv_sig, lay, products))
-    lay = tc_bwd.tc_bwd_layout("dq", "f16", head_dim, dm, dn)
-    products = 2 * (dn // 8) * (lay.padded_dim // 16) + (dn // 16) * (lay.padded_dim // 8)
-    out.append(("fa2 deterministic dQ", tc_bwd.tc_bwd_dq_kernel("f16", head_dim, dm, dn, causal),
-                (u4,) * 4 + (f3, f3, f4, types.float32), lay, products))
+            products += groups * -(-(lay.padded_dim // 16) // split) * (bn // ks) * 2
+        out.append((name, tc_bwd.tc_bwd_kernel(order, kind, head_dim, bm, bn, causal, dq), kv_sig, lay, mult * products))
+    lay = tc_bwd.tc_bwd_layout("dq", kind, head_dim, dm, dn)
+    products = 2 * (dn // 8) * (lay.padded_dim // ks) + (dn // ks) * (lay.padded_dim // 8)
+    out.append(("fa2 deterministic dQ", tc_bwd.tc_bwd_dq_kernel(kind, head_dim, dm, dn, causal),
+                (x4,) * 4 + (f3, f3, f4, types.float32), lay, mult * products))
     return out
 
 
-def tc_stats(head_dim, tiles, causal):
+def tc_stats(head_dim, tiles, causal, kind="f16", dump=None):
     """Rows of the tensor-core kernels: the step loop is the smallest loop holding every HMMA of
     the kernel; loops inside it that hold HMMA (ptxas keeps dQ's loop over 16-column chunks
     rolled) are weighted by the trip count that makes the step's HMMA equal the products a warp
@@ -184,8 +187,12 @@ def tc_stats(head_dim, tiles, causal):
     from numba_flash.profiling.occupancy import ARCH, occupancy_from_resources
 
     rows = []
-    for name, k, sig, lay, expected in tc_kernels(head_dim, tiles, causal):
+    for name, k, sig, lay, expected in tc_kernels(head_dim, tiles, causal, kind):
         _, sass, res = compile_sass_of(k.py_func, sig, k.targetoptions.get("fastmath"))
+        if dump:  # the SASS text, for diffs between versions
+            tag = f"{kind}_d{head_dim}_{lay.block_m}x{lay.block_n}_{name.split(' (')[0].replace(' ', '_')}"
+            with open(os.path.join(dump, tag + ".sass"), "w") as f:
+                f.write(sass)
         instrs = parse(sass)
         hmma = [a for a, o, _ in instrs if o.startswith("HMMA")]
         step = min((r for r in loops(instrs) if r[0] <= min(hmma) and max(hmma) <= r[1]), key=lambda r: r[1] - r[0])
@@ -223,6 +230,8 @@ def main(argv=None):
     p.add_argument("--loops", action="store_true", help="print each loop of the step (stderr)")
     p.add_argument("--tensor-cores", action="store_true", help="the tensor-core kernels (kernels.tc_bwd, float16)")
     p.add_argument("--tiles", nargs="+", default=None, help="tensor-core tiles 'MxN' (block_m queries x block_n keys)")
+    p.add_argument("--kind", default="f16", choices=["f16", "bf16", "tf32x3"], help="tensor-core kind (--tensor-cores)")
+    p.add_argument("--dump-sass", default=None, help="folder to write each tensor-core kernel's SASS into")
     a = p.parse_args(argv)
     import numba_flash
 
@@ -233,8 +242,9 @@ def main(argv=None):
         from numba_flash.kernels.tc_bwd import default_tc_bwd_tiles
 
         rows = (row for d in a.head_dim
-                for t in ([tuple(int(x) for x in t.lower().split("x")) for t in a.tiles] if a.tiles else [default_tc_bwd_tiles(d)])
-                for row in tc_stats(d, t, a.causal))
+                for t in ([tuple(int(x) for x in t.lower().split("x")) for t in a.tiles] if a.tiles
+                          else [default_tc_bwd_tiles(d, a.kind)])
+                for row in tc_stats(d, t, a.causal, a.kind, a.dump_sass))
     else:
         rows = (row for d in a.head_dim for row in stats(d, a.causal, a.loops))
     for row in rows:

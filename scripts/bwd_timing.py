@@ -1,15 +1,16 @@
 """Backward pass of ``numba_flash.attention_backward`` against PyTorch SDPA's backward (issue 12).
 
     python scripts/bwd_timing.py [--batch 4 --heads 16 --seq 4096 --head-dim 64 128 --dtype float32 float16]
-                                 [--precision default ieee] [--tc-tiles 64x128 64x64] [--causal]
+                                 [--precision default ieee tf32x3] [--tc-tiles 64x128 64x64] [--causal]
 
 For each head dim and dtype: PyTorch's backward (memory-efficient SDPA for float32, flash for
 16-bit) and numba_flash's FA-2 backward (atomics, and ``deterministic=True``) and FA-1 backward
 (Algorithm 4) on the same torch tensors. ``--precision default`` times what
 ``attention_backward`` runs (tensor cores for float16/bfloat16, ``kernels.tc_bwd``; CUDA cores
 for float32), ``ieee`` the CUDA-core kernels for every dtype (``backward.gradients(precision=
-"ieee")``, the research baseline); each row names its ``regime`` ("f16", "bf16": tensor cores;
-"ieee": CUDA cores) and, on tensor cores, its ``tiles`` (block_m queries x block_n keys;
+"ieee")``, the research baseline), ``tf32x3`` float32 on split-precision tensor cores
+(``gradients(precision="tf32x3")``; skipped for 16-bit dtypes); each row names its ``regime``
+("f16", "bf16", "tf32x3": tensor cores; "ieee": CUDA cores) and, on tensor cores, its ``tiles`` (block_m queries x block_n keys;
 ``--tc-tiles`` sweeps them). CUDA-event medians after warm-up (``profiling.timing.median_ms``,
 calls back to back). FLOPs: 2.5x the forward's 4 B H N^2 D (halved when causal), as the
 FlashAttention papers count the backward. One JSON object per row on stdout.
@@ -30,8 +31,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", nargs="+", default=["float32", "float16"], choices=["float32", "float16", "bfloat16"])
     ap.add_argument("--algorithms", nargs="+", default=["fa2", "fa2-deterministic", "fa1"],
                     choices=["fa2", "fa2-deterministic", "fa1"], help="numba_flash backward kernels to time")
-    ap.add_argument("--precision", nargs="+", default=["default"], choices=["default", "ieee"],
-                    help="default: attention_backward's regime (tensor cores for 16-bit); ieee: CUDA cores for every dtype")
+    ap.add_argument("--precision", nargs="+", default=["default"], choices=["default", "ieee", "tf32x3"],
+                    help="default: attention_backward's regime (tensor cores for 16-bit); ieee: CUDA cores for every "
+                         "dtype; tf32x3: float32 on split-precision tensor cores")
     ap.add_argument("--tc-tiles", nargs="+", default=[None],
                     help="tensor-core tiles 'MxN' (block_m queries x block_n keys) to time; default: the kernels' default")
     ap.add_argument("--causal", action="store_true", help="causal attention (PyTorch: is_causal=True)")
@@ -64,11 +66,13 @@ def main(argv=None) -> int:
                                   ms=round(peer_ms, 3), tflops=round(tflops(flops, peer_ms), 2))), flush=True)
             for precision in args.precision:
                 prec = None if precision == "default" else precision
+                if prec == "tf32x3" and name != "float32":
+                    continue
                 regime = backward_regime(prec, name)
                 tile_list = args.tc_tiles if regime != "ieee" else [None]
                 for tiles_arg in tile_list:
                     tiles = tuple(int(x) for x in tiles_arg.lower().split("x")) if tiles_arg else None
-                    shown = tiles or (backward_tc_tiles(kernel_head_dim(regime, D)) if regime != "ieee" else None)
+                    shown = tiles or (backward_tc_tiles(kernel_head_dim(regime, D), regime) if regime != "ieee" else None)
                     for label in args.algorithms:
                         algorithm, deterministic = label.split("-")[0], label.endswith("deterministic")
 

@@ -3,7 +3,9 @@ simulator: both loop orders (FlashAttention Algorithm 4, FlashAttention-2 Algori
 atomics or deterministic) against the float64 reference gradients, on small awkward shapes:
 causal with Nq != Nk (rows that see no key), GQA, lengths that are not multiples of a tile,
 D = 1, float16 and bfloat16 inputs (those through ``gradients(precision="ieee")``: by default
-they run on tensor cores, ``test_backward_tc.py``)."""
+they run on tensor cores, ``test_backward_tc.py``). ``attention_backward`` runs float32 on
+split-precision tensor cores by default (``backward.TF32X3_BACKWARD``, ``test_backward_tf32x3.py``);
+here the switch is off, so its float32 calls reach the CUDA-core kernels."""
 
 from __future__ import annotations
 
@@ -19,6 +21,14 @@ from numba_flash import reference
 from numba_flash.backward import attention_backward, gradients
 
 VARIANTS = [("fa2", False), ("fa2", True), ("fa1", False)]
+
+
+@pytest.fixture(autouse=True)
+def cuda_core_float32(monkeypatch):
+    """float32 through ``attention_backward`` on the CUDA-core kernels this file tests."""
+    from numba_flash import backward
+
+    monkeypatch.setattr(backward, "TF32X3_BACKWARD", False)
 
 
 TOL = {"float32": 2e-5, "float16": 2e-2, "bfloat16": 1e-1}  # relative to the largest gradient

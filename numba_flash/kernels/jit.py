@@ -87,3 +87,53 @@ def shared_tile(offset: int, count: int):
         return sig, codegen
 
     return view
+
+
+def shared_tile_pair(offset0: int, offset1: int, count: int):
+    """A device function ``view(smem, which) -> smem[offset : offset + count]`` with ``offset``
+    ``offset0`` when ``which == 0`` else ``offset1`` (a double buffer): the selection is on the
+    offset, one ``gep`` from the shared base, so NVVM can keep the shared address space of the
+    view's loads (selecting between two :func:`shared_tile` views made the tf32x3 backward's
+    scalar reads generic ``LD``)."""
+    if simulated():
+
+        @device_jit
+        def view_sim(smem, which):
+            at = offset0 if which == 0 else offset1
+            return smem[at : at + count]
+
+        return view_sim
+
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda import cgutils
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def view(typingctx, smem, which):
+        if not (isinstance(smem, types.Array) and smem.ndim == 1 and isinstance(which, types.Integer)):
+            return None
+        aryty = smem.copy(layout="C")
+        sig = aryty(smem, which)
+
+        def codegen(context, builder, signature, args):
+            base = context.make_array(signature.args[0])(context, builder, value=args[0])
+            out = context.make_array(signature.return_type)(context, builder)
+            (stride,) = cgutils.unpack_tuple(builder, base.strides, 1)
+            i64 = ir.IntType(64)
+            w = context.cast(builder, args[1], signature.args[1], types.int64)
+            at = builder.select(builder.icmp_signed("==", w, ir.Constant(i64, 0)), ir.Constant(i64, offset0),
+                                ir.Constant(i64, offset1))
+            context.populate_array(
+                out,
+                data=builder.gep(base.data, [at], inbounds=True),
+                shape=[context.get_constant(types.intp, count)],
+                strides=[stride],
+                itemsize=base.itemsize,
+                meminfo=None,
+            )
+            return out._getvalue()
+
+        return sig, codegen
+
+    return view

@@ -1,5 +1,6 @@
 """Attention backward on tensor cores (16-bit inputs, float32 accumulation): FlashAttention-2
 Algorithm 2 and FlashAttention's Algorithm 4, on the forward's primitives (``mma``, ``tc_ops``).
+Also float32 inputs in split precision (kind ``"tf32x3"``, see the end of this docstring).
 
 The loop nests are those of the CUDA-core backward (``kernels.bwd``): K/V tiles outside, Q tiles
 inside, P recomputed from the forward's logsumexp. What changes is where each product lives.
@@ -52,6 +53,15 @@ Q, dO, K, V rows past the end are zero-filled by the copies. Keys hidden by the 
 (bottom-right) or past Nk get P = dS = 0, tested only in tiles that need it (block-uniform).
 S is not pre-scaled (Q stays 16-bit): P = exp2(S scale log2 e - L log2 e), and dK = scale
 dS^T Q, dQ = scale dS K are scaled when written.
+
+**tf32x3** (float32 inputs; measured on the H200, docs/performance-log.md "Backward in tf32x3"):
+the same kernels on float32 tiles (16 bytes of row padding). S^T, dP^T are the forward's tf32x3
+``score_tile`` and dV_j, dK_j updates its ``pv_tile`` (m16n8k8: every operand split into TF32
+big + small, products big*big + small*big + big*small; P^T and dS^T the A operand from the
+accumulators with each 8-query step's columns permuted, t <-> 2t, t + 4 <-> 2t + 1; each step's
+product summed from zero and added in float32); dS^T goes to shared memory as float32 and dQ's
+A operand is read from it as scalars (``dq_tile_tf32x3``). No ``ldmatrix`` A fragments kept in
+registers (two per element would crowd out dK_j, dV_j). Tiles: ``TF32X3_TILES``.
 """
 
 from __future__ import annotations
@@ -63,15 +73,17 @@ from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mma
-from numba_flash.kernels.jit import LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile
+from numba_flash.kernels.jit import LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile, shared_tile_pair
 from numba_flash.kernels.row_state import last_visible_key
 from numba_flash.kernels.tc_ops import SMEM_OPTIN_LIMIT, tc_ops
 
-KINDS = ("f16", "bf16")  # the tensor-core backward reads 16-bit inputs
+KINDS = ("f16", "bf16", "tf32x3")  # 16-bit inputs, or float32 with split-precision TF32 products
+HALF_KINDS = ("f16", "bf16")
 KERNELS = ("fa2", "fa1", "dq")  # the K/V kernels of each loop order, and the deterministic dQ kernel
 BLOCK_CHOICES = (16, 32, 64, 128)
 POS_INF = math.inf  # L of a row that sees no key (or past Nq): P = exp2(S - inf) = 0
 NEVER = 1 << 30  # first visible query of a key past Nk: after every row
+TF32X3_TILES = {64: (16, 64), 128: (16, 64)}  # tf32x3 (block_m, block_n) by head dim (default_tc_bwd_tiles; offline choice)
 A_IN_REGS_MAX_DIM = 64  # padded head dims up to which a warp keeps its own rows' fragments in registers
 
 
@@ -83,7 +95,7 @@ class TcBwdLayout:
     distinct banks; L and D (float32) are a static array beside it."""
 
     kernel: str  # one of KERNELS
-    kind: str  # "f16" or "bf16"
+    kind: str  # "f16", "bf16" (16-bit tiles) or "tf32x3" (float32 tiles)
     head_dim: int  # the kernel head dim (a multiple of 8: ``tc_ops.kernel_head_dim``)
     block_m: int  # queries of a Q tile
     block_n: int  # keys of a K/V tile
@@ -97,16 +109,23 @@ class TcBwdLayout:
         return 32 * self.warps
 
     @property
+    def elem_bytes(self) -> int:  # 2 (16-bit kinds) or 4 (tf32x3: float32 tiles)
+        return 2 if self.kind in HALF_KINDS else 4
+
+    @property
     def padded_dim(self) -> int:  # the k-step of the products along D is 16
         return -(-self.head_dim // 16) * 16
 
     @property
-    def stride(self) -> int:  # elements of a shared row of Q, dO, O, K, V
-        return self.padded_dim + 8
+    def stride(self) -> int:  # elements of a shared row of Q, dO, O, K, V (16 bytes of padding)
+        return self.padded_dim + 16 // self.elem_bytes
 
     @property
-    def ds_stride(self) -> int:  # elements of a shared row of dS^T (keys x queries)
-        return self.block_m + 8
+    def ds_stride(self) -> int:
+        """Elements of a shared row of dS^T (keys x queries), 16 bytes of padding: tf32x3's
+        scalar loads of dS (rows 2t, 2t + 1 of the permuted keys, column g) then fall in
+        distinct banks (stride = 4 mod 32 words)."""
+        return self.block_m + 16 // self.elem_bytes
 
     @property
     def a_in_regs(self) -> bool:
@@ -116,7 +135,7 @@ class TcBwdLayout:
         16-wide step of D, against ``block_m / 16`` for the B operand): the registers go to
         dK_j, dV_j (ptxas for sm_90, offline: with K_j, V_j in registers the D = 64 FA-2
         kernel spilled at 255 registers; without, 235 and none)."""
-        return self.kernel == "dq" and self.padded_dim <= A_IN_REGS_MAX_DIM
+        return self.kernel == "dq" and self.padded_dim <= A_IN_REGS_MAX_DIM and self.kind in HALF_KINDS
 
     def tiles(self) -> list[tuple[str, int]]:
         """(name, elements) of the shared tiles in order."""
@@ -141,8 +160,8 @@ class TcBwdLayout:
 
     @property
     def smem_bytes(self) -> int:
-        """Dynamic shared memory of one block (16-bit elements)."""
-        return 2 * sum(size for _, size in self.tiles())
+        """Dynamic shared memory of one block (16-bit or float32 elements)."""
+        return self.elem_bytes * sum(size for _, size in self.tiles())
 
     @property
     def stat_floats(self) -> int:
@@ -155,14 +174,19 @@ def tc_bwd_layout(kernel: str, kind: str, head_dim: int, block_m: int, block_n: 
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {list(KERNELS)}; got {kernel!r}")
     if kind not in KINDS:
-        raise ValueError(f"the tensor-core backward reads 16-bit inputs: kind must be one of {list(KINDS)}; got {kind!r}")
+        raise ValueError(f"the tensor-core backward's kind must be one of {list(KINDS)}; got {kind!r}")
     return TcBwdLayout(kernel, kind, int(head_dim), int(block_m), int(block_n))
 
 
-def dq_kernel_tiles(block_m: int, block_n: int) -> tuple[int, int]:
+def dq_kernel_tiles(block_m: int, block_n: int, kind: str = "f16") -> tuple[int, int]:
     """(block_m, block_n) of the deterministic dQ kernel for the K/V kernels' tiles: the same Q
     tile, K/V tiles of at most 64 keys (its S and dP hold ``block_n / 2`` floats per thread
-    each; at 128 keys and D = 64 it spilled 100 bytes, offline)."""
+    each; at 128 keys and D = 64 it spilled 100 bytes, offline). tf32x3: 32 keys, and 64
+    queries for the default 16-query tiles (one warp a block otherwise), at most 64 (ptxas for
+    sm_90, 64 x 32: 172 / 255 registers at D = 64 / 128, no spills, no local memory; with 64
+    keys its dQ accumulator went to local memory at D = 128)."""
+    if kind not in HALF_KINDS:
+        return (64 if block_m <= 16 else min(block_m, 64)), 32
     return block_m, min(block_n, 64)
 
 
@@ -172,14 +196,14 @@ def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int, ker
         if isinstance(value, bool) or value not in BLOCK_CHOICES:
             raise ValueError(f"{name}={value!r}: the tensor-core backward needs one of {list(BLOCK_CHOICES)}")
     for kernel in kernels:
-        tiles = dq_kernel_tiles(block_m, block_n) if kernel == "dq" else (block_m, block_n)
+        tiles = dq_kernel_tiles(block_m, block_n, kind) if kernel == "dq" else (block_m, block_n)
         need = tc_bwd_layout(kernel, kind, head_dim, *tiles).smem_bytes
         if need > SMEM_OPTIN_LIMIT:
             raise ValueError(f"block_m={block_m}, block_n={block_n} at head_dim={head_dim}: the {kernel} kernel needs "
                              f"{need} bytes of shared memory, more than the {SMEM_OPTIN_LIMIT} a block can have")
 
 
-def default_tc_bwd_tiles(head_dim: int) -> tuple[int, int]:
+def default_tc_bwd_tiles(head_dim: int, kind: str = "f16") -> tuple[int, int]:
     """(block_m, block_n) of the tensor-core backward on an sm_90 GPU: 64 queries per Q tile,
     128 keys per K/V tile (8 warps of 16 keys), FlashAttention-2's shape for its sm80 D = 128
     backward. Chosen offline, unmeasured (docs/performance-log.md, "Backward on tensor cores"):
@@ -191,12 +215,37 @@ def default_tc_bwd_tiles(head_dim: int) -> tuple[int, int]:
     if env:
         m, n = env.lower().split("x")
         return int(m), int(n)
+    if kind not in HALF_KINDS:
+        return TF32X3_TILES[64 if head_dim <= 64 else 128]
     return (64, 128)
 
 
 # ------------------------------------------------------------------------------------------
 # Device functions shared by the kernels
 # ------------------------------------------------------------------------------------------
+
+
+def _tile_ops(kind: str, head_dim: int, block_m: int, block_n: int):
+    """``tc_ops`` of one specialisation; tf32x3 without the forward's pre-split operands (the
+    backward's tiles hold plain float32 rows: ``pv_tile`` and ``score_tile`` split as they read)."""
+    if kind in HALF_KINDS:
+        return tc_ops(kind, head_dim, block_m, block_n)
+    return tc_ops(kind, head_dim, block_m, block_n, presplit="")
+
+
+@device_jit
+def _identity(x):
+    return x
+
+
+def _value(kind: str):
+    """Element of an input tile -> float32: the 16-bit conversions, or float32 as it is."""
+    return mma.VALUE_16[kind] if kind in HALF_KINDS else _identity
+
+
+def _bits(kind: str):
+    """float32 -> an output element: 16-bit patterns, or float32 as it is."""
+    return mma.BITS_16[kind] if kind in HALF_KINDS else _identity
 
 
 def vector_reductions(compute_capability) -> bool:
@@ -214,7 +263,14 @@ def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_r
     - ``ab_t(af, a_s, b_s, acc, scratch)``: ``acc = A_w B^T`` over the first ``n_cols`` rows of
       the B tile (``n_cols / 8`` accumulator tiles): the forward's S = Q_i K_j^T, with A from
       registers or, when not ``a_in_regs``, by one ``ldmatrix`` per 16-wide step of D.
-    ``warp_rows_tile``: rows of the A tile (only for the tile ops' layout)."""
+    ``warp_rows_tile``: rows of the A tile (only for the tile ops' layout).
+
+    tf32x3 (float32 tiles): ``ab_t`` is the forward's ``score_tile`` (m16n8k8, each operand
+    split into TF32 big and small as it is read, three products, the small terms summed apart
+    and added at the end); ``load_frags`` does nothing (``af`` unused: two fragments per
+    element would crowd out dK_j, dV_j)."""
+    if kind not in HALF_KINDS:
+        return _products_tf32x3(kind, head_dim, warp_rows_tile, n_cols)
     ops = tc_ops(kind, head_dim, warp_rows_tile, n_cols)
     L = ops.layout
     S, KT, NC = L.stride, L.padded_dim // 16, n_cols // 8
@@ -250,9 +306,26 @@ def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_r
 
 
 @functools.lru_cache(maxsize=None)
-def _row_loader(head_dim: int, rows: int, threads: int):
+def _products_tf32x3(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int):
+    ops = _tile_ops(kind, head_dim, warp_rows_tile, n_cols)
+
+    @device_jit
+    def load_frags(a_s, af):
+        pass
+
+    @device_jit
+    def ab_t(af, a_s, b_s, acc, scratch):
+        af_big = cuda.local.array((1, 4), mma.uint32)
+        af_small = cuda.local.array((1, 4), mma.uint32)
+        ops.score_tile(af_big, af_small, a_s, b_s, acc, scratch)
+
+    return load_frags, ab_t
+
+
+@functools.lru_cache(maxsize=None)
+def _row_loader(head_dim: int, rows: int, threads: int, elem_bytes: int = 2):
     """``load(x, b, h, first, n_valid, x_s)``: rows ``first ..`` of ``x[b, h]`` (16-bit, D =
-    ``head_dim`` a multiple of 8) -> ``x_s`` (``rows`` x D_pad, row stride D_pad + 8) by 16-byte
+    ``head_dim`` a multiple of 8; ``elem_bytes=4``: float32, D a multiple of 4) -> ``x_s`` (``rows`` x D_pad, row stride D_pad + 8) by 16-byte
     ``cp.async`` copies, consecutive threads on consecutive chunks of a row; rows at or past
     ``n_valid`` and columns past D zero-filled. ``tc_ops``' loader, with the chunk's row and
     column by shift and mask when a row has a power-of-two number of chunks (D = 64: 8,
@@ -260,7 +333,10 @@ def _row_loader(head_dim: int, rows: int, threads: int):
     ptxas to recompute instead of keeping (or spilling) it across the step. The caller commits."""
     D, NT = head_dim, threads
     DP = -(-D // 16) * 16
-    S, CPR = DP + 8, DP // 8
+    CH = 16 // elem_bytes  # elements of one 16-byte copy
+    CSHIFT = CH.bit_length() - 1
+    S, CPR = DP + CH, DP // CH
+    COPY = mma.cp_async16 if elem_bytes == 2 else mma.cp_async16_f32
     COPIES = -(-rows * CPR // NT)
     EXACT = rows * CPR % NT == 0
     POW2 = CPR & (CPR - 1) == 0
@@ -276,15 +352,15 @@ def _row_loader(head_dim: int, rows: int, threads: int):
             if EXACT or c < rows * CPR:
                 if POW2:
                     r = c >> SHIFT
-                    d = (c & (CPR - 1)) << 3
+                    d = (c & (CPR - 1)) << CSHIFT
                 else:
                     r = c // CPR
-                    d = (c - r * CPR) * 8
+                    d = (c - r * CPR) * CH
                 row = first + r
                 if FULL:
-                    mma.cp_async16(x_s, r * S + d, x, b, h, min(row, last), d, row < n_valid)
+                    COPY(x_s, r * S + d, x, b, h, min(row, last), d, row < n_valid)
                 else:  # an invalid copy reads nothing, but its source address must be in bounds
-                    mma.cp_async16(x_s, r * S + d, x, b, h, min(row, last), min(d, D - 8), row < n_valid and d < D)
+                    COPY(x_s, r * S + d, x, b, h, min(row, last), min(d, D - CH), row < n_valid and d < D)
 
     return load
 
@@ -312,7 +388,9 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     # The forward's tile ops with the roles swapped: their "Q tile" rows are keys (one warp per
     # 16: warp_row0, thread_row), their "K/V tile" rows queries, so pv_tile(P^T, dO_i) is
     # dV_j += P^T dO_i. (The copies are this module's _row_loader.)
-    ops = tc_ops(kind, D, BN, BM)
+    ops = _tile_ops(kind, D, BN, BM)
+    SIXTEEN = kind in HALF_KINDS
+    ELEM = mma.uint16 if SIXTEEN else float32
     S, DSS, DP = lay.stride, lay.ds_stride, lay.padded_dim
     NQ, DT, KT = BM // 8, DP // 8, DP // 16
     KN, QG, WARPS, NT = BN // 16, BM // 16, lay.warps, lay.threads
@@ -320,13 +398,15 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     A_REGS = lay.a_in_regs
     AF_ROWS = KT if A_REGS else 1
     load_frags, scores_t = _products(kind, D, BN, BM, A_REGS)
-    MMA, PACK, BITS, VALUE = mma.MMA_16[kind], mma.PACK_16[kind], mma.BITS_16[kind], mma.VALUE_16[kind]
+    if SIXTEEN:
+        MMA, PACK = mma.MMA_16[kind], mma.PACK_16[kind]
+    BITS, VALUE = _bits(kind), _value(kind)
     K_TILE, V_TILE, Q0_TILE, Q1_TILE, DO0_TILE, DO1_TILE, DS_TILE = (
         shared_tile(lay.offset(n), lay.elems(n)) for n in ("k", "v", "q0", "q1", "do0", "do1", "ds"))
     O0_TILE, O1_TILE = (shared_tile(lay.offset(n), lay.elems(n)) for n in (("o0", "o1") if FA1 else ("q0", "q1")))
     STATS = lay.stat_floats
     MMA_SCRATCH = mma.scratch_floats(NT)
-    load_kv_rows, load_q_rows = _row_loader(D, BN, NT), _row_loader(D, BM, NT)
+    load_kv_rows, load_q_rows = _row_loader(D, BN, NT, lay.elem_bytes), _row_loader(D, BM, NT, lay.elem_bytes)
     GROUPS_PER_WARP = max(1, QG // WARPS)  # dQ: 16-query groups per warp
     SPLIT = max(1, WARPS // QG)  # dQ: warps sharing a group (they split its 16-column chunks of D)
     CHUNKS_PER_WARP = -(-(DT // 2) // SPLIT)
@@ -407,6 +487,80 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
                 dp[nt, e] = ds
 
     @device_jit
+    def dq_write(dq_h, acc, qg, dt2, row0, n_q, scale):
+        """dQ_i rows 16 qg .. of this warp's 16-column chunk ``dt2`` += scale acc (FA-1: read,
+        add, write back; FA-2: atomics)."""
+        g, t = (cuda.threadIdx.x & 31) >> 2, cuda.threadIdx.x & 3
+        for n in range(2):
+            d = 16 * dt2 + 8 * n + 2 * t  # even; D % 4 == 0, so d + 1 < D when d < D
+            if d < D:
+                for i in range(2):
+                    row = row0 + 16 * qg + g + 8 * i
+                    if row < n_q:
+                        x0 = acc[n, 2 * i] * scale
+                        x1 = acc[n, 2 * i + 1] * scale
+                        if FA1:
+                            dq_h[row, d] += x0
+                            dq_h[row, d + 1] += x1
+                        elif VECTOR_RED:
+                            mma.red_add_f32x2(dq_h, row, d, x0, x1)
+                        else:
+                            cuda.atomic.add(dq_h, (row, d), x0)
+                            cuda.atomic.add(dq_h, (row, d + 1), x1)
+
+    @device_jit
+    def store_ds_t_f32(ds, ds_s):
+        """tf32x3: dS^T (this warp's 16 keys x block_m queries) -> shared memory as float32."""
+        r = ops.thread_row(0)
+        t2 = 2 * ops.lane_t()
+        for nt in range(NQ):
+            i0 = r * DSS + 8 * nt + t2
+            ds_s[i0] = ds[nt, 0]
+            ds_s[i0 + 1] = ds[nt, 1]
+            ds_s[i0 + 8 * DSS] = ds[nt, 2]
+            ds_s[i0 + 8 * DSS + 1] = ds[nt, 3]
+
+    @device_jit
+    def dq_tile_tf32x3(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch):
+        """tf32x3 ``dq_tile``: the same work split (16-query groups x 16-column chunks of D),
+        m16n8k8 products over 8 keys at a time with the keys of each step permuted as in
+        ``tc_ops.pv_tile`` (A column t <-> key 2t, t + 4 <-> key 2t + 1): A = dS, read as
+        scalars from dS^T (rows 2t, 2t + 1, columns g, g + 8: conflict-free with the ds_stride
+        padding), B = K_j (rows 2t, 2t + 1, column g), every operand split into TF32 big and
+        small, three products. The chunk's dS K_j is summed from zero over this tile's keys and
+        added to dQ in float32 (the forward's per-tile accumulation, version 8c)."""
+        lane = cuda.threadIdx.x & 31
+        g, t = lane >> 2, lane & 3
+        w = cuda.threadIdx.x >> 5
+        dq_h = dq[b, h]
+        acc = cuda.local.array((2, 4), float32)
+        for m in range(GROUPS_PER_WARP):
+            qg = w % QG + WARPS * m
+            part = w // QG
+            for u in range(CHUNKS_PER_WARP):
+                dt2 = min(part + SPLIT * u, DT // 2 - 1)
+                for n in range(2):
+                    for e in range(4):
+                        acc[n, e] = float32(0.0)
+                kk = 0
+                while kk < BN // 8:  # not range(): fully unrolled, ptxas hoisted the loads of every step and spilled
+                    ia = (8 * kk + 2 * t) * DSS + 16 * qg + g
+                    ab0, as0 = mma.split_tf32(ds_s[ia])  # (query g, key 2t)
+                    ab1, as1 = mma.split_tf32(ds_s[ia + 8])  # (g + 8, 2t)
+                    ab2, as2 = mma.split_tf32(ds_s[ia + DSS])  # (g, 2t + 1)
+                    ab3, as3 = mma.split_tf32(ds_s[ia + DSS + 8])  # (g + 8, 2t + 1)
+                    for n in range(2):
+                        ib = (8 * kk + 2 * t) * S + 16 * dt2 + 8 * n + g
+                        bb0, bs0 = mma.split_tf32(k_s[ib])
+                        bb1, bs1 = mma.split_tf32(k_s[ib + S])
+                        mma.mma_tf32(acc, n, ab0, ab1, ab2, ab3, bb0, bb1, scratch)
+                        mma.mma_tf32(acc, n, as0, as1, as2, as3, bb0, bb1, scratch)
+                        mma.mma_tf32(acc, n, ab0, ab1, ab2, ab3, bs0, bs1, scratch)
+                    kk += 1
+                if part + SPLIT * u < DT // 2:
+                    dq_write(dq_h, acc, qg, dt2, row0, n_q, scale)
+
+    @device_jit
     def store_ds_t(ds, ds_s):
         """dS^T (this warp's 16 keys x block_m queries) -> shared memory as 16-bit pairs."""
         r = ops.thread_row(0)
@@ -475,6 +629,12 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
                         if d < n_out:
                             x[b, h, row, d] = BITS(acc[dt, 2 * i + e] * factor)
 
+    STORE_DS_T, DQ_TILE = (store_ds_t, dq_tile) if SIXTEEN else (store_ds_t_f32, dq_tile_tf32x3)
+    # tf32x3: this step's Q_i, dO_i (O_i) views selected on the offset (``shared_tile_pair``), so
+    # that pv_tile's scalar reads of them stay LDS (a select of two views made them generic LD)
+    Q_PAIR, DO_PAIR = (shared_tile_pair(lay.offset(a), lay.offset(b), lay.elems(a)) for a, b in (("q0", "q1"), ("do0", "do1")))
+    O_PAIR = shared_tile_pair(lay.offset("o0"), lay.offset("o1"), lay.elems("o0")) if FA1 else Q_PAIR
+
     @kernel_jit(fastmath={"contract", "afn", "arcp"})
     def tc_attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale):
         n_heads, n_q = q.shape[1], q.shape[2]
@@ -493,7 +653,7 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
         hk = bh - b * n_kv_heads
         q_scale = scale * float32(LOG2E)
 
-        smem = cuda.shared.array(0, mma.uint16, SMEM_ALIGN)  # K_j | V_j | Q_i x2 | dO_i x2 | (O_i x2) | dS^T
+        smem = cuda.shared.array(0, ELEM, SMEM_ALIGN)  # K_j | V_j | Q_i x2 | dO_i x2 | (O_i x2) | dS^T
         k_s, v_s, ds_s = K_TILE(smem), V_TILE(smem), DS_TILE(smem)
         q0_s, q1_s, do0_s, do1_s = Q0_TILE(smem), Q1_TILE(smem), DO0_TILE(smem), DO1_TILE(smem)
         o0_s, o1_s = O0_TILE(smem), O1_TILE(smem)  # (FA-1 only; FA-2: aliases of Q_i, never touched)
@@ -534,9 +694,14 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
             for st in range(n_steps):  # line 8: for 1 <= i <= Tr (and the query heads of this KV head)
                 buf = st & 1
                 row0 = i * BM
-                q_s = q0_s if buf == 0 else q1_s
-                do_s = do0_s if buf == 0 else do1_s
-                o_s = o0_s if buf == 0 else o1_s
+                if SIXTEEN:
+                    q_s = q0_s if buf == 0 else q1_s
+                    do_s = do0_s if buf == 0 else do1_s
+                    o_s = o0_s if buf == 0 else o1_s
+                else:
+                    q_s = Q_PAIR(smem, buf)
+                    do_s = DO_PAIR(smem, buf)
+                    o_s = O_PAIR(smem, buf)
                 base = buf * 2 * BM
                 i_next = i + 1  # the next step: the next Q tile, or the first of the next query head
                 h_next = h
@@ -563,9 +728,9 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
                 ops.pv_tile(s, do_s, dv_acc, scratch)  # FA-2 line 12 (Alg. 4 line 16): dV_j += P_ij^T dO_i
                 ops.pv_tile(dp, q_s, dk_acc, scratch)  # FA-2 line 16 (Alg. 4 line 22): dK_j += dS_ij^T Q_i
                 if DQ:
-                    store_ds_t(dp, ds_s)
+                    STORE_DS_T(dp, ds_s)
                     cuda.syncthreads()  # dS^T of every warp is in shared memory
-                    dq_tile(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch)  # FA-2 line 15 (Alg. 4 line 21)
+                    DQ_TILE(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch)  # FA-2 line 15 (Alg. 4 line 21)
                 if st + 1 < n_steps:
                     write_stats(stats, 2 * BM - base, nxt)  # the other buffer: read after the next top barrier
                 h = h_next
@@ -595,7 +760,8 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
     lay = tc_bwd_layout("dq", kind, head_dim, block_m, block_n)
     CAUSAL = bool(causal)
     D, BM, BN = head_dim, block_m, block_n
-    ops = tc_ops(kind, D, BM, BN)
+    ops = _tile_ops(kind, D, BM, BN)
+    ELEM = mma.uint16 if kind in HALF_KINDS else float32
     NS, DT, KT = BN // 8, lay.padded_dim // 8, lay.padded_dim // 16
     A_REGS = lay.a_in_regs
     AF_ROWS = KT if A_REGS else 1
@@ -620,7 +786,7 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
         row0 = i_tile * BM
         q_scale = scale * float32(LOG2E)
 
-        smem = cuda.shared.array(0, mma.uint16, SMEM_ALIGN)  # Q_i | dO_i | K_j x2 | V_j
+        smem = cuda.shared.array(0, ELEM, SMEM_ALIGN)  # Q_i | dO_i | K_j x2 | V_j
         q_s, do_s, k0_s, k1_s, v_s = Q_TILE(smem), DO_TILE(smem), K0_TILE(smem), K1_TILE(smem), V_TILE(smem)
         scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
 
