@@ -30,10 +30,10 @@ import math
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.kernels.combine import COMBINE_THREADS, MAX_PARTIALS, combine_kernel
+from numba_flash.kernels.combine import MAX_PARTIALS, combine_launch
 from numba_flash.launch import device_array, launch, numba_launch
 
-MAX_SPLITS = MAX_PARTIALS  # the combine kernel holds a row's weights in shared memory
+MAX_SPLITS = MAX_PARTIALS  # the combine kernel: up to 4 lse per lane of a warp, 16 warps per row
 MIN_TILES_PER_SPLIT = 4  # shorter walks do not pay for the partials and the second launch
 FILL = 0.75  # share of the GPU's resident blocks a grid must fill to run unsplit
 MAX_SLOTS_PER_SM = 2  # resident blocks per SM the heuristic counts (FlashAttention's 2 x SMs)
@@ -104,12 +104,10 @@ def combine(ctx, o_parts, lse_parts, o, lse, bits=None) -> None:
     """Merge the partials (``(S*B, H, Nq, >= D)`` and ``(S*B, H, Nq)`` float32, arrays of the
     call's kind) into ``o (B, H, Nq, D)`` and ``lse``: ``kernels.combine`` on the caller's
     stream. ``bits``: ``"bf16"`` when ``o`` is bfloat16 (written as its bit patterns)."""
-    B, H, Nq, D = (int(n) for n in o.shape)
-    kernel = combine_kernel(bits)
-    grid, threads = (B * H * Nq,), COMBINE_THREADS
+    kernel, grid, block = combine_launch(int(lse_parts.shape[0]) // int(o.shape[0]), o.shape, bits)
     if ctx.direct_launch:
         args = combine_arguments(*(device_array(x, ctx.kind) for x in (o_parts, lse_parts, o, lse)), bits)
-        launch(kernel, grid, (threads,), ctx.stream_ptr(), args, device_id=ctx.device_id)
+        launch(kernel, grid, block, ctx.stream_ptr(), args, device_id=ctx.device_id)
         return
     if bits:
         o = o.view(np.uint16)  # NumPy (ml_dtypes.bfloat16)
@@ -120,21 +118,20 @@ def combine(ctx, o_parts, lse_parts, o, lse, bits=None) -> None:
         stream = ctx.stream()
         dev = [cuda.to_device(np.ascontiguousarray(x), stream=stream) for x in arrays[:2]]
         out = [cuda.device_array(x.shape, x.dtype, stream=stream) for x in arrays[2:]]
-        numba_launch(kernel, grid, threads, stream, [*dev, *out])
+        numba_launch(kernel, grid, block, stream, [*dev, *out])
         for host, d in zip(arrays[2:], out):
             d.copy_to_host(host, stream=stream)
         if stream is not None:
             stream.synchronize()
         return
-    numba_launch(kernel, grid, threads, ctx.stream(), [ctx.to_kernel(x) if not ctx.on_host else x for x in arrays])
+    numba_launch(kernel, grid, block, ctx.stream(), [ctx.to_kernel(x) if not ctx.on_host else x for x in arrays])
 
 
 def plan_combine(builder, o_parts, lse_parts, o, lse, bits=None) -> None:
     """:func:`combine` added to a plan (``plans.PlanBuilder``), for arrays described with
     open pointers (``launch.DeviceArray``)."""
-    B, H, Nq, _ = o.shape
-    builder.add_launch(combine_kernel(bits), (B * H * Nq,), (COMBINE_THREADS,),
-                       combine_arguments(o_parts, lse_parts, o, lse, bits))
+    kernel, grid, block = combine_launch(int(lse_parts.shape[0]) // int(o.shape[0]), o.shape, bits)
+    builder.add_launch(kernel, grid, block, combine_arguments(o_parts, lse_parts, o, lse, bits))
 
 
 def combine_arguments(o_parts, lse_parts, o, lse, bits=None) -> list:

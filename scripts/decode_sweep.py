@@ -94,7 +94,7 @@ class Candidate:
     def __init__(self, block_n, copies, splits, stages, q, k, v, seqlens, scale):
         import cupy as cp
 
-        from numba_flash.kernels.combine import COMBINE_THREADS, combine_kernel
+        from numba_flash.kernels.combine import combine_launch
         from numba_flash.kernels.jit import LOG2E
         from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
         from numba_flash.kernels.tc_ops import row_walk_default
@@ -129,7 +129,8 @@ class Candidate:
         self.main = prepare_launch(kernel, spec.grid(B, Hkv, rows, splits), (spec.threads,), args, spec.dynamic_smem, device)
         comb = [device_array(x, "cupy") for x in (self.o_parts, self.lse_parts, self.o.reshape(B, Hkv, rows, D),
                                                   self.lse.reshape(B, Hkv, rows))]  # float16 o: as decode() passes it
-        self.combine = prepare_launch(combine_kernel(None), (B * Hkv * rows,), (COMBINE_THREADS,), comb, 0, device)
+        comb_kernel, comb_grid, comb_block = combine_launch(splits, (B, Hkv, rows, D))
+        self.combine = prepare_launch(comb_kernel, comb_grid, comb_block, comb, 0, device)
         self.stream = core_stream(cp.cuda.get_current_stream().ptr, device)
 
     def __call__(self):

@@ -124,6 +124,91 @@ def test_combine_kernel_is_the_twin_and_order_invariant(lse_parts, data, seed):
     np.testing.assert_allclose(lse_p, lse, rtol=1e-6, atol=1e-6)
 
 
+def _launch_combine(o_parts, lse_parts, shape, bits=None, block=None):
+    """The combine kernel on NumPy partials ``(S*B, H, Nq, >= D)``, ``(S*B, H, Nq)`` into fresh
+    NaN-poisoned outputs of ``shape``; ``block``: another block than ``combine_launch``'s."""
+    from numba_flash.kernels.combine import combine_launch
+
+    S = lse_parts.shape[0] // shape[0]
+    kernel, grid, launch_block = combine_launch(S, shape, bits)
+    o = poisoned(np, shape, np.float32) if bits is None else np.full(shape, 0x7FC0, np.uint16)
+    lse = poisoned(np, shape[:3], np.float32)
+    kernel[grid, block or launch_block](o_parts, lse_parts, o, lse)
+    return o, lse
+
+
+def _twin(o_parts, lse_parts, shape):
+    """``online.combine`` of every (b, h, i) row of split-major partials, ``(B, H, Nq, D)``."""
+    B, H, Nq, D = shape
+    S = lse_parts.shape[0] // B
+    o_rows = o_parts[..., :D].reshape(S, B * H * Nq, D)
+    o, lse = online.combine(o_rows, lse_parts.reshape(S, -1))
+    return np.asarray(o).reshape(shape), np.asarray(lse).reshape(shape[:3])
+
+
+def _partials(rng, S, shape, pad=0):
+    """Split-major partials ``(S*B, H, Nq, D + pad)`` and their lse, about a quarter of them
+    empty (lse -inf, o NaN: an empty partial must add nothing whatever its o holds)."""
+    B, H, Nq, D = shape
+    lse_parts = (rng.standard_normal((S * B, H, Nq)) * 4).astype(np.float32)
+    lse_parts[rng.random(lse_parts.shape) < 0.25] = -np.inf
+    o_parts = rng.standard_normal((S * B, H, Nq, D + pad)).astype(np.float32)
+    o_parts[lse_parts == -np.inf] = np.nan
+    return o_parts, lse_parts
+
+
+@pytest.mark.parametrize("S, shape", [
+    (3, (2, 3, 5, 40)),  # one warp per row, 4 rows per block, the last block part empty; D off the 32 grid
+    (12, (1, 2, 3, 70)),  # two warps per row (a barrier), 2 rows per block, 3 columns per lane
+    (20, (2, 1, 1, 8)),  # three warps per row, D < 32
+    (128, (1, 1, 2, 33)),  # 16 warps per row, 4 lse per lane
+])
+def test_combine_kernel_launch_shapes_match_the_twin(S, shape):
+    rng = np.random.default_rng(S)
+    o_parts, lse_parts = _partials(rng, S, shape, pad=3)
+    o, lse = _launch_combine(o_parts, lse_parts, shape)
+    clean = np.where(np.isnan(o_parts), 0.0, o_parts).astype(np.float32)  # the twin weighs o by 0
+    twin_o, twin_lse = _twin(clean, lse_parts, shape)
+    np.testing.assert_allclose(o, twin_o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, twin_lse, rtol=1e-6, atol=1e-6)
+    assert not np.isnan(o).any()
+
+
+def test_combine_kernel_in_rounds_when_the_block_has_fewer_warps():
+    """A block of one warp per row still merges all 20 splits (chunks 0, 1, 2 in turn)."""
+    shape = (1, 1, 2, 16)
+    o_parts, lse_parts = _partials(np.random.default_rng(1), 20, shape)
+    o, lse = _launch_combine(o_parts, lse_parts, shape, block=(32, 1, 1))
+    twin_o, twin_lse = _twin(np.where(np.isnan(o_parts), 0.0, o_parts).astype(np.float32), lse_parts, shape)
+    np.testing.assert_allclose(o, twin_o, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(lse, twin_lse, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("S", [3, 10])
+def test_combine_kernel_nan_lse_makes_its_row_nan_only(S):
+    shape = (1, 1, 3, 8)
+    rng = np.random.default_rng(2)
+    lse_parts = rng.standard_normal((S, 1, 3)).astype(np.float32)
+    lse_parts[S - 1, 0, 1] = np.nan
+    lse_parts[:, 0, 2] = -np.inf  # an all-empty row beside it
+    o_parts = rng.standard_normal((S, 1, 3, 8)).astype(np.float32)
+    o_parts[:, 0, 2] = 0.0
+    o, lse = _launch_combine(o_parts, lse_parts, shape)
+    assert np.isnan(o[0, 0, 1]).all() and np.isnan(lse[0, 0, 1])
+    assert not np.isnan(o[0, 0, 0]).any() and np.isfinite(lse[0, 0, 0])
+    assert (o[0, 0, 2] == 0).all() and lse[0, 0, 2] == -np.inf
+
+
+def test_combine_kernel_bf16_patterns():
+    """``bits="bf16"``: o holds the bfloat16 patterns of the float32 result (nearest)."""
+    shape = (1, 2, 3, 40)
+    o_parts, lse_parts = _partials(np.random.default_rng(3), 9, shape)
+    o32, _ = _launch_combine(o_parts, lse_parts, shape)
+    o16, _ = _launch_combine(o_parts, lse_parts, shape, bits="bf16")
+    widened = (o16.astype(np.uint32) << 16).view(np.float32)
+    np.testing.assert_allclose(widened, o32, rtol=2.0**-8, atol=0)
+
+
 def test_online_combine_is_merge_folded_then_finalized():
     rng = np.random.default_rng(3)
     states = []

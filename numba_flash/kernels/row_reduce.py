@@ -4,7 +4,8 @@ Each query row is split over ``threads_per_row`` consecutive lanes of one warp (
 ``tiles.TileLayout``); the row max (line 9 of FlashAttention-2 Alg. 1) and the final row sum
 need all of them. On the GPU that is a butterfly of warp shuffles, log2(threads_per_row)
 steps with no shared memory and no barrier. Numba's simulator has no shuffles, so there the
-same reduction goes through a shared scratch array between two barriers. This module is the
+same reduction goes through a shared scratch array between two barriers (and so does
+:func:`lane_broadcast`, a warp shuffle from one lane to all). This module is the
 one place the two worlds differ in kernel code.
 
 ``vals`` is a thread's local array of ``rows_per_thread`` values; on return every thread of a
@@ -24,6 +25,13 @@ from numba_flash.kernels.jit import device_jit
 def scratch_floats(rows_per_thread: int, threads: int) -> int:
     """float32 elements of shared scratch the reduction needs (1 on the GPU: unused)."""
     return rows_per_thread * threads if simulated() else 1
+
+
+@device_jit
+def linear_thread():
+    """The thread's index in its block (x fastest), for blocks of one to three dimensions: a
+    warp is 32 consecutive of them."""
+    return cuda.threadIdx.x + cuda.blockDim.x * (cuda.threadIdx.y + cuda.blockDim.y * cuda.threadIdx.z)
 
 
 @functools.lru_cache(maxsize=None)
@@ -48,7 +56,7 @@ def row_allreduce(combine, rows_per_thread: int, threads_per_row: int, threads: 
 
     @device_jit
     def allreduce_shared(vals, scratch):
-        tid = cuda.threadIdx.x
+        tid = linear_thread()
         first = tid - tid % TX  # the row's first thread
         cuda.syncthreads()  # the previous reduction has been read by everyone
         for i in range(TM):
@@ -61,3 +69,44 @@ def row_allreduce(combine, rows_per_thread: int, threads_per_row: int, threads: 
             vals[i] = x
 
     return allreduce_shared
+
+
+@functools.lru_cache(maxsize=None)
+def lane_broadcast(threads: int):
+    """A device function ``(x, lane, scratch) -> x`` of lane ``lane`` of the caller's warp,
+    for every lane of it: one ``shfl.sync`` on the GPU; in the simulator a shared scratch of
+    ``threads`` floats (the block's threads at most) between two barriers, so there every
+    thread of the block must call it."""
+    if not simulated():
+
+        @device_jit
+        def broadcast(x, lane, scratch):
+            return cuda.shfl_sync(0xFFFFFFFF, x, lane)
+
+        return broadcast
+
+    @device_jit
+    def broadcast_shared(x, lane, scratch):
+        tid = linear_thread()
+        cuda.syncthreads()  # the previous broadcast has been read by everyone
+        scratch[tid] = x
+        cuda.syncthreads()
+        return scratch[tid - tid % 32 + lane]
+
+    return broadcast_shared
+
+
+if simulated():
+
+    @device_jit
+    def issue_fence():
+        """Nothing: the simulator runs a thread's statements in order."""
+
+else:
+
+    @device_jit
+    def issue_fence():
+        """``__syncwarp()`` as a scheduling fence: ptxas keeps the memory accesses on their side
+        of it, so the loads before it are issued before any instruction after it (seen in the
+        combine kernel's SASS, ptxas 13.5 sm_90, where it is a NOP). Every lane must call it."""
+        cuda.syncwarp()
