@@ -112,9 +112,10 @@ def test_strided_inputs_are_read_as_they_are():
 
 
 def test_regime_follows_the_dtype_and_ieee_keeps_cuda_cores():
-    """attention_backward runs the tensor-core kernels for float16 and bfloat16 and the CUDA-core
-    ones for float32; ``gradients(precision="ieee")`` runs CUDA cores for any dtype (the
-    research baseline); the two regimes agree within the 16-bit rounding of P and dS."""
+    """attention_backward runs the tensor-core kernels for every dtype (float32 in tf32x3, while
+    ``backward.TF32X3_BACKWARD`` is on, else on CUDA cores); ``gradients(precision="ieee")``
+    runs CUDA cores for any dtype (the research baseline); the two regimes agree within the
+    16-bit rounding of P and dS."""
     rng = np.random.default_rng(4)
     ran = []
     real_tc, real_ieee = backward._run_tc, backward._run
@@ -132,10 +133,13 @@ def test_regime_follows_the_dtype_and_ieee_keeps_cuda_cores():
         q = rng.standard_normal((1, 1, 5, 4)).astype(np.float32)
         o, lse = numba_flash.attention(q, q, q, return_lse=True)
         attention_backward(o, q, q, q, o, lse)
+        assert ran[-1] == ("tc" if backward.TF32X3_BACKWARD else "ieee")
+        with mock.patch.object(backward, "TF32X3_BACKWARD", False):
+            attention_backward(o, q, q, q, o, lse)
         assert ran[-1] == "ieee"
     assert backward.backward_regime(None, "float16") == "f16"
     assert backward.backward_regime(None, "bfloat16") == "bf16"
-    assert backward.backward_regime(None, "float32") == "ieee"
+    assert backward.backward_regime(None, "float32") == ("tf32x3" if backward.TF32X3_BACKWARD else "ieee")
     assert backward.backward_regime("ieee", "float16") == "ieee"
     with pytest.raises(ValueError, match="precision"):
         backward.backward_regime("tf32", "float32")
