@@ -28,7 +28,8 @@ scripts/bench.py.
 
 Outputs: a Markdown table on stdout, one progress line per measurement on stderr, ``--json``
 (rewritten after every configuration, so a killed run keeps what it measured), ``--plot DIR``
-(TB/s against N, one line per batch, peers dashed, the ``--peak-tbs`` line). Configurations
+(TB/s against N, one line per batch, peers dashed, the ``--peak-tbs`` line; ``--replot JSON
+--plot DIR`` re-draws them and reprints the table from a saved ``--json``, no GPU). Configurations
 whose K+V exceed ``--skip-above-gib`` are recorded as skipped. Exit status: 0, or 1 when a
 numba_flash row failed or exceeded its error tolerance, 2 for bad arguments or no GPU.
 
@@ -130,6 +131,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", metavar="PATH", help="write the rows (and the run's metadata) as JSON")
     ap.add_argument("--plot", metavar="DIR", help="write bandwidth plots (PNG, matplotlib) to DIR")
     ap.add_argument("--dry-run", action="store_true", help="print the planned configurations and exit")
+    ap.add_argument("--replot", metavar="JSON",
+                    help="no run: re-draw --plot DIR (and print the report) from a --json file of an earlier run")
     ap.add_argument("--simulate", action="store_true",
                     help="no GPU needed: run in Numba's CUDA simulator (tiny defaults, timings null)")
     return ap
@@ -145,6 +148,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         ap.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
     if args.head_dim > 128:
         ap.error(f"--head-dim must be 1..128; got {args.head_dim}")
+    if args.replot and not args.plot:
+        ap.error("--replot needs --plot DIR (where the plots go)")
     # Repeats dropped, order kept.
     args.cache = list(dict.fromkeys(args.cache))
     args.batch = list(dict.fromkeys(args.batch))
@@ -675,12 +680,32 @@ def environment(argv: list[str], args: argparse.Namespace) -> dict:
     return meta
 
 
+def replot(json_path: Path, out_dir: Path, peak_tbs: float) -> int:
+    """``--replot``: the plots and the report of a saved run (no GPU, no CuPy, no torch)."""
+    try:
+        saved = json.loads(json_path.read_text())
+        rows, meta = saved["rows"], saved["meta"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        print(f"--replot: cannot read {json_path} as a --json file of decode_bench.py: {exc}", file=sys.stderr)
+        return 2
+    try:
+        plots = write_plots(rows, out_dir, meta.get("GPU", "unknown GPU"), peak_tbs)
+    except ImportError:
+        print("matplotlib is not installed: no plots (pip install 'numba-flash[plot]')", file=sys.stderr)
+        return 2
+    print(f"plots: {', '.join(str(p) for p in plots) or 'none (nothing timed)'}", file=sys.stderr, flush=True)
+    print(markdown_report(rows, meta), flush=True)
+    return 0
+
+
 # ---------------------------------------------------------------------------------- main
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    if args.replot:
+        return replot(Path(args.replot), Path(args.plot), args.peak_tbs)
     plan = build_plan(args)
     if args.dry_run:
         print(format_plan(plan, args.num_splits))

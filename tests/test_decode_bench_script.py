@@ -202,6 +202,22 @@ def test_plots_are_png_files(bench, tmp_path):
                              tmp_path / "none", "x", 4.8) == []  # fmt: skip  (nothing timed: no plot)
 
 
+def test_replot_draws_a_saved_run_and_refuses_a_bad_file(bench, tmp_path, capsys):
+    rows = synthetic_rows(bench)
+    saved = tmp_path / "run.json"
+    bench.write_json(rows, {"GPU": "Test GPU", "command": "decode_bench.py --json run.json"}, saved)
+    assert bench.main(["--replot", str(saved), "--plot", str(tmp_path / "plots")]) == 0
+    png = tmp_path / "plots" / "decode_bw_float16_d128_splits-auto.png"
+    assert png.read_bytes().startswith(b"\x89PNG\r\n\x1a\n")
+    assert "| 131072 |" in capsys.readouterr().out  # the saved rows' report
+    (tmp_path / "bad.json").write_text('{"rows": []}')  # no meta: not a decode_bench.py file
+    assert bench.main(["--replot", str(tmp_path / "bad.json"), "--plot", str(tmp_path / "p2")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # where would the plots go?
+        bench.main(["--replot", str(saved)])
+    assert exit_info.value.code == 2 and "--replot needs --plot" in capsys.readouterr().err
+
+
 # ----------------------------------------- the SDPA peers, on a stand-in for torch
 
 
