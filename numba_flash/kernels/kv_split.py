@@ -3,15 +3,14 @@
 A split launch (``attention(..., num_splits=S)``, ``decode``; API.md section 2b) runs ``S``
 times the blocks of an unsplit one: block ``x`` is split ``x // blocks_per_split`` of the
 unsplit block ``x % blocks_per_split`` (with ``causal=True`` the FA-2 kernels walk those Q tiles in
-reverse, the longest first). Split ``s`` walks its share of the K/V tiles its rows see: in the
-tensor-core kernel every ``S``-th tile from tile ``s`` on (:func:`split_walk`), in the CUDA-core
-kernels a contiguous range (:func:`split_tiles`; their SASS was left as measured). It writes a
-*partial* result, O_s normalised over its own keys and their logsumexp lse_s, at batch index ``s * B + b`` of the partial buffers ``(S * B, H, Nq, D)`` and
+reverse, the longest first). Split ``s`` walks a contiguous range of the K/V tiles its
+rows see and writes a *partial* result, O_s normalised over its own keys and their logsumexp
+lse_s, at batch index ``s * B + b`` of the partial buffers ``(S * B, H, Nq, D)`` and
 ``(S * B, H, Nq)``; ``kernels.combine`` merges the partials. ``S = 1`` is the unsplit kernel:
-every tile, written at ``b``.
+one range of every tile, written at ``b``.
 
-A split with no tile (the causal mask hides all but fewer than ``s + 1`` tiles from every row of
-the Q tile, or the sequence is that short) walks nothing and writes O = 0, lse = -inf: the
+A split whose range is empty (the causal mask hides its keys from every row of the tile, or the
+sequence is shorter than the split's start) walks nothing and writes O = 0, lse = -inf: the
 identity of the merge (``numba_flash.online.empty_state``), never a NaN.
 """
 
@@ -29,25 +28,11 @@ def split_of_block(block, blocks_per_split):
 
 @device_jit
 def split_tiles(n_tiles, n_splits, split):
-    """The K/V tiles ``[first, end)`` split ``split`` of ``n_splits`` walks in the CUDA-core
-    kernels (``kernels.forward``), out of ``n_tiles``: ``ceil(n_tiles / n_splits)`` consecutive
-    tiles each (the last splits may get fewer, or none)."""
+    """The K/V tiles ``[first, end)`` split ``split`` of ``n_splits`` walks, out of ``n_tiles``:
+    ``ceil(n_tiles / n_splits)`` consecutive tiles each (the last splits may get fewer, or none)."""
     per_split = (n_tiles + n_splits - 1) // n_splits
     first = min(split * per_split, n_tiles)
     return first, min(first + per_split, n_tiles)
-
-
-@device_jit
-def split_walk(n_tiles, n_splits, split):
-    """The K/V tiles split ``split`` of ``n_splits`` walks in the tensor-core FA-2 kernel
-    (``kernels.tc_fa2``), out of ``n_tiles``, as ``range(first, end, step)``: every ``n_splits``-th tile from tile ``split`` on (the splits
-    get ``ceil`` or ``floor(n_tiles / n_splits)`` tiles; a split past the last tile gets none).
-    Interleaved rather than contiguous ranges: the splits of a row walk neighbouring tiles at
-    about the same time, so the blocks of a launch read one moving window of K/V instead of
-    ``n_splits`` windows far apart (decoding 1M keys: 1009 us of split kernel against 1019-1021
-    with contiguous ranges, docs/performance-log.md 9g). Any disjoint cover of the tiles merges
-    to the same result: the merge is associative and commutative."""
-    return min(split, n_tiles), n_tiles, n_splits
 
 
 @device_jit

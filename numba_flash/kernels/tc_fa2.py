@@ -26,7 +26,7 @@ import functools
 from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_jit
-from numba_flash.kernels.kv_split import split_of_block, split_tiles, split_walk, valid_keys
+from numba_flash.kernels.kv_split import split_of_block, split_tiles, valid_keys
 from numba_flash.kernels.row_reduce import scratch_floats as reduce_scratch_floats
 from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
@@ -139,11 +139,7 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         # Causal: K/V tiles past the last key any row of this Q tile sees are skipped (3.1.1);
         # of the others, this split walks its range.
         n_visible = min(n_kv_tiles, tile_last_key // BN + 1) if tile_last_key >= 0 else 0
-        if F32_OUT:  # a split launch: this split's tiles (kv_split.split_walk)
-            first, end, step = split_walk(n_visible, n_splits, split)
-        else:  # every tile (n_splits = 1; the code main's SASS was measured with)
-            first, end = split_tiles(n_visible, n_splits, split)
-            step = 1
+        first, end = split_tiles(n_visible, n_splits, split)
 
         if STAGES == 1:
             # Line 4: load Q_i (and K_first) into shared memory.
@@ -158,8 +154,8 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         else:  # Q_i and the first STAGES - 1 tiles, a commit group each (Q_i's with the first)
             ops.load_q_tile(q, b, h, row0, n_q, q_s)
             for t in range(STAGES - 1):
-                if first + t * step < end:
-                    load_kv_stage(k, v, b, hk, first + t * step, n_k, smem, t)
+                if first + t < end:
+                    load_kv_stage(k, v, b, hk, first + t, n_k, smem, t)
                 ops.commit()
         # Line 5: O~ = 0, l = 0, m = -inf, on chip.
         ops.zero(acc)
@@ -168,17 +164,16 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
             l_part[i] = float32(0.0)
 
         if STAGES == 1:
-            for j in range(first, end, step):  # Line 6: for 1 <= j <= Tc
+            for j in range(first, end):  # Line 6: for 1 <= j <= Tc
                 col0 = j * BN
-                next0 = col0 + step * BN  # the next tile this split walks
                 if SPLIT_V:  # four barriers per tile too; V_j was issued after V_{j-1}'s split
                     ops.wait_one()  # this thread's copies of Q_i and K_j have landed (V_j may not)
                     cuda.syncthreads()  # ... and everyone's; everyone is done with tile j-1
                     if SPLIT_K:
                         ops.split_k_tile(k_s, k_split)
                         cuda.syncthreads()  # K_j's fragments are visible; k_s is free
-                        if j + step < end:
-                            ops.load_kv_tile(k, b, hk, next0, n_k, k_s)  # K_{j+1}, in flight a whole step
+                        if j + 1 < end:
+                            ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight a whole step
                             ops.commit()
                 else:
                     cuda.syncthreads()  # everyone is done reading V_{j-1}
@@ -194,23 +189,23 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                 if SPLIT_V:
                     if not SPLIT_K:
                         cuda.syncthreads()  # everyone is done reading K_j
-                        if j + step < end:
-                            ops.load_kv_tile(k, b, hk, next0, n_k, k_s)  # K_{j+1}
+                        if j + 1 < end:
+                            ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}
                             ops.commit()
-                    if j + step < end:
+                    if j + 1 < end:
                         ops.wait_one()  # V_j has landed (K_{j+1} may not)
                     else:
                         ops.wait_all()
                     cuda.syncthreads()  # V_j is visible to everyone
                     ops.split_v_tile(v_s, v_split)
                     cuda.syncthreads()  # V_j's fragments are visible; v_s is free
-                    if j + step < end:
-                        ops.load_kv_tile(v, b, hk, next0, n_k, v_s)  # V_{j+1}, in flight during P~V and S
+                    if j + 1 < end:
+                        ops.load_kv_tile(v, b, hk, col0 + BN, n_k, v_s)  # V_{j+1}, in flight during P~V and S
                         ops.commit()
                 else:
                     cuda.syncthreads()  # everyone is done reading K_j
-                    if j + step < end:
-                        ops.load_kv_tile(k, b, hk, next0, n_k, k_s)  # K_{j+1}, in flight during P~V
+                    if j + 1 < end:
+                        ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight during P~V
                         ops.commit()
                         ops.wait_one()  # V_j has landed
                     else:
@@ -218,12 +213,12 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                     cuda.syncthreads()  # V_j is visible to everyone
                 ops.pv_tile(s, v_split if SPLIT_V else v_s, acc, scratch)  # Line 10: O~ += P~ V_j
         else:
-            for j in range(first, end, step):  # Line 6, over a ring of STAGES tiles
-                stage = ((j - first) // step) % STAGES
+            for j in range(first, end):  # Line 6, over a ring of STAGES tiles
+                stage = (j - first) % STAGES
                 wait_ring()  # this thread's copies of tile j (and Q_i) have landed
                 cuda.syncthreads()  # ... and everyone's; and everyone is done with tile j - 1
-                if j + (STAGES - 1) * step < end:  # Line 7, STAGES - 1 tiles ahead, into tile j - 1's stage
-                    load_kv_stage(k, v, b, hk, j + (STAGES - 1) * step, n_k, smem, (stage + STAGES - 1) % STAGES)
+                if j + STAGES - 1 < end:  # Line 7, STAGES - 1 tiles ahead, into tile j - 1's stage
+                    load_kv_stage(k, v, b, hk, j + STAGES - 1, n_k, smem, (stage + STAGES - 1) % STAGES)
                 ops.commit()  # a group per tile, empty past the end: the wait above counts groups
                 base = Q_ELEMS + 2 * KV_ELEMS * stage
                 if j == first:
