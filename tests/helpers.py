@@ -68,6 +68,21 @@ def max_rel(got, ref) -> float:
     return float(np.abs(got - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
+GRADIENT_FLOOR = 0.1  # share of a call's largest reference gradient that floors each gradient's scale
+
+
+def gradient_error(got, ref, refs) -> float:
+    """Largest absolute error of one gradient relative to its largest reference magnitude, or to
+    ``GRADIENT_FLOOR`` times the largest among all of the call's reference gradients (``refs``:
+    dq, dk, dv) when its own is smaller. A gradient that is exactly 0 in float64 (dq when every
+    row sees at most one key: the softmax of one score is constant) comes back from the kernels
+    as rounding noise (dP - D of two dot products summed in different orders), which no bound
+    relative to 0 can hold; against the call's gradient scale that noise is ~1e-7."""
+    got = np.asarray(got).astype(np.float64)
+    scale = max(np.abs(ref).max(), GRADIENT_FLOOR * max(np.abs(r).max() for r in refs), 1e-30)
+    return float(np.abs(got - ref).max() / scale)
+
+
 def rel_err(got, ref) -> float:
     got = to_numpy(got).astype(np.float64)
     ref = np.asarray(ref, dtype=np.float64)

@@ -19,9 +19,8 @@ from unittest import mock
 import numpy as np
 import pytest
 from helpers import backward_problem as problem
-from helpers import examples
-from helpers import max_rel as rel
-from hypothesis import given, settings
+from helpers import examples, gradient_error
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import numba_flash
@@ -40,7 +39,7 @@ def check(grads, inputs, causal, dtype):
     for name, got, ref, x in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
         assert got.shape == x.shape and got.dtype == x.dtype, name
         assert not np.isnan(np.asarray(got, np.float64)).any(), name
-        err = rel(got, ref)
+        err = gradient_error(got, ref, refs)
         assert err < TOL[dtype] and err < TC_TOL[dtype], (name, err)
 
 
@@ -56,6 +55,10 @@ def check(grads, inputs, causal, dtype):
     causal=st.booleans(),
     seed=st.integers(0, 2**32 - 1),
 )
+# One key per row: dq and dk are exactly 0 in float64 and rounding noise (~1e-7) from the kernels;
+# Hypothesis found it (a bound relative to 0 failed at 1.8e23), helpers.gradient_error holds it.
+@example(variant=("fa2", False), dtype="float16", tiles=(16, 16), gqa=False, n_q=1, n_k=1, head_dim=8,
+         causal=False, seed=3)
 def test_tensor_core_gradients_match_float64_reference(variant, dtype, tiles, gqa, n_q, n_k, head_dim, causal, seed):
     algorithm, deterministic = variant
     inputs = problem(np.random.default_rng(seed), 1, 2, 1 if gqa else 2, n_q, n_k, head_dim, dtype, causal)

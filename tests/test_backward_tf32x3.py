@@ -17,6 +17,7 @@ from unittest import mock
 
 import numpy as np
 import pytest
+from helpers import gradient_error
 
 import numba_flash
 from numba_flash import backward, reference
@@ -40,7 +41,7 @@ def check(grads, inputs, causal):
     for name, got, ref, x in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
         assert got.shape == x.shape and got.dtype == np.float32, name
         assert np.isfinite(got).all(), name
-        err = float(np.abs(got.astype(np.float64) - ref).max() / max(np.abs(ref).max(), 1e-30))
+        err = gradient_error(got, ref, refs)
         assert err < TOL, (name, err)
 
 
