@@ -38,6 +38,27 @@ def device_jit(func):
     return cuda.jit(device=True, forceinline=True)(func)
 
 
+def _tile_view(context, builder, signature, smem, at, count: int):
+    """Codegen of the tile views: the 1-D array ``smem`` (``signature.args[0]``) seen from element
+    ``at`` (an i64 value) on, ``count`` elements long, its stride kept: one ``gep`` from the
+    shared base."""
+    from numba import types
+    from numba.cuda import cgutils
+
+    base = context.make_array(signature.args[0])(context, builder, value=smem)
+    out = context.make_array(signature.return_type)(context, builder)
+    (stride,) = cgutils.unpack_tuple(builder, base.strides, 1)
+    context.populate_array(
+        out,
+        data=builder.gep(base.data, [at], inbounds=True),
+        shape=[context.get_constant(types.intp, count)],
+        strides=[stride],
+        itemsize=base.itemsize,
+        meminfo=None,
+    )
+    return out._getvalue()
+
+
 @functools.lru_cache(maxsize=None)
 def shared_tile(offset: int, count: int):
     """A device function ``view(smem) -> smem[offset : offset + count]`` for carving a dynamic
@@ -60,7 +81,6 @@ def shared_tile(offset: int, count: int):
 
     from llvmlite import ir
     from numba import types
-    from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
     @intrinsic
@@ -71,24 +91,14 @@ def shared_tile(offset: int, count: int):
         sig = aryty(smem)
 
         def codegen(context, builder, signature, args):
-            base = context.make_array(signature.args[0])(context, builder, value=args[0])
-            out = context.make_array(signature.return_type)(context, builder)
-            (stride,) = cgutils.unpack_tuple(builder, base.strides, 1)
-            context.populate_array(
-                out,
-                data=builder.gep(base.data, [ir.Constant(ir.IntType(64), offset)], inbounds=True),
-                shape=[context.get_constant(types.intp, count)],
-                strides=[stride],
-                itemsize=base.itemsize,
-                meminfo=None,
-            )
-            return out._getvalue()
+            return _tile_view(context, builder, signature, args[0], ir.Constant(ir.IntType(64), offset), count)
 
         return sig, codegen
 
     return view
 
 
+@functools.lru_cache(maxsize=None)
 def shared_tile_pair(offset0: int, offset1: int, count: int):
     """A device function ``view(smem, which) -> smem[offset : offset + count]`` with ``offset``
     ``offset0`` when ``which == 0`` else ``offset1`` (a double buffer): the selection is on the
@@ -106,7 +116,6 @@ def shared_tile_pair(offset0: int, offset1: int, count: int):
 
     from llvmlite import ir
     from numba import types
-    from numba.cuda import cgutils
     from numba.cuda.extending import intrinsic
 
     @intrinsic
@@ -117,22 +126,11 @@ def shared_tile_pair(offset0: int, offset1: int, count: int):
         sig = aryty(smem, which)
 
         def codegen(context, builder, signature, args):
-            base = context.make_array(signature.args[0])(context, builder, value=args[0])
-            out = context.make_array(signature.return_type)(context, builder)
-            (stride,) = cgutils.unpack_tuple(builder, base.strides, 1)
             i64 = ir.IntType(64)
             w = context.cast(builder, args[1], signature.args[1], types.int64)
             at = builder.select(builder.icmp_signed("==", w, ir.Constant(i64, 0)), ir.Constant(i64, offset0),
                                 ir.Constant(i64, offset1))
-            context.populate_array(
-                out,
-                data=builder.gep(base.data, [at], inbounds=True),
-                shape=[context.get_constant(types.intp, count)],
-                strides=[stride],
-                itemsize=base.itemsize,
-                meminfo=None,
-            )
-            return out._getvalue()
+            return _tile_view(context, builder, signature, args[0], at, count)
 
         return sig, codegen
 
