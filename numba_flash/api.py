@@ -255,7 +255,8 @@ def run(ctx: ArrayContext, call: dict, q, k, v, o, lse, order=None, seqlens=None
     per batch (``decode``); ``rows_per_query``: query rows packed per position (``decode``)."""
     B, H, Nq, D = call["q_shape"]
     spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
-                       ragged=seqlens is not None, kv_stages=call.get("kv_stages", 1))
+                       ragged=seqlens is not None, kv_stages=call.get("kv_stages", 1),
+                       key_warps=call.get("key_warps", 1))
     splits = choose_num_splits(call["num_splits"], spec, B, H, Nq, call["n_k"], ctx.device_id)
     walk = dict(seqlens=seqlens, n_splits=splits, rows_per_query=rows_per_query)
     if splits == 1:
@@ -286,7 +287,8 @@ def plan_run(builder: plans.PlanBuilder, call: dict, q, k, v, o, lse, seqlens=No
     if call["regime"] == "ieee" and call["dtype"] == "bfloat16":
         return False
     spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
-                       ragged=seqlens is not None, kv_stages=call.get("kv_stages", 1))
+                       ragged=seqlens is not None, kv_stages=call.get("kv_stages", 1),
+                       key_warps=call.get("key_warps", 1))
     splits = choose_num_splits(call["num_splits"], spec, B, H, Nq, call["n_k"], builder.ctx.device_id)
     kernel_o, kernel_lse = o, lse
     if splits > 1:  # float32 partials (kernels.kv_split), merged by kernels.combine

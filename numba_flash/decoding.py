@@ -28,6 +28,10 @@ from numba_flash.split_kv import check_num_splits
 
 DECODE_BLOCK_N = 64  # K/V rows per tile: 16 KiB of K (and of V) per tile at D = 128, 16-bit
 DECODE_KV_STAGES = 1  # K/V tiles in shared memory at once (tc_fa2_kernel's kv_stages; 1: K_j, V_j in turn)
+# One 16-row tile (all packed queries of a KV head): warps that split each K/V tile's keys, over
+# a ring of tiles (tc_fa2_kernel's key_warps and kv_stages; docs/performance-log.md 9j).
+DECODE_KEY_WARPS = 4
+DECODE_KEY_WARP_STAGES = 3
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False):
@@ -67,7 +71,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         packed = _pack(q, kind, group)
         call = api._validate(packed, k_cache, v_cache, causal, scale, "fa2", block_m, block_n)
         if call["regime"] != "ieee":
-            call["kv_stages"] = DECODE_KV_STAGES
+            call["kv_stages"], call["key_warps"] = _decode_pipeline(block_m, block_n)
         call["num_splits"] = check_num_splits(num_splits, "fa2")
         ctx = ArrayContext(kind, q)
         with ctx.on_device():
@@ -159,11 +163,21 @@ def _decode_tiles(dtype: str, rows: int, head_dim: int):
     if dtype == "float32":
         return None, None
     if simulated():
-        return 16, 16
+        return 16, 32
     block_m = 16
     while block_m < min(rows, 64):
         block_m *= 2
     return block_m, DECODE_BLOCK_N
+
+
+def _decode_pipeline(block_m: int, block_n: int) -> tuple[int, int]:
+    """(kv_stages, key_warps) of a tensor-core decode kernel: with one 16-row tile, up to
+    ``DECODE_KEY_WARPS`` warps of at least 16 keys each over a ring of
+    ``DECODE_KEY_WARP_STAGES`` tiles; else ``DECODE_KV_STAGES``, one warp per 16 rows."""
+    warps = min(DECODE_KEY_WARPS, block_n // 16) if block_m == 16 else 1
+    if warps > 1:
+        return DECODE_KEY_WARP_STAGES, warps
+    return DECODE_KV_STAGES, 1
 
 
 def _check_seqlens(cache_seqlens, batch: int, kind: str, ctx):

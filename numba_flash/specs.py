@@ -37,6 +37,7 @@ class KernelSpec:
     permuted: bool = False  # CUDA cores: walks the K/V tiles in a given order (``kv_tile_order``)
     variant: object = None  # CUDA cores: a point of the ablation space (``kernels.forward.Variant``), not a named one
     kv_stages: int = 1  # tensor-core FA-2: K/V tiles in shared memory at once (``tc_fa2_kernel``; decode's knob)
+    key_warps: int = 1  # tensor-core FA-2 with a ring: warps per 16 rows, splitting each tile's keys (decode's knob)
 
     @property
     def kv_outer(self) -> bool:
@@ -80,6 +81,8 @@ class KernelSpec:
 
             if self.algorithm == "fa2":
                 stages = {} if self.kv_stages == 1 else {"kv_stages": self.kv_stages}
+                if self.key_warps > 1:
+                    stages["key_warps"] = self.key_warps
                 return tc_fa2_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal,
                                      self.ragged, self.split_out, self.register_cap, **stages)
             return tc_fa1_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal, self.register_cap)
@@ -123,14 +126,15 @@ class KernelSpec:
 
 @functools.lru_cache(maxsize=1024)
 def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regime="ieee", ragged=False,
-                split_out=False, permuted=False, variant=None, kv_stages=1) -> KernelSpec:
+                split_out=False, permuted=False, variant=None, kv_stages=1, key_warps=1) -> KernelSpec:
     """The launch specification of one configuration (tiles as the caller gives them; ``api``
     checks them). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
     rounded up to its copy width. ``ragged`` and ``split_out`` (FA-2 only): a valid key count
     per batch, and float32 partial outputs for the split-KV combine. ``permuted`` and
     ``variant`` (CUDA cores): a given K/V tile order, and a point of the ablation space
     (``algorithm`` then names its loop order's family: fa1 for kv_outer, fa2 for q_outer).
-    ``kv_stages`` (tensor-core FA-2 only, else 1): the K/V ring of ``tc_fa2_kernel``."""
+    ``kv_stages`` and ``key_warps`` (tensor-core FA-2 only, else 1): the K/V ring of
+    ``tc_fa2_kernel`` and its warps per 16 rows."""
     if variant is not None:
         from numba_flash.kernels.forward import FA1, FA2
 
@@ -143,10 +147,11 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
 
         d = kernel_head_dim(regime, head_dim)
         stages = int(kv_stages) if algorithm == "fa2" else 1
-        layout = tc_layout(regime, d, block_m, block_n, stages)
+        warps = int(key_warps) if algorithm == "fa2" else 1
+        layout = tc_layout(regime, d, block_m, block_n, stages, key_warps=warps)
         cap = tc_register_cap(regime, d, block_m, block_n)
         return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes,
-                          cap, ragged, split_out, kv_stages=stages)
+                          cap, ragged, split_out, kv_stages=stages, key_warps=warps)
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
     threads, smem = threads_per_block(head_dim, block_m, block_n), smem_bytes(head_dim, block_m, block_n)

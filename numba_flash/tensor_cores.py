@@ -188,7 +188,8 @@ def _launch_tc(ctx, call: dict, q, k, v, o, lse, walk) -> None:
     B, H, Nq, D = call["q_shape"]
     partial = n_splits > 1  # o, lse: float32 partials of the kernel's head dim
     spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
-                       ragged=seqlens is not None, split_out=partial, kv_stages=call.get("kv_stages", 1))
+                       ragged=seqlens is not None, split_out=partial, kv_stages=call.get("kv_stages", 1),
+                       key_warps=call.get("key_warps", 1))
     sixteen = spec.regime in _TC_OF_DTYPE.values()
     dim, xp = spec.head_dim, _xp(ctx.kind)
     kq, kk, kv = kernel_inputs(spec.regime, ctx.kind, q, k, v)
@@ -258,7 +259,8 @@ def _in_place_spec(call: dict, ragged: bool, n_splits: int):
     """The launch specification of the call's tensor-core kernel (float32 partials when split)."""
     D = call["q_shape"][3]
     return kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
-                       ragged=ragged, split_out=n_splits > 1, kv_stages=call.get("kv_stages", 1))
+                       ragged=ragged, split_out=n_splits > 1, kv_stages=call.get("kv_stages", 1),
+                       key_warps=call.get("key_warps", 1))
 
 
 def in_place_arguments(spec, call: dict, q, k, v, o, lse, lengths, n_splits, rows_per_query):

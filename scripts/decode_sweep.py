@@ -10,8 +10,8 @@ it is timed (``median_ms``: CUDA events, calls back to back, median of ``--repea
 - ``decode()``: the library's call as a user makes it (its tiles, copies and split heuristic).
   ``host_us``: Python time per call while the GPU is busy (the enqueue rate); when it reaches
   the GPU time the figure is the host's, not the kernels'.
-- candidates ``BN:copies:splits[:stages]`` (``--candidates``): the FA-2 kernel with 16 x BN
-  tiles (one warp), its full K/V tiles copied by row walks (``walk``) or by the indexed copies
+- candidates ``BN:copies:splits[:stages[:warps]]`` (``--candidates``): the FA-2 kernel with
+  16 x BN tiles (one warp, or ``warps`` warps that split each tile's keys: a ring only), its full K/V tiles copied by row walks (``walk``) or by the indexed copies
   of every other configuration (``indexed``: the decode kernel before this sweep), ``splits``
   ranges of K/V tiles (``auto``: ``split_kv.num_splits_heuristic``), ``stages`` K/V tiles in
   shared memory (1, the default: K_j and V_j in flight in turn; more: a ring, tiles j + 1 ..
@@ -53,19 +53,21 @@ def _bench():
 
 
 def candidate(text: str) -> tuple[int, str, int | None, int]:
-    """``BN:copies:splits[:stages]`` -> (block_n, "walk" | "indexed", splits or None for the
-    heuristic, stages)."""
+    """``BN:copies:splits[:stages[:warps]]`` -> (block_n, "walk" | "indexed", splits or None for
+    the heuristic, stages, warps)."""
     try:
-        bn, copies, splits, *stages = text.split(":")
-        bn, stages = int(bn), int(stages[0]) if stages else 1
+        bn, copies, splits, *extra = text.split(":")
+        bn, stages = int(bn), int(extra[0]) if extra else 1
+        warps = int(extra[1]) if len(extra) > 1 else 1
         splits = None if splits == "auto" else int(splits)
     except (ValueError, IndexError):
-        raise argparse.ArgumentTypeError(f"expected BN:walk|indexed:S|auto[:stages]; got {text!r}") from None
+        raise argparse.ArgumentTypeError(f"expected BN:walk|indexed:S|auto[:stages[:warps]]; got {text!r}") from None
     if (bn not in (16, 32, 64, 128) or copies not in ("walk", "indexed") or not 1 <= stages <= 8
-            or (splits is not None and not 1 <= splits <= 128)):
-        raise argparse.ArgumentTypeError(f"expected BN in 16/32/64/128, walk|indexed, 1 <= S <= 128, 1 <= stages <= 8; "
-                                         f"got {text!r}")
-    return bn, copies, splits, stages
+            or (splits is not None and not 1 <= splits <= 128) or warps not in (1, 2, 4, 8) or bn // warps < 16
+            or (warps > 1 and stages < 2)):
+        raise argparse.ArgumentTypeError(f"expected BN in 16/32/64/128, walk|indexed, 1 <= S <= 128, 1 <= stages <= 8, "
+                                         f"warps 1/2/4/8 of >= 16 keys each (> 1 only with stages >= 2); got {text!r}")
+    return bn, copies, splits, stages, warps
 
 
 def parse_args(argv):
@@ -76,7 +78,7 @@ def parse_args(argv):
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--candidates", type=candidate, nargs="*", default=[candidate(c) for c in DEFAULT_CANDIDATES],
-                    help=f"BN:walk|indexed:S|auto[:stages] (default: {' '.join(DEFAULT_CANDIDATES)})")
+                    help=f"BN:walk|indexed:S|auto[:stages[:warps]] (default: {' '.join(DEFAULT_CANDIDATES)})")
     ap.add_argument("--repeats", type=int, default=20)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-kernel times of torch.profiler")
@@ -88,10 +90,10 @@ def parse_args(argv):
 
 
 class Candidate:
-    """The FA-2 decode kernel of one (block_n, copies, splits, stages), prepared on given
+    """The FA-2 decode kernel of one (block_n, copies, splits, stages, warps), prepared on given
     arrays, then the combine: ``__call__`` queues both on CuPy's current stream."""
 
-    def __init__(self, block_n, copies, splits, stages, q, k, v, seqlens, scale):
+    def __init__(self, block_n, copies, splits, stages, warps, q, k, v, seqlens, scale):
         import cupy as cp
 
         from numba_flash.kernels.combine import combine_launch
@@ -105,19 +107,22 @@ class Candidate:
         B, H, Nq, D = q.shape
         Hkv, N = k.shape[1], k.shape[2]
         group, rows = H // Hkv, Nq * H // Hkv
-        spec = kernel_spec("fa2", D, "float16", 16, block_n, False, "f16", ragged=True, split_out=True, kv_stages=stages)
+        spec = kernel_spec("fa2", D, "float16", 16, block_n, False, "f16", ragged=True, split_out=True, kv_stages=stages,
+                           key_warps=warps)
         sms = multiprocessors(None)
         self.resident = resident_blocks(spec.threads, spec.smem_bytes)
         blocks = spec.grid(B, Hkv, rows)[0]
         if splits is None:
             splits = num_splits_heuristic(blocks, sms, self.resident, -(-N // block_n))
         self.splits, self.per_sm = splits, blocks * splits / sms
-        self.label = f"16x{block_n} {copies}" + (f" {stages} stages" if stages > 1 else "")
+        self.label = (f"16x{block_n} {copies}" + (f" {stages} stages" if stages > 1 else "")
+                      + (f" {warps} warps" if warps > 1 else ""))
         walk = copies == "walk"
-        if walk == row_walk_default("f16", spec.head_dim, 16, block_n):  # the library's kernel: compiled once
+        if walk == row_walk_default("f16", spec.head_dim, 16, block_n, warps):  # the library's kernel: compiled once
             kernel = spec.kernel
         else:
-            kernel = tc_fa2_kernel("f16", spec.head_dim, 16, block_n, False, True, True, spec.register_cap, walk, stages)
+            kernel = tc_fa2_kernel("f16", spec.head_dim, 16, block_n, False, True, True, spec.register_cap, walk, stages,
+                                   key_warps=warps)
         self.o = cp.empty((B, H, Nq, D), cp.float16)
         self.lse = cp.empty((B, H, Nq), cp.float32)
         self.o_parts = cp.empty((splits * B, Hkv, rows, D), cp.float32)
@@ -240,9 +245,9 @@ def main(argv=None) -> int:
         row = measure("decode()", library, cfg, ref, bench, arrays, args)
         row["host"] = host_us(library) if row["ms"] else None
         rows.append(row)
-        for bn, copies, splits, stages in args.candidates:
+        for bn, copies, splits, stages, warps in args.candidates:
             try:
-                c = Candidate(bn, copies, splits, stages, q, k, v, seqlens, 1 / math.sqrt(cfg.head_dim))
+                c = Candidate(bn, copies, splits, stages, warps, q, k, v, seqlens, 1 / math.sqrt(cfg.head_dim))
             except Exception as exc:
                 rows.append(dict(label=f"16x{bn} {copies}", status=bench.failure(exc)))
                 continue

@@ -158,3 +158,66 @@ def test_decode_kernel_knobs_change_no_bit(kind):
             p = np.exp(s - s.max(axis=1, keepdims=True))
             ref = p @ v[b, 0, :n].astype(np.float64) / p.sum(axis=1, keepdims=True)
             assert rel_err(o, ref) < (2e-3 if kind == "f16" else 5e-3)
+
+
+@pytest.mark.parametrize("kind", ["f16"])
+def test_decode_key_warps_merge_to_the_one_warp_result(kind):
+    """``key_warps``: the warps of a block split every K/V tile's keys between them, each with its
+    own (m, l, O~), merged at the end of the walk (``tc_fa2.merge_key_warps``). The merge is the
+    online softmax's, so the result is the one-warp kernel's up to rounding (and right against
+    float64), for any split count,
+    with a warp that never sees a key (sequence 1: 10 keys, all in the first warp's half of the
+    one tile) and an empty sequence (2); NaN-poisoned cache tails are never read."""
+    from numba_flash import online
+    from numba_flash.kernels.jit import LOG2E
+    from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
+    from numba_flash.kernels.tc_ops import tc_layout
+    from numba_flash.launch import numba_launch
+
+    rng = np.random.default_rng(7)
+    B, group, D, n_max, BN = 3, 4, 16, 80, 32
+    lens = np.array([77, 10, 0], np.int32)  # 77: two full tiles and a tail of 13 keys (warp 1 sees none of it)
+    q, k, v = (rng.standard_normal(shape).astype(np.float16) for shape in [(B, 1, group, D), *[(B, 1, n_max, D)] * 2])
+    for b, n in enumerate(lens):
+        k[b, :, n:] = np.nan
+        v[b, :, n:] = np.nan
+    bits = [x.view(np.uint16) for x in (q, k, v)]
+    scale = 1 / np.sqrt(D)
+
+    def run(stages, warps, n_splits):
+        o = np.full((n_splits * B, 1, group, D), np.nan, np.float32)
+        lse = np.full((n_splits * B, 1, group), np.nan, np.float32)
+        kernel = tc_fa2_kernel(kind, D, 16, BN, False, True, True, None, None, stages, key_warps=warps)
+        layout = tc_layout(kind, D, 16, BN, stages, key_warps=warps)
+        numba_launch(kernel, (B * n_splits,), layout.threads, None,
+                     [*bits, o, lse, np.float32(scale * LOG2E), lens, np.int32(n_splits), np.int32(group)],
+                     shared_mem_bytes=layout.smem_bytes)
+        return o, lse
+
+    for n_splits in (1, 2):
+        o1, l1 = run(2, 1, n_splits)
+        for stages in (2, 3):
+            o2, l2 = run(stages, 2, n_splits)
+            assert not np.isnan(o2).any() and not np.isnan(l2).any(), (stages, n_splits)
+            # P~ goes to the products in float16, rounded against each warp's own max: O differs
+            # from the one-warp kernel's by float16 rounding of P~, lse only by float32 rounding
+            np.testing.assert_allclose(o2, o1, rtol=0, atol=1e-3)
+            np.testing.assert_allclose(l2, l1, rtol=1e-6, atol=0)  # -inf of the empty rows equal too
+        for b, n in enumerate(lens):
+            o, lse = online.combine(o2[b::B, 0].astype(np.float64), l2[b::B, 0].astype(np.float64))
+            if n == 0:
+                assert np.all(o == 0) and np.all(lse == -np.inf)
+                continue
+            s = q[b, 0].astype(np.float64) @ k[b, 0, :n].astype(np.float64).T * scale
+            p = np.exp(s - s.max(axis=1, keepdims=True))
+            ref = p @ v[b, 0, :n].astype(np.float64) / p.sum(axis=1, keepdims=True)
+            assert rel_err(o, ref) < 2e-3
+
+
+def test_key_warps_need_a_ring_and_whole_key_tiles():
+    from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
+
+    with pytest.raises(ValueError, match="ring"):
+        tc_fa2_kernel("f16", 16, 16, 32, False, True, True, None, None, 1, key_warps=2)
+    with pytest.raises(ValueError, match="16 keys"):
+        tc_fa2_kernel("f16", 16, 16, 16, False, True, True, None, None, 2, key_warps=2)

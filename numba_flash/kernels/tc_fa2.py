@@ -33,21 +33,35 @@ from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
 
 @functools.lru_cache(maxsize=None)
 def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, ragged: bool = False,
-                  f32_out: bool = False, max_registers=None, row_walk=None, kv_stages: int = 1, presplit=None):
+                  f32_out: bool = False, max_registers=None, row_walk=None, kv_stages: int = 1, presplit=None,
+                  key_warps: int = 1):
     """The tensor-core FA-2 kernel for one specialisation (memoised); ``max_registers``: the
     register cap (``tc_ops.tc_register_cap``, through the spec); ``row_walk``: the K/V copies'
     loop (``tc_ops.row_walk_default`` when ``None``); ``kv_stages``: 1 (K_j and V_j in flight
     in turn) or a ring of that many K/V tiles (launch with ``tc_layout(..., kv_stages)``'s
     shared memory). Both are decode's knobs (scripts/decode_sweep.py tries them). ``presplit``:
     ``tc_ops.tc_layout``'s (tf32x3 at D > 64: operands split into TF32 parts once, in shared
-    memory; only with ``kv_stages = 1``)."""
+    memory; only with ``kv_stages = 1``). ``key_warps`` (with a ring, 16-row Q tiles): the
+    block's warps all hold the Q tile's 16 rows and split every K/V tile's keys between them,
+    ``block_n / key_warps`` each, each warp with its own (m, l, O~); the states are merged at the
+    end of the walk (``merge_key_warps``). Decode's knob: one 16-row tile is all of a KV head's
+    packed queries, and one warp alone cannot keep up with the copies (docs/performance-log.md 9j)."""
     CAUSAL, RAGGED, F32_OUT = bool(causal), bool(ragged), bool(f32_out)
-    ops = tc_ops(kind, head_dim, block_m, block_n, row_walk, presplit)
-    L = ops.layout
+    KW = int(key_warps)
+    if KW < 1 or block_n % KW or block_n // KW < 16:
+        raise ValueError(f"key_warps must divide block_n into parts of >= 16 keys; got {key_warps} for {block_n}")
+    if KW > 1 and (kv_stages < 2 or block_m != 16):
+        raise ValueError(f"key_warps={key_warps} needs a ring (kv_stages > 1) and block_m = 16")
+    BNW = block_n // KW  # keys of each tile one warp multiplies
+    ops = tc_ops(kind, head_dim, block_m, BNW, row_walk, presplit, key_warps=KW)  # a warp's products and rows
+    copies = ops if KW == 1 else tc_ops(kind, head_dim, block_m, block_n, row_walk, presplit, key_warps=KW)
+    L = copies.layout
     BM, BN, D = block_m, block_n, head_dim
-    TM, NS, DT = ROWS_PER_THREAD, L.score_tiles, L.out_tiles
+    TM, NS, DT = ROWS_PER_THREAD, ops.layout.score_tiles, L.out_tiles
     QF_ROWS, QF_SMALL = ops.q_frag_rows, ops.q_small_rows  # Q_i fragments kept in registers
     Q_ELEMS, KV_ELEMS = L.q_elems, L.kv_elems
+    STRIDE = L.stride
+    WARP_KV_ELEMS = ops.layout.kv_elems  # one warp's rows of a K or V tile (all of it with one warp per row)
     STAGES = int(kv_stages)
     if STAGES < 1:
         raise ValueError(f"kv_stages must be >= 1; got {kv_stages}")
@@ -87,8 +101,61 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
     def load_kv_stage(k, v, b, hk, tile, n_k, smem, stage):
         """K and V of K/V tile ``tile`` into ring stage ``stage`` (asynchronous)."""
         base = Q_ELEMS + 2 * KV_ELEMS * stage
-        ops.load_kv_tile(k, b, hk, tile * BN, n_k, smem[base : base + KV_ELEMS])
-        ops.load_kv_tile(v, b, hk, tile * BN, n_k, smem[base + KV_ELEMS : base + 2 * KV_ELEMS])
+        copies.load_kv_tile(k, b, hk, tile * BN, n_k, smem[base : base + KV_ELEMS])
+        copies.load_kv_tile(v, b, hk, tile * BN, n_k, smem[base + KV_ELEMS : base + 2 * KV_ELEMS])
+
+    # The key warps' merge (KW > 1): m and l of every (warp, row), then each warp's O~ rows
+    # (padded by 4 floats: fewer bank conflicts), in the dynamic shared memory the ring is done with.
+    DP = L.padded_dim
+    ACC_PITCH = DP + 4
+    ACC_BASE = 2 * KW * BM
+    THREADS = L.threads
+    MERGE_PASSES = -(-BM * DP // THREADS)
+    if KW > 1 and (ACC_BASE + KW * BM * ACC_PITCH) * 4 > L.smem_bytes:
+        raise ValueError(f"the merge of {KW} key warps needs more shared memory than the ring's {L.smem_bytes} bytes")
+
+    @device_jit
+    def merge_key_warps(o, lse, ob, h, row0, n_q, m, l_part, acc):
+        """The key warps' states of each row merged as ``online.merge`` merges two states (in
+        log2 units: m = max_w m_w, l = sum_w 2^(m_w - m) l_w, O~ = sum_w 2^(m_w - m) O~_w; the
+        merge is associative and commutative, so the warps' key sets, disjoint and together the
+        block's range, give the state of the whole range), then Lines 12-15: O_i = diag(l)^-1 O~
+        and L_i written. A warp that saw no key (m_w = -inf) weighs 0. All threads must call."""
+        fs = cuda.shared.array(0, float32, SMEM_ALIGN)  # aliases the tiles' dynamic shared memory
+        cuda.syncthreads()  # every warp is done with the ring
+        w = ops.key_warp()
+        if ops.lane_t() == 0:
+            for i in range(TM):
+                r = ops.thread_row(i)
+                fs[w * BM + r] = m[i]
+                fs[(KW + w) * BM + r] = l_part[i]
+        for dt in range(DT):
+            for e in range(4):
+                fs[ACC_BASE + (w * BM + ops.thread_row(e >> 1)) * ACC_PITCH + ops.col_of(dt, e)] = acc[dt, e]
+        cuda.syncthreads()
+        for n in range(MERGE_PASSES):  # thread tid: elements tid, tid + threads, .. of the 16 x DP tile
+            c = cuda.threadIdx.x + THREADS * n
+            r = c // DP
+            d = c - r * DP
+            row = row0 + r
+            if r < BM and row < n_q and d < D:
+                m_all = float32(NEG_INF)
+                for w2 in range(KW):
+                    m_all = ops.nan_max(m_all, fs[w2 * BM + r])
+                m_sub = ops.finite_or_zero(m_all)
+                l_all = float32(0.0)
+                x = float32(0.0)
+                for w2 in range(KW):
+                    alpha = ops.exp2_diff(fs[w2 * BM + r], m_sub)
+                    l_all += alpha * fs[(KW + w2) * BM + r]
+                    x += alpha * fs[ACC_BASE + (w2 * BM + r) * ACC_PITCH + d]
+                x *= ops.reciprocal_or_zero(l_all)  # Line 12
+                if F32_OUT:  # a split's partial O_s, merged later in float32
+                    o[ob, h, row, d] = x
+                else:
+                    ops.store_out(o, ob, h, row, d, x)  # Line 14
+                if d == 0:  # Lines 13, 15
+                    lse[ob, h, row] = ops.log_sum_exp(m_all, l_all)
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
     def tc_fa2_forward(q, k, v, o, lse, q_scale, seqlens, n_splits, rows_per_query):
@@ -152,7 +219,7 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                     ops.load_kv_tile(v, b, hk, first * BN, n_k, v_s)
                 ops.commit()
         else:  # Q_i and the first STAGES - 1 tiles, a commit group each (Q_i's with the first)
-            ops.load_q_tile(q, b, h, row0, n_q, q_s)
+            copies.load_q_tile(q, b, h, row0, n_q, q_s)
             for t in range(STAGES - 1):
                 if first + t < end:
                     load_kv_stage(k, v, b, hk, first + t, n_k, smem, t)
@@ -213,6 +280,7 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                     cuda.syncthreads()  # V_j is visible to everyone
                 ops.pv_tile(s, v_split if SPLIT_V else v_s, acc, scratch)  # Line 10: O~ += P~ V_j
         else:
+            key0 = ops.key_warp() * BNW if KW > 1 else 0  # this warp's first key of every tile
             for j in range(first, end):  # Line 6, over a ring of STAGES tiles
                 stage = (j - first) % STAGES
                 wait_ring()  # this thread's copies of tile j (and Q_i) have landed
@@ -220,16 +288,19 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                 if j + STAGES - 1 < end:  # Line 7, STAGES - 1 tiles ahead, into tile j - 1's stage
                     load_kv_stage(k, v, b, hk, j + STAGES - 1, n_k, smem, (stage + STAGES - 1) % STAGES)
                 ops.commit()  # a group per tile, empty past the end: the wait above counts groups
-                base = Q_ELEMS + 2 * KV_ELEMS * stage
+                base = Q_ELEMS + 2 * KV_ELEMS * stage + key0 * STRIDE
                 if j == first:
                     ops.load_q_frags(q_s, qf, qf_small)
-                ops.score_tile(qf, qf_small, q_s, smem[base : base + KV_ELEMS], s, scratch)  # Line 8
-                online_softmax(s, q_scale, j * BN, last_keys, first_row_last_key, m, l_part, acc, tile_max, m_ref,
-                               row_sums, rscratch)  # Lines 9-10
-                ops.pv_tile(s, smem[base + KV_ELEMS : base + 2 * KV_ELEMS], acc, scratch)  # Line 10
+                ops.score_tile(qf, qf_small, q_s, smem[base : base + WARP_KV_ELEMS], s, scratch)  # Line 8
+                online_softmax(s, q_scale, j * BN + key0, last_keys, first_row_last_key, m, l_part, acc, tile_max,
+                               m_ref, row_sums, rscratch)  # Lines 9-10
+                ops.pv_tile(s, smem[base + KV_ELEMS : base + KV_ELEMS + WARP_KV_ELEMS], acc, scratch)  # Line 10
         ops.wait_all()  # no copy outlives the block (an empty range: Q_i's)
 
         ops.allreduce_sum(l_part, rscratch)  # l of each row: the sum of its four lanes' parts
+        if KW > 1:
+            merge_key_warps(o, lse, ob, h, row0, n_q, m, l_part, acc)
+            return
         for i in range(TM):
             row = row0 + ops.thread_row(i)
             if row < n_q:

@@ -79,6 +79,7 @@ class TcLayout:
     score_tiles: int  # 8-wide key tiles of S: block_n / 8
     out_tiles: int  # 8-wide head-dim tiles of O: DP / 8
     kv_stages: int = 1  # FA-2: K/V tiles in shared memory at once (``tc_fa2``: 1, or a ring)
+    key_warps: int = 1  # FA-2 decode: warps that share each 16-row warp's rows, each on its own keys of every tile
     presplit: str = ""  # tf32x3: the operands split once in shared memory, of "qkv" (``presplit_operands``)
 
     @property
@@ -136,10 +137,12 @@ def presplit_operands(kind: str, head_dim: int, block_m: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: int = 1,
-              presplit: str | None = None) -> TcLayout:
+              presplit: str | None = None, key_warps: int = 1) -> TcLayout:
     """Sizes of one specialisation. ``kv_stages``: FA-2's ring of K/V tiles (decode's knob; no
     pre-split with a ring). ``presplit`` None: ``presplit_operands``, less "q" and then "k" where
-    the tiles would not fit the opt-in shared memory (D = 128 with block_n = 64)."""
+    the tiles would not fit the opt-in shared memory (D = 128 with block_n = 64). ``key_warps``:
+    the block has that many warps per 16 query rows, each on ``block_n / key_warps`` keys of
+    every K/V tile (``tc_fa2``'s key-split decode, which needs a ring)."""
     sixteen = kind in mma.HALF_KINDS
     elem = 2 if sixteen else 4
     dp = -(-head_dim // 16) * 16
@@ -150,7 +153,7 @@ def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: i
         block_m=block_m,
         block_n=block_n,
         warps=warps,
-        threads=32 * warps,
+        threads=32 * warps * key_warps,
         padded_dim=dp,
         stride=dp + 16 // elem,
         elem_bytes=elem,
@@ -158,6 +161,7 @@ def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: i
         score_tiles=block_n // 8,
         out_tiles=dp // 8,
         kv_stages=kv_stages,
+        key_warps=key_warps,
     )
     if kv_stages > 1:  # the ring (16-bit decode) splits nothing in advance
         if presplit:
@@ -224,24 +228,26 @@ def tc_register_cap(kind: str, head_dim: int, block_m: int, block_n: int) -> int
 ROW_WALK_MIN_COPIES = 16  # 16-byte copies per thread and K/V tile from which the loader walks rows
 
 
-def row_walk_default(kind: str, head_dim: int, block_m: int, block_n: int) -> bool:
+def row_walk_default(kind: str, head_dim: int, block_m: int, block_n: int, key_warps: int = 1) -> bool:
     """Do the K/V copies walk rows (``tc_ops``' loader)? Yes when a thread makes at least
     ``ROW_WALK_MIN_COPIES`` copies per tile: the one-warp decode tiles (16 x 64 at D = 128: 32
     copies, which ptxas leaves in a loop of ~54 instructions per copy when indexed). The
     multi-warp forward tiles make 4 copies, which ptxas unrolls and folds; there the walk's
     64-bit addresses cost registers (f16 D = 128 64 x 32: 163 -> 235, 3 -> 2 blocks per SM)."""
+    threads = 32 * (block_m // ROWS_PER_WARP) * key_warps
     L = tc_layout(kind, head_dim, block_m, block_n)
-    return L.block_n * (L.padded_dim // L.chunk) >= ROW_WALK_MIN_COPIES * L.threads
+    return L.block_n * (L.padded_dim // L.chunk) >= ROW_WALK_MIN_COPIES * threads
 
 
 @functools.lru_cache(maxsize=None)
 def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
-           presplit: str | None = None) -> ModuleType:
+           presplit: str | None = None, key_warps: int = 1) -> ModuleType:
     """Device functions for one (kind, head_dim, block_m, block_n) specialisation (memoised);
     ``row_walk``: the copies of full K/V tiles walk rows (``None``: :func:`row_walk_default`);
-    ``presplit``: ``tc_layout``'s."""
-    L = tc_layout(kind, head_dim, block_m, block_n, presplit=presplit)
-    ROW_WALK = row_walk_default(kind, head_dim, block_m, block_n) if row_walk is None else bool(row_walk)
+    ``presplit``: ``tc_layout``'s; ``key_warps``: the block's warps per 16 rows (``tc_layout``;
+    the copies use every thread, the products and row statistics are each warp's own)."""
+    L = tc_layout(kind, head_dim, block_m, block_n, presplit=presplit, key_warps=key_warps)
+    ROW_WALK = row_walk_default(kind, head_dim, block_m, block_n, key_warps) if row_walk is None else bool(row_walk)
     D, BM, BN, DP, S = head_dim, block_m, block_n, L.padded_dim, L.stride
     NT, NS, DT, CH = L.threads, L.score_tiles, L.out_tiles, L.chunk
     TM = ROWS_PER_THREAD
@@ -346,10 +352,24 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                 mma.sts_x4(q_s, i, hi[0], hi[1], hi[2], hi[3])
                 mma.sts_x4(q_s, i + 128, lo[0], lo[1], lo[2], lo[3])
 
+    if key_warps == 1:
+
+        @device_jit
+        def warp_row0():
+            """First Q-tile row of this thread's warp."""
+            return (cuda.threadIdx.x >> 5) * 16
+
+    else:
+
+        @device_jit
+        def warp_row0():
+            """First Q-tile row of this thread's warp: warps ``w``, ``w + warps``, ... share rows."""
+            return ((cuda.threadIdx.x >> 5) % WARPS) * 16
+
     @device_jit
-    def warp_row0():
-        """First Q-tile row of this thread's warp."""
-        return (cuda.threadIdx.x >> 5) * 16
+    def key_warp():
+        """Which of the ``key_warps`` warps of its rows this thread's warp is (0 when 1)."""
+        return (cuda.threadIdx.x >> 5) // WARPS
 
     @device_jit
     def thread_row(i):
@@ -684,7 +704,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
     ops.presplit_k, ops.presplit_v = PRESPLIT_K, PRESPLIT_V
     for name, func in dict(
         load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,
-        score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0,
+        score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0, key_warp=key_warp,
         thread_row=thread_row, lane_t=lane_t, col_of=col_of, last_visible_key=last_visible_key, packed_last_visible_key=packed_last_visible_key,
         row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
         row_max=row_max, allreduce_sum=allreduce_sum, exp_scores=exp_scores, rescale_row=rescale_row,
