@@ -160,14 +160,16 @@ def test_decode_kernel_knobs_change_no_bit(kind):
             assert rel_err(o, ref) < (2e-3 if kind == "f16" else 5e-3)
 
 
-@pytest.mark.parametrize("kind", ["f16"])
-def test_decode_key_warps_merge_to_the_one_warp_result(kind):
+@pytest.mark.parametrize("kind, D", [("f16", 16), ("bf16", 64)])
+def test_decode_key_warps_merge_to_the_one_warp_result(kind, D):
     """``key_warps``: the warps of a block split every K/V tile's keys between them, each with its
     own (m, l, O~), merged at the end of the walk (``tc_fa2.merge_key_warps``). The merge is the
     online softmax's, so the result is the one-warp kernel's up to rounding (and right against
     float64), for any split count,
     with a warp that never sees a key (sequence 1: 10 keys, all in the first warp's half of the
-    one tile) and an empty sequence (2); NaN-poisoned cache tails are never read."""
+    one tile) and an empty sequence (2); NaN-poisoned cache tails are never read. The key-warp
+    tiles are swizzled instead of padded (``tc_layout``'s ``swizzle_mask``: 1 at D = 16, 7 at
+    D = 64), so this also checks the copies and ``ldmatrix`` reads of that layout."""
     from numba_flash import online
     from numba_flash.kernels.jit import LOG2E
     from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
@@ -175,13 +177,19 @@ def test_decode_key_warps_merge_to_the_one_warp_result(kind):
     from numba_flash.launch import numba_launch
 
     rng = np.random.default_rng(7)
-    B, group, D, n_max, BN = 3, 4, 16, 80, 32
+    B, group, n_max, BN = 3, 4, 80, 32
+    assert tc_layout(kind, D, 16, BN, 2, key_warps=2).swizzle_mask == min(7, D // 8 - 1)
     lens = np.array([77, 10, 0], np.int32)  # 77: two full tiles and a tail of 13 keys (warp 1 sees none of it)
-    q, k, v = (rng.standard_normal(shape).astype(np.float16) for shape in [(B, 1, group, D), *[(B, 1, n_max, D)] * 2])
+    q, k, v = (rng.standard_normal(shape).astype(np.float32) for shape in [(B, 1, group, D), *[(B, 1, n_max, D)] * 2])
     for b, n in enumerate(lens):
         k[b, :, n:] = np.nan
         v[b, :, n:] = np.nan
-    bits = [x.view(np.uint16) for x in (q, k, v)]
+    if kind == "f16":
+        q, k, v = (x.astype(np.float16) for x in (q, k, v))
+        bits = [x.view(np.uint16) for x in (q, k, v)]
+    else:  # bfloat16 bit patterns (round to nearest even), and the values they stand for
+        bits = [_bf16_bits(x) for x in (q, k, v)]
+        q, k, v = (_bf16_values(x) for x in bits)
     scale = 1 / np.sqrt(D)
 
     def run(stages, warps, n_splits):
@@ -211,7 +219,18 @@ def test_decode_key_warps_merge_to_the_one_warp_result(kind):
             s = q[b, 0].astype(np.float64) @ k[b, 0, :n].astype(np.float64).T * scale
             p = np.exp(s - s.max(axis=1, keepdims=True))
             ref = p @ v[b, 0, :n].astype(np.float64) / p.sum(axis=1, keepdims=True)
-            assert rel_err(o, ref) < 2e-3
+            assert rel_err(o, ref) < (2e-3 if kind == "f16" else 1.6e-2)
+
+
+def _bf16_bits(x):
+    u = np.ascontiguousarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16  # round to nearest even (no NaN among the valid values)
+    u = np.where(np.isnan(x), 0x7FC0, u)
+    return u.astype(np.uint16)
+
+
+def _bf16_values(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
 
 
 def test_key_warps_need_a_ring_and_whole_key_tiles():

@@ -118,6 +118,16 @@ def _f32_value(bits: int) -> float:
 _TF32_MASK = 0xFFFFE000
 HALF_KINDS = ("f16", "bf16")  # 16-bit input kinds (float16, bfloat16) of m16n8k16
 
+
+@device_jit
+def swizzled(row, col, stride, mask):
+    """Where element (row, col) of a 16-bit tile with rows of ``stride`` elements and no padding
+    sits: its 16-byte chunk ``col >> 3`` exchanged with chunk ``(col >> 3) ^ (row & mask)`` of
+    the same row. With ``mask = 7`` the 8 rows an ``ldmatrix`` reads at one column hit 8 distinct
+    chunks of a 128-byte span (all 32 banks), as the 16 bytes of padding per row do, and a row
+    stays whole 128-byte segments (a warp's ``cp.async`` of two rows writes four of them)."""
+    return row * stride + ((((col >> 3) ^ (row & mask)) << 3) | (col & 7))
+
 if simulated():
     import threading
 
@@ -180,6 +190,28 @@ if simulated():
             r = row0 + 8 * (j % 2) + 2 * t
             c = col0 + 8 * (j // 2) + g
             out.append(_pair(smem, r * stride + c, (r + 1) * stride + c))
+        return out[0], out[1], out[2], out[3]
+
+    @device_jit
+    def ldsm_x4_swizzled(smem, row0, col0, stride, mask):
+        lane = cuda.threadIdx.x % 32
+        g, t = lane // 4, lane % 4
+        out = []
+        for j in range(4):
+            r = row0 + 8 * (j % 2) + g
+            i = swizzled(r, col0 + 8 * (j // 2) + 2 * t, stride, mask)
+            out.append(_pair(smem, i, i + 1))
+        return out[0], out[1], out[2], out[3]
+
+    @device_jit
+    def ldsm_x4_trans_swizzled(smem, row0, col0, stride, mask):
+        lane = cuda.threadIdx.x % 32
+        g, t = lane // 4, lane % 4
+        out = []
+        for j in range(4):
+            r = row0 + 8 * (j % 2) + 2 * t
+            c = col0 + 8 * (j // 2) + g
+            out.append(_pair(smem, swizzled(r, c, stride, mask), swizzled(r + 1, c, stride, mask)))
         return out[0], out[1], out[2], out[3]
 
     @device_jit
@@ -512,6 +544,22 @@ else:
     @device_jit
     def ldsm_x4_trans(smem, row0, col0, stride):
         return _ldmatrix_x4_trans(smem, _lane_address(row0, col0, stride))
+
+    @device_jit
+    def _lane_address_swizzled(row0, col0, stride, mask):
+        """:func:`_lane_address` in a :func:`swizzled` tile (col0 a multiple of 8)."""
+        lane = cuda.threadIdx.x & 31
+        return swizzled(row0 + (lane & 7) + (lane & 8), col0 + ((lane >> 4) << 3), stride, mask)
+
+    @device_jit
+    def ldsm_x4_swizzled(smem, row0, col0, stride, mask):
+        """:func:`ldsm_x4` of a :func:`swizzled` tile."""
+        return _ldmatrix_x4(smem, _lane_address_swizzled(row0, col0, stride, mask))
+
+    @device_jit
+    def ldsm_x4_trans_swizzled(smem, row0, col0, stride, mask):
+        """:func:`ldsm_x4_trans` of a :func:`swizzled` tile."""
+        return _ldmatrix_x4_trans(smem, _lane_address_swizzled(row0, col0, stride, mask))
 
     @device_jit
     def ldsm_x4_f32(smem, row0, col0, stride):

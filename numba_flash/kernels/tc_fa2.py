@@ -28,7 +28,7 @@ from numba_flash.kernels import mma
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_jit
 from numba_flash.kernels.kv_split import split_of_block, split_tiles, valid_keys
 from numba_flash.kernels.row_reduce import scratch_floats as reduce_scratch_floats
-from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
+from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_layout, tc_ops
 
 
 @functools.lru_cache(maxsize=None)
@@ -111,8 +111,9 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
     ACC_BASE = 2 * KW * BM
     THREADS = L.threads
     MERGE_PASSES = -(-BM * DP // THREADS)
-    if KW > 1 and (ACC_BASE + KW * BM * ACC_PITCH) * 4 > L.smem_bytes:
-        raise ValueError(f"the merge of {KW} key warps needs more shared memory than the ring's {L.smem_bytes} bytes")
+    RING_BYTES = tc_layout(kind, head_dim, block_m, block_n, STAGES, key_warps=KW).smem_bytes if KW > 1 else 0
+    if (ACC_BASE + KW * BM * ACC_PITCH) * 4 > RING_BYTES > 0:
+        raise ValueError(f"the merge of {KW} key warps needs more shared memory than the ring's {RING_BYTES} bytes")
 
     @device_jit
     def merge_key_warps(o, lse, ob, h, row0, n_q, m, l_part, acc):

@@ -80,6 +80,7 @@ class TcLayout:
     out_tiles: int  # 8-wide head-dim tiles of O: DP / 8
     kv_stages: int = 1  # FA-2: K/V tiles in shared memory at once (``tc_fa2``: 1, or a ring)
     key_warps: int = 1  # FA-2 decode: warps that share each 16-row warp's rows, each on its own keys of every tile
+    swizzle_mask: int = 0  # 16-bit tiles without padding, chunks exchanged by row (``mma.swizzled``); 0: padded rows
     presplit: str = ""  # tf32x3: the operands split once in shared memory, of "qkv" (``presplit_operands``)
 
     @property
@@ -147,6 +148,12 @@ def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: i
     elem = 2 if sixteen else 4
     dp = -(-head_dim // 16) * 16
     warps = block_m // ROWS_PER_WARP
+    # The key-split decode tiles (16-bit) are swizzled instead of padded: a warp's cp.async of
+    # padded rows writes 128-byte segments that straddle two, and reads ~8% slower (measured on
+    # the H200: a copy-only ring of 256 one-warp blocks, 1.050 ms against 0.969 at 4.3 GB;
+    # docs/performance-log.md 9j). Rows of a power-of-two count of 16-byte chunks only.
+    chunks = dp * elem // 16
+    swizzle = min(7, chunks - 1) if key_warps > 1 and sixteen and chunks & (chunks - 1) == 0 else 0
     layout = TcLayout(
         kind=kind,
         head_dim=head_dim,
@@ -155,13 +162,14 @@ def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: i
         warps=warps,
         threads=32 * warps * key_warps,
         padded_dim=dp,
-        stride=dp + 16 // elem,
+        stride=dp if swizzle else dp + 16 // elem,
         elem_bytes=elem,
         chunk=16 // elem,
         score_tiles=block_n // 8,
         out_tiles=dp // 8,
         kv_stages=kv_stages,
         key_warps=key_warps,
+        swizzle_mask=swizzle,
     )
     if kv_stages > 1:  # the ring (16-bit decode) splits nothing in advance
         if presplit:
@@ -279,6 +287,38 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         copy16, copy_at = mma.cp_async16_f32, mma.cp_async16_at_f32
     to_tf32, tf32_value = mma.to_tf32, mma.tf32_value
 
+    SWIZZLE = L.swizzle_mask
+
+    if SWIZZLE:
+
+        @device_jit
+        def tile_index(row, d):
+            """Shared-memory element of (row, d) of a tile (a multiple of the copy width)."""
+            return mma.swizzled(row, d, S, SWIZZLE)
+
+        @device_jit
+        def ldsm(smem, row0, col0):
+            return mma.ldsm_x4_swizzled(smem, row0, col0, S, SWIZZLE)
+
+        @device_jit
+        def ldsm_trans(smem, row0, col0):
+            return mma.ldsm_x4_trans_swizzled(smem, row0, col0, S, SWIZZLE)
+
+    else:
+
+        @device_jit
+        def tile_index(row, d):
+            """Shared-memory element of (row, d) of a tile (rows padded to ``S`` elements)."""
+            return row * S + d
+
+        @device_jit
+        def ldsm(smem, row0, col0):
+            return mma.ldsm_x4(smem, row0, col0, S)
+
+        @device_jit
+        def ldsm_trans(smem, row0, col0):
+            return mma.ldsm_x4_trans(smem, row0, col0, S)
+
     def make_loader(tile_rows):
         COPIES = -(-tile_rows * CHUNKS_PER_ROW // NT)  # copies per thread
         EXACT = tile_rows * CHUNKS_PER_ROW % NT == 0
@@ -304,7 +344,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                 address = mma.row_address(x, b, h, first + r, d)
                 step = mma.row_step(x) * ROW_STEP
                 for n in range(WALK_COPIES):
-                    copy_at(x_s, (r + ROW_STEP * n) * S + d, x, b, h, d, address)
+                    copy_at(x_s, tile_index(r + ROW_STEP * n, d), x, b, h, d, address)
                     address += step
                 return
             for n in range(COPIES):
@@ -315,7 +355,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                     row = first + r
                     valid = row < n_valid and d < D
                     # an invalid copy reads nothing, but its source address must be in bounds
-                    copy16(x_s, r * S + d, x, b, h, min(row, n_valid - 1), min(d, D - CH), valid)
+                    copy16(x_s, tile_index(r, d), x, b, h, min(row, n_valid - 1), min(d, D - CH), valid)
 
         return load
 
@@ -394,7 +434,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
             """Q_i's A fragments of this warp's 16 rows, one per 16-wide step of the head dim."""
             r0 = warp_row0()
             for kt in range(KT):
-                a = mma.ldsm_x4(q_s, r0, KSTEP * kt, S)
+                a = ldsm(q_s, r0, KSTEP * kt)
                 for e in range(4):
                     qf[kt, e] = a[e]
 
@@ -406,7 +446,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                     s[nt, e] = float32(0.0)
             for nt2 in range(NS // 2):  # 16 keys: two 8-key tiles per ldmatrix.x4
                 for kt in range(KT):
-                    kb = mma.ldsm_x4(k_s, 16 * nt2, KSTEP * kt, S)
+                    kb = ldsm(k_s, 16 * nt2, KSTEP * kt)
                     MMA(s, 2 * nt2, qf[kt, 0], qf[kt, 1], qf[kt, 2], qf[kt, 3], kb[0], kb[2], scratch)
                     MMA(s, 2 * nt2 + 1, qf[kt, 0], qf[kt, 1], qf[kt, 2], qf[kt, 3], kb[1], kb[3], scratch)
 
@@ -419,7 +459,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                 a2 = PACK(p[2 * kk + 1, 0], p[2 * kk + 1, 1])  # row g, keys 8+2t, 8+2t+1
                 a3 = PACK(p[2 * kk + 1, 2], p[2 * kk + 1, 3])  # row g+8
                 for dt2 in range(DT // 2):
-                    vb = mma.ldsm_x4_trans(v_s, 16 * kk, 16 * dt2, S)
+                    vb = ldsm_trans(v_s, 16 * kk, 16 * dt2)
                     MMA(acc, 2 * dt2, a0, a1, a2, a3, vb[0], vb[1], scratch)
                     MMA(acc, 2 * dt2 + 1, a0, a1, a2, a3, vb[2], vb[3], scratch)
 
