@@ -31,7 +31,7 @@ DECODE_KV_STAGES = 1  # K/V tiles in shared memory at once (tc_fa2_kernel's kv_s
 # One 16-row tile (all packed queries of a KV head): warps that split each K/V tile's keys, over
 # a ring of tiles (tc_fa2_kernel's key_warps and kv_stages; docs/performance-log.md 9j).
 DECODE_KEY_WARPS = 4
-DECODE_KEY_WARP_STAGES = 3
+DECODE_KEY_WARP_STAGES = 2  # 1M keys: 944.9 us with 2 stages (32 splits), 952.4 with 3 (H200, same process)
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False):

@@ -241,10 +241,12 @@ def row_walk_default(kind: str, head_dim: int, block_m: int, block_n: int, key_w
     ``ROW_WALK_MIN_COPIES`` copies per tile: the one-warp decode tiles (16 x 64 at D = 128: 32
     copies, which ptxas leaves in a loop of ~54 instructions per copy when indexed). The
     multi-warp forward tiles make 4 copies, which ptxas unrolls and folds; there the walk's
-    64-bit addresses cost registers (f16 D = 128 64 x 32: 163 -> 235, 3 -> 2 blocks per SM)."""
-    threads = 32 * (block_m // ROWS_PER_WARP) * key_warps
+    64-bit addresses cost registers (f16 D = 128 64 x 32: 163 -> 235, 3 -> 2 blocks per SM).
+    The key-split decode tiles (``key_warps > 1``) always walk."""
+    if key_warps > 1:  # the key-split decode tiles: walked 952 us, indexed 969 at 1M keys (H200; 223 vs 244 registers)
+        return True
     L = tc_layout(kind, head_dim, block_m, block_n)
-    return L.block_n * (L.padded_dim // L.chunk) >= ROW_WALK_MIN_COPIES * threads
+    return L.block_n * (L.padded_dim // L.chunk) >= ROW_WALK_MIN_COPIES * L.threads
 
 
 @functools.lru_cache(maxsize=None)
