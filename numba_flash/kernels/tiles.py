@@ -18,23 +18,36 @@ block_m: Q-tile rows; block_n: K/V-tile rows. Both kernels share one layout per
   Q_i and K_j rows by 4 floats (neighbouring rows start 4 banks apart), P~ rows by
   ``max(threads_per_row, 4)`` (a warp's 4 x 8 stores of P~ cover the 32 banks once).
 
+- Micro-tile height: ``rows_per_thread`` is 4 (``ROWS_PER_THREAD``) unless the forward is asked
+  for another (:func:`forward_rows_per_thread`: ``NUMBA_FLASH_FFMA_ROWS_PER_THREAD=8``, an
+  experiment: 8 rows halve the shared loads and loop overhead per FFMA of both products at the
+  cost of registers). The backward always uses 4.
+
 Limits, both kernels alike:
 - block_m and block_n are powers of two, 1 to 256 and 1 to 128;
 - shared memory per block (:func:`smem_bytes`: Q_i, K_j, V_j and P~ tiles, float32) must fit
-  the 48 KiB that a kernel may use statically.
+  the 227 KiB a block may opt in to; up to 48 KiB the forward declares its tiles statically,
+  above it carves them from dynamic shared memory (:func:`uses_dynamic_smem`);
+- threads x registers must fit an SM's 64K registers: at most 512 threads under the 128-register
+  cap (D <= 64), 256 without a cap.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import os
 from dataclasses import dataclass
 
 BLOCK_M_CHOICES = tuple(2**p for p in range(0, 9))  # 1 .. 256
 BLOCK_N_CHOICES = tuple(2**p for p in range(0, 8))  # 1 .. 128
 STATIC_SMEM_LIMIT = 48 * 1024
+SMEM_OPTIN_LIMIT = 227 * 1024  # H100/H200 opt-in maximum of dynamic shared memory per block (232448 B)
+SM_REGISTERS = 64 * 1024  # registers of one SM: threads x registers of one block must fit
 MAX_HEAD_DIM = 128
 ROWS_PER_THREAD = 4  # query rows a thread owns (fewer when block_m < 4)
+ROWS_PER_THREAD_CHOICES = (4, 8)  # the forward's micro-tile heights (forward_rows_per_thread)
+ROWS_PER_THREAD_ENV = "NUMBA_FLASH_FFMA_ROWS_PER_THREAD"
 THREADS_PER_ROW = 8  # threads that share a query row (fewer when block_n < 8)
 VEC = 4  # floats per 128-bit shared load
 
@@ -102,9 +115,9 @@ class TileLayout:
 
 
 @functools.lru_cache(maxsize=None)
-def tile_layout(head_dim: int, block_m: int, block_n: int) -> TileLayout:
+def tile_layout(head_dim: int, block_m: int, block_n: int, rows_per_thread: int = ROWS_PER_THREAD) -> TileLayout:
     """The thread layout for one specialisation (see the module docstring)."""
-    tm = min(ROWS_PER_THREAD, block_m)
+    tm = min(rows_per_thread, block_m)
     tx = min(THREADS_PER_ROW, block_n)
     dp = max(VEC * tx, 1 << (head_dim - 1).bit_length())  # a power of two
     return TileLayout(
@@ -125,12 +138,32 @@ def tile_layout(head_dim: int, block_m: int, block_n: int) -> TileLayout:
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
-    """Static shared memory of one block: the Q_i, K_j, V_j and P~ tiles (float32)."""
+    """Shared memory of one block: the Q_i, K_j, V_j and P~ tiles (float32; the same for every
+    micro-tile height)."""
     return tile_layout(head_dim, block_m, block_n).smem_bytes
 
 
-def threads_per_block(head_dim: int, block_m: int, block_n: int) -> int:
-    return tile_layout(head_dim, block_m, block_n).threads
+def uses_dynamic_smem(head_dim: int, block_m: int, block_n: int) -> bool:
+    """Does the forward carve its tiles from dynamic shared memory? Only when they need more
+    than the 48 KiB a kernel may declare statically (below, the static declaration keeps the
+    kernels as they were measured)."""
+    return smem_bytes(head_dim, block_m, block_n) > STATIC_SMEM_LIMIT
+
+
+def threads_per_block(head_dim: int, block_m: int, block_n: int, rows_per_thread: int = ROWS_PER_THREAD) -> int:
+    return tile_layout(head_dim, block_m, block_n, rows_per_thread).threads
+
+
+def forward_rows_per_thread() -> int:
+    """The forward's micro-tile height: ``NUMBA_FLASH_FFMA_ROWS_PER_THREAD`` (4 or 8; unset: 4).
+    Read when a kernel specification is first made for a configuration (``specs.kernel_spec``
+    is memoised): set it before the process's first call."""
+    text = os.environ.get(ROWS_PER_THREAD_ENV, "").strip()
+    if not text:
+        return ROWS_PER_THREAD
+    if not text.isdigit() or int(text) not in ROWS_PER_THREAD_CHOICES:
+        raise ValueError(f"{ROWS_PER_THREAD_ENV} must be one of {list(ROWS_PER_THREAD_CHOICES)}; got {text!r}")
+    return int(text)
 
 
 def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) -> tuple[int, int]:
@@ -147,7 +180,13 @@ def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) 
     return 32, 16
 
 
-def check_tiles(head_dim: int, block_m: int, block_n: int) -> None:
+def max_threads(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD) -> int:
+    """Threads a block may have so that it fits an SM's registers at the register cap (255,
+    rounded up to 256, without one)."""
+    return SM_REGISTERS // (register_cap(head_dim, rows_per_thread) or 256)
+
+
+def check_tiles(head_dim: int, block_m: int, block_n: int, rows_per_thread: int = ROWS_PER_THREAD) -> None:
     """Raise ``ValueError`` naming the argument when a kernel cannot run these tiles."""
     for name, value, choices in (
         ("block_m", block_m, BLOCK_M_CHOICES),
@@ -163,23 +202,31 @@ def check_tiles(head_dim: int, block_m: int, block_n: int) -> None:
                 f"{choices[0]} to {choices[-1]}, one of {list(choices)}"
             )
     need = smem_bytes(head_dim, int(block_m), int(block_n))
-    if need > STATIC_SMEM_LIMIT:
-        fitting = [n for n in BLOCK_N_CHOICES if smem_bytes(head_dim, int(block_m), n) <= STATIC_SMEM_LIMIT]
+    if need > SMEM_OPTIN_LIMIT:
+        fitting = [n for n in BLOCK_N_CHOICES if smem_bytes(head_dim, int(block_m), n) <= SMEM_OPTIN_LIMIT]
         hint = (
             f"with this block_m, block_n can be one of {fitting}"
             if fitting
             else f"no block_n fits with block_m={block_m}; block_m can be one of "
-            f"{[m for m in BLOCK_M_CHOICES if smem_bytes(head_dim, m, 1) <= STATIC_SMEM_LIMIT]}"
+            f"{[m for m in BLOCK_M_CHOICES if smem_bytes(head_dim, m, 1) <= SMEM_OPTIN_LIMIT]}"
         )
         raise ValueError(
             f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {need} bytes of "
-            f"shared memory, more than the {STATIC_SMEM_LIMIT} a block can have; {hint}"
+            f"shared memory, more than the {SMEM_OPTIN_LIMIT} a block can have; {hint}"
+        )
+    threads = threads_per_block(head_dim, int(block_m), int(block_n), rows_per_thread)
+    if threads > max_threads(head_dim, rows_per_thread):
+        raise ValueError(
+            f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {threads} threads per block, "
+            f"more than the {max_threads(head_dim, rows_per_thread)} whose registers fit an SM; use a smaller "
+            f"block_m or block_n"
         )
 
 
-def register_cap(head_dim: int) -> int | None:
+def register_cap(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD) -> int | None:
     """Registers per thread the kernels are held to (``None``: the compiler's choice).
 
-    128 lets four 128-thread blocks share an SM's 64K registers.
+    128 lets four 128-thread blocks share an SM's 64K registers (the 4-row micro-tile at
+    D <= 64). The 8-row micro-tile holds twice the accumulators: uncapped.
     """
-    return 128 if head_dim <= 64 else None
+    return 128 if head_dim <= 64 and rows_per_thread == ROWS_PER_THREAD else None
