@@ -79,3 +79,14 @@ def test_rows_per_thread_from_the_environment(monkeypatch):
     monkeypatch.setenv(ROWS_PER_THREAD_ENV, "6")
     with pytest.raises(ValueError, match="must be one of \\[4, 8\\]"):
         forward_rows_per_thread()
+
+
+def test_register_cap_knob(monkeypatch):
+    from numba_flash.kernels.tiles import MAXREG_ENV, register_cap
+
+    monkeypatch.delenv(MAXREG_ENV, raising=False)
+    assert register_cap(64) == 128 and register_cap(64, 8) is None and register_cap(128) is None
+    monkeypatch.setenv(MAXREG_ENV, "168")
+    assert register_cap(64, 8) == 168 and register_cap(64) == 168
+    monkeypatch.setenv(MAXREG_ENV, "0")
+    assert register_cap(64) is None

@@ -48,6 +48,7 @@ MAX_HEAD_DIM = 128
 ROWS_PER_THREAD = 4  # query rows a thread owns (fewer when block_m < 4)
 ROWS_PER_THREAD_CHOICES = (4, 8)  # the forward's micro-tile heights (forward_rows_per_thread)
 ROWS_PER_THREAD_ENV = "NUMBA_FLASH_FFMA_ROWS_PER_THREAD"
+MAXREG_ENV = "NUMBA_FLASH_FFMA_MAXREG"  # the forward's register cap, an experiment knob (register_cap)
 THREADS_PER_ROW = 8  # threads that share a query row (fewer when block_n < 8)
 VEC = 4  # floats per 128-bit shared load
 
@@ -224,9 +225,16 @@ def check_tiles(head_dim: int, block_m: int, block_n: int, rows_per_thread: int 
 
 
 def register_cap(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD) -> int | None:
-    """Registers per thread the kernels are held to (``None``: the compiler's choice).
+    """Registers per thread the forward kernels are held to (``None``: the compiler's choice).
 
     128 lets four 128-thread blocks share an SM's 64K registers (the 4-row micro-tile at
-    D <= 64). The 8-row micro-tile holds twice the accumulators: uncapped.
+    D <= 64). The 8-row micro-tile holds twice the accumulators: uncapped (offline, ptxas sm_90,
+    D=64: 238-255 registers; at 168, three blocks of 128 threads, 128 x 32 spills 420 bytes, 35
+    local loads and stores per K/V tile outside the products). ``NUMBA_FLASH_FFMA_MAXREG``
+    overrides both (an experiment knob like ``NUMBA_FLASH_TC_MAXREG``; 0: no cap), read when a
+    configuration's spec and kernel are first made.
     """
+    env = os.environ.get(MAXREG_ENV, "").strip()
+    if env:
+        return int(env) or None
     return 128 if head_dim <= 64 and rows_per_thread == ROWS_PER_THREAD else None
