@@ -99,13 +99,11 @@ def stats(head_dim, block_m, block_n, rows_per_thread, causal, dump=None, max_re
             f.write(sass)
     L = tile_layout(head_dim, block_m, block_n, rows_per_thread)
     TM, TN, DP, ACC = L.rows_per_thread, L.cols_per_thread, L.padded_dim, VEC * L.dim_groups
-    static = res.get("smem", 0)
     smem = spec.static_smem + spec.dynamic_smem
     blocks, limiter = occupancy_from_resources(res["regs"], smem, spec.threads, ARCH[(9, 0)])
     row = dict(tiles=f"{block_m}x{block_n}", rows=TM, micro=f"S {TM}x{TN} O {TM}x{ACC}", threads=spec.threads,
                cap=cap, regs=res["regs"], spill=res["spill_stores"] + res["spill_loads"],
                smem=smem, dynamic=spec.dynamic_smem, blocks=blocks, warps=blocks * spec.threads // 32, limiter=limiter)
-    del static
     row.update(kv_tile(parse(sass), TM * TN * DP, TM * block_n * ACC))
     return row
 
