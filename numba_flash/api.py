@@ -26,9 +26,11 @@ from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, dev
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
-from numba_flash.kernels.tiles import MAX_HEAD_DIM, check_tiles, default_tiles, threads_per_block, tile_layout
+from numba_flash.kernels.tiles import (MAX_HEAD_DIM, STATIC_SMEM_LIMIT, check_tiles, default_tiles, forward_rows_per_thread,
+                                      threads_per_block, tile_layout)
 from numba_flash.launch import device_array
 from numba_flash.launch import launch as direct_launch
+from numba_flash.launch import numba_launch
 from numba_flash.specs import kernel_spec
 from numba_flash.split_kv import check_num_splits, choose_num_splits, combine, plan_combine
 from numba_flash.tensor_cores import launch_tc, plan_in_place, regime, tc_tiles
@@ -203,6 +205,12 @@ def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, bloc
             raise ValueError(f"split_k gives each of its {SPLIT_K_GROUPS} warp groups block_n / {SPLIT_K_GROUPS} keys: "
                              f"block_n={call['block_n']} does not divide")
         check_tiles(call["q_shape"][3], call["block_m"], half)
+        from numba_flash.kernels.forward import variant_smem_bytes
+
+        need = variant_smem_bytes(variant, call["q_shape"][3], call["block_m"], call["block_n"])
+        if need > STATIC_SMEM_LIMIT:  # (split_k declares its tiles statically)
+            raise ValueError(f"split_k with block_m={call['block_m']}, block_n={call['block_n']} needs {need} bytes of "
+                             f"shared memory, more than the {STATIC_SMEM_LIMIT} its static tiles can have")
     call["variant"] = variant if variant not in _NAMED_POINTS else None  # named points: their kernels
     B, H, Nq, D = call["q_shape"]
     _check_out(out, "out", (B, H, Nq, D), call["dtype"], call["kind"])
@@ -481,7 +489,7 @@ def choose_tiles(mode, algorithm, head_dim, dtype, causal, block_m=None, block_n
     bm_default, bn_default = default_tiles_for(algorithm, head_dim, dtype, causal, device_id)
     block_m = bm_default if block_m is None else block_m
     block_n = bn_default if block_n is None else block_n
-    check_tiles(head_dim, block_m, block_n)
+    check_tiles(head_dim, block_m, block_n, forward_rows_per_thread(head_dim, block_m, block_n))
     return int(block_m), int(block_n)
 
 
@@ -567,14 +575,14 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None,
     if ctx.direct_launch:  # CuPy / torch on a GPU, unplanned: skip numba's per-call dispatch
         args = [device_array(a.array, "numba" if a.role == "own" else ctx.kind) if isinstance(a, _KernelArray) else a
                 for a in args]
-        direct_launch(spec.kernel, grid, (threads,), ctx.stream_ptr(), args, device_id=ctx.device_id)
+        direct_launch(spec.kernel, grid, (threads,), ctx.stream_ptr(), args, shared_mem_bytes=spec.dynamic_smem,
+                      device_id=ctx.device_id)
         return
 
     convert = {"in": ctx.to_kernel, "out": ctx.out_to_kernel, "own": lambda x: x}
     kernel_args = [convert[a.role](a.array) if isinstance(a, _KernelArray) else a for a in args]
-    stream = ctx.stream()
-    launcher = spec.kernel[grid, threads] if stream is None else spec.kernel[grid, threads, stream]
-    launcher(*kernel_args)
+    # (tiles above 48 KiB: dynamic shared memory, the kernel opted in above 48 KiB)
+    numba_launch(spec.kernel, grid, threads, ctx.stream(), kernel_args, shared_mem_bytes=spec.dynamic_smem)
     if ctx.on_host and not simulated():  # NumPy in, GPU run: copy the results back
         for a, arg in zip(args, kernel_args):
             if isinstance(a, _KernelArray) and a.role == "out" and (a.array is o or a.array is lse):
@@ -591,7 +599,7 @@ def _plan_cuda_cores(builder: plans.PlanBuilder, call: dict, q, k, v, o, lse, se
                                 lambda shape, dtype: builder.constant(_placeholder(shape, dtype, device_id), "numba"),
                                 n_splits, rows_per_query)
     args = [a.array if isinstance(a, _KernelArray) else a for a in args]
-    builder.add_launch(spec.kernel, spec.grid(*call["q_shape"][:3], n_splits), (spec.threads,), args)
+    builder.add_launch(spec.kernel, spec.grid(*call["q_shape"][:3], n_splits), (spec.threads,), args, spec.dynamic_smem)
 
 
 def _cuda_core_spec(call: dict, permuted: bool, ragged: bool):

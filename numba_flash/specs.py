@@ -4,8 +4,9 @@ A :class:`KernelSpec` names a compiled-kernel dispatcher and its launch shape: t
 dynamic shared memory, the grid for a problem, and the compile signature for CuPy inputs.
 Two regimes (``tensor_cores.regime``):
 
-- ``"ieee"``: the CUDA-core kernels (``kernels.fa1``, ``kernels.fa2``): static shared memory,
-  inputs in their own dtype (float16 or float32), a register cap at D <= 64;
+- ``"ieee"``: the CUDA-core kernels (``kernels.fa1``, ``kernels.fa2``): static shared memory up
+  to 48 KiB, dynamic above (``tiles.uses_dynamic_smem``), inputs in their own dtype (float16 or
+  float32), a register cap at D <= 64, the micro-tile height of ``tiles.forward_rows_per_thread``;
 - a tensor-core kind (``"f16"``, ``"bf16"``, ``"tf32"``, ``"tf32x3"``; ``kernels.tc_fa1``,
   ``kernels.tc_fa2``): dynamic shared memory (opted in above 48 KiB), 16-bit inputs as uint16
   bit patterns, the head dim rounded up to 16 bytes.
@@ -16,7 +17,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from numba_flash.kernels.tiles import register_cap, smem_bytes, threads_per_block
+from numba_flash.kernels.tiles import ROWS_PER_THREAD, forward_rows_per_thread, register_cap, threads_per_block
 
 
 @dataclass(frozen=True)
@@ -29,8 +30,8 @@ class KernelSpec:
     block_n: int
     causal: bool
     threads: int
-    static_smem: int  # bytes of static shared memory (the CUDA-core tiles)
-    dynamic_smem: int  # bytes of dynamic shared memory per block (the tensor-core tiles)
+    static_smem: int  # bytes of static shared memory (the CUDA-core tiles up to 48 KiB)
+    dynamic_smem: int  # bytes of dynamic shared memory per block (the tensor-core tiles; CUDA-core above 48 KiB)
     register_cap: int | None  # registers per thread the kernel is compiled under
     ragged: bool = False  # FA-2: reads a valid key count per batch (``decode``'s cache_seqlens)
     split_out: bool = False  # FA-2: writes float32 partials for the combine (num_splits > 1)
@@ -38,6 +39,7 @@ class KernelSpec:
     variant: object = None  # CUDA cores: a point of the ablation space (``kernels.forward.Variant``), not a named one
     kv_stages: int = 1  # tensor-core FA-2: K/V tiles in shared memory at once (``tc_fa2_kernel``; decode's knob)
     key_warps: int = 1  # tensor-core FA-2 with a ring: warps per 16 rows, splitting each tile's keys (decode's knob)
+    rows_per_thread: int = ROWS_PER_THREAD  # CUDA cores: the forward's micro-tile height (``tiles.forward_rows_per_thread``)
 
     @property
     def kv_outer(self) -> bool:
@@ -93,11 +95,13 @@ class KernelSpec:
             from numba_flash.kernels.forward import forward_kernel
 
             return forward_kernel(self.variant, self.head_dim, self.block_m, self.block_n, self.causal, self.permuted,
-                                  self.ragged, self.kv_outer and casts_output(self.dtype))
+                                  self.ragged, self.kv_outer and casts_output(self.dtype), self.rows_per_thread)
+        rows = {} if self.rows_per_thread == ROWS_PER_THREAD else {"rows_per_thread": self.rows_per_thread}
         if self.algorithm == "fa2":
-            return KERNEL_FACTORIES["fa2"](self.head_dim, self.block_m, self.block_n, self.causal, self.permuted, self.ragged)
+            return KERNEL_FACTORIES["fa2"](self.head_dim, self.block_m, self.block_n, self.causal, self.permuted, self.ragged,
+                                           **rows)
         return KERNEL_FACTORIES["fa1"](
-            self.head_dim, self.block_m, self.block_n, self.causal, self.permuted, casts_output(self.dtype)
+            self.head_dim, self.block_m, self.block_n, self.causal, self.permuted, casts_output(self.dtype), **rows
         )
 
     def signature(self):
@@ -126,7 +130,8 @@ class KernelSpec:
 
 @functools.lru_cache(maxsize=1024)
 def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regime="ieee", ragged=False,
-                split_out=False, permuted=False, variant=None, kv_stages=1, key_warps=1) -> KernelSpec:
+                split_out=False, permuted=False, variant=None, kv_stages=1, key_warps=1,
+                rows_per_thread=None) -> KernelSpec:
     """The launch specification of one configuration (tiles as the caller gives them; ``api``
     checks them). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
     rounded up to its copy width. ``ragged`` and ``split_out`` (FA-2 only): a valid key count
@@ -134,7 +139,9 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
     ``variant`` (CUDA cores): a given K/V tile order, and a point of the ablation space
     (``algorithm`` then names its loop order's family: fa1 for kv_outer, fa2 for q_outer).
     ``kv_stages`` and ``key_warps`` (tensor-core FA-2 only, else 1): the K/V ring of
-    ``tc_fa2_kernel`` and its warps per 16 rows."""
+    ``tc_fa2_kernel`` and its warps per 16 rows. ``rows_per_thread`` (CUDA cores): the
+    micro-tile height; ``None``: ``tiles.forward_rows_per_thread``'s for the tiles (read once
+    per configuration: this is memoised)."""
     if variant is not None:
         from numba_flash.kernels.forward import FA1, FA2
 
@@ -154,14 +161,19 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
                           cap, ragged, split_out, kv_stages=stages, key_warps=warps)
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
-    threads, smem = threads_per_block(head_dim, block_m, block_n), smem_bytes(head_dim, block_m, block_n)
-    if variant is not None:
-        from numba_flash.kernels.forward import variant_smem_bytes, variant_threads
+    from numba_flash.kernels.forward import (FA1, FA2, variant_dynamic_smem_bytes, variant_smem_bytes,
+                                             variant_threads)
 
-        threads = variant_threads(variant, head_dim, block_m, block_n)
-        smem = variant_smem_bytes(variant, head_dim, block_m, block_n)
+    rows = forward_rows_per_thread(head_dim, block_m, block_n) if rows_per_thread is None else int(rows_per_thread)
+    point = variant if variant is not None else (FA1 if algorithm == "fa1" else FA2)
+    if point.warp_partition == "split_k":
+        rows = ROWS_PER_THREAD
+    threads = variant_threads(point, head_dim, block_m, block_n, rows)
+    smem = variant_smem_bytes(point, head_dim, block_m, block_n)
+    dynamic = variant_dynamic_smem_bytes(point, head_dim, block_m, block_n)
+    if variant is not None:
         ragged = ragged and variant.loop_order == "q_outer"
     return KernelSpec(
-        algorithm, "ieee", head_dim, dtype, block_m, block_n, bool(causal), threads, smem, 0, register_cap(head_dim),
-        ragged, split_out, bool(permuted), variant,
+        algorithm, "ieee", head_dim, dtype, block_m, block_n, bool(causal), threads, smem - dynamic, dynamic,
+        register_cap(head_dim, rows), ragged, split_out, bool(permuted), variant, rows_per_thread=rows,
     )

@@ -242,3 +242,52 @@ def test_every_tile_layout_on_gpu(head_dim, block_m, block_n, algorithm):
     ref = _reference64(q, k, v, True)
     rel = float(cp.linalg.norm(o.astype(cp.float64) - ref) / cp.linalg.norm(ref))
     assert rel < 1e-5, rel
+
+
+@pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("tiles", [(128, 32), (128, 64), (256, 32), (64, 64)], ids=lambda t: "{}x{}".format(*t))
+def test_cuda_core_tiles_in_dynamic_shared_memory(tiles, causal, algorithm):
+    """Tiles above 48 KiB (the kernel opted in to dynamic shared memory), twice: the first call
+    launches directly, the second may go through the call's plan (``numba_flash.plans``)."""
+    cp = _cupy()
+    from numba_flash import attention
+
+    q, k, v = _random((1, 4, 2, 3001, 2999, 64), "float32", seed=7)
+    ref = _reference64(q, k, v, causal)
+    for _ in range(2):
+        o = attention(q, k, v, causal=causal, algorithm=algorithm, block_m=tiles[0], block_n=tiles[1])
+        rel = float(cp.linalg.norm(o.astype(cp.float64) - ref) / cp.linalg.norm(ref))
+        assert rel < 1e-5, rel
+
+
+EIGHT_ROWS_CHILD = """
+import cupy as cp
+from numba_flash import attention
+from numba_flash.baselines import cupy_attention
+from numba_flash.specs import kernel_spec
+rs = cp.random.default_rng(3)
+q, k, v = (rs.standard_normal((1, 4, 3001, 64), dtype=cp.float32) for _ in range(3))
+for algorithm in ("fa1", "fa2"):
+    for bm, bn in ((64, 32), (128, 32), (128, 64)):
+        assert kernel_spec(algorithm, 64, "float32", bm, bn, True).rows_per_thread == 8
+        for causal in (False, True):
+            ref = cupy_attention(*(x.astype(cp.float64) for x in (q, k, v)), causal=causal)
+            o = attention(q, k, v, causal=causal, algorithm=algorithm, block_m=bm, block_n=bn)
+            rel = float(cp.linalg.norm(o.astype(cp.float64) - ref) / cp.linalg.norm(ref))
+            assert rel < 1e-5, (algorithm, bm, bn, causal, rel)
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("maxreg", ["", "168"], ids=["uncapped", "cap168"])
+def test_eight_rows_per_thread_on_gpu(maxreg):
+    """NUMBA_FLASH_FFMA_ROWS_PER_THREAD=8 (read once per process: a child process)."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_FLASH_FFMA_ROWS_PER_THREAD="8", NUMBA_FLASH_FFMA_MAXREG=maxreg)
+    done = subprocess.run([sys.executable, "-c", EIGHT_ROWS_CHILD], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-2000:]

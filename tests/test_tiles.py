@@ -69,20 +69,42 @@ def test_shared_memory_formula_by_hand():
 
 
 @pytest.mark.parametrize("d", [1, 16, 32, 40, 64, 96, 128])
-def test_defaults_fit_and_are_accepted(d):
-    bm, bn = default_tiles("fa2", d, "float32", False)
-    assert smem_bytes(d, bm, bn) <= STATIC_SMEM_LIMIT
-    check_tiles(d, bm, bn)
+@pytest.mark.parametrize("algorithm, dtype", [("fa2", "float32"), ("fa2", "float16"), ("fa1", "float32")])
+def test_defaults_fit_and_are_accepted(d, algorithm, dtype):
+    from numba_flash.kernels.tiles import SMEM_OPTIN_LIMIT, forward_rows_per_thread
+
+    bm, bn = default_tiles(algorithm, d, dtype, False)
+    rows = forward_rows_per_thread(d, bm, bn)
+    check_tiles(d, bm, bn, rows)
+    if (algorithm, dtype) == ("fa2", "float32") and d <= 64:  # 128 x 64 at 8 rows, dynamic shared memory
+        assert (bm, bn, rows) == (128, 64, 8) and STATIC_SMEM_LIMIT < smem_bytes(d, bm, bn) <= SMEM_OPTIN_LIMIT
+    else:
+        assert rows == 4 and smem_bytes(d, bm, bn) <= STATIC_SMEM_LIMIT
 
 
 def test_too_much_shared_memory_names_the_fitting_block_n():
-    with pytest.raises(ValueError, match=r"block_n can be one of \[1, 2, 4, 8, 16\]"):
-        check_tiles(128, 32, 32)
+    with pytest.raises(ValueError, match=r"block_n can be one of \[1, 2, 4, 8, 16, 32, 64\]"):
+        check_tiles(128, 128, 128)
 
 
-def test_too_large_block_m_says_which_block_m_fit():
-    with pytest.raises(ValueError, match=r"no block_n fits with block_m=256; block_m can be one of \[1, 2, 4, 8, 16, 32, 64\]"):
+def test_more_threads_than_registers_allow_is_refused():
+    # D = 128 runs uncapped (up to 255 registers): 256 threads per block at most; D = 64 at 128: 512
+    with pytest.raises(ValueError, match="512 threads per block, more than the 256"):
         check_tiles(128, 256, 8)
+    check_tiles(64, 256, 32)  # 512 threads under the cap, 124.5 KiB
+    check_tiles(64, 256, 32, rows_per_thread=8)  # uncapped, but 8 rows per thread: 256 threads
+
+
+def test_tiles_above_48_kib_use_dynamic_shared_memory():
+    from numba_flash.kernels.tiles import uses_dynamic_smem
+    from numba_flash.specs import kernel_spec
+
+    assert not uses_dynamic_smem(64, 64, 32)  # today's default: static, as measured
+    assert uses_dynamic_smem(64, 128, 32) and smem_bytes(64, 128, 32) == 4 * (128 * 68 + 32 * 68 + 32 * 64 + 128 * 40)
+    spec = kernel_spec("fa2", 64, "float32", 128, 64, True, rows_per_thread=4)
+    assert (spec.static_smem, spec.dynamic_smem, spec.threads) == (0, smem_bytes(64, 128, 64), 256)
+    spec = kernel_spec("fa1", 64, "float32", 64, 32, True, rows_per_thread=8)
+    assert (spec.static_smem, spec.dynamic_smem, spec.threads, spec.register_cap) == (44544, 0, 64, None)
 
 
 def test_direct_launch_packs_numbas_array_abi():

@@ -35,12 +35,12 @@ def test_save_then_lookup(cache):
 
 
 def test_entries_from_older_kernels_or_unrunnable_tiles_are_ignored(cache):
-    """A choice timed on the layout-1 kernels (key without version; 128 x 32 was their
-    default and no longer fits shared memory) must not break a plain call."""
+    """A choice timed on the layout-1 kernels (key without version) and one the kernels cannot
+    run (256 x 32 at D = 128: 512 threads of up to 255 registers) must not break a plain call."""
     tile_cache.cache_path().parent.mkdir(parents=True)
     tile_cache.cache_path().write_text(json.dumps({
         "Test GPU|fa2|d64|float32|full": {"tiles": [128, 16], "tflops": 19.0},
-        "v2|Test GPU|fa2|d128|float32|full": {"tiles": [128, 32], "tflops": 9.0},
+        "v2|Test GPU|fa2|d128|float32|full": {"tiles": [256, 32], "tflops": 9.0},
     }))
     assert tile_cache.tuned_tiles("fa2", 64, "float32", False, 0) is None
     assert tile_cache.tuned_tiles("fa2", 128, "float32", False, 0) is None

@@ -16,6 +16,7 @@ by the first thread of each row after a barrier that follows every thread's read
 from __future__ import annotations
 
 from numba_flash.kernels.forward import FA1, forward_kernel
+from numba_flash.kernels.tiles import ROWS_PER_THREAD
 
 
 def casts_output(dtype: str) -> bool:
@@ -24,7 +25,8 @@ def casts_output(dtype: str) -> bool:
     return dtype != "float32"
 
 
-def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, cast_out: bool = False):
+def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, cast_out: bool = False,
+               rows_per_thread: int = ROWS_PER_THREAD):
     """The FA-1 kernel: ``kernels.forward`` at its named point :data:`~numba_flash.kernels.forward.FA1`
     (K/V outer, one block per (batch, head), O normalised at every step, O_i read at the update).
 
@@ -32,4 +34,5 @@ def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     skeleton's (``o_hbm``, ``l_hbm``, ``m_hbm``: the paper's O, l, m in global memory,
     initialised by the kernel, line 2; with ``cast_out`` O is cast into ``o`` at the end).
     """
-    return forward_kernel(FA1, head_dim, block_m, block_n, bool(causal), bool(permuted), False, bool(cast_out))
+    return forward_kernel(FA1, head_dim, block_m, block_n, bool(causal), bool(permuted), False, bool(cast_out),
+                          int(rows_per_thread))

@@ -16,9 +16,11 @@ The per-tile work (load, scores, exp, P~V) is shared with FA-1 in ``tile_ops``.
 from __future__ import annotations
 
 from numba_flash.kernels.forward import FA2, forward_kernel
+from numba_flash.kernels.tiles import ROWS_PER_THREAD
 
 
-def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, ragged: bool = False):
+def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, ragged: bool = False,
+               rows_per_thread: int = ROWS_PER_THREAD):
     """The FA-2 kernel: ``kernels.forward`` at its named point :data:`~numba_flash.kernels.forward.FA2`
     (Q outer, one block per Q tile, the rescale deferred to the end).
 
@@ -26,4 +28,5 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     arguments: the skeleton's (``o_hbm``, ``l_hbm``, ``m_hbm`` never read), ``o (S*B,H,Nq,D)``
     and ``lse (S*B,H,Nq)`` for ``S = n_splits`` (``kv_split``); ``seqlens`` read when ``ragged``.
     """
-    return forward_kernel(FA2, head_dim, block_m, block_n, bool(causal), bool(permuted), bool(ragged), False)
+    return forward_kernel(FA2, head_dim, block_m, block_n, bool(causal), bool(permuted), bool(ragged), False,
+                          int(rows_per_thread))

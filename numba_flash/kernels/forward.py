@@ -44,11 +44,11 @@ from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
 
-from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_jit
+from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile
 from numba_flash.kernels.kv_split import split_of_block, split_tiles, valid_keys
 from numba_flash.kernels.row_reduce import scratch_floats
 from numba_flash.kernels.tile_ops import tile_ops
-from numba_flash.kernels.tiles import VEC, register_cap
+from numba_flash.kernels.tiles import ROWS_PER_THREAD, VEC, register_cap, uses_dynamic_smem
 
 LOOP_ORDERS = ("kv_outer", "q_outer")
 GRIDS = ("heads", "heads_x_qtiles")
@@ -91,12 +91,16 @@ FA2 = Variant("q_outer", "heads_x_qtiles", "deferred", "split_q", "at_update")
 
 @functools.lru_cache(maxsize=None)
 def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, causal: bool,
-                   permuted: bool = False, ragged: bool = False, cast_out: bool = False):
+                   permuted: bool = False, ragged: bool = False, cast_out: bool = False,
+                   rows_per_thread: int = ROWS_PER_THREAD):
     """The forward kernel at ``variant`` for one specialisation (memoised).
 
     Launch: ``grid = (n_blocks,)`` with ``n_blocks = B * H`` (``grid="heads"``) or
     ``ceil(Nq / block_m) * B * H`` (``"heads_x_qtiles"``), times ``n_splits`` for ``q_outer``;
-    ``block = (tile_layout(...).threads,)``. Arguments: the module doc.
+    ``block = (variant_threads(...),)``; dynamic shared memory ``variant_dynamic_smem_bytes(...)``
+    (0 unless the tiles need more than 48 KiB: then one dynamic buffer holds Q_i | K_j | V_j | P~).
+    ``rows_per_thread``: the micro-tile height (``tiles.forward_rows_per_thread``; split_q only).
+    Arguments: the module doc.
     """
     D, BM, BN = head_dim, block_m, block_n
     CAUSAL, PERMUTED, RAGGED, CAST_OUT = bool(causal), bool(permuted), bool(ragged), bool(cast_out)
@@ -107,7 +111,9 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
     SPLIT_K = variant.warp_partition == "split_k"
     KG = SPLIT_K_GROUPS if SPLIT_K else 1  # groups of warps splitting each K/V tile
     BNG = BN // KG  # keys of a K/V tile per group
-    ops = tile_ops(D, BM, BNG, KG)  # the tile steps every variant shares (one group's layout)
+    if SPLIT_K and rows_per_thread != ROWS_PER_THREAD:
+        raise ValueError("split_k runs the 4-row micro-tile only")
+    ops = tile_ops(D, BM, BNG, KG, rows_per_thread)  # the tile steps every variant shares (one group's layout)
     L = ops.layout
     NT = L.threads  # threads of one group
     TM, TN, DG = L.rows_per_thread, L.cols_per_thread, L.dim_groups
@@ -122,6 +128,13 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
     # split_k: Q_i and the groups' P~ in one buffer, which the merge reuses once they are read
     # (within the 48 KiB of static shared memory: D=64 64x32 46.6 KB, D=128 32x16 37.6 KB)
     QP_FLOATS = max(Q_FLOATS + P_ALL, MERGE_FLOATS)
+    # split_q above 48 KiB: the tiles are views of one dynamic buffer, Q_i | K_j | V_j | P~
+    # (jit.shared_tile: a constant offset from the base, so the 128-bit loads stay LDS.128)
+    DYNAMIC = not SPLIT_K and uses_dynamic_smem(D, BM, BN)
+    q_tile = shared_tile(0, Q_FLOATS)
+    k_tile = shared_tile(Q_FLOATS, K_FLOATS)
+    v_tile = shared_tile(Q_FLOATS + K_FLOATS, V_FLOATS)
+    p_tile = shared_tile(Q_FLOATS + K_FLOATS + V_FLOATS, P_FLOATS)
 
     @device_jit
     def group_of_thread():
@@ -252,7 +265,7 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                 if ops.thread_col() == 0:  # Lines 13, 15: L_i = m + log(l)
                     lse[ob, h, row] = ops.log_sum_exp(m[i], l_run[i])
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"}, max_registers=register_cap(D))
+    @kernel_jit(fastmath={"contract", "afn", "arcp"}, max_registers=register_cap(D, rows_per_thread))
     def forward(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query):
         n_batch = q.shape[0]
         n_heads = q.shape[1]
@@ -294,6 +307,13 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
             v_s = v_all[grp * V_FLOATS : (grp + 1) * V_FLOATS]
             p_s = qp[Q_FLOATS + grp * P_FLOATS : Q_FLOATS + (grp + 1) * P_FLOATS]
             merge_s = qp
+        elif DYNAMIC:
+            smem = cuda.shared.array(0, float32, SMEM_ALIGN)  # dynamic: Q_i | K_j | V_j | P~
+            q_s = q_tile(smem)
+            k_s = k_tile(smem)
+            v_s = v_tile(smem)
+            p_s = p_tile(smem)
+            merge_s = q_s  # (not used)
         else:
             q_s = cuda.shared.array(Q_FLOATS, float32, SMEM_ALIGN)
             k_s = cuda.shared.array(K_FLOATS, float32, SMEM_ALIGN)
@@ -460,18 +480,27 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
     return forward
 
 
-def variant_threads(variant: Variant, head_dim: int, block_m: int, block_n: int) -> int:
+def variant_threads(variant: Variant, head_dim: int, block_m: int, block_n: int,
+                    rows_per_thread: int = ROWS_PER_THREAD) -> int:
     """Threads per block of ``variant``'s kernel: the tile layout's, times the groups of split_k
     (each group has the layout of block_m x block_n / groups)."""
     from numba_flash.kernels.tiles import threads_per_block
 
     if variant.warp_partition == "split_k":
         return SPLIT_K_GROUPS * threads_per_block(head_dim, block_m, block_n // SPLIT_K_GROUPS)
-    return threads_per_block(head_dim, block_m, block_n)
+    return threads_per_block(head_dim, block_m, block_n, rows_per_thread)
+
+
+def variant_dynamic_smem_bytes(variant: Variant, head_dim: int, block_m: int, block_n: int) -> int:
+    """Dynamic shared memory a launch of ``variant``'s kernel passes: its tiles when they need
+    more than the 48 KiB of static shared memory (split_q), else 0."""
+    if variant.warp_partition == "split_q" and uses_dynamic_smem(head_dim, block_m, block_n):
+        return variant_smem_bytes(variant, head_dim, block_m, block_n)
+    return 0
 
 
 def variant_smem_bytes(variant: Variant, head_dim: int, block_m: int, block_n: int) -> int:
-    """Static shared memory of ``variant``'s kernel (float32 tiles; split_k: each group's K/V and
+    """Shared memory of ``variant``'s kernel, static or dynamic (float32 tiles; split_k: each group's K/V and
     P~ parts, Q_i and the P~ parts in one buffer that the merge reuses)."""
     from numba_flash.kernels.tiles import VEC, smem_bytes, tile_layout
 

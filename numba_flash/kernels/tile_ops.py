@@ -40,7 +40,7 @@ from numba_flash.kernels.row_reduce import row_allreduce
 from numba_flash.kernels.row_state import (
     exp2_diff, finite_or_zero, last_visible_key, log_sum_exp, packed_last_visible_key, reciprocal_or_zero,
 )
-from numba_flash.kernels.tiles import VEC, tile_layout
+from numba_flash.kernels.tiles import ROWS_PER_THREAD, VEC, tile_layout
 
 
 @device_jit
@@ -66,13 +66,15 @@ def add(a, b):
 
 
 @functools.lru_cache(maxsize=None)
-def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1) -> ModuleType:
+def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
+             rows_per_thread: int = ROWS_PER_THREAD) -> ModuleType:
     """Device functions for one (head_dim, block_m, block_n) specialisation (memoised).
 
     ``groups``: the block holds that many copies of the layout, one after the other (thread
     ``t`` is thread ``t % threads`` of group ``t // threads``): the warps of a split-K block
-    (``kernels.forward``), each group on its own part of the K/V tile. 1: the whole block."""
-    L = tile_layout(head_dim, block_m, block_n)
+    (``kernels.forward``), each group on its own part of the K/V tile. 1: the whole block.
+    ``rows_per_thread``: the micro-tile height (``tiles.forward_rows_per_thread``)."""
+    L = tile_layout(head_dim, block_m, block_n, rows_per_thread)
     D, BM, BN = head_dim, block_m, block_n
     TM, TX, TN = L.rows_per_thread, L.threads_per_row, L.cols_per_thread
     NT, DP, DG, CK = L.threads, L.padded_dim, L.dim_groups, L.key_chunk
@@ -178,9 +180,13 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1) -> Modu
         fetch_v(v[b, hk], col0, n_k, one, kv_reg)
         store_v(kv_reg, v_s)
 
+    # S = Q K^T streams one operand per 4-wide step of the head dim and holds the other's
+    # fragments: the rows of Q (TM x 4 registers) for the 4-row micro-tiles (as measured), the
+    # keys of K (TN x 4) for the 8-row ones, whose rows would take 32 registers.
+    HOLD_KEYS = TM > ROWS_PER_THREAD and TN < TM
+
     @device_jit
-    def score_tile(q_s, k_s, s):
-        """S_ij = Q_i K_j^T for this thread's rows and keys into ``s`` (TM x TN)."""
+    def score_tile_rows_held(q_s, k_s, s):
         tx = thread_col()
         qf = cuda.local.array((TM, VEC), float32)
         kf = cuda.local.array(VEC, float32)
@@ -198,6 +204,33 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1) -> Modu
                 for i in range(TM):
                     for e in range(VEC):
                         s[i, j] += qf[i, e] * kf[e]
+
+    @device_jit
+    def score_tile_keys_held(q_s, k_s, s):
+        tx = thread_col()
+        qf = cuda.local.array(VEC, float32)
+        kf = cuda.local.array((TN, VEC), float32)
+        for i in range(TM):
+            for j in range(TN):
+                s[i, j] = float32(0.0)
+        for d0 in range(0, DP, VEC):
+            for j in range(TN):  # consecutive tx: consecutive K rows
+                for e in range(VEC):
+                    kf[j, e] = k_s[at((tx + TX * j) * KS + d0 + e)]
+            for i in range(TM):  # one 128-bit load per row (broadcast across the row's threads)
+                for e in range(VEC):
+                    qf[e] = q_s[at(thread_row(i) * QS + d0 + e)]
+                for j in range(TN):
+                    for e in range(VEC):
+                        s[i, j] += qf[e] * kf[j, e]
+
+    @device_jit
+    def score_tile(q_s, k_s, s):
+        """S_ij = Q_i K_j^T for this thread's rows and keys into ``s`` (TM x TN)."""
+        if HOLD_KEYS:
+            score_tile_keys_held(q_s, k_s, s)
+        else:
+            score_tile_rows_held(q_s, k_s, s)
 
     @device_jit
     def row_last_keys(row0, n_q, n_k, causal, last_keys, rows_per_query):
@@ -385,7 +418,8 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1) -> Modu
 
     # A module object, so that kernels can call ``ops.score_tile(...)``: numba resolves
     # attributes of a module at compile time (it cannot do that for other objects).
-    ops = ModuleType(f"numba_flash.kernels.tile_ops_d{D}_m{BM}_n{BN}" + (f"_g{GROUPS}" if GROUPS > 1 else ""))
+    ops = ModuleType(f"numba_flash.kernels.tile_ops_d{D}_m{BM}_n{BN}" + (f"_g{GROUPS}" if GROUPS > 1 else "")
+                     + (f"_r{rows_per_thread}" if rows_per_thread != ROWS_PER_THREAD else ""))
     ops.layout = L
     for name, func in dict(
         nan_max=nan_max, thread_row=thread_row, thread_col=thread_col, load_q_tile=load_q_tile,

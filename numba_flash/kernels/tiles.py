@@ -18,23 +18,37 @@ block_m: Q-tile rows; block_n: K/V-tile rows. Both kernels share one layout per
   Q_i and K_j rows by 4 floats (neighbouring rows start 4 banks apart), P~ rows by
   ``max(threads_per_row, 4)`` (a warp's 4 x 8 stores of P~ cover the 32 banks once).
 
+- Micro-tile height: ``rows_per_thread`` is 4 (``ROWS_PER_THREAD``) unless the forward is asked
+  for another (:func:`forward_rows_per_thread`: ``NUMBA_FLASH_FFMA_ROWS_PER_THREAD=8``, an
+  experiment: 8 rows halve the shared loads and loop overhead per FFMA of both products at the
+  cost of registers). The backward always uses 4.
+
 Limits, both kernels alike:
 - block_m and block_n are powers of two, 1 to 256 and 1 to 128;
 - shared memory per block (:func:`smem_bytes`: Q_i, K_j, V_j and P~ tiles, float32) must fit
-  the 48 KiB that a kernel may use statically.
+  the 227 KiB a block may opt in to; up to 48 KiB the forward declares its tiles statically,
+  above it carves them from dynamic shared memory (:func:`uses_dynamic_smem`);
+- threads x registers must fit an SM's 64K registers: at most 512 threads under the 128-register
+  cap (D <= 64), 256 without a cap.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import os
 from dataclasses import dataclass
 
 BLOCK_M_CHOICES = tuple(2**p for p in range(0, 9))  # 1 .. 256
 BLOCK_N_CHOICES = tuple(2**p for p in range(0, 8))  # 1 .. 128
 STATIC_SMEM_LIMIT = 48 * 1024
+SMEM_OPTIN_LIMIT = 227 * 1024  # H100/H200 opt-in maximum of dynamic shared memory per block (232448 B)
+SM_REGISTERS = 64 * 1024  # registers of one SM: threads x registers of one block must fit
 MAX_HEAD_DIM = 128
 ROWS_PER_THREAD = 4  # query rows a thread owns (fewer when block_m < 4)
+ROWS_PER_THREAD_CHOICES = (4, 8)  # the forward's micro-tile heights (forward_rows_per_thread)
+ROWS_PER_THREAD_ENV = "NUMBA_FLASH_FFMA_ROWS_PER_THREAD"
+MAXREG_ENV = "NUMBA_FLASH_FFMA_MAXREG"  # the forward's register cap, an experiment knob (register_cap)
 THREADS_PER_ROW = 8  # threads that share a query row (fewer when block_n < 8)
 VEC = 4  # floats per 128-bit shared load
 
@@ -102,9 +116,9 @@ class TileLayout:
 
 
 @functools.lru_cache(maxsize=None)
-def tile_layout(head_dim: int, block_m: int, block_n: int) -> TileLayout:
+def tile_layout(head_dim: int, block_m: int, block_n: int, rows_per_thread: int = ROWS_PER_THREAD) -> TileLayout:
     """The thread layout for one specialisation (see the module docstring)."""
-    tm = min(ROWS_PER_THREAD, block_m)
+    tm = min(rows_per_thread, block_m)
     tx = min(THREADS_PER_ROW, block_n)
     dp = max(VEC * tx, 1 << (head_dim - 1).bit_length())  # a power of two
     return TileLayout(
@@ -125,19 +139,52 @@ def tile_layout(head_dim: int, block_m: int, block_n: int) -> TileLayout:
 
 
 def smem_bytes(head_dim: int, block_m: int, block_n: int) -> int:
-    """Static shared memory of one block: the Q_i, K_j, V_j and P~ tiles (float32)."""
+    """Shared memory of one block: the Q_i, K_j, V_j and P~ tiles (float32; the same for every
+    micro-tile height)."""
     return tile_layout(head_dim, block_m, block_n).smem_bytes
 
 
-def threads_per_block(head_dim: int, block_m: int, block_n: int) -> int:
-    return tile_layout(head_dim, block_m, block_n).threads
+def uses_dynamic_smem(head_dim: int, block_m: int, block_n: int) -> bool:
+    """Does the forward carve its tiles from dynamic shared memory? Only when they need more
+    than the 48 KiB a kernel may declare statically (below, the static declaration keeps the
+    kernels as they were measured)."""
+    return smem_bytes(head_dim, block_m, block_n) > STATIC_SMEM_LIMIT
+
+
+def threads_per_block(head_dim: int, block_m: int, block_n: int, rows_per_thread: int = ROWS_PER_THREAD) -> int:
+    return tile_layout(head_dim, block_m, block_n, rows_per_thread).threads
+
+
+EIGHT_ROW_TILES = ((128, 64),)  # (block_m, block_n) that take 8 rows per thread by default, at D <= 64
+
+
+def forward_rows_per_thread(head_dim: int = MAX_HEAD_DIM, block_m: int = 0, block_n: int = 0) -> int:
+    """The forward's micro-tile height for these tiles: ``NUMBA_FLASH_FFMA_ROWS_PER_THREAD`` (4
+    or 8) when set; else 8 for the tiles of ``EIGHT_ROW_TILES`` at D <= 64 (128 x 64, 128
+    threads, 255 registers, 2 blocks per SM: 8.67 ms against 9.95 for 64 x 32 at 4 rows, B1 H8
+    N16384 D64 causal float32 on the H200; docs/performance-log.md, "Tiles above 48 KiB and 8
+    rows per thread"), and 4 for every other tile. Read when a kernel specification is first
+    made for a configuration (``specs.kernel_spec`` is memoised): set the variable before the
+    process's first call."""
+    text = os.environ.get(ROWS_PER_THREAD_ENV, "").strip()
+    if not text:
+        if head_dim <= 64 and (block_m, block_n) in EIGHT_ROW_TILES:
+            return 8
+        return ROWS_PER_THREAD
+    if not text.isdigit() or int(text) not in ROWS_PER_THREAD_CHOICES:
+        raise ValueError(f"{ROWS_PER_THREAD_ENV} must be one of {list(ROWS_PER_THREAD_CHOICES)}; got {text!r}")
+    return int(text)
 
 
 def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) -> tuple[int, int]:
     """The tuned (block_m, block_n) for a problem class (measured on an H200, see docs)."""
-    # One choice per head dim: on the H200 (2026-11-29, docs/performance-log.md) the same
-    # tiles were best or within noise for FA-1 and FA-2, float32 and float16, causal or not.
-    del algorithm, dtype_name, causal
+    # FA-2 float32 at D <= 64: 128 x 64 at 8 rows per thread (forward_rows_per_thread), in
+    # dynamic shared memory (103 KiB): 15% faster than 64 x 32 (2026-11-30, sixth session).
+    if algorithm == "fa2" and dtype_name == "float32" and head_dim <= 64:
+        return 128, 64
+    # Otherwise one choice per head dim: on the H200 (2026-11-29, docs/performance-log.md) the
+    # same tiles were best or within noise for FA-1 and FA-2, float32 and float16, causal or not.
+    del causal
     # D <= 64: 64 x 32, 128 threads, 43.5 KiB, 4 blocks/SM by registers (FA-2 D=64: 29-30 TFLOP/s against
     # 27-29 at 32 x 32 and 24-25 at 64 x 16).
     if head_dim <= 64:
@@ -147,7 +194,13 @@ def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) 
     return 32, 16
 
 
-def check_tiles(head_dim: int, block_m: int, block_n: int) -> None:
+def max_threads(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD) -> int:
+    """Threads a block may have so that it fits an SM's registers at the register cap (255,
+    rounded up to 256, without one)."""
+    return SM_REGISTERS // (register_cap(head_dim, rows_per_thread) or 256)
+
+
+def check_tiles(head_dim: int, block_m: int, block_n: int, rows_per_thread: int = ROWS_PER_THREAD) -> None:
     """Raise ``ValueError`` naming the argument when a kernel cannot run these tiles."""
     for name, value, choices in (
         ("block_m", block_m, BLOCK_M_CHOICES),
@@ -163,23 +216,38 @@ def check_tiles(head_dim: int, block_m: int, block_n: int) -> None:
                 f"{choices[0]} to {choices[-1]}, one of {list(choices)}"
             )
     need = smem_bytes(head_dim, int(block_m), int(block_n))
-    if need > STATIC_SMEM_LIMIT:
-        fitting = [n for n in BLOCK_N_CHOICES if smem_bytes(head_dim, int(block_m), n) <= STATIC_SMEM_LIMIT]
+    if need > SMEM_OPTIN_LIMIT:
+        fitting = [n for n in BLOCK_N_CHOICES if smem_bytes(head_dim, int(block_m), n) <= SMEM_OPTIN_LIMIT]
         hint = (
             f"with this block_m, block_n can be one of {fitting}"
             if fitting
             else f"no block_n fits with block_m={block_m}; block_m can be one of "
-            f"{[m for m in BLOCK_M_CHOICES if smem_bytes(head_dim, m, 1) <= STATIC_SMEM_LIMIT]}"
+            f"{[m for m in BLOCK_M_CHOICES if smem_bytes(head_dim, m, 1) <= SMEM_OPTIN_LIMIT]}"
         )
         raise ValueError(
             f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {need} bytes of "
-            f"shared memory, more than the {STATIC_SMEM_LIMIT} a block can have; {hint}"
+            f"shared memory, more than the {SMEM_OPTIN_LIMIT} a block can have; {hint}"
+        )
+    threads = threads_per_block(head_dim, int(block_m), int(block_n), rows_per_thread)
+    if threads > max_threads(head_dim, rows_per_thread):
+        raise ValueError(
+            f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {threads} threads per block, "
+            f"more than the {max_threads(head_dim, rows_per_thread)} whose registers fit an SM; use a smaller "
+            f"block_m or block_n"
         )
 
 
-def register_cap(head_dim: int) -> int | None:
-    """Registers per thread the kernels are held to (``None``: the compiler's choice).
+def register_cap(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD) -> int | None:
+    """Registers per thread the forward kernels are held to (``None``: the compiler's choice).
 
-    128 lets four 128-thread blocks share an SM's 64K registers.
+    128 lets four 128-thread blocks share an SM's 64K registers (the 4-row micro-tile at
+    D <= 64). The 8-row micro-tile holds twice the accumulators: uncapped (offline, ptxas sm_90,
+    D=64: 238-255 registers; at 168, three blocks of 128 threads, 128 x 32 spills 420 bytes, 35
+    local loads and stores per K/V tile outside the products). ``NUMBA_FLASH_FFMA_MAXREG``
+    overrides both (an experiment knob like ``NUMBA_FLASH_TC_MAXREG``; 0: no cap), read when a
+    configuration's spec and kernel are first made.
     """
-    return 128 if head_dim <= 64 else None
+    env = os.environ.get(MAXREG_ENV, "").strip()
+    if env:
+        return int(env) or None
+    return 128 if head_dim <= 64 and rows_per_thread == ROWS_PER_THREAD else None
