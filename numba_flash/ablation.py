@@ -83,11 +83,14 @@ def ablate(args, progress=None):
     if p["precision"] not in (None, "ieee") or (p["precision"] is None and p["dtype"] != "float32"):
         raise ValueError("the ablation variants are CUDA-core kernels: pass --precision ieee for 16-bit dtypes")
     args.precision = "ieee"
-    if args.block_m is None or args.block_n is None:  # one tile choice for every variant (as FA-2's)
+    if args.block_m is None or args.block_n is None:  # one tile choice for every variant (tiles.comparison_tiles)
         from numba_flash.api import choose_tiles
+        from numba_flash.kernels.tiles import comparison_tiles
 
-        args.block_m, args.block_n = choose_tiles("ieee", "fa2", p["head_dim"], p["dtype"], p["causal"],
-                                                  args.block_m, args.block_n)
+        bm, bn = comparison_tiles(p["head_dim"])
+        args.block_m, args.block_n = choose_tiles("ieee", "fa1", p["head_dim"], p["dtype"], p["causal"],
+                                                  bm if args.block_m is None else args.block_m,
+                                                  bn if args.block_n is None else args.block_n)
     problem, notes = setup(args, say, algorithms=("fa1",) * len(variants))
     rows = []
     for n, variant in enumerate(variants, 1):

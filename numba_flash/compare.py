@@ -26,11 +26,17 @@ def _problem(args) -> dict:
     defaults = SIM_DEFAULT if simulated() else GPU_DEFAULT
     given = {key: getattr(args, key, None) for key in ("batch", "heads", "seq", "head_dim", "block_m", "block_n")}
     precision = getattr(args, "precision", "default")
-    return describe(
+    p = describe(
         **{key: defaults.get(key) if value is None else value for key, value in given.items()},
         dtype=args.dtype, causal=args.causal, kv_heads=args.kv_heads, seq_k=args.seq_k,
         precision=None if precision in (None, "default") else precision,
     )
+    cuda_cores = p["precision"] == "ieee" or (p["precision"] is None and p["dtype"] == "float32")
+    if cuda_cores and p["block_m"] is None and p["block_n"] is None:  # FA-1 and FA-2 at the same tiles
+        from numba_flash.kernels.tiles import comparison_tiles
+
+        p["block_m"], p["block_n"] = comparison_tiles(p["head_dim"])
+    return p
 
 
 def setup(args, say, algorithms=ALGORITHMS):

@@ -219,3 +219,24 @@ def test_default_simulated_compare_is_expected_within_a_minute():
     shapes = ((p["batch"], p["heads"], p["seq"], p["head_dim"]), (p["batch"], p["kv_heads"], p["seq_k"], p["head_dim"]))
     q, k = (np.zeros(s, np.float32) for s in shapes)
     assert _simulated_seconds(q, k, k, p) < 30
+
+
+def test_compare_runs_fa1_and_fa2_at_the_same_cuda_core_tiles(monkeypatch):
+    """On a GPU, ``compare`` without tiles runs both loop orders at ``tiles.comparison_tiles``
+    (FA-2's own float32 default at D <= 64 is larger: a ratio at each kernel's defaults would
+    mix the tiles into the loop order); tensor-core problems keep each kernel's defaults."""
+    import argparse
+
+    from numba_flash import compare
+    from numba_flash.kernels.tiles import comparison_tiles, default_tiles
+
+    monkeypatch.setattr(compare, "simulated", lambda: False)
+    blank = dict(batch=None, heads=None, seq=None, head_dim=None, block_m=None, block_n=None, causal=False,
+                 kv_heads=None, seq_k=None)
+    p = compare._problem(argparse.Namespace(**blank, precision="default", dtype="float32"))
+    assert (p["block_m"], p["block_n"]) == comparison_tiles(64) == default_tiles("fa1", 64, "float32", False)
+    assert default_tiles("fa2", 64, "float32", False) != comparison_tiles(64)
+    p = compare._problem(argparse.Namespace(**blank, precision="default", dtype="float16"))
+    assert p["block_m"] is None and p["block_n"] is None
+    p = compare._problem(argparse.Namespace(**{**blank, "block_m": 128, "block_n": 64}, precision="ieee", dtype="float32"))
+    assert (p["block_m"], p["block_n"]) == (128, 64)

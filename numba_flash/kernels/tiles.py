@@ -176,6 +176,15 @@ def forward_rows_per_thread(head_dim: int = MAX_HEAD_DIM, block_m: int = 0, bloc
     return int(text)
 
 
+def comparison_tiles(head_dim: int) -> tuple[int, int]:
+    """The one CUDA-core tile choice for every kernel of a comparison (``numba-flash compare``,
+    ``ablate``) whose caller names none: FA-1 and FA-2 at the same tiles, so that their ratio is
+    the loop order's and not the tiles'. 64 x 32 (D <= 64) and 32 x 16 at 4 rows per thread:
+    measured for both loop orders on the H200 (2026-11-29). FA-2's own float32 default at
+    D <= 64 is larger (:func:`default_tiles`)."""
+    return (64, 32) if head_dim <= 64 else (32, 16)
+
+
 def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) -> tuple[int, int]:
     """The tuned (block_m, block_n) for a problem class (measured on an H200, see docs)."""
     # FA-2 float32 at D <= 64: 128 x 64 at 8 rows per thread (forward_rows_per_thread), in
@@ -186,12 +195,9 @@ def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) 
     # same tiles were best or within noise for FA-1 and FA-2, float32 and float16, causal or not.
     del causal
     # D <= 64: 64 x 32, 128 threads, 43.5 KiB, 4 blocks/SM by registers (FA-2 D=64: 29-30 TFLOP/s against
-    # 27-29 at 32 x 32 and 24-25 at 64 x 16).
-    if head_dim <= 64:
-        return 64, 32
-    # D > 64: 32 x 16, 64 threads, 35.8 KiB at D = 128 (26 TFLOP/s against 21 at 64 x 8);
-    # 32 x 32 would need 55 KiB, beyond the 48 KiB of static shared memory.
-    return 32, 16
+    # 27-29 at 32 x 32 and 24-25 at 64 x 16). D > 64: 32 x 16, 64 threads, 35.8 KiB at D = 128
+    # (26 TFLOP/s against 21 at 64 x 8).
+    return comparison_tiles(head_dim)
 
 
 def max_threads(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD) -> int:
