@@ -16,7 +16,8 @@ it is timed (``median_ms``: CUDA events, calls back to back, median of ``--repea
   ranges of K/V tiles (``auto``: ``split_kv.num_splits_heuristic``), ``stages`` K/V tiles in
   shared memory (1, the default: K_j and V_j in flight in turn; more: a ring, tiles j + 1 ..
   j + stages - 1 in flight during tile j), then the combine kernel. Launched prepared
-  (``launch.prepare_launch``): ~no host work per call. ``decode()`` is ``64:walk:auto``.
+  (``launch.prepare_launch``): ~no host work per call. ``decode()`` is ``64:walk:auto:2:4``
+  (one warp per block, ``64:walk:auto``, until the sixth session).
 - peers: torch SDPA flash and cuDNN (``decode_bench.measure_peer``, ``enable_gqa=True``).
 
 ``fa2_us`` / ``comb_us``: each kernel's own GPU time per call, from torch.profiler (CUPTI), when
@@ -37,10 +38,11 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
-# Six kernels to compile (~10 s each): 16x64 walk (decode()'s) and indexed (the kernel before the
-# walk), 16x32, 16x128, and the rings 16x64 x 3 stages, 16x32 x 4 stages.
-DEFAULT_CANDIDATES = ["64:indexed:auto", "64:walk:auto", "64:walk:32", "64:walk:82", "32:walk:auto", "32:walk:63",
-                      "128:walk:auto", "64:walk:auto:3", "64:walk:48:3", "32:walk:auto:4", "32:walk:63:4"]  # fmt: skip
+# Kernels to compile (~10 s each): decode()'s (4 key warps over a ring of 2 swizzled 16x64 tiles)
+# and its neighbours (ring of 3, one block per SM, indexed copies, 16x128), and the one-warp
+# kernel decode() used before the sixth session (performance log 9j).
+DEFAULT_CANDIDATES = ["64:walk:auto:2:4", "64:walk:auto:3:4", "64:walk:16:3:4", "64:indexed:auto:2:4",
+                      "128:walk:16:3:4", "64:walk:32"]  # fmt: skip
 
 
 def _bench():

@@ -28,9 +28,11 @@ def sweep():
 
 
 def test_candidates_parse(sweep):
-    assert sweep.candidate("64:walk:auto") == (64, "walk", None, 1)
-    assert sweep.candidate("32:indexed:63:4") == (32, "indexed", 63, 4)
-    for bad in ("48:walk:auto", "64:fast:auto", "64:walk:0", "64:walk", "64:walk:auto:0"):
+    assert sweep.candidate("64:walk:auto") == (64, "walk", None, 1, 1)
+    assert sweep.candidate("32:indexed:63:4") == (32, "indexed", 63, 4, 1)
+    assert sweep.candidate("64:walk:32:2:4") == (64, "walk", 32, 2, 4)
+    for bad in ("48:walk:auto", "64:fast:auto", "64:walk:0", "64:walk", "64:walk:auto:0", "64:walk:auto:1:4",
+                "32:walk:auto:2:4", "64:walk:auto:2:3"):
         with pytest.raises(argparse.ArgumentTypeError):
             sweep.candidate(bad)
     assert all(c[3] >= 1 for c in sweep.parse_args([]).candidates)
@@ -48,7 +50,10 @@ def test_a_candidate_launches_what_decode_launches(sweep, monkeypatch, cache):
         k, v = (fake_gpu.cupy_array((1, 8, cache, 128), "float16") for _ in range(2))
         seqlens = fake_gpu.cupy_array((1,), "int32")
         library = _launches(record, lambda: numba_flash.decode(q, k, v, cache_seqlens=seqlens, return_lse=True))
-        c = sweep.Candidate(64, "walk", None, 1, q, k, v, seqlens, 128**-0.5)
+        from numba_flash.decoding import DECODE_BLOCK_N, DECODE_KEY_WARP_STAGES, DECODE_KEY_WARPS
+
+        c = sweep.Candidate(DECODE_BLOCK_N, "walk", None, DECODE_KEY_WARP_STAGES, DECODE_KEY_WARPS, q, k, v, seqlens,
+                            128**-0.5)
 
         def run():
             c()
