@@ -71,6 +71,8 @@ def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, 
         return _variant_cases(xp)
     if backward:
         return _backward_cases(xp)
+    from numba_flash.kernels.tiles import tiles_fit
+
     cases = []
     for precision in precisions:
         dtypes, precision_arg = REGIMES[precision]
@@ -82,7 +84,7 @@ def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, 
                 for causal in (False, True):
                     for head_dim in HEAD_DIMS:
                         for block_m, block_n in tile_choices:
-                            if block_m is not None and not _tiles_fit(head_dim, block_m, block_n):
+                            if block_m is not None and not tiles_fit(head_dim, block_m, block_n):
                                 continue
                             for n_q, n_k in LENGTHS:
                                 tile = "" if block_m is None else f"-{block_m}x{block_n}"
@@ -213,16 +215,6 @@ def _decode_case(spec, xp):
                 raise AssertionError(f"batch {b}: max |o - ref| = {err:.3g}")
 
     return run
-
-
-def _tiles_fit(head_dim, block_m, block_n) -> bool:
-    from numba_flash.kernels.tiles import check_tiles
-
-    try:
-        check_tiles(head_dim, block_m, block_n)
-    except ValueError:
-        return False
-    return True
 
 
 def _case(spec, xp):

@@ -202,9 +202,9 @@ def test_decode_key_warps_merge_to_the_one_warp_result(kind, D):
                      shared_mem_bytes=layout.smem_bytes)
         return o, lse
 
-    for n_splits in (1, 2):
+    for n_splits in (1, 2) if D == 16 else (2,):  # D = 64: the swizzle's other mask, one configuration
         o1, l1 = run(2, 1, n_splits)
-        for stages in (2, 3):
+        for stages in (2, 3) if D == 16 else (3,):
             o2, l2 = run(stages, 2, n_splits)
             assert not np.isnan(o2).any() and not np.isnan(l2).any(), (stages, n_splits)
             # P~ goes to the products in float16, rounded against each warp's own max: O differs

@@ -24,12 +24,12 @@ def check_masked_rows(o, lse, n_q, n_k):
 
 
 @pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("causal", [True])  # the masked path; the tiles' memory is the same without it
 def test_tiles_in_dynamic_shared_memory(algorithm, causal, xp, rng):
     """D = 128, 32 x 32: 54 KiB, beyond the 48 KiB of static shared memory."""
     assert uses_dynamic_smem(128, 32, 32) and smem_bytes(128, 32, 32) == 55296
     n_q, n_k = 45, 37
-    q, k, v = random_qkv(rng, 1, 2, 1, n_q, n_k, 100, "float32", xp)  # D = 100: padded to 128
+    q, k, v = random_qkv(rng, 1, 1, 1, n_q, n_k, 100, "float32", xp)  # D = 100: padded to 128
     o, lse = run_poisoned(xp, q, k, v, causal=causal, algorithm=algorithm, block_m=32, block_n=32)
     check_against_reference(q, k, v, o, lse, causal)
     if causal:
@@ -55,8 +55,7 @@ def eight_rows(monkeypatch):
     kernel_spec.cache_clear()
 
 
-@pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
-@pytest.mark.parametrize("tiles", [(16, 16), (32, 8)], ids=["S8x2", "S8x1"])
+@pytest.mark.parametrize("algorithm, tiles", [("fa1", (16, 16)), ("fa2", (32, 8))], ids=["fa1-S8x2", "fa2-S8x1"])
 def test_eight_rows_per_thread(algorithm, tiles, eight_rows, xp, rng):
     block_m, block_n = tiles
     assert kernel_spec(algorithm, 32, "float32", block_m, block_n, True).rows_per_thread == 8

@@ -171,28 +171,6 @@ if simulated():
         return _u32(int(smem[i0]) | (int(smem[i1]) << 16))
 
     @device_jit
-    def ldsm_x4(smem, row0, col0, stride):
-        lane = cuda.threadIdx.x % 32
-        g, t = lane // 4, lane % 4
-        out = []
-        for j in range(4):
-            r = row0 + 8 * (j % 2) + g
-            c = col0 + 8 * (j // 2) + 2 * t
-            out.append(_pair(smem, r * stride + c, r * stride + c + 1))
-        return out[0], out[1], out[2], out[3]
-
-    @device_jit
-    def ldsm_x4_trans(smem, row0, col0, stride):
-        lane = cuda.threadIdx.x % 32
-        g, t = lane // 4, lane % 4
-        out = []
-        for j in range(4):
-            r = row0 + 8 * (j % 2) + 2 * t
-            c = col0 + 8 * (j // 2) + g
-            out.append(_pair(smem, r * stride + c, (r + 1) * stride + c))
-        return out[0], out[1], out[2], out[3]
-
-    @device_jit
     def ldsm_x4_swizzled(smem, row0, col0, stride, mask):
         lane = cuda.threadIdx.x % 32
         g, t = lane // 4, lane % 4
@@ -213,6 +191,15 @@ if simulated():
             c = col0 + 8 * (j // 2) + g
             out.append(_pair(smem, swizzled(r, c, stride, mask), swizzled(r + 1, c, stride, mask)))
         return out[0], out[1], out[2], out[3]
+
+    @device_jit
+    def ldsm_x4(smem, row0, col0, stride):
+        """A padded tile is a swizzled one with mask 0 (no chunk exchanged)."""
+        return ldsm_x4_swizzled(smem, row0, col0, stride, 0)
+
+    @device_jit
+    def ldsm_x4_trans(smem, row0, col0, stride):
+        return ldsm_x4_trans_swizzled(smem, row0, col0, stride, 0)
 
     @device_jit
     def ldsm_x4_f32(smem, row0, col0, stride):

@@ -206,6 +206,15 @@ def max_threads(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD) -> int:
     return SM_REGISTERS // (register_cap(head_dim, rows_per_thread) or 256)
 
 
+def tiles_fit(head_dim: int, block_m: int, block_n: int) -> bool:
+    """Can the CUDA-core kernels run these tiles (:func:`check_tiles` raises nothing)?"""
+    try:
+        check_tiles(head_dim, block_m, block_n)
+    except ValueError:
+        return False
+    return True
+
+
 def check_tiles(head_dim: int, block_m: int, block_n: int, rows_per_thread: int = ROWS_PER_THREAD) -> None:
     """Raise ``ValueError`` naming the argument when a kernel cannot run these tiles."""
     for name, value, choices in (

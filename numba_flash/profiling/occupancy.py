@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass
 from itertools import product
 
-from numba_flash.kernels.tiles import check_tiles
+from numba_flash.kernels.tiles import tiles_fit
 from numba_flash.specs import kernel_spec
 
 
@@ -87,15 +87,6 @@ def signature(algorithm: str, head_dim: int, dtype: str):
     return kernel_spec(algorithm, head_dim, dtype, 1, 1).signature()
 
 
-def _runs(head_dim, block_m, block_n) -> bool:
-    """Can the CUDA-core kernels run these tiles (``tiles.check_tiles``)?"""
-    try:
-        check_tiles(head_dim, block_m, block_n)
-    except ValueError:
-        return False
-    return True
-
-
 def configurations(algorithms, head_dims, dtypes, block_ms, block_ns, causal=(False,), precisions=(None,)):
     """Every runnable combination (tiles a kernel cannot run are left out). ``precisions``:
     the ``attention`` argument (``None``: tensor cores for 16-bit dtypes, CUDA cores for float32)."""
@@ -109,7 +100,7 @@ def configurations(algorithms, head_dims, dtypes, block_ms, block_ns, causal=(Fa
             continue  # e.g. tf32 asked of float16
         cfg = dict(algorithm=alg, precision=mode, head_dim=d, dtype=dt, block_m=bm, block_n=bn, causal=c)
         if mode == "ieee":
-            if dt in ("float16", "float32") and _runs(d, bm, bn):  # (above 48 KiB: dynamic shared memory)
+            if dt in ("float16", "float32") and tiles_fit(d, bm, bn):  # (above 48 KiB: dynamic shared memory)
                 yield cfg
         elif bm in BLOCK_M_CHOICES and bn in BLOCK_N_CHOICES and _spec(cfg).smem_bytes <= SMEM_OPTIN_LIMIT:
             yield cfg
