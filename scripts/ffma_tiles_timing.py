@@ -14,7 +14,8 @@ head 0) against float64 NumPy, max |o - ref| / max |ref|. Timing: ``profiling.ti
 (CUDA events; warm-up calls, which also compile, not timed). TFLOP/s = 2 B H N^2 D (causal: half
 of 4 B H N^2 D).
 
-Written offline on branch ffma-tiles; not yet run on a GPU.
+Written offline on branch ffma-tiles; run on the H200 on 2026-11-30 (docs/performance-log.md,
+"Tiles above 48 KiB and 8 rows per thread": 128x64 at 8 rows, 8.67 ms against 9.95 for 64x32).
 """
 
 from __future__ import annotations

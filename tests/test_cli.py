@@ -230,7 +230,10 @@ def test_compare_runs_fa1_and_fa2_at_the_same_cuda_core_tiles(monkeypatch):
     from numba_flash import compare
     from numba_flash.kernels.tiles import comparison_tiles, default_tiles
 
+    from numba_flash.kernels import tiles
+
     monkeypatch.setattr(compare, "simulated", lambda: False)
+    monkeypatch.setattr(tiles, "simulated", lambda: False)
     blank = dict(batch=None, heads=None, seq=None, head_dim=None, block_m=None, block_n=None, causal=False,
                  kv_heads=None, seq_k=None)
     p = compare._problem(argparse.Namespace(**blank, precision="default", dtype="float32"))

@@ -93,3 +93,14 @@ def test_register_cap_knob(monkeypatch):
     assert register_cap(64, 8) == 168 and register_cap(64) == 168
     monkeypatch.setenv(MAXREG_ENV, "0")
     assert register_cap(64) is None
+
+
+def test_fa2_float32_default_tiles_by_name(xp, rng):
+    """FA-2's float32 default on the GPU at D <= 64 (``tiles.default_tiles``; the simulator keeps
+    64 x 32 as its default): 128 x 64 at 8 rows per thread, 103 KiB of dynamic shared memory."""
+    spec = kernel_spec("fa2", 40, "float32", 128, 64, True)
+    assert spec.rows_per_thread == 8 and spec.dynamic_smem > 48 * 1024 and spec.threads == 128
+    n_q, n_k = 70, 75
+    q, k, v = random_qkv(rng, 1, 1, 1, n_q, n_k, 40, "float32", xp)
+    o, lse = run_poisoned(xp, q, k, v, causal=True, block_m=128, block_n=64)
+    check_against_reference(q, k, v, o, lse, True)

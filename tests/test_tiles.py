@@ -70,8 +70,11 @@ def test_shared_memory_formula_by_hand():
 
 @pytest.mark.parametrize("d", [1, 16, 32, 40, 64, 96, 128])
 @pytest.mark.parametrize("algorithm, dtype", [("fa2", "float32"), ("fa2", "float16"), ("fa1", "float32")])
-def test_defaults_fit_and_are_accepted(d, algorithm, dtype):
+def test_defaults_fit_and_are_accepted(d, algorithm, dtype, monkeypatch):
+    from numba_flash.kernels import tiles
     from numba_flash.kernels.tiles import SMEM_OPTIN_LIMIT, forward_rows_per_thread
+
+    monkeypatch.setattr(tiles, "simulated", lambda: False)  # the GPU's defaults (the simulator keeps 64 x 32)
 
     bm, bn = default_tiles(algorithm, d, dtype, False)
     rows = forward_rows_per_thread(d, bm, bn)

@@ -18,10 +18,10 @@ block_m: Q-tile rows; block_n: K/V-tile rows. Both kernels share one layout per
   Q_i and K_j rows by 4 floats (neighbouring rows start 4 banks apart), P~ rows by
   ``max(threads_per_row, 4)`` (a warp's 4 x 8 stores of P~ cover the 32 banks once).
 
-- Micro-tile height: ``rows_per_thread`` is 4 (``ROWS_PER_THREAD``) unless the forward is asked
-  for another (:func:`forward_rows_per_thread`: ``NUMBA_FLASH_FFMA_ROWS_PER_THREAD=8``, an
-  experiment: 8 rows halve the shared loads and loop overhead per FFMA of both products at the
-  cost of registers). The backward always uses 4.
+- Micro-tile height: ``rows_per_thread`` is 4 (``ROWS_PER_THREAD``), or 8 for the forward's
+  128 x 64 tiles at D <= 64 (FA-2's float32 default there; :func:`forward_rows_per_thread`,
+  which ``NUMBA_FLASH_FFMA_ROWS_PER_THREAD`` overrides): 8 rows halve the shared loads and loop
+  overhead per FFMA of both products at the cost of registers. The backward always uses 4.
 
 Limits, both kernels alike:
 - block_m and block_n are powers of two, 1 to 256 and 1 to 128;
@@ -38,6 +38,8 @@ import functools
 import operator
 import os
 from dataclasses import dataclass
+
+from numba_flash._world import simulated
 
 BLOCK_M_CHOICES = tuple(2**p for p in range(0, 9))  # 1 .. 256
 BLOCK_N_CHOICES = tuple(2**p for p in range(0, 8))  # 1 .. 128
@@ -188,8 +190,10 @@ def comparison_tiles(head_dim: int) -> tuple[int, int]:
 def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) -> tuple[int, int]:
     """The tuned (block_m, block_n) for a problem class (measured on an H200, see docs)."""
     # FA-2 float32 at D <= 64: 128 x 64 at 8 rows per thread (forward_rows_per_thread), in
-    # dynamic shared memory (103 KiB): 15% faster than 64 x 32 (2026-11-30, sixth session).
-    if algorithm == "fa2" and dtype_name == "float32" and head_dim <= 64:
+    # dynamic shared memory (103 KiB): 15% faster than 64 x 32 (2026-11-30, sixth session). Not
+    # in the simulator, whose problems are a few dozen rows: there a 128 x 64 tile is mostly
+    # padding at 4x the cost (tests/test_forward_tiles.py runs it by name).
+    if algorithm == "fa2" and dtype_name == "float32" and head_dim <= 64 and not simulated():
         return 128, 64
     # Otherwise one choice per head dim: on the H200 (2026-11-29, docs/performance-log.md) the
     # same tiles were best or within noise for FA-1 and FA-2, float32 and float16, causal or not.
