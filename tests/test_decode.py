@@ -240,3 +240,38 @@ def test_key_warps_need_a_ring_and_whole_key_tiles():
         tc_fa2_kernel("f16", 16, 16, 32, False, True, True, None, None, 1, key_warps=2)
     with pytest.raises(ValueError, match="16 keys"):
         tc_fa2_kernel("f16", 16, 16, 16, False, True, True, None, None, 2, key_warps=2)
+
+
+def test_float32_decode_at_the_gpu_default_tiles(monkeypatch):
+    """float32 decode runs FA-2 on CUDA cores at its default tiles: on a GPU, 128 x 64 at 8 rows
+    per thread for D <= 64 (``tiles.default_tiles``; the simulator's own default is 64 x 32).
+    Here at those tiles: ragged and split (the kernel's ragged, split-output specialisation),
+    NaN-poisoned tails, a sequence of length 0."""
+    from numba_flash import plans
+    from numba_flash.kernels import tiles
+    from numba_flash.specs import kernel_spec
+
+    monkeypatch.setattr(tiles, "simulated", lambda: False)
+    kernel_spec.cache_clear()
+    plans.clear()
+    try:
+        from numba_flash import api
+
+        calls = []
+        real_run = api.run
+        monkeypatch.setattr(api, "run", lambda ctx, call, *a, **kw: (calls.append(call), real_run(ctx, call, *a, **kw)))
+        rng = np.random.default_rng(11)
+        B, H, Hkv, n_q, n_max, D = 2, 4, 2, 2, 80, 40
+        q = rng.standard_normal((B, H, n_q, D)).astype(np.float32)
+        k, v = (rng.standard_normal((B, Hkv, n_max, D)).astype(np.float32) for _ in range(2))
+        lens = [67, 0]  # two K/V tiles of 64, the second ragged; nothing at all
+        for b, n in enumerate(lens):
+            k[b, :, n:] = np.nan
+            v[b, :, n:] = np.nan
+        o, lse = numba_flash.decode(q, k, v, cache_seqlens=np.array(lens, np.int32), causal=True, num_splits=2,
+                                    return_lse=True)
+        assert [(c["block_m"], c["block_n"], c["num_splits"]) for c in calls] == [(128, 64, 2)]
+        check(q, k, v, lens, True, o, lse)
+    finally:
+        kernel_spec.cache_clear()
+        plans.clear()
