@@ -7,7 +7,7 @@ Decoding is the FA-2 forward kernel in two changed roles, both arguments of the 
   problem: ``q (B, H, Nq, D)`` is viewed as ``(B, Hkv, Nq * group, D)`` with row
   ``position * group + head`` (a view when ``Nq = 1``, a small copy otherwise), so one block
   loads each K/V tile once for all of them. The kernel maps a row back to its query position
-  (``rows_per_query = group``) for the causal mask (``row_state.packed_last_visible_key``).
+  (``rows_per_query = group``) for the causal mask (``kernels.mask.packed_last_visible_key``).
 - **Ragged caches.** ``cache_seqlens[b]`` is the number of valid keys of sequence ``b``: the
   kernel reads it as that batch's key count, so keys at or past it are never loaded, and the
   causal mask aligns the queries to the end of the valid keys (bottom-right).

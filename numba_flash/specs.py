@@ -65,7 +65,7 @@ class KernelSpec:
 
     def grid(self, batch: int, heads: int, n_q: int, n_splits: int = 1) -> tuple:
         """FA-1: one block per (batch, head); FA-2: one per Q tile of each (batch, head) and
-        split of the K/V tiles (``kernels.kv_split``); a variant: by its grid and loop order
+        split of the K/V tiles (``kernels.block_info``); a variant: by its grid and loop order
         (only Q-outer walks split)."""
         if self.tensor_cores or self.variant is None:
             if self.algorithm == "fa1":

@@ -1,7 +1,7 @@
 """Split-KV on the host: how many splits, and the launch of the combine (API.md section 2b).
 
 ``attention(..., num_splits=S)`` and ``decode`` run the FA-2 kernel ``S`` times over, each split
-on a contiguous range of the K/V tiles (``kernels.kv_split``), into float32 partials that
+on a contiguous range of the K/V tiles (``kernels.block_info``), into float32 partials that
 ``kernels.combine`` merges. ``num_splits=None`` asks :func:`num_splits_heuristic`. The idea is FlashAttention's
 (``num_splits_heuristic`` in ``csrc/flash_attn/flash_api.cpp``: split only when the grid leaves
 the GPU idle, into a count that fills whole waves); the rules are ours, fitted to what a split

@@ -150,7 +150,7 @@ def launch_tc(ctx, call: dict, q, k, v, o, lse, seqlens=None, n_splits=1, rows_p
     """Run the tensor-core kernel of ``call`` (validated by ``api``) into ``o`` and ``lse``;
     on a GPU every copy and launch is queued on the caller's stream. With ``n_splits > 1``,
     ``o`` and ``lse`` are the float32 partials ``(S*B, H, Nq, kernel head dim)`` of
-    ``kernels.kv_split``; ``seqlens`` (int32 ``(B,)``) and ``rows_per_query``: ``decode``'s."""
+    ``kernels.block_info``; ``seqlens`` (int32 ``(B,)``) and ``rows_per_query``: ``decode``'s."""
     walk = (seqlens, n_splits, rows_per_query)
     if ctx.direct_launch and _launch_in_place(ctx, call, q, k, v, o, lse, walk):
         return
@@ -204,7 +204,7 @@ def _launch_tc(ctx, call: dict, q, k, v, o, lse, walk) -> None:
     if spec.algorithm == "fa1":  # the paper's O, l, m in global memory (float32)
         written += [xp.empty((B, H, Nq, dim), np.float32), xp.empty((B, H, Nq), np.float32), xp.empty((B, H, Nq), np.float32)]
         arrays = [kq, kk, kv, *written[2:], o_kernel, lse_kernel]
-    else:  # + the split-KV arguments (kernels.kv_split)
+    else:  # + the split-KV arguments (kernels.block_info)
         lengths = bits_view(seqlens, ctx.kind, False) if seqlens is not None else _unread_lengths(ctx.kind, ctx.device_id)
         arrays = [kq, kk, kv, o_kernel, lse_kernel, lengths]
         tail = [np.int32(n_splits), np.int32(rows_per_query)]

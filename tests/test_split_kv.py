@@ -228,9 +228,9 @@ def test_online_combine_is_merge_folded_then_finalized():
 @settings(max_examples=examples(60), deadline=None)
 @given(n_tiles=st.integers(0, 300), n_splits=st.integers(1, MAX_SPLITS))
 def test_split_ranges_cover_the_tiles_once(n_tiles, n_splits):
-    """``kv_split.split_tiles`` (API.md 2b: the K/V sequence cut into ``num_splits`` contiguous
+    """``block_info.split_tiles`` (API.md 2b: the K/V sequence cut into ``num_splits`` contiguous
     ranges) gives each tile to exactly one split, in order, none to a split past the tiles."""
-    from numba_flash.kernels.kv_split import split_tiles
+    from numba_flash.kernels.block_info import split_tiles
 
     ranges = [range(*split_tiles.py_func(n_tiles, n_splits, s)) for s in range(n_splits)]
     assert list(itertools.chain.from_iterable(ranges)) == list(range(n_tiles))

@@ -10,8 +10,13 @@
 - ``tiles``: the thread layout of a tile, which (block_m, block_n) a kernel can run, and
   the tuned defaults.
 - ``jit``: compile options that differ between the GPU and the simulator.
-- ``row_state``: the per-row online-softmax edge cases (no key seen, causal alignment), shared
-  by both regimes.
+- ``mask``: which keys a query row sees (the causal rule, in both directions: last visible key
+  of a row of S, first visible query of a row of S^T), tile-level mask questions, and the one
+  routine that masks an engine's register tile of scores.
+- ``softmax``: the online-softmax algebra on the device (edge cases, the row update of FA-2
+  lines 9-10, the merge weights of two states), shared by every kernel.
+- ``block_info``: how a block's index maps to its tiles, batch, head and split (grids and
+  split-KV ranges), for every kernel.
 
 Tensor cores (``precision``, API.md section 2a):
 

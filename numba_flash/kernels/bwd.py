@@ -60,7 +60,8 @@ from numba_flash._cuda import cuda, float32, int32
 
 from numba_flash._world import simulated
 from numba_flash.kernels.jit import LN2, LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile
-from numba_flash.kernels.row_state import last_visible_key
+from numba_flash.kernels import mask
+from numba_flash.kernels.block_info import batch_and_head, tile_of_block
 from numba_flash.kernels.tile_ops import at, tile_ops
 from numba_flash.kernels.tiles import VEC, tile_layout
 
@@ -182,7 +183,6 @@ def bwd_ops(head_dim: int, block: int):
     L = ops.layout
     TM, TX, TN, DG, NT = L.rows_per_thread, L.threads_per_row, L.cols_per_thread, L.dim_groups, L.threads
     QS, PS = L.q_stride, L.p_stride
-    NEVER = 1 << 30  # first visible query of a key past Nk: after every row
 
     @device_jit
     def load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, read_dvec):
@@ -244,7 +244,7 @@ def bwd_ops(head_dim: int, block: int):
                     p = math.exp2(s[i, j] - l2[stat])  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
                     ds = p * (dp[i, j] - dd[stat])  # FA-2 line 14 (Alg. 4 line 20)
                     if masked:
-                        hidden = col0 + c < bounds[i] if key_rows else col0 + c > bounds[i]
+                        hidden = mask.query_hidden(col0 + c, bounds[i]) if key_rows else mask.key_hidden(col0 + c, bounds[i])
                         if hidden:
                             p = float32(0.0)
                             ds = float32(0.0)
@@ -262,13 +262,7 @@ def bwd_ops(head_dim: int, block: int):
         """The first query each of this thread's key rows is visible to (bottom-right causal:
         key j is seen by query i iff i >= j - (Nk - Nq)); keys past Nk: none."""
         for i in range(TM):
-            key = col0 + ops.thread_row(i)
-            first = 0
-            if causal:
-                first = key - (n_k - n_q)
-            if key >= n_k:
-                first = NEVER
-            first_q[i] = first
+            first_q[i] = mask.first_visible_query(col0 + ops.thread_row(i), n_q, n_k, causal)
 
     @device_jit
     def write_rows(x, b, h, row0, n_valid, acc, factor):
@@ -338,7 +332,7 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
         cuda.syncthreads()  # Q_i, dO_i, L_i, D_i are in shared memory
         ops.score_tile(k_s, q_s, s)  # FA-2 line 10 (Alg. 4 before line 13): S_ij^T = K_j Q_i^T
         ops.score_tile(v_s, do_s, dp)  # Alg. 4 line 17, FA-2 line 13: dP_ij^T = V_j dO_i^T
-        masked = ops.tile_needs_mask(col0, last_visible_key(row0, n_q, n_k, CAUSAL))
+        masked = ops.tile_needs_mask(col0, mask.last_visible_key(row0, n_q, n_k, CAUSAL))
         # Alg. 4 lines 13, 20 (FA-2 lines 11, 14): P^T = exp(S^T - L_i), dS^T = P^T * (dP^T - D_i)
         bops.probs_key_rows(s, dp, lse_s, dvec_s, masked, first_q, row0, pt_s, dst_s)
         cuda.syncthreads()  # P^T, dS^T of every entry are in shared memory
@@ -373,15 +367,10 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
         group = n_heads // n_kv_heads
         n_kv_tiles = (n_k + B - 1) // B
         n_q_tiles = (n_q + B - 1) // B
-        if FA1:  # one block per (batch, KV head): it walks every K/V tile (line 5)
-            bh = cuda.blockIdx.x
-            j_first, j_end = 0, n_kv_tiles
-        else:  # one block per (K/V tile, batch, KV head): line 5's loop is the grid
-            j_first = cuda.blockIdx.x % n_kv_tiles
-            j_end = j_first + 1
-            bh = cuda.blockIdx.x // n_kv_tiles
-        b = bh // n_kv_heads
-        hk = bh - b * n_kv_heads
+        # FA-1: one block per (batch, KV head), walking every K/V tile (line 5); FA-2: one per
+        # (K/V tile, batch, KV head), line 5's loop is the grid
+        j_first, j_end, bh = tile_of_block(cuda.blockIdx.x, n_kv_tiles, not FA1, False)
+        b, hk = batch_and_head(bh, n_kv_heads)
         q_scale = scale * float32(LOG2E)
 
         smem = cuda.shared.array(0, float32, SMEM_ALIGN)  # dynamic: Q_i | dO_i | K_j | V_j | (O_i) | P^T | dS^T | L_i | D_i
@@ -407,7 +396,7 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
             bops.key_bounds(col0, n_q, n_k, CAUSAL, first_q)
             # Causal: the Q tiles before the one holding the first query that sees key col0 see
             # none of this tile's keys (bottom-right: query i sees key col0 iff i >= col0 - (Nk - Nq)).
-            i_first = max(0, col0 - (n_k - n_q)) // B if CAUSAL else 0
+            i_first = mask.first_q_tile(col0, n_q, n_k, B, CAUSAL)
             for g in range(group):  # the query heads of this KV head (GQA): dK_j, dV_j sum over them
                 h = hk * group + g
                 for i in range(i_first, n_q_tiles):  # line 8: for 1 <= i <= Tr
@@ -448,10 +437,8 @@ def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
         n_k = k.shape[2]
         group = n_heads // k.shape[1]
         n_q_tiles = (n_q + B - 1) // B
-        i_tile = cuda.blockIdx.x % n_q_tiles
-        bh = cuda.blockIdx.x // n_q_tiles
-        b = bh // n_heads
-        h = bh - b * n_heads
+        i_tile, _, bh = tile_of_block(cuda.blockIdx.x, n_q_tiles, True, CAUSAL)  # causal: the longest walks first
+        b, h = batch_and_head(bh, n_heads)
         hk = h // group
         row0 = i_tile * B
         one = float32(1.0)
@@ -470,9 +457,9 @@ def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
         bops.load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, True)
         ops.zero(dq_acc)
         ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
-        first_row_last_key = last_visible_key(row0, n_q, n_k, CAUSAL)
-        last_key = last_visible_key(min(row0 + B, n_q) - 1, n_q, n_k, CAUSAL)
-        n_walk = min((n_k + B - 1) // B, last_key // B + 1) if last_key >= 0 else 0
+        first_row_last_key = mask.last_visible_key(row0, n_q, n_k, CAUSAL)
+        last_key = mask.last_visible_key(min(row0 + B, n_q) - 1, n_q, n_k, CAUSAL)
+        n_walk = mask.kv_tiles_seen(last_key, (n_k + B - 1) // B, B)
         for j in range(n_walk):  # the K/V tiles this Q tile sees
             col0 = j * B
             cuda.syncthreads()  # everyone is done with the previous K_j, V_j, dS

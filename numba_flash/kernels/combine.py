@@ -1,6 +1,6 @@
 """The merge of partial softmax states on the GPU: split-KV's second kernel.
 
-The partials of a split launch (``kv_split``) are finalised states over disjoint key ranges:
+The partials of a split launch (``block_info``) are finalised states over disjoint key ranges:
 (O_s, lse_s). As a state of the online softmax (``numba_flash.online``) a finalised partial is
 (m = lse_s, l = 1, acc = O_s), and merging them all and finalising once gives::
 
@@ -44,8 +44,9 @@ from numba_flash._cuda import cuda, float32
 
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import NEG_INF, device_jit, kernel_jit
-from numba_flash.kernels.row_reduce import issue_fence, lane_broadcast, row_allreduce, scratch_floats
-from numba_flash.kernels.tile_ops import add, at, nan_max
+from numba_flash.kernels.row_reduce import add, issue_fence, lane_broadcast, row_allreduce, scratch_floats
+from numba_flash.kernels.softmax import nan_max
+from numba_flash.kernels.tile_ops import at
 
 MAX_PARTIALS = 128  # partials a row may have: each lane of a warp holds up to 4 of their lse
 WARP = 32

@@ -26,7 +26,7 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
 
     Launch: ``grid = (ceil(Nq / block_m) * B * H * n_splits,)``, ``block = (tile_layout(...).threads,)``;
     arguments: the skeleton's (``o_hbm``, ``l_hbm``, ``m_hbm`` never read), ``o (S*B,H,Nq,D)``
-    and ``lse (S*B,H,Nq)`` for ``S = n_splits`` (``kv_split``); ``seqlens`` read when ``ragged``.
+    and ``lse (S*B,H,Nq)`` for ``S = n_splits`` (``block_info``); ``seqlens`` read when ``ragged``.
     """
     return forward_kernel(FA2, head_dim, block_m, block_n, bool(causal), bool(permuted), bool(ragged), False,
                           int(rows_per_thread))

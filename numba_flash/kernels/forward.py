@@ -32,7 +32,7 @@ float32``, ``l_hbm, m_hbm (B,H,Nq) float32``: the state in global memory of ``kv
 (any float32 arrays of rank 4, 3, 3 for ``q_outer``, which never reads them); ``q_scale =
 scale * log2(e)`` (float32); ``kv_order``: int32 permutation of the K/V tiles (read when
 ``permuted``); ``seqlens``: int32 ``(B,)`` valid keys per batch (read when ``ragged``);
-``n_splits``, ``rows_per_query`` (int32; ``kv_split``, ``row_state``; q_outer only, 1 and 1
+``n_splits``, ``rows_per_query`` (int32; ``block_info``, ``mask``; q_outer only, 1 and 1
 otherwise). ``kv_outer`` with ``cast_out``: O is kept in ``o_hbm`` (float32) and cast into
 ``o`` at the end; without, ``o_hbm`` is the output and ``o`` is not read.
 """
@@ -44,8 +44,9 @@ from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
 
+from numba_flash.kernels import mask, softmax
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile
-from numba_flash.kernels.kv_split import split_of_block, split_tiles, valid_keys
+from numba_flash.kernels.block_info import batch_and_head, split_of_block, split_tiles, tile_of_block, valid_keys
 from numba_flash.kernels.row_reduce import scratch_floats
 from numba_flash.kernels.tile_ops import tile_ops
 from numba_flash.kernels.tiles import ROWS_PER_THREAD, VEC, register_cap, uses_dynamic_smem
@@ -136,6 +137,8 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
     v_tile = shared_tile(Q_FLOATS + K_FLOATS, V_FLOATS)
     p_tile = shared_tile(Q_FLOATS + K_FLOATS + V_FLOATS, P_FLOATS)
 
+    update_rows = softmax.row_update(TM, ops.rescale_row, not EVERY_STEP)
+
     @device_jit
     def group_of_thread():
         """The split_k group of this thread (0 for split_q)."""
@@ -166,9 +169,7 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                 for i in range(TM):
                     m_g = merge_s[other + i]
                     m_new = ops.nan_max(m[i], m_g)
-                    m_ref = ops.finite_or_zero(m_new)
-                    a_own = ops.exp2_diff(m[i], m_ref)
-                    a_g = ops.exp2_diff(m_g, m_ref)
+                    a_own, a_g = softmax.merge_weights(m[i], m_g, ops.finite_or_zero(m_new))
                     l_sum[i] = a_own * l_sum[i] + a_g * merge_s[other + TM + i]
                     for c in range(ACC_COLS):
                         acc[i, c] = a_own * acc[i, c] + a_g * merge_s[other + 2 * TM + i * ACC_COLS + c]
@@ -198,7 +199,7 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
         # The K/V tiles to walk: in order, up to the last one any row of this Q tile sees
         # (causal: the rest are masked for every row, section 3.1.1); or all, permuted;
         # of them, this split's range.
-        n_visible = n_kv_tiles if PERMUTED else max(0, min(n_kv_tiles, tile_last_key // BN + 1))
+        n_visible = n_kv_tiles if PERMUTED else mask.kv_tiles_seen(tile_last_key, n_kv_tiles, BN)
         first, end = split_tiles(n_visible, n_splits, split)
         for jj in range(first, end):  # Line 6: for 1 <= j <= Tc
             j = kv_order[jj] if PERMUTED else jj
@@ -215,15 +216,9 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                 ops.mask_scores(s, colg, last_keys)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S_i^(j))).
             ops.row_max(s, tile_max, scratch)
-            for i in range(TM):
-                m_new = ops.nan_max(m[i], tile_max[i])
-                m_ref[i] = ops.finite_or_zero(m_new)
-                if m_new != m[i]:  # alpha == 1 when the max did not move: nothing to rescale
-                    alpha = ops.exp2_diff(m[i], m_ref[i])  # e^{m^(j-1) - m^(j)}
-                    l_run[i] *= alpha  # Line 9: l^(j) = e^{m^(j-1) - m^(j)} l^(j-1) + ...
-                    if not EVERY_STEP:  # (a normalised O does not depend on m)
-                        ops.rescale_row(acc, i, alpha)  # Line 10: diag(e^{m^(j-1) - m^(j)}) O~^(j-1)
-                m[i] = m_new
+            # Lines 9-10: m, l and O~ rescaled where the max moved (every_step: O is kept
+            # normalised, which does not depend on m)
+            update_rows(m, l_run, acc, tile_max, m_ref)
             # Line 9: P~ = exp(S - m^(j)), l^(j) += rowsum(P~) (this thread's keys).
             ops.exp_scores(s, m_ref, p_s, row_sums)
             if EVERY_STEP:
@@ -278,18 +273,9 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
         block = cuda.blockIdx.x
         if not KV_OUTER:
             split, block = split_of_block(cuda.blockIdx.x, (n_q_tiles if PER_TILE else 1) * n_batch * n_heads)
-        if PER_TILE:
-            i_first = block % n_q_tiles
-            if CAUSAL and not KV_OUTER:  # the longest walks (last Q tiles) first: fewer idle SMs at the tail
-                i_first = n_q_tiles - 1 - i_first
-            bh = block // n_q_tiles
-            i_end = i_first + 1
-        else:
-            i_first = 0
-            bh = block
-            i_end = n_q_tiles
-        b = bh // n_heads
-        h = bh - b * n_heads
+        # (q_outer, causal: the longest walks, the last Q tiles, first)
+        i_first, i_end, bh = tile_of_block(block, n_q_tiles, PER_TILE, CAUSAL and not KV_OUTER)
+        b, h = batch_and_head(bh, n_heads)
         hk = h // group
         ob = split * n_batch + b  # where a split's partial result goes
         n_k = valid_keys(seqlens, b, k.shape[2], RAGGED)
@@ -354,7 +340,7 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
             own_last_key = ops.last_visible_key(min(i_first * BM + BM, n_q) - 1, n_q, n_k, CAUSAL)
             n_kv_walk = n_kv_tiles
             if PER_TILE and not PERMUTED:
-                n_kv_walk = max(0, min(n_kv_tiles, own_last_key // BN + 1))
+                n_kv_walk = mask.kv_tiles_seen(own_last_key, n_kv_tiles, BN)
             for jj in range(n_kv_walk):  # Line 5: for 1 <= j <= Tc
                 j = kv_order[jj] if PERMUTED else jj
                 col0 = j * BN
@@ -414,8 +400,7 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                         if row < n_q and lead and tile_max[i] != NEG_INF:  # else the tile adds nothing
                             # Line 11: m_new = max(m_i, m~_ij); l_new = e^{m_i-m_new} l_i + e^{m~_ij-m_new} l~_ij.
                             m_new = ops.nan_max(m[i], tile_max[i])
-                            alpha_old = ops.exp2_diff(m[i], m_new)
-                            alpha_tile = ops.exp2_diff(tile_max[i], m_new)
+                            alpha_old, alpha_tile = softmax.merge_weights(m[i], tile_max[i], m_new)
                             l_new = alpha_old * l_run[i] + alpha_tile * row_sums[i]
                             if EVERY_STEP:
                                 # Line 12: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i-m_new} O_i + e^{m~_ij-m_new} P~_ij V_j).

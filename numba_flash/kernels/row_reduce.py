@@ -22,6 +22,12 @@ from numba_flash._world import simulated
 from numba_flash.kernels.jit import device_jit
 
 
+@device_jit
+def add(a, b):
+    """The row sum's combine (``row_allreduce(add, ...)``)."""
+    return a + b
+
+
 def scratch_floats(rows_per_thread: int, threads: int) -> int:
     """float32 elements of shared scratch the reduction needs (1 on the GPU: unused)."""
     return rows_per_thread * threads if simulated() else 1

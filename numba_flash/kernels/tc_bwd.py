@@ -74,7 +74,8 @@ from dataclasses import dataclass
 from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile, shared_tile_pair
-from numba_flash.kernels.row_state import last_visible_key
+from numba_flash.kernels import mask
+from numba_flash.kernels.block_info import batch_and_head, tile_of_block
 from numba_flash.kernels.tc_ops import SMEM_OPTIN_LIMIT, tc_ops
 
 KINDS = ("f16", "bf16", "tf32x3")  # 16-bit inputs, or float32 with split-precision TF32 products
@@ -82,7 +83,6 @@ HALF_KINDS = ("f16", "bf16")
 KERNELS = ("fa2", "fa1", "dq")  # the K/V kernels of each loop order, and the deterministic dQ kernel
 BLOCK_CHOICES = (16, 32, 64, 128)
 POS_INF = math.inf  # L of a row that sees no key (or past Nq): P = exp2(S - inf) = 0
-NEVER = 1 << 30  # first visible query of a key past Nk: after every row
 TF32X3_TILES = {64: (16, 64), 128: (16, 64)}  # tf32x3 (block_m, block_n) by head dim (default_tc_bwd_tiles; offline choice)
 A_IN_REGS_MAX_DIM = 64  # padded head dims up to which a warp keeps its own rows' fragments in registers
 
@@ -416,13 +416,7 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
         """The first query each of this lane's keys (rows g, g + 8 of its warp) is visible to
         (bottom-right causal: key j is seen by query i iff i >= j - (Nk - Nq)); past Nk: none."""
         for i in range(2):
-            key = col0 + ops.thread_row(i)
-            first = 0
-            if CAUSAL:
-                first = key - (n_k - n_q)
-            if key >= n_k:
-                first = NEVER
-            first_q[i] = first
+            first_q[i] = mask.first_visible_query(col0 + ops.thread_row(i), n_q, n_k, CAUSAL)
 
     @device_jit
     def read_stats(lse, dvec, b, h, row0, n_q, nxt):
@@ -480,7 +474,7 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
                 c = 8 * nt + 2 * t + (e & 1)  # the query (column) of this accumulator
                 p = math.exp2(s[nt, e] * q_scale - stats[base + c])
                 ds = p * (dp[nt, e] - stats[base + BM + c])
-                if masked and row0 + c < first_q[e >> 1]:
+                if masked and mask.query_hidden(row0 + c, first_q[e >> 1]):
                     p = float32(0.0)
                     ds = float32(0.0)
                 s[nt, e] = p
@@ -642,15 +636,10 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
         group = n_heads // n_kv_heads
         n_kv_tiles = (n_k + BN - 1) // BN
         n_q_tiles = (n_q + BM - 1) // BM
-        if FA1:  # one block per (batch, KV head): it walks every K/V tile (Alg. 4 line 5)
-            bh = cuda.blockIdx.x
-            j_first, j_end = 0, n_kv_tiles
-        else:  # one block per (K/V tile, batch, KV head): line 5's loop is the grid
-            j_first = cuda.blockIdx.x % n_kv_tiles
-            j_end = j_first + 1
-            bh = cuda.blockIdx.x // n_kv_tiles
-        b = bh // n_kv_heads
-        hk = bh - b * n_kv_heads
+        # FA-1: one block per (batch, KV head), walking every K/V tile (line 5); FA-2: one per
+        # (K/V tile, batch, KV head), line 5's loop is the grid
+        j_first, j_end, bh = tile_of_block(cuda.blockIdx.x, n_kv_tiles, not FA1, False)
+        b, hk = batch_and_head(bh, n_kv_heads)
         q_scale = scale * float32(LOG2E)
 
         smem = cuda.shared.array(0, ELEM, SMEM_ALIGN)  # K_j | V_j | Q_i x2 | dO_i x2 | (O_i x2) | dS^T
@@ -673,7 +662,7 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
             col0 = j * BN
             # Causal: Q tiles before the one holding the first query that sees key col0 see none
             # of this tile's keys (bottom-right: query i sees key col0 iff i >= col0 - (Nk - Nq)).
-            i_first = max(0, col0 - (n_k - n_q)) // BM if CAUSAL else 0
+            i_first = mask.first_q_tile(col0, n_q, n_k, BM, CAUSAL)
             n_i = max(0, n_q_tiles - i_first)
             n_steps = group * n_i  # (query head, Q tile) steps, one flat loop (GQA: dK_j, dV_j sum over heads)
             cuda.syncthreads()  # (FA-1) everyone is done with the previous K_j, V_j, buffers, L, D
@@ -723,7 +712,7 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
                     cuda.syncthreads()  # D_i is in shared memory
                 scores_t(kf, k_s, q_s, s, scratch)  # FA-2 line 10: S_ij^T = K_j Q_i^T
                 scores_t(vf, v_s, do_s, dp, scratch)  # FA-2 line 13 (Alg. 4 line 17): dP_ij^T = V_j dO_i^T
-                masked = col0 + BN - 1 > last_visible_key(row0, n_q, n_k, CAUSAL)
+                masked = mask.tile_needs_mask(col0, BN, mask.last_visible_key(row0, n_q, n_k, CAUSAL))
                 probs_t(s, dp, stats, base, q_scale, masked, first_q, row0)  # lines 11, 14
                 ops.pv_tile(s, do_s, dv_acc, scratch)  # FA-2 line 12 (Alg. 4 line 16): dV_j += P_ij^T dO_i
                 ops.pv_tile(dp, q_s, dk_acc, scratch)  # FA-2 line 16 (Alg. 4 line 22): dK_j += dS_ij^T Q_i
@@ -776,12 +765,8 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
         group = n_heads // k.shape[1]
         n_q_tiles = (n_q + BM - 1) // BM
         n_kv_tiles = (n_k + BN - 1) // BN
-        i_tile = cuda.blockIdx.x % n_q_tiles
-        if CAUSAL:  # the longest walks (last Q tiles) first: fewer idle SMs at the grid's tail
-            i_tile = n_q_tiles - 1 - i_tile
-        bh = cuda.blockIdx.x // n_q_tiles
-        b = bh // n_heads
-        h = bh - b * n_heads
+        i_tile, _, bh = tile_of_block(cuda.blockIdx.x, n_q_tiles, True, CAUSAL)  # causal: the longest walks first
+        b, h = batch_and_head(bh, n_heads)
         hk = h // group
         row0 = i_tile * BM
         q_scale = scale * float32(LOG2E)
@@ -809,9 +794,9 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
                     l2[i] = x * float32(LOG2E)
                 dd[i] = dvec[b, h, row]
         ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
-        first_row_last_key = last_visible_key(row0, n_q, n_k, CAUSAL)
-        last_key = last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL)
-        n_walk = min(n_kv_tiles, last_key // BN + 1) if last_key >= 0 else 0  # the K/V tiles this Q tile sees
+        first_row_last_key = mask.last_visible_key(row0, n_q, n_k, CAUSAL)
+        last_key = mask.last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL)
+        n_walk = mask.kv_tiles_seen(last_key, n_kv_tiles, BN)  # the K/V tiles this Q tile sees
 
         ops.load_q_tile(q, b, h, row0, n_q, q_s)
         ops.load_q_tile(do, b, h, row0, n_q, do_s)
@@ -845,7 +830,7 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
                 for e in range(4):
                     p = math.exp2(s[nt, e] * q_scale - l2[e >> 1])
                     ds = p * (dp[nt, e] - dd[e >> 1])
-                    if masked and col0 + ops.col_of(nt, e) > last_keys[e >> 1]:
+                    if masked and mask.key_hidden(col0 + ops.col_of(nt, e), last_keys[e >> 1]):
                         ds = float32(0.0)
                     dp[nt, e] = ds
             ops.pv_tile(dp, k_s, acc, scratch)  # line 15: dQ_i += dS_ij K_j, on chip

@@ -19,7 +19,8 @@ from __future__ import annotations
 import functools
 
 from numba_flash._cuda import cuda, float32, int32
-from numba_flash.kernels import mma
+from numba_flash.kernels import mma, softmax
+from numba_flash.kernels.block_info import batch_and_head
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, kernel_jit
 from numba_flash.kernels.row_reduce import scratch_floats as reduce_scratch_floats
 from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_ops
@@ -55,8 +56,7 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         group = n_heads // k.shape[1]  # query heads per kv head (GQA / MQA)
         n_q_tiles = (n_q + BM - 1) // BM  # Tr (line 3)
         n_kv_tiles = (n_k + BN - 1) // BN  # Tc (line 3)
-        b = cuda.blockIdx.x // n_heads
-        h = cuda.blockIdx.x - b * n_heads
+        b, h = batch_and_head(cuda.blockIdx.x, n_heads)  # one block per (batch, head)
         hk = h // group
         first_of_row = ops.lane_t() == 0
 
@@ -143,8 +143,7 @@ def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
                     if row < n_q and tile_max[i] != NEG_INF:  # else the tile adds nothing
                         # Line 11: m_new = max(m_i, m~_ij); l_new = e^{m_i-m_new} l_i + e^{m~_ij-m_new} l~_ij.
                         m_new = ops.nan_max(m_old[i], tile_max[i])
-                        alpha_old = ops.exp2_diff(m_old[i], m_new)
-                        alpha_tile = ops.exp2_diff(tile_max[i], m_new)
+                        alpha_old, alpha_tile = softmax.merge_weights(m_old[i], tile_max[i], m_new)
                         l_new = alpha_old * l_old[i] + alpha_tile * l_tile[i]
                         # Line 12: O_i <- diag(l_new)^-1 (diag(l_i) e^{m_i-m_new} O_i + e^{m~_ij-m_new} P~_ij V_j).
                         inv_l = ops.reciprocal_or_zero(l_new)

@@ -15,8 +15,8 @@ patterns as uint16 for f16/bf16, float32 for TF32; D a multiple of 8 resp. 4, ro
 aligned), ``o (S*B,H,Nq,D)`` of the same element type (float32 when compiled ``f32_out``, as
 split partials are), ``lse (S*B,H,Nq) float32``, ``q_scale = scale * log2(e)`` (float32),
 ``seqlens`` (int32 ``(B,)``, read only when ``ragged``), ``n_splits`` and ``rows_per_query``
-(int32; the split launch of ``kv_split``, and the query rows packed per position of
-``row_state.packed_last_visible_key``: 1 and 1 for a plain call, grid times ``n_splits``).
+(int32; the split launch of ``block_info``, and the query rows packed per position of
+``mask.packed_last_visible_key``: 1 and 1 for a plain call, grid times ``n_splits``).
 """
 
 from __future__ import annotations
@@ -24,9 +24,9 @@ from __future__ import annotations
 import functools
 
 from numba_flash._cuda import cuda, float32, int32
-from numba_flash.kernels import mma
+from numba_flash.kernels import mask, mma, softmax
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_jit
-from numba_flash.kernels.kv_split import split_of_block, split_tiles, valid_keys
+from numba_flash.kernels.block_info import batch_and_head, split_of_block, split_tiles, tile_of_block, valid_keys
 from numba_flash.kernels.row_reduce import scratch_floats as reduce_scratch_floats
 from numba_flash.kernels.tc_ops import ROWS_PER_THREAD, tc_layout, tc_ops
 
@@ -77,6 +77,8 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
 
     cap = {"max_registers": max_registers} if max_registers else {}
 
+    update_rows = softmax.row_update(TM, ops.rescale_row)
+
     @device_jit
     def online_softmax(s, q_scale, col0, last_keys, first_row_last_key, m, l_part, acc, tile_max, m_ref, row_sums,
                        rscratch):
@@ -85,14 +87,7 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         masked = ops.tile_needs_mask(col0, first_row_last_key)
         ops.scale_mask(s, q_scale, col0, last_keys, masked)
         ops.row_max(s, tile_max, rscratch)
-        for i in range(TM):
-            m_new = ops.nan_max(m[i], tile_max[i])
-            m_ref[i] = ops.finite_or_zero(m_new)
-            if m_new != m[i]:  # alpha == 1 when the max did not move: nothing to rescale
-                alpha = ops.exp2_diff(m[i], m_ref[i])  # e^{m^(j-1) - m^(j)}
-                l_part[i] *= alpha
-                ops.rescale_row(acc, i, alpha)  # Line 10: diag(e^{m^(j-1) - m^(j)}) O~^(j-1)
-            m[i] = m_new
+        update_rows(m, l_part, acc, tile_max, m_ref)
         ops.exp_scores(s, m_ref, row_sums)
         for i in range(TM):
             l_part[i] += row_sums[i]
@@ -167,14 +162,10 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         n_q_tiles = (n_q + BM - 1) // BM
 
         # Line 3: for 1 <= i <= Tr -- the grid: this block is Q tile i of one (batch, head),
-        # and one split of its K/V tiles (``kv_split``).
+        # and one split of its K/V tiles (``block_info``).
         split, block = split_of_block(cuda.blockIdx.x, n_q_tiles * n_batch * n_heads)
-        i_tile = block % n_q_tiles
-        if CAUSAL:  # the longest walks (last Q tiles) first: fewer idle SMs at the grid's tail
-            i_tile = n_q_tiles - 1 - i_tile
-        bh = block // n_q_tiles
-        b = bh // n_heads
-        h = bh - b * n_heads
+        i_tile, _, bh = tile_of_block(block, n_q_tiles, True, CAUSAL)  # causal: the longest walks first
+        b, h = batch_and_head(bh, n_heads)
         hk = h // group
         ob = split * n_batch + b  # where this split's partial result goes
         row0 = i_tile * BM
@@ -206,7 +197,7 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
         first_row_last_key = ops.packed_last_visible_key(row0, rows_per_query, n_q, n_k, CAUSAL)
         # Causal: K/V tiles past the last key any row of this Q tile sees are skipped (3.1.1);
         # of the others, this split walks its range.
-        n_visible = min(n_kv_tiles, tile_last_key // BN + 1) if tile_last_key >= 0 else 0
+        n_visible = mask.kv_tiles_seen(tile_last_key, n_kv_tiles, BN)
         first, end = split_tiles(n_visible, n_splits, split)
 
         if STAGES == 1:

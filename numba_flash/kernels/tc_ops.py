@@ -47,11 +47,9 @@ from types import ModuleType
 from numba_flash._cuda import cuda, float32
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import NEG_INF, device_jit
-from numba_flash.kernels.row_reduce import row_allreduce
-from numba_flash.kernels.row_state import (
-    exp2_diff, finite_or_zero, last_visible_key, log_sum_exp, packed_last_visible_key, reciprocal_or_zero,
-)
-from numba_flash.kernels.tile_ops import add, nan_max
+from numba_flash.kernels import mask
+from numba_flash.kernels.row_reduce import add, row_allreduce
+from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, log_sum_exp, nan_max, reciprocal_or_zero
 
 KINDS = ("f16", "bf16", "tf32", "tf32x3")
 ROWS_PER_WARP = 16  # one m16 row tile per warp
@@ -679,15 +677,18 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
 
     # ---------------------------------------------------------------- online softmax
 
-    @device_jit
-    def row_last_keys(row0, n_q, n_k, causal, last_keys, rows_per_query):
-        for i in range(TM):
-            last_keys[i] = packed_last_visible_key(row0 + thread_row(i), rows_per_query, n_q, n_k, causal)
+    row_last_keys = mask.row_bounds(TM, thread_row)
 
     @device_jit
     def tile_needs_mask(col0, first_row_last_key):
-        """Does any key of the tile at ``col0`` lie past some row's last visible key? (block-uniform)"""
-        return col0 + BN - 1 > first_row_last_key
+        return mask.tile_needs_mask(col0, BN, first_row_last_key)
+
+    @device_jit
+    def row_of(nt, e):
+        """The row (0: g, 1: g + 8) of accumulator entry e of score tile nt."""
+        return e >> 1
+
+    mask_tile = mask.tile_masker(NS, 4, col_of, row_of)  # keys past each row's last visible key -> -inf
 
     @device_jit
     def scale_mask(s, q_scale, col0, last_keys, masked):
@@ -695,10 +696,9 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         past a row's last visible key -> -inf (only in tiles that need the mask)."""
         for nt in range(NS):
             for e in range(4):
-                x = s[nt, e] * q_scale
-                if masked and col0 + col_of(nt, e) > last_keys[e >> 1]:
-                    x = float32(NEG_INF)
-                s[nt, e] = x
+                s[nt, e] *= q_scale
+        if masked:
+            mask_tile(s, col0, last_keys)
 
     allreduce_max = row_allreduce(nan_max, TM, 4, NT)
     allreduce_sum = row_allreduce(add, TM, 4, NT)
@@ -747,7 +747,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
     for name, func in dict(
         load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,
         score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0, key_warp=key_warp,
-        thread_row=thread_row, lane_t=lane_t, col_of=col_of, last_visible_key=last_visible_key, packed_last_visible_key=packed_last_visible_key,
+        thread_row=thread_row, lane_t=lane_t, col_of=col_of, last_visible_key=mask.last_visible_key, packed_last_visible_key=mask.packed_last_visible_key,
         row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
         row_max=row_max, allreduce_sum=allreduce_sum, exp_scores=exp_scores, rescale_row=rescale_row,
         zero=zero, finite_or_zero=finite_or_zero, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,

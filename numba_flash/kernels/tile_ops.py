@@ -11,7 +11,6 @@ register micro-tile layout of ``tiles.TileLayout``, and both kernels call it:
 - :func:`row_max`       rowmax(S) over the whole row (local max, then across the row's threads)
 - :func:`exp_scores`    P~ = exp(S - m) into shared memory, and the thread's part of rowsum(P~)
 - :func:`pv_tile`       O~ += P~ V_j, each thread a rows_per_thread x (4 * dim_groups) block
-- :func:`nan_max`       max that propagates NaN (a NaN score must reach the output)
 
 The backward kernels (``kernels.bwd``) run on the same layout and the same primitives: its S and
 dP are :func:`score_tile` products, dV += P^T dO and dK += dS^T Q are :func:`ab_tile` (the
@@ -36,19 +35,10 @@ from types import ModuleType
 from numba_flash._cuda import cuda, float32, int32, uint64
 
 from numba_flash.kernels.jit import NEG_INF, device_jit, shared_tile
-from numba_flash.kernels.row_reduce import row_allreduce
-from numba_flash.kernels.row_state import (
-    exp2_diff, finite_or_zero, last_visible_key, log_sum_exp, packed_last_visible_key, reciprocal_or_zero,
-)
+from numba_flash.kernels.row_reduce import add, row_allreduce
+from numba_flash.kernels import mask
+from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, log_sum_exp, nan_max, reciprocal_or_zero
 from numba_flash.kernels.tiles import ROWS_PER_THREAD, VEC, tile_layout
-
-
-@device_jit
-def nan_max(a, b):
-    """max(a, b), but NaN if either is NaN (plain max would silently drop it)."""
-    if a > b or a != a:
-        return a
-    return b
 
 
 @device_jit
@@ -58,11 +48,6 @@ def at(i):
     ``x[i + 1]`` are neighbours, and so keeps it from fusing four loads into one 128-bit
     load. Unsigned indices skip the wraparound."""
     return uint64(i)
-
-
-@device_jit
-def add(a, b):
-    return a + b
 
 
 @functools.lru_cache(maxsize=None)
@@ -232,26 +217,22 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         else:
             score_tile_rows_held(q_s, k_s, s)
 
-    @device_jit
-    def row_last_keys(row0, n_q, n_k, causal, last_keys, rows_per_query):
-        """``last_visible_key`` of each of this thread's rows (tile rows from ``row0``)."""
-        for i in range(TM):
-            last_keys[i] = packed_last_visible_key(row0 + thread_row(i), rows_per_query, n_q, n_k, causal)
+    row_last_keys = mask.row_bounds(TM, thread_row)
 
     @device_jit
     def tile_needs_mask(col0, first_row_last_key):
-        """Does any key of the tile at ``col0`` lie past some row's last visible key?
-        (Block-uniform: only diagonal and tail tiles; the rest pay nothing for masking.)"""
-        return col0 + BN - 1 > first_row_last_key
+        return mask.tile_needs_mask(col0, BN, first_row_last_key)
 
     @device_jit
-    def mask_scores(s, col0, last_keys):
-        """Keys past each row's last visible key score -inf."""
-        tx = thread_col()
-        for i in range(TM):
-            for j in range(TN):
-                if col0 + tx + TX * j > last_keys[i]:
-                    s[i, j] = float32(NEG_INF)
+    def key_of(i, j):
+        """The key of entry (i, j) of this thread's S micro-tile, from the tile's first."""
+        return thread_col() + TX * j
+
+    @device_jit
+    def row_of(i, j):
+        return i
+
+    mask_scores = mask.tile_masker(TM, TN, key_of, row_of)  # keys past each row's last visible key -> -inf
 
     allreduce_max = row_allreduce(nan_max, TM, TX, NT * GROUPS)  # a row's threads: one group's, one warp's
     allreduce_sum = row_allreduce(add, TM, TX, NT * GROUPS)
@@ -298,7 +279,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
                             vf[u] = v_s[at(base + u)]
                         for i in range(TM):
                             # A key hidden from row i contributes nothing, not even 0 * NaN.
-                            if not guarded or col0 + c0 + e <= last_keys[i]:
+                            if not guarded or not mask.key_hidden(col0 + c0 + e, last_keys[i]):
                                 for u in range(VEC):
                                     acc[i, VEC * g + u] += pf[i, e] * vf[u]
 
@@ -423,7 +404,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
     ops.layout = L
     for name, func in dict(
         nan_max=nan_max, thread_row=thread_row, thread_col=thread_col, load_q_tile=load_q_tile,
-        load_kv_tile=load_kv_tile, score_tile=score_tile, last_visible_key=last_visible_key, packed_last_visible_key=packed_last_visible_key,
+        load_kv_tile=load_kv_tile, score_tile=score_tile, last_visible_key=mask.last_visible_key, packed_last_visible_key=mask.packed_last_visible_key,
         row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, mask_scores=mask_scores,
         row_max=row_max, allreduce_sum=allreduce_sum, finite_or_zero=finite_or_zero,
         exp_scores=exp_scores, pv_tile=pv_tile, rescale_row=rescale_row, zero=zero,

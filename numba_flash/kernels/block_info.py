@@ -1,4 +1,15 @@
-"""Split-KV: which K/V tiles a block of a split FA-2 launch walks, and where it writes.
+"""Which tiles a block works on: the grids of every kernel, decoded on the device in one place.
+
+A launch is a 1-D grid over (tile, batch, head) -- tile fastest -- or over (batch, head) alone
+(FA-1's grid: the block walks every tile), times the splits of a split-KV launch. The host
+sizes it with :func:`grid_blocks` and the device decodes a block with :func:`tile_of_block`,
+:func:`batch_and_head` and :func:`split_of_block`; which K/V tiles a Q tile walks under the mask
+is ``mask.kv_tiles_seen`` / ``mask.first_q_tile``, and a split's share of them
+:func:`split_tiles`. The order: a grid over Q tiles with the causal mask runs the last Q tiles
+first (the longest walks: fewer idle SMs at the grid's tail); a grid over K/V tiles runs in order
+(its first tiles are the longest already).
+
+Split-KV: which K/V tiles a block of a split FA-2 launch walks, and where it writes.
 
 A split launch (``attention(..., num_splits=S)``, ``decode``; API.md section 2b) runs ``S``
 times the blocks of an unsplit one: block ``x`` is split ``x // blocks_per_split`` of the
@@ -17,6 +28,32 @@ identity of the merge (``numba_flash.online.empty_state``), never a NaN.
 from __future__ import annotations
 
 from numba_flash.kernels.jit import device_jit
+
+
+def grid_blocks(n_tiles: int, batch: int, heads: int, per_tile: bool = True, n_splits: int = 1) -> int:
+    """Host: blocks of a launch over ``n_tiles`` tiles (``per_tile``; else one block per
+    (batch, head)) of every (batch, head), times ``n_splits``."""
+    return (n_tiles if per_tile else 1) * batch * heads * n_splits
+
+
+@device_jit
+def tile_of_block(block, n_tiles, per_tile, reverse):
+    """(first tile, end tile, batch-head index) of block ``block`` of a grid over ``n_tiles``
+    tiles of every (batch, head) (``per_tile``: one tile each, the tile fastest; ``reverse``:
+    tile ``n_tiles - 1`` first), or over (batch, head) alone (the block walks every tile)."""
+    if per_tile:
+        tile = block % n_tiles
+        if reverse:
+            tile = n_tiles - 1 - tile
+        return tile, tile + 1, block // n_tiles
+    return 0, n_tiles, block
+
+
+@device_jit
+def batch_and_head(bh, n_heads):
+    """(batch, head) of batch-head index ``bh`` (head fastest)."""
+    b = bh // n_heads
+    return b, bh - b * n_heads
 
 
 @device_jit
