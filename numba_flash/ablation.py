@@ -56,10 +56,10 @@ def barriers_per_kv_tile(variant: Variant, n_q: int, n_k: int, block_m: int, blo
     4 with split_k (the groups' states merged at every step)."""
     if variant.loop_order == "q_outer":
         return 3.0
-    from numba_flash.profiling.traffic import _visible_counts
+    from numba_flash.profiling.traffic import visible_tiles
 
     per_pair = 4 if variant.warp_partition == "split_k" else 3
-    tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
+    tiles = visible_tiles(n_q, n_k, block_m, block_n, causal)
     n_kv = -(-n_k // block_n)
     pairs = sum(n_tiles for _, n_tiles, _ in tiles)  # visited (Q tile, K/V tile) pairs of one head
     if variant.grid == "heads":

@@ -13,6 +13,8 @@ import math
 
 import numpy as np
 
+from numba_flash.masking import mask_spec
+
 __all__ = ["attention", "attention_backward"]
 
 
@@ -117,9 +119,9 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
 
     with np.errstate(invalid="ignore", over="ignore"):
         s = (q5 @ k5.swapaxes(-1, -2)) * scale  # (B, Hkv, group, Nq, Nk), materialised
-        if causal:
-            sees = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + (n_k - n_q)
-            s = np.where(sees, s, -np.inf)
+        mask = mask_spec(causal)
+        if not mask.is_full:
+            s = np.where(mask.matrix(n_q, n_k), s, -np.inf)
         o, lse = _masked_softmax_times_v(s, v5)
     return o.reshape(batch, heads, n_q, head_dim), lse.reshape(batch, heads, n_q)
 
@@ -169,9 +171,9 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
 
     with np.errstate(invalid="ignore", over="ignore"):
         s = (q5 @ k5.swapaxes(-1, -2)) * scale  # (B, Hkv, group, Nq, Nk)
-        if causal:
-            sees = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + (n_k - n_q)
-            s = np.where(sees, s, -np.inf)
+        mask = mask_spec(causal)
+        if not mask.is_full:
+            s = np.where(mask.matrix(n_q, n_k), s, -np.inf)
         p, unmasked = _masked_softmax(s)
         dv = (p.swapaxes(-1, -2) @ do5).sum(axis=2)  # dV = P^T dO, summed over the group
         dp = do5 @ v5.swapaxes(-1, -2)  # dP = dO V^T
