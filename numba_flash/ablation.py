@@ -71,7 +71,7 @@ def ablate(args, progress=None):
     """Measure ``args.variants`` (default: all) on one problem; returns ``(rows, notes)``."""
     import time
 
-    from numba_flash.compare import _problem, setup
+    from numba_flash.compare import problem_of, setup
     from numba_flash.harness import measure
 
     say = progress or (lambda line: None)
@@ -79,7 +79,7 @@ def ablate(args, progress=None):
     for needed in PATH:  # the path's points are always measured
         if needed not in variants:
             variants.append(needed)
-    p = _problem(args)
+    p = problem_of(args)
     if p["precision"] not in (None, "ieee") or (p["precision"] is None and p["dtype"] != "float32"):
         raise ValueError("the ablation variants are CUDA-core kernels: pass --precision ieee for 16-bit dtypes")
     args.precision = "ieee"
