@@ -56,10 +56,10 @@ def barriers_per_kv_tile(variant: Variant, n_q: int, n_k: int, block_m: int, blo
     4 with split_k (the groups' states merged at every step)."""
     if variant.loop_order == "q_outer":
         return 3.0
-    from numba_flash.profiling.traffic import _visible_counts
+    from numba_flash.profiling.traffic import visible_tiles
 
     per_pair = 4 if variant.warp_partition == "split_k" else 3
-    tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
+    tiles = visible_tiles(n_q, n_k, block_m, block_n, causal)
     n_kv = -(-n_k // block_n)
     pairs = sum(n_tiles for _, n_tiles, _ in tiles)  # visited (Q tile, K/V tile) pairs of one head
     if variant.grid == "heads":
@@ -71,7 +71,7 @@ def ablate(args, progress=None):
     """Measure ``args.variants`` (default: all) on one problem; returns ``(rows, notes)``."""
     import time
 
-    from numba_flash.compare import _problem, setup
+    from numba_flash.compare import problem_of, setup
     from numba_flash.harness import measure
 
     say = progress or (lambda line: None)
@@ -79,7 +79,7 @@ def ablate(args, progress=None):
     for needed in PATH:  # the path's points are always measured
         if needed not in variants:
             variants.append(needed)
-    p = _problem(args)
+    p = problem_of(args)
     if p["precision"] not in (None, "ieee") or (p["precision"] is None and p["dtype"] != "float32"):
         raise ValueError("the ablation variants are CUDA-core kernels: pass --precision ieee for 16-bit dtypes")
     args.precision = "ieee"

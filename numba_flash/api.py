@@ -9,11 +9,11 @@ the checks that depend on pointers, allocate and launch.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import math
 import sys
 import warnings
+from dataclasses import dataclass, replace
 from typing import NamedTuple
 
 import numpy as np
@@ -21,24 +21,21 @@ import numpy as np
 from numba_flash import plans, tile_cache
 from numba_flash._cuda import cuda
 from numba_flash._world import simulated
-from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, device_id_of, dtype_name, kind_of,
-                                may_overlap)
+from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, kind_of, may_overlap
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
-from numba_flash.kernels.tiles import (MAX_HEAD_DIM, STATIC_SMEM_LIMIT, check_tiles, default_tiles, forward_rows_per_thread,
+from numba_flash.kernels.tiles import (STATIC_SMEM_LIMIT, check_tiles, default_tiles, forward_rows_per_thread,
                                       threads_per_block, tile_layout)
 from numba_flash.launch import device_array
 from numba_flash.launch import launch as direct_launch
 from numba_flash.launch import numba_launch
+from numba_flash.problem import Problem, describe
+from numba_flash.simulator import quiet_kernels
 from numba_flash.specs import kernel_spec
 from numba_flash.split_kv import check_num_splits, choose_num_splits, combine, plan_combine
-from numba_flash.tensor_cores import launch_tc, plan_in_place, regime, tc_tiles
+from numba_flash.tensor_cores import launch_tc, plan_in_place, tc_tiles
 from numba_flash.tile_cache import tuned_tiles
-
-ALGORITHMS = tuple(KERNEL_FACTORIES)  # ("fa1", "fa2")
-DTYPES = ("float16", "bfloat16", "float32")
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 
 def attention(
@@ -155,18 +152,18 @@ def forward(
         ctx, call = _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision,
                                   num_splits, variant)
         if key is not None:
-            tuned = call["regime"] == "ieee" and (block_m is None or block_n is None)  # tiles from the autotune cache
+            tuned = call.regime == "ieee" and (block_m is None or block_n is None)  # tiles from the autotune cache
             tile_entries = tile_cache.load() if tuned else None
             plan = _plan_forward(ctx, call, q, k, v, out, lse_out, tile_entries)
         if plan is None:
             return _forward_unplanned(ctx, call, q, k, v, out, lse_out, kv_tile_order)
         _FORWARD_PLANS.put(key, plan)
     if out is not None or lse_out is not None:
-        _check_no_overlap(plan.call["kind"], q, k, v, out, lse_out)
+        _check_no_overlap(plan.call.kind, q, k, v, out, lse_out)
     with plan.on_device():
         o, lse = plan.allocate(out, lse_out)
         if not plan.launch((q, k, v, o, lse)):  # inputs cp.async cannot read in place: copies
-            run(ArrayContext(plan.call["kind"], q), plan.call, q, k, v, o, lse)
+            run(ArrayContext(plan.call.kind, q), plan.call, q, k, v, o, lse)
     return o, lse
 
 
@@ -189,62 +186,63 @@ def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block
 
 def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, variant):
     """Every check of a forward call that does not depend on pointers or ``kv_tile_order``:
-    its array context and validated call (``_validate``, with ``num_splits`` and ``variant``)."""
+    its array context and launch configuration (:func:`problem.describe`, :func:`configure`)."""
     variant = _check_variant(variant, precision)
     if variant is not None:  # the loop order decides which kernel family's defaults apply
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
-    call = _validate(q, k, v, causal, scale, algorithm, block_m, block_n, precision)
-    call["num_splits"] = check_num_splits(num_splits, algorithm)
-    if variant is not None and call["regime"] != "ieee":
-        raise ValueError(f"the ablation variants are CUDA-core kernels: {call['dtype']} inputs need precision='ieee'")
+    checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision)
+    call = configure(checked, block_m, block_n)  # (the tiles' checks before num_splits', as always)
+    call = replace(call, num_splits=check_num_splits(num_splits, algorithm))
+    if variant is not None and call.regime != "ieee":
+        raise ValueError(f"the ablation variants are CUDA-core kernels: {call.dtype} inputs need precision='ieee'")
     if variant is not None and variant.warp_partition == "split_k":
         from numba_flash.kernels.forward import SPLIT_K_GROUPS
 
-        half = call["block_n"] // SPLIT_K_GROUPS
-        if call["block_n"] % SPLIT_K_GROUPS or half < 1:
+        half = call.block_n // SPLIT_K_GROUPS
+        if call.block_n % SPLIT_K_GROUPS or half < 1:
             raise ValueError(f"split_k gives each of its {SPLIT_K_GROUPS} warp groups block_n / {SPLIT_K_GROUPS} keys: "
-                             f"block_n={call['block_n']} does not divide")
-        check_tiles(call["q_shape"][3], call["block_m"], half)
+                             f"block_n={call.block_n} does not divide")
+        check_tiles(call.q_shape[3], call.block_m, half)
         from numba_flash.kernels.forward import variant_smem_bytes
 
-        need = variant_smem_bytes(variant, call["q_shape"][3], call["block_m"], call["block_n"])
+        need = variant_smem_bytes(variant, call.q_shape[3], call.block_m, call.block_n)
         if need > STATIC_SMEM_LIMIT:  # (split_k declares its tiles statically)
-            raise ValueError(f"split_k with block_m={call['block_m']}, block_n={call['block_n']} needs {need} bytes of "
+            raise ValueError(f"split_k with block_m={call.block_m}, block_n={call.block_n} needs {need} bytes of "
                              f"shared memory, more than the {STATIC_SMEM_LIMIT} its static tiles can have")
-    call["variant"] = variant if variant not in _NAMED_POINTS else None  # named points: their kernels
-    B, H, Nq, D = call["q_shape"]
-    _check_out(out, "out", (B, H, Nq, D), call["dtype"], call["kind"])
-    _check_out(lse_out, "lse_out", (B, H, Nq), "float32", call["kind"])
-    return ArrayContext(call["kind"], q), call
+    call = replace(call, variant=variant if variant not in _NAMED_POINTS else None)  # named points: their kernels
+    B, H, Nq, D = call.q_shape
+    _check_out(out, "out", (B, H, Nq, D), call.dtype, call.kind)
+    _check_out(lse_out, "lse_out", (B, H, Nq), "float32", call.kind)
+    return ArrayContext(call.kind, q), call
 
 
-def _plan_forward(ctx: ArrayContext, call: dict, q, k, v, out, lse_out, tile_entries):
+def _plan_forward(ctx: ArrayContext, call: LaunchConfig, q, k, v, out, lse_out, tile_entries):
     """The plan of a checked forward call (``numba_flash.plans``): its arrays q, k, v, o, lse in
     that order; ``None`` when the unplanned path runs it (NumPy, the simulator, an empty
     problem, or what :func:`plan_run` leaves to it)."""
-    B, H, Nq, D = call["q_shape"]
-    if not ctx.direct_launch or B * H * Nq == 0 or call["n_k"] == 0:
+    B, H, Nq, D = call.q_shape
+    if not ctx.direct_launch or B * H * Nq == 0 or call.n_k == 0:
         return None
     builder = plans.PlanBuilder(ctx, call, 5)
     inputs = [builder.caller_array(i, x) for i, x in enumerate((q, k, v))]
-    o = builder.caller_array(3, out) if out is not None else builder.result_array(3, (B, H, Nq, D), call["dtype"])
+    o = builder.caller_array(3, out) if out is not None else builder.result_array(3, (B, H, Nq, D), call.dtype)
     lse = builder.caller_array(4, lse_out) if lse_out is not None else builder.result_array(4, (B, H, Nq), "float32")
     if not plan_run(builder, call, *inputs, o, lse):
         return None
-    return builder.plan((((B, H, Nq, D), call["dtype"]), ((B, H, Nq), "float32")), tile_entries)
+    return builder.plan((((B, H, Nq, D), call.dtype), ((B, H, Nq), "float32")), tile_entries)
 
 
-def _forward_unplanned(ctx: ArrayContext, call: dict, q, k, v, out, lse_out, kv_tile_order):
+def _forward_unplanned(ctx: ArrayContext, call: LaunchConfig, q, k, v, out, lse_out, kv_tile_order):
     """A checked forward call without a plan: the per-call checks, then :func:`run`."""
-    B, H, Nq, D = call["q_shape"]
-    Nk = call["n_k"]
-    _check_no_overlap(call["kind"], q, k, v, out, lse_out)
+    B, H, Nq, D = call.q_shape
+    Nk = call.n_k
+    _check_no_overlap(call.kind, q, k, v, out, lse_out)
     with ctx.on_device():  # arrays on another GPU than the current one: results and launch there
-        o = out if out is not None else ctx.empty((B, H, Nq, D), call["dtype"])
+        o = out if out is not None else ctx.empty((B, H, Nq, D), call.dtype)
         lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
-        if kv_tile_order is not None and call["regime"] != "ieee":
+        if kv_tile_order is not None and call.regime != "ieee":
             raise ValueError("kv_tile_order is a knob of the CUDA-core kernels: pass precision='ieee' with it")
-        order = _check_order(kv_tile_order, Nk, call["block_n"])
+        order = _check_order(kv_tile_order, Nk, call.block_n)
         if B * H * Nq == 0:
             return o, lse
         if Nk == 0:  # nothing to attend to: o = 0, lse = -inf, as for a fully masked row
@@ -257,15 +255,15 @@ def _forward_unplanned(ctx: ArrayContext, call: dict, q, k, v, out, lse_out, kv_
         return o, lse
 
 
-def run(ctx: ArrayContext, call: dict, q, k, v, o, lse, order=None, seqlens=None, rows_per_query=1) -> None:
+def run(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order=None, seqlens=None, rows_per_query=1) -> None:
     """Launch a validated call into ``o`` and ``lse``: the regime's kernel, split (partials, then
-    the combine) when ``call["num_splits"]`` or its heuristic says so. ``seqlens``: valid keys
+    the combine) when ``call.num_splits`` or its heuristic says so. ``seqlens``: valid keys
     per batch (``decode``); ``rows_per_query``: query rows packed per position (``decode``)."""
-    B, H, Nq, D = call["q_shape"]
-    spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
-                       ragged=seqlens is not None, kv_stages=call.get("kv_stages", 1),
-                       key_warps=call.get("key_warps", 1))
-    splits = choose_num_splits(call["num_splits"], spec, B, H, Nq, call["n_k"], ctx.device_id)
+    B, H, Nq, D = call.q_shape
+    spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, call.regime,
+                       ragged=seqlens is not None, kv_stages=call.kv_stages,
+                       key_warps=call.key_warps)
+    splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, ctx.device_id)
     walk = dict(seqlens=seqlens, n_splits=splits, rows_per_query=rows_per_query)
     if splits == 1:
         _run_kernel(ctx, call, q, k, v, o, lse, order, walk)
@@ -274,9 +272,9 @@ def run(ctx: ArrayContext, call: dict, q, k, v, o, lse, order=None, seqlens=None
     o_parts = ctx.empty((splits * B, H, Nq, spec.head_dim), "float32")
     lse_parts = ctx.empty((splits * B, H, Nq), "float32")
     _run_kernel(ctx, call, q, k, v, o_parts, lse_parts, order, walk)
-    bf16 = call["dtype"] == "bfloat16"
-    target = ctx.empty((B, H, Nq, D), "float32") if bf16 and (call["regime"] == "ieee" or ctx.on_host) else o
-    with _quiet_kernels():
+    bf16 = call.dtype == "bfloat16"
+    target = ctx.empty((B, H, Nq, D), "float32") if bf16 and (call.regime == "ieee" or ctx.on_host) else o
+    with quiet_kernels():
         if bf16 and target is o:  # the tensor-core path's bfloat16: written as bit patterns
             combine(ctx, o_parts, lse_parts, o, lse, bits="bf16")
         else:
@@ -285,49 +283,49 @@ def run(ctx: ArrayContext, call: dict, q, k, v, o, lse, order=None, seqlens=None
         o[...] = _narrow(target, o, ctx.kind)
 
 
-def plan_run(builder: plans.PlanBuilder, call: dict, q, k, v, o, lse, seqlens=None, rows_per_query=1) -> bool:
+def plan_run(builder: plans.PlanBuilder, call: LaunchConfig, q, k, v, o, lse, seqlens=None, rows_per_query=1) -> bool:
     """:func:`run`'s launches on a GPU, added to a plan: the same kernel specification, split
     count, partials and combine, for the call's arrays described with open pointers
     (``launch.DeviceArray``: ``PlanBuilder.caller_array`` / ``result_array``). ``False`` when
     the call needs what a plan does not do: bfloat16 on CUDA cores (widened copies), tensor-core
     inputs whose head dim or row strides need padded copies (``tensor_cores.kernel_inputs``)."""
-    B, H, Nq, D = call["q_shape"]
-    if call["regime"] == "ieee" and call["dtype"] == "bfloat16":
+    B, H, Nq, D = call.q_shape
+    if call.regime == "ieee" and call.dtype == "bfloat16":
         return False
-    spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
-                       ragged=seqlens is not None, kv_stages=call.get("kv_stages", 1),
-                       key_warps=call.get("key_warps", 1))
-    splits = choose_num_splits(call["num_splits"], spec, B, H, Nq, call["n_k"], builder.ctx.device_id)
+    spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, call.regime,
+                       ragged=seqlens is not None, kv_stages=call.kv_stages,
+                       key_warps=call.key_warps)
+    splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, builder.ctx.device_id)
     kernel_o, kernel_lse = o, lse
     if splits > 1:  # float32 partials (kernels.kv_split), merged by kernels.combine
         kernel_o = builder.scratch_array((splits * B, H, Nq, spec.head_dim), "float32")
         kernel_lse = builder.scratch_array((splits * B, H, Nq), "float32")
-    if call["regime"] != "ieee":
+    if call.regime != "ieee":
         if not plan_in_place(builder, call, q, k, v, kernel_o, kernel_lse, seqlens, splits, rows_per_query):
             return False
     else:
         _plan_cuda_cores(builder, call, q, k, v, kernel_o, kernel_lse, seqlens, splits, rows_per_query)
     if splits > 1:  # the tensor-core path's bfloat16 is written as bit patterns
-        plan_combine(builder, kernel_o, kernel_lse, o, lse, bits="bf16" if call["dtype"] == "bfloat16" else None)
+        plan_combine(builder, kernel_o, kernel_lse, o, lse, bits="bf16" if call.dtype == "bfloat16" else None)
     return True
 
 
-def _run_kernel(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, walk) -> None:
+def _run_kernel(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order, walk) -> None:
     """One launch of the call's kernel into ``o`` and ``lse`` (final, or float32 partials)."""
-    if call["regime"] != "ieee":
-        with _quiet_kernels():
+    if call.regime != "ieee":
+        with quiet_kernels():
             launch_tc(ctx, call, q, k, v, o, lse, **walk)
-    elif call["dtype"] == "bfloat16":  # CUDA cores read float16 or float32: widen, then narrow
-        B, H, Nq, D = call["q_shape"]
+    elif call.dtype == "bfloat16":  # CUDA cores read float16 or float32: widen, then narrow
+        B, H, Nq, D = call.q_shape
         wide = [_widen(x, ctx.kind) for x in (q, k, v)]
         narrow = dtype_name(o, ctx.kind) == "bfloat16"
         o32 = ctx.empty((B, H, Nq, D), "float32") if narrow else o
-        with _quiet_kernels():
-            _launch(ctx, dict(call, dtype="float32"), *wide, o32, lse, order, **walk)
+        with quiet_kernels():
+            _launch(ctx, call.with_dtype("float32"), *wide, o32, lse, order, **walk)
         if narrow:
             o[...] = _narrow(o32, o, ctx.kind)
     else:
-        with _quiet_kernels():
+        with quiet_kernels():
             _launch(ctx, call, q, k, v, o, lse, order, **walk)
 
 
@@ -336,29 +334,29 @@ def _narrow(x32, like, kind):
     return x32.to(like.dtype) if kind == "torch" else x32.astype(like.dtype)
 
 
-def simulated_seconds(call: dict) -> float:
+def simulated_seconds(call: LaunchConfig) -> float:
     """About how long the simulator takes for a validated call (``simulator.estimate_seconds``)."""
     from numba_flash.simulator import estimate_seconds
 
-    B, H, Nq, D = call["q_shape"]
-    bm, bn = call["block_m"], call["block_n"]
-    spec = kernel_spec(call["algorithm"], D, call["dtype"], bm, bn, call["causal"], call["regime"])
-    padded = tile_layout(D, bm, bn).padded_dim if call["regime"] == "ieee" else spec.head_dim
-    return estimate_seconds(call["algorithm"], B, H, Nq, call["n_k"], D, bm, bn, call["causal"],
-                            spec.threads, padded, call["regime"] != "ieee")
+    B, H, Nq, D = call.q_shape
+    bm, bn = call.block_m, call.block_n
+    spec = kernel_spec(call.algorithm, D, call.dtype, bm, bn, call.causal, call.regime)
+    padded = tile_layout(D, bm, bn).padded_dim if call.regime == "ieee" else spec.head_dim
+    return estimate_seconds(call.algorithm, B, H, Nq, call.n_k, D, bm, bn, call.causal,
+                            spec.threads, padded, call.regime != "ieee")
 
 
-def _warn_if_slow(call: dict) -> None:
+def _warn_if_slow(call: LaunchConfig) -> None:
     """Say so before a simulated call that will take minutes (no GPU here)."""
     from numba_flash.simulator import SLOW_SECONDS, SimulatorSlowWarning, format_seconds
 
     seconds = simulated_seconds(call)
     if seconds < SLOW_SECONDS:
         return
-    B, H, Nq, D = call["q_shape"]
+    B, H, Nq, D = call.q_shape
     warnings.warn(
         SimulatorSlowWarning(
-            f"no GPU: this {call['algorithm'].upper().replace('FA', 'FA-')} call (B={B} H={H} Nq={Nq} Nk={call['n_k']} D={D}) runs in "
+            f"no GPU: this {call.algorithm.upper().replace('FA', 'FA-')} call (B={B} H={H} Nq={Nq} Nk={call.n_k} D={D}) runs in "
             f"Numba's CUDA simulator and will take about {format_seconds(seconds)}; problems of a few dozen "
             "rows take seconds there"
         ),
@@ -374,79 +372,49 @@ def _caller_stacklevel() -> int:
     return level
 
 
-@contextlib.contextmanager
-def _quiet_kernels():
-    """In the simulator the kernels run as Python, so NumPy's RuntimeWarnings about their
-    documented handling of inf and NaN (``inf - inf`` in a masked or NaN row, which the
-    kernels turn into the right result) would reach the user quoting kernel source lines.
-    Silenced for the launch only, in the simulator only (on a GPU no Python runs there).
-    A warnings filter, not ``np.errstate``: the simulator's threads do not inherit the
-    caller's NumPy error state."""
-    if not simulated():
-        yield
-        return
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)
-        yield
-
-
 def _widen(x, kind):
     """A float32 copy of a bfloat16 array of the caller's library."""
     return x.float() if kind == "torch" else x.astype(np.float32)
 
 
-def _validate(q, k, v, causal, scale, algorithm, block_m, block_n, precision=None) -> dict:
-    kinds = [kind_of(x) for x in (q, k, v)]
-    if len(set(kinds)) != 1:
-        raise TypeError(f"q, k and v must be arrays of one library; got {kinds[0]}, {kinds[1]}, {kinds[2]}")
-    kind = kinds[0]
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
-    B, H, Nq, D = (int(s) for s in q.shape)
-    if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
-    Bk, Hkv, Nk, Dk = (int(s) for s in k.shape)
-    if Bk != B:
-        raise ValueError(f"k and v must have q's batch size {B}; got {Bk}")
-    if Dk != D:
-        raise ValueError(f"k and v must have q's head_dim {D}; got {Dk}")
-    if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim (last axis of q) must be from 1 to {MAX_HEAD_DIM}; got {D}")
-    if Hkv == 0:
-        raise ValueError(f"k and v must have at least one head; got shape {tuple(k.shape)}")
-    if H % Hkv != 0:
-        raise ValueError(f"q's heads ({H}) must be a multiple of k's and v's heads ({Hkv})")
-    dtypes = [dtype_name(x, kind) for x in (q, k, v)]
-    for name, dt in zip("qkv", dtypes):
-        if dt not in DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32; got {dt}")
-    if len(set(dtypes)) != 1:
-        raise TypeError(f"q, k and v must have one dtype; got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
-    if algorithm not in ALGORITHMS:
-        raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}; got {algorithm!r}")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
-    if scale is None:
-        scale = 1.0 / math.sqrt(D)
-    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
-        raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
-    elif not abs(float(scale)) * LOG2E < FLOAT32_MAX:  # scale * log2(e) is a float32 in the kernel
-        raise ValueError(f"scale must be finite and below {FLOAT32_MAX / LOG2E:.3g} in magnitude; got {scale}")
-    mode = regime(precision, dtypes[0])
-    block_m, block_n = choose_tiles(mode, algorithm, D, dtypes[0], bool(causal), block_m, block_n, device_id_of(q, kind))
-    return dict(
-        kind=kind,
-        q_shape=(B, H, Nq, D),
-        n_k=Nk,
-        dtype=dtypes[0],
-        causal=bool(causal),
-        scale=float(scale),
-        algorithm=algorithm,
-        block_m=block_m,
-        block_n=block_n,
-        regime=mode,
-    )
+@dataclass(frozen=True)
+class LaunchConfig:
+    """A checked call of the forward kernels: its :class:`~numba_flash.problem.Problem` and what
+    running it takes besides -- the tiles (:func:`choose_tiles`), the split count, the ablation
+    variant (``None``: the named points' kernels), the tensor-core pipeline (``kv_stages``,
+    ``key_warps``: ``decode``'s). Made by :func:`configure`; read by :func:`run`,
+    :func:`plan_run`, ``tensor_cores`` and ``decoding``; a plan's ``call`` (``plans``).
+    The problem's fields read through it (``call.q_shape``, ``call.dtype``, ...)."""
+
+    problem: Problem
+    block_m: int
+    block_n: int
+    num_splits: int | None = None
+    variant: object = None
+    kv_stages: int = 1
+    key_warps: int = 1
+
+    kind = property(lambda self: self.problem.kind)
+    q_shape = property(lambda self: self.problem.q_shape)
+    n_k = property(lambda self: self.problem.n_k)
+    dtype = property(lambda self: self.problem.dtype)
+    causal = property(lambda self: self.problem.causal)
+    scale = property(lambda self: self.problem.scale)
+    algorithm = property(lambda self: self.problem.algorithm)
+    regime = property(lambda self: self.problem.regime)
+
+    def with_dtype(self, dtype: str) -> LaunchConfig:
+        """The same launch on inputs of another dtype (bfloat16 widened to float32)."""
+        return replace(self, problem=replace(self.problem, dtype=dtype))
+
+
+def configure(problem: Problem, block_m=None, block_n=None, **launch) -> LaunchConfig:
+    """The launch configuration of a checked problem: the caller's tiles, checked
+    (``ValueError`` naming the argument), or the regime's defaults (:func:`choose_tiles`);
+    ``launch``: :class:`LaunchConfig`'s other fields."""
+    block_m, block_n = choose_tiles(problem.regime, problem.algorithm, problem.head_dim, problem.dtype,
+                                    problem.causal, block_m, block_n, problem.device_id)
+    return LaunchConfig(problem, block_m, block_n, **launch)
 
 
 def _check_variant(variant, precision):
@@ -560,14 +528,14 @@ def kernel_for(algorithm, head_dim, block_m, block_n, causal, dtype, permuted=Fa
     )
 
 
-def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None, n_splits=1, rows_per_query=1) -> None:
-    """One launch of a CUDA-core kernel (a named point or ``call["variant"]``) into ``o`` and
+def _launch(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order, seqlens=None, n_splits=1, rows_per_query=1) -> None:
+    """One launch of a CUDA-core kernel (a named point or ``call.variant``) into ``o`` and
     ``lse``; ``order``: the K/V tile order (NumPy int32) or ``None``."""
     permuted = order is not None
     if permuted and not simulated():
         order = cuda.to_device(order, stream=ctx.stream())  # ordered before the launch
     spec = _cuda_core_spec(call, permuted=permuted, ragged=seqlens is not None)
-    grid, threads = spec.grid(*call["q_shape"][:3], n_splits), spec.threads
+    grid, threads = spec.grid(*call.q_shape[:3], n_splits), spec.threads
     args = _cuda_core_arguments(spec, call, q, k, v, o, lse, order if permuted else None, seqlens,
                                 lambda shape, dtype: ctx.empty(shape, dtype),
                                 lambda shape, dtype: _placeholder(shape, dtype, ctx.device_id),
@@ -589,7 +557,7 @@ def _launch(ctx: ArrayContext, call: dict, q, k, v, o, lse, order, seqlens=None,
                 arg.copy_to_host(a.array)
 
 
-def _plan_cuda_cores(builder: plans.PlanBuilder, call: dict, q, k, v, o, lse, seqlens, n_splits,
+def _plan_cuda_cores(builder: plans.PlanBuilder, call: LaunchConfig, q, k, v, o, lse, seqlens, n_splits,
                      rows_per_query) -> None:
     """:func:`_launch` added to a plan (named points, no ``kv_tile_order``): FA-1's O, l, m are
     scratch arrays of the plan, placeholders its constants."""
@@ -599,14 +567,14 @@ def _plan_cuda_cores(builder: plans.PlanBuilder, call: dict, q, k, v, o, lse, se
                                 lambda shape, dtype: builder.constant(_placeholder(shape, dtype, device_id), "numba"),
                                 n_splits, rows_per_query)
     args = [a.array if isinstance(a, _KernelArray) else a for a in args]
-    builder.add_launch(spec.kernel, spec.grid(*call["q_shape"][:3], n_splits), (spec.threads,), args, spec.dynamic_smem)
+    builder.add_launch(spec.kernel, spec.grid(*call.q_shape[:3], n_splits), (spec.threads,), args, spec.dynamic_smem)
 
 
-def _cuda_core_spec(call: dict, permuted: bool, ragged: bool):
+def _cuda_core_spec(call: LaunchConfig, permuted: bool, ragged: bool):
     """The launch specification of a call's CUDA-core kernel (named point or variant)."""
-    D = call["q_shape"][3]
-    return kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], "ieee",
-                       ragged=ragged, permuted=permuted, variant=call.get("variant"))
+    D = call.q_shape[3]
+    return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, "ieee",
+                       ragged=ragged, permuted=permuted, variant=call.variant)
 
 
 class _KernelArray(NamedTuple):
@@ -618,7 +586,7 @@ class _KernelArray(NamedTuple):
     array: object
 
 
-def _cuda_core_arguments(spec, call: dict, q, k, v, o, lse, order, seqlens, new_array, placeholder, n_splits,
+def _cuda_core_arguments(spec, call: LaunchConfig, q, k, v, o, lse, order, seqlens, new_array, placeholder, n_splits,
                          rows_per_query) -> list:
     """A CUDA-core kernel's arguments in the skeleton's order (``kernels.forward``): q, k, v, o,
     lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query.
@@ -626,14 +594,14 @@ def _cuda_core_arguments(spec, call: dict, q, k, v, o, lse, order, seqlens, new_
     Arrays as :class:`_KernelArray`: the caller's, ``new_array(shape, dtype)``'s (FA-1's O, l, m
     in global memory), ``order`` (on the device) or ``placeholder(shape, dtype)``'s (an argument
     the kernel's specialisation never reads); scalars as NumPy float32 / int32."""
-    B, H, Nq, D = call["q_shape"]
+    B, H, Nq, D = call.q_shape
     unused4 = _KernelArray("own", placeholder((1, 1, 1, 1), "float32"))
     unused3 = _KernelArray("own", placeholder((1, 1, 1), "float32"))
     if not spec.kv_outer:
         state = [unused4, unused3, unused3]  # O, l, m stay on chip
         results = [_KernelArray("out", o), _KernelArray("out", lse)]
     else:
-        cast_out = casts_output(call["dtype"])
+        cast_out = casts_output(call.dtype)
         # FA-1's O, l, m in global memory; O is the float32 output itself unless it is cast.
         o_hbm = _KernelArray("out", new_array((B, H, Nq, D), "float32") if cast_out else o)
         state = [o_hbm, _KernelArray("out", new_array((B, H, Nq), "float32")),
@@ -642,7 +610,7 @@ def _cuda_core_arguments(spec, call: dict, q, k, v, o, lse, order, seqlens, new_
         results = [_KernelArray("out", o) if cast_out else unused4, _KernelArray("out", lse)]
     kv_order = _KernelArray("own", placeholder(1, "int32") if order is None else order)  # unpermuted: not read
     lengths = _KernelArray("in", seqlens) if seqlens is not None else _KernelArray("own", placeholder(1, "int32"))
-    q_scale = np.float32(call["scale"] * LOG2E)
+    q_scale = np.float32(call.scale * LOG2E)
     return [_KernelArray("in", q), _KernelArray("in", k), _KernelArray("in", v), *results, *state, q_scale, kv_order,
             lengths, np.int32(n_splits), np.int32(rows_per_query)]  # the last two: split-KV (kernels.kv_split)
 

@@ -99,43 +99,45 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
     ``tiles``: ``(block_m, block_n)`` of the tensor-core kernels (queries per Q tile, keys per
     K/V tile; default :func:`backward_tc_tiles`), for sweeps."""
     from numba_flash import api
+    from numba_flash.problem import describe
 
     do, q, k, v, o, lse = (as_cupy_view(x) for x in (do, q, k, v, o, lse))
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}; got {algorithm!r}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
-    call = api._validate(q, k, v, causal, scale, "fa2", None, None, "ieee")
-    kind = call["kind"]
-    B, H, Nq, D = call["q_shape"]
-    Hkv, Nk = int(k.shape[1]), call["n_k"]
-    api.check_like(do, "do", (B, H, Nq, D), call["dtype"], kind)
-    api.check_like(o, "o", (B, H, Nq, D), call["dtype"], kind)
+    # attention's checks (the forward's regime is not this one: backward_regime below decides)
+    problem = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", precision="ieee")
+    kind = problem.kind
+    B, H, Nq, D = problem.q_shape
+    Hkv, Nk = int(k.shape[1]), problem.n_k
+    api.check_like(do, "do", (B, H, Nq, D), problem.dtype, kind)
+    api.check_like(o, "o", (B, H, Nq, D), problem.dtype, kind)
     api.check_like(lse, "lse", (B, H, Nq), "float32", kind)
     ctx = ArrayContext(kind, q)
     with ctx.on_device():
-        dq, dk, dv = (ctx.empty(tuple(x.shape), call["dtype"]) for x in (q, k, v))
+        dq, dk, dv = (ctx.empty(tuple(x.shape), problem.dtype) for x in (q, k, v))
         if B * H * Nq == 0 or Nk == 0:
             for g in (dq, dk, dv):
                 g[...] = 0
             return dq, dk, dv
-        regime = backward_regime(precision, call["dtype"])
+        regime = backward_regime(precision, problem.dtype)
         if regime == "ieee":
-            _run(ctx, call, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv)
+            _run(ctx, problem, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv)
         else:
-            _run_tc(ctx, call, regime, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, tiles)
+            _run_tc(ctx, problem, regime, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, tiles)
     return dq, dk, dv
 
 
-def _run(ctx, call, algorithm, deterministic, inputs, grads, Hkv) -> None:
+def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
     from numba_flash.kernels.bwd import ROWDOT_THREADS, bwd_dq_kernel, bwd_kernel, bwd_layout, rowdot_kernel
     from numba_flash.launch import numba_launch
 
-    B, H, Nq, D = call["q_shape"]
-    Nk = call["n_k"]
+    B, H, Nq, D = problem.q_shape
+    Nk = problem.n_k
     block, _, _ = backward_tiles(D)
-    scale = np.float32(call["scale"])
-    wide = call["dtype"] == "bfloat16"  # the kernels read float16 or float32
+    scale = np.float32(problem.scale)
+    wide = problem.dtype == "bfloat16"  # the kernels read float16 or float32
     do, q, k, v, o, lse = (_widen(x, ctx.kind) if wide and i != 5 else x for i, x in enumerate(inputs))
     dq, dk, dv = grads
     dk_k, dv_k = (ctx.empty(tuple(g.shape), "float32") if wide else g for g in (dk, dv))
@@ -151,23 +153,23 @@ def _run(ctx, call, algorithm, deterministic, inputs, grads, Hkv) -> None:
     else:
         grid = (B * Hkv,)
     layout = bwd_layout(algorithm, D, block)
-    kernel = bwd_kernel(algorithm, D, block, call["causal"], not deterministic or algorithm == "fa1")
+    kernel = bwd_kernel(algorithm, D, block, problem.causal, not deterministic or algorithm == "fa1")
     numba_launch(kernel, grid, layout.threads, stream,
                  dev(("in", q), ("in", k), ("in", v), ("in", o), ("in", do), ("in", lse), ("in", dvec),
                      ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale), shared_mem_bytes=layout.smem_bytes)
     if deterministic and algorithm == "fa2":
         dq_layout = bwd_layout("dq", D, block)
-        numba_launch(bwd_dq_kernel(D, block, call["causal"]), (-(-Nq // block) * B * H,), dq_layout.threads, stream,
+        numba_launch(bwd_dq_kernel(D, block, problem.causal), (-(-Nq // block) * B * H,), dq_layout.threads, stream,
                      dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale),
                      shared_mem_bytes=dq_layout.smem_bytes)
     dev.copy_back()
-    dq[...] = _narrow(dq_acc, dq, ctx.kind) if call["dtype"] != "float32" else dq_acc
+    dq[...] = _narrow(dq_acc, dq, ctx.kind) if problem.dtype != "float32" else dq_acc
     if wide:
         dk[...] = _narrow(dk_k, dk, ctx.kind)
         dv[...] = _narrow(dv_k, dv, ctx.kind)
 
 
-def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles=None) -> None:
+def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, tiles=None) -> None:
     """The tensor-core kernels (``kernels.tc_bwd``) on 16-bit inputs (or float32, kind
     ``"tf32x3"``): FA-2 D = rowsum(dO * O) first, then dK/dV with dQ by atomics (or dQ by its own
     kernel when ``deterministic``), or FA-1 in one kernel; dK, dV written by the kernel in the
@@ -181,10 +183,10 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
     )
     from numba_flash.kernels.tc_ops import kernel_head_dim
     from numba_flash.launch import numba_launch
-    from numba_flash.tensor_cores import _cupy_stream, bits_view, kernel_arrays
+    from numba_flash.tensor_cores import bits_view, cupy_stream, kernel_arrays
 
-    B, H, Nq, D = call["q_shape"]
-    Nk = call["n_k"]
+    B, H, Nq, D = problem.q_shape
+    Nk = problem.n_k
     dim = kernel_head_dim(kind, D)
     block_m, block_n = backward_tc_tiles(dim, kind) if tiles is None else tiles
     check_tc_bwd_tiles(kind, dim, block_m, block_n, [algorithm] + (["dq"] if deterministic and algorithm == "fa2" else []))
@@ -193,9 +195,9 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
     dq_acc = ctx.empty((B, H, Nq, dim), "float32")  # the kernel's head dim: dQ's atomics add column pairs
     dq_acc[...] = 0
     dvec = ctx.empty((B, H, Nq), "float32")
-    scale = np.float32(call["scale"])
+    scale = np.float32(problem.scale)
     # torch: the CuPy views and padded copies on torch's stream
-    on_stream = _cupy_stream(ctx.stream_ptr()) if ctx.kind == "torch" else contextlib.nullcontext()
+    on_stream = cupy_stream(ctx.stream_ptr()) if ctx.kind == "torch" else contextlib.nullcontext()
     with on_stream:
         kq, kk, kv, kdo, ko = kernel_arrays(kind, ctx.kind, q, k, v, do, o)
         sixteen = kind != "tf32x3"
@@ -211,7 +213,7 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
             grid = (B * Hkv,)
         layout = tc_bwd_layout(algorithm, kind, dim, block_m, block_n)
         cc = None if simulated() else cuda_device_capability()
-        kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, call["causal"], not deterministic or algorithm == "fa1",
+        kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, problem.causal, not deterministic or algorithm == "fa1",
                                vector_reductions(cc))
         numba_launch(kernel, grid, layout.threads, stream,
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
@@ -219,7 +221,7 @@ def _run_tc(ctx, call, kind, algorithm, deterministic, inputs, grads, Hkv, tiles
         if deterministic and algorithm == "fa2":
             dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind)
             dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
-            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, call["causal"]), (-(-Nq // dq_m) * B * H,),
+            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.causal), (-(-Nq // dq_m) * B * H,),
                          dq_layout.threads, stream,
                          dev(("in", kq), ("in", kk), ("in", kv), ("in", kdo), ("in", lse_b), ("in", dvec_b), ("out", dq_b),
                              scale), shared_mem_bytes=dq_layout.smem_bytes)

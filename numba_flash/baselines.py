@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+from numba_flash.masking import mask_spec
+
 
 def cupy_attention(q, k, v, causal=False, scale=None):
     """Materialised attention on CuPy arrays, output in q's dtype.
@@ -29,9 +31,7 @@ def cupy_attention(q, k, v, causal=False, scale=None):
     s = cp.matmul(q.astype(acc), k.astype(acc).swapaxes(-1, -2))
     s *= scale
     if causal:
-        i = cp.arange(Nq)[:, None]
-        j = cp.arange(Nk)[None, :]
-        s = cp.where(j <= i + (Nk - Nq), s, -cp.inf)
+        s = cp.where(mask_spec(causal).matrix(Nq, Nk, xp=cp), s, -cp.inf)
     m = s.max(axis=-1, keepdims=True)
     m = cp.where(cp.isfinite(m), m, 0)
     p = cp.exp(s - m)

@@ -30,7 +30,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
     """Shows each flag's default after its help, except where there is none to show (a flag
     that is off unless given, or a default that depends on the machine and is said in words)."""
 
@@ -54,13 +54,13 @@ def _parser() -> argparse.ArgumentParser:
         description="FlashAttention-1 and FlashAttention-2 in numba.cuda, side by side "
         "(also: python -m numba_flash). Without a GPU the kernels run in Numba's CUDA simulator.",
         epilog="numba-flash COMMAND --help describes a command's options.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name, help_text):
-        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=_HelpFormatter)
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
 
     cmp = add("compare", "FA-1 and FA-2 on the same inputs, side by side")
     cmp.add_argument("--batch", type=positive_int, metavar="B", help="batch size (default: 4 on a GPU, 1 in the simulator)")

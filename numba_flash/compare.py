@@ -21,7 +21,7 @@ GPU_DEFAULT = dict(batch=4, heads=16, seq=4096, head_dim=64)
 SIM_DEFAULT = dict(batch=1, heads=2, seq=48, head_dim=16, block_m=16, block_n=16)
 
 
-def _problem(args) -> dict:
+def problem_of(args) -> dict:
     """The problem of ``args`` (``harness.describe``): the flags given, the world's defaults for the rest."""
     defaults = SIM_DEFAULT if simulated() else GPU_DEFAULT
     given = {key: getattr(args, key, None) for key in ("batch", "heads", "seq", "head_dim", "block_m", "block_n")}
@@ -44,7 +44,7 @@ def setup(args, say, algorithms=ALGORITHMS):
     simulator, ``say`` how long ``algorithms`` will take."""
     from numba_flash.simulator import format_seconds
 
-    p = _problem(args)
+    p = problem_of(args)
     problem = make_problem(p, args.seed)
     notes = []
     if problem["rel_err_scope"] != "all":
@@ -102,12 +102,13 @@ def peer_note(row) -> str:
 
 def _simulated_seconds(q, k, v, p, algorithms=ALGORITHMS) -> float:
     """The simulator's cost model for these kernels on this problem (``api.simulated_seconds``)."""
-    from numba_flash.api import _validate, simulated_seconds
+    from numba_flash.api import configure, simulated_seconds
+    from numba_flash.problem import describe as describe_problem
 
     total = 0.0
     for alg in algorithms:
-        call = _validate(q, k, v, p["causal"], None, alg, p["block_m"], p["block_n"], p["precision"])
-        total += simulated_seconds(call)
+        problem = describe_problem(q, k, v, causal=p["causal"], algorithm=alg, precision=p["precision"])
+        total += simulated_seconds(configure(problem, p["block_m"], p["block_n"]))
     return total
 
 

@@ -19,11 +19,14 @@ Few query rows make few blocks (B * Hkv Q tiles: 8 for B1 Hkv8), so the keys are
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from numba_flash import api, plans, tile_cache
 from numba_flash._world import simulated
 from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, kind_of, pointer_reader
+from numba_flash.problem import describe
 from numba_flash.split_kv import check_num_splits
 
 DECODE_BLOCK_N = 64  # K/V rows per tile: 16 KiB of K (and of V) per tile at D = 128, 16-bit
@@ -69,15 +72,15 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         block_m, block_n = _decode_tiles(dtype_name(q, kind), rows, D)
         # Every check of attention (shapes, dtypes, scale, tiles), on the packed problem.
         packed = _pack(q, kind, group)
-        call = api._validate(packed, k_cache, v_cache, causal, scale, "fa2", block_m, block_n)
-        if call["regime"] != "ieee":
-            call["kv_stages"], call["key_warps"] = _decode_pipeline(block_m, block_n)
-        call["num_splits"] = check_num_splits(num_splits, "fa2")
+        call = api.configure(describe(packed, k_cache, v_cache, causal=causal, scale=scale, algorithm="fa2"),
+                             block_m, block_n)
+        kv_stages, key_warps = _decode_pipeline(block_m, block_n) if call.regime != "ieee" else (1, 1)
+        call = replace(call, kv_stages=kv_stages, key_warps=key_warps, num_splits=check_num_splits(num_splits, "fa2"))
         ctx = ArrayContext(kind, q)
         with ctx.on_device():
             seqlens = _check_seqlens(cache_seqlens, B, kind, ctx)
             if key is not None and seqlens is cache_seqlens:  # lengths used as given: plannable
-                tile_entries = tile_cache.load() if call["regime"] == "ieee" else None  # float32: tuned tiles
+                tile_entries = tile_cache.load() if call.regime == "ieee" else None  # float32: tuned tiles
                 plan = _plan_decode(ctx, call, q, packed, k_cache, v_cache, seqlens, group, tile_entries)
             if plan is None:
                 o, lse = _decode_unplanned(ctx, call, packed, k_cache, v_cache, seqlens, group, Nq)
@@ -107,14 +110,14 @@ def _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits):
             plans.value_key(num_splits))
 
 
-def _plan_decode(ctx, call: dict, q, packed, k_cache, v_cache, seqlens, group: int, tile_entries):
+def _plan_decode(ctx, call: api.LaunchConfig, q, packed, k_cache, v_cache, seqlens, group: int, tile_entries):
     """The plan of a checked decode call: its arrays q, k_cache, v_cache, o, lse (and
     seqlens) in that order, o and lse allocated in the caller's shapes. ``None`` when the
     unplanned path runs it: NumPy, the simulator, an empty problem, packed rows that are a
     copy of q (``Nq > 1`` with grouped heads), or what ``api.plan_run`` leaves to it."""
-    B, Hkv, rows, D = call["q_shape"]
+    B, Hkv, rows, D = call.q_shape
     H, Nq = Hkv * group, rows // group
-    if not ctx.direct_launch or B * rows == 0 or call["n_k"] == 0 or (Nq > 1 and group > 1):
+    if not ctx.direct_launch or B * rows == 0 or call.n_k == 0 or (Nq > 1 and group > 1):
         return None
     # Nq = 1 or group = 1: the packed rows are a view of q at its address, and a C-contiguous
     # (B, H, Nq, D) result is a C-contiguous (B, Hkv, rows, D) one: the kernel writes the
@@ -124,22 +127,22 @@ def _plan_decode(ctx, call: dict, q, packed, k_cache, v_cache, seqlens, group: i
         return None
     builder = plans.PlanBuilder(ctx, call, 5 if seqlens is None else 6)
     arrays = [builder.caller_array(0, packed), builder.caller_array(1, k_cache), builder.caller_array(2, v_cache),
-              builder.result_array(3, (B, Hkv, rows, D), call["dtype"]),
+              builder.result_array(3, (B, Hkv, rows, D), call.dtype),
               builder.result_array(4, (B, Hkv, rows), "float32"),
               None if seqlens is None else builder.caller_array(5, seqlens)]
     if not api.plan_run(builder, call, *arrays, rows_per_query=group):
         return None
-    return builder.plan((((B, H, Nq, D), call["dtype"]), ((B, H, Nq), "float32")), tile_entries)
+    return builder.plan((((B, H, Nq, D), call.dtype), ((B, H, Nq), "float32")), tile_entries)
 
 
-def _decode_unplanned(ctx, call: dict, packed, k_cache, v_cache, seqlens, group: int, n_q: int):
+def _decode_unplanned(ctx, call: api.LaunchConfig, packed, k_cache, v_cache, seqlens, group: int, n_q: int):
     """A checked decode call without a plan: packed results, ``api.run``, unpacked views."""
-    B, Hkv, rows, D = call["q_shape"]
-    kind = call["kind"]
-    o_packed = ctx.empty((B, Hkv, rows, D), call["dtype"])
+    B, Hkv, rows, D = call.q_shape
+    kind = call.kind
+    o_packed = ctx.empty((B, Hkv, rows, D), call.dtype)
     lse_packed = ctx.empty((B, Hkv, rows), "float32")
     if B * rows:
-        if call["n_k"] == 0:
+        if call.n_k == 0:
             o_packed[...] = 0
             lse_packed[...] = -np.inf
         else:
@@ -147,10 +150,10 @@ def _decode_unplanned(ctx, call: dict, packed, k_cache, v_cache, seqlens, group:
     return _unpack(o_packed, kind, group, n_q), _unpack(lse_packed[..., None], kind, group, n_q)[..., 0]
 
 
-def _run_unaligned(call: dict, q, k_cache, v_cache, seqlens, o, lse) -> None:
+def _run_unaligned(call: api.LaunchConfig, q, k_cache, v_cache, seqlens, o, lse) -> None:
     """A planned call whose inputs ``cp.async`` cannot read in place: ``api.run`` (which copies)
     on packed views of q and of the plan's results."""
-    kind = call["kind"]
+    kind = call.kind
     group = int(q.shape[1]) // int(k_cache.shape[1])
     o_packed, lse_packed = _pack(o, kind, group), _pack(lse[..., None], kind, group)[..., 0]
     api.run(ArrayContext(kind, q), call, _pack(q, kind, group), k_cache, v_cache, o_packed, lse_packed, None, seqlens,

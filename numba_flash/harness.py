@@ -29,10 +29,10 @@ import sys
 import numpy as np
 
 from numba_flash._world import simulated
+from numba_flash.problem import regime
 from numba_flash.profiling.timing import attention_flops, median_ms, tflops
 from numba_flash.profiling.traffic import traffic_bytes
 from numba_flash.specs import kernel_spec
-from numba_flash.tensor_cores import regime
 
 ALGORITHMS = ("fa1", "fa2")
 WARMUP = 3  # untimed calls before timing (the check before them has compiled)
@@ -322,7 +322,7 @@ def _gradient_errors(grads, problem) -> dict:
     refs = reference.attention_backward(do, q, k, v, causal=p["causal"])
     worst = 0.0
     for got, part, ref in zip(grads, (q_part, kv_part, kv_part), refs):
-        diff = reference._to_numpy(got[part], "gradient") - ref
+        diff = reference.to_numpy(got[part], "gradient") - ref
         worst = max(worst, float(np.linalg.norm(diff) / max(np.linalg.norm(ref), np.finfo(np.float64).tiny)))
     return dict(grad_rel_err=worst, grad_rel_err_scope=label)
 

@@ -97,7 +97,7 @@ class CallPlan(NamedTuple):
     them (q, k, v, o, lse, and decode's seqlens), then the scratch arrays the plan allocates
     per call. Valid for arrays of the signature it was made for."""
 
-    call: dict  # the validated call (``api._validate``): the unplanned path's input
+    call: object  # the checked call (``api.LaunchConfig``): the unplanned path's input
     results: tuple  # allocators of o and lse, in the caller's shapes
     scratch: tuple  # allocators of the scratch arrays, in their numbering
     launches: tuple  # launch.PreparedLaunch, in order
@@ -138,7 +138,7 @@ class PlanBuilder:
     """Collects a :class:`CallPlan` for a call of ``caller_arrays`` arrays of the caller's
     (numbered first), under the array context ``ctx`` of its first call (kind, device)."""
 
-    def __init__(self, ctx, call: dict, caller_arrays: int):
+    def __init__(self, ctx, call, caller_arrays: int):
         self.ctx, self.call = ctx, call
         self.count = caller_arrays
         self.scratch, self.launches, self.aligned, self.constants = [], [], [], []

@@ -13,10 +13,12 @@ import math
 
 import numpy as np
 
+from numba_flash.masking import mask_spec
+
 __all__ = ["attention", "attention_backward"]
 
 
-def _to_numpy(x, name: str) -> np.ndarray:
+def to_numpy(x, name: str) -> np.ndarray:
     """Any array-like as a float64 NumPy array, copying GPU arrays to the host.
 
     Duck-typed so that neither CuPy nor PyTorch has to be installed: an object with
@@ -100,9 +102,9 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
     in ``q``/``k`` makes the rows whose scores it reaches NaN, NaN in ``v[.., j, d]`` makes
     ``o[.., i, d]`` NaN for the rows ``i`` that see key ``j``. No RuntimeWarning is emitted.
     """
-    q = _to_numpy(q, "q")
-    k = _to_numpy(k, "k")
-    v = _to_numpy(v, "v")
+    q = to_numpy(q, "q")
+    k = to_numpy(k, "k")
+    v = to_numpy(v, "v")
     _check_shapes(q, k, v)
     batch, heads, n_q, head_dim = q.shape
     kv_heads, n_k = k.shape[1], k.shape[2]
@@ -117,9 +119,9 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
 
     with np.errstate(invalid="ignore", over="ignore"):
         s = (q5 @ k5.swapaxes(-1, -2)) * scale  # (B, Hkv, group, Nq, Nk), materialised
-        if causal:
-            sees = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + (n_k - n_q)
-            s = np.where(sees, s, -np.inf)
+        mask = mask_spec(causal)
+        if not mask.is_full:
+            s = np.where(mask.matrix(n_q, n_k), s, -np.inf)
         o, lse = _masked_softmax_times_v(s, v5)
     return o.reshape(batch, heads, n_q, head_dim), lse.reshape(batch, heads, n_q)
 
@@ -149,10 +151,10 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
     dq : ndarray float64, shape (B, H, Nq, D)
     dk, dv : ndarray float64, shape (B, Hkv, Nk, D)
     """
-    do = _to_numpy(do, "do")
-    q = _to_numpy(q, "q")
-    k = _to_numpy(k, "k")
-    v = _to_numpy(v, "v")
+    do = to_numpy(do, "do")
+    q = to_numpy(q, "q")
+    k = to_numpy(k, "k")
+    v = to_numpy(v, "v")
     _check_shapes(q, k, v)
     if do.shape != q.shape:
         raise ValueError(f"do must have the shape of q {q.shape}, got {do.shape}")
@@ -169,9 +171,9 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
 
     with np.errstate(invalid="ignore", over="ignore"):
         s = (q5 @ k5.swapaxes(-1, -2)) * scale  # (B, Hkv, group, Nq, Nk)
-        if causal:
-            sees = np.arange(n_k)[None, :] <= np.arange(n_q)[:, None] + (n_k - n_q)
-            s = np.where(sees, s, -np.inf)
+        mask = mask_spec(causal)
+        if not mask.is_full:
+            s = np.where(mask.matrix(n_q, n_k), s, -np.inf)
         p, unmasked = _masked_softmax(s)
         dv = (p.swapaxes(-1, -2) @ do5).sum(axis=2)  # dV = P^T dO, summed over the group
         dp = do5 @ v5.swapaxes(-1, -2)  # dP = dO V^T

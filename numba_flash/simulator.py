@@ -41,8 +41,10 @@ take over a minute.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
+import warnings
 
 _ENV = "NUMBA_FLASH_FAST_SIMULATOR"
 _SUPPORTED = ("0.30.",)  # numba-cuda versions whose simulator internals this was written against
@@ -264,3 +266,21 @@ def estimate_seconds(algorithm: str, batch: int, heads: int, n_q: int, n_k: int,
     if tensor_cores:
         seconds *= TENSOR_CORE_FACTOR
     return seconds if fast() else seconds * SLOW_FACTOR_STOCK
+
+
+@contextlib.contextmanager
+def quiet_kernels():
+    """In the simulator the kernels run as Python, so NumPy's RuntimeWarnings about their
+    documented handling of inf and NaN (``inf - inf`` in a masked or NaN row, which the
+    kernels turn into the right result) would reach the user quoting kernel source lines.
+    Silenced for the launch only, in the simulator only (on a GPU no Python runs there).
+    A warnings filter, not ``np.errstate``: the simulator's threads do not inherit the
+    caller's NumPy error state."""
+    from numba_flash._world import simulated
+
+    if not simulated():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield

@@ -1,6 +1,7 @@
-"""The precision regime of a call, and the launch of the tensor-core kernels.
+"""The launch of the tensor-core kernels.
 
-``attention(..., precision=None)`` (API.md section 2a) picks one of two regimes:
+``attention(..., precision=None)`` (API.md section 2a) picks one of two regimes
+(``problem.regime``, the one place that decides):
 
 - ``"ieee"``: the CUDA-core kernels (``kernels.fa1``, ``kernels.fa2``), exact FFMA; the research
   baseline. float32 by default; any dtype with ``precision="ieee"`` (bfloat16 inputs are
@@ -24,6 +25,7 @@ bfloat16 dtype; pass a torch tensor or a DLPack/CAI object of one.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -31,26 +33,13 @@ from numba_flash._world import simulated
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tc_ops import check_tc_tiles, default_tc_tiles, input_alignment, kernel_head_dim
 from numba_flash.launch import device_array, launch, numba_launch
+from numba_flash.problem import TENSOR_CORE_KIND
 from numba_flash.specs import kernel_spec
 
-_TC_OF_DTYPE = {"float16": "f16", "bfloat16": "bf16"}
+if TYPE_CHECKING:
+    from numba_flash.api import LaunchConfig
+
 CP_ASYNC_ALIGNMENT = 16  # bytes: the alignment of the inputs' data that cp.async reads in place
-
-
-def regime(precision, dtype: str) -> str:
-    """``"ieee"`` (CUDA cores) or the tensor-core kind for this precision and input dtype."""
-    if precision is None:
-        return _TC_OF_DTYPE.get(dtype, "ieee")
-    if isinstance(precision, str) and precision == "ieee":
-        return "ieee"
-    if isinstance(precision, str) and precision in ("tf32", "tf32x3"):
-        if dtype != "float32":
-            raise ValueError(
-                f"precision={precision!r} is for float32 inputs; got {dtype} (float16 and bfloat16 "
-                "use tensor cores with precision=None)"
-            )
-        return precision
-    raise ValueError(f"precision must be one of None, 'ieee', 'tf32', 'tf32x3'; got {precision!r}")
 
 
 def tc_tiles(kind: str, head_dim: int, block_m, block_n) -> tuple[int, int]:
@@ -132,7 +121,7 @@ def kernel_arrays(kind: str, kind_of_array: str, *arrays):
     """4-D inputs of one head dim as the tensor-core kernels read them with ``cp.async``: the
     kernel's element type, the kernel head dim, 16-byte aligned rows (views when they can be,
     else zero-padded copies). The forward's q, k, v; the backward's also do and o."""
-    sixteen = kind in _TC_OF_DTYPE.values()
+    sixteen = kind in TENSOR_CORE_KIND.values()
     dim = kernel_head_dim(kind, int(arrays[0].shape[3]))
     width = input_alignment(kind)
     out = []
@@ -146,7 +135,7 @@ def kernel_arrays(kind: str, kind_of_array: str, *arrays):
     return out
 
 
-def launch_tc(ctx, call: dict, q, k, v, o, lse, seqlens=None, n_splits=1, rows_per_query=1) -> None:
+def launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, seqlens=None, n_splits=1, rows_per_query=1) -> None:
     """Run the tensor-core kernel of ``call`` (validated by ``api``) into ``o`` and ``lse``;
     on a GPU every copy and launch is queued on the caller's stream. With ``n_splits > 1``,
     ``o`` and ``lse`` are the float32 partials ``(S*B, H, Nq, kernel head dim)`` of
@@ -155,7 +144,7 @@ def launch_tc(ctx, call: dict, q, k, v, o, lse, seqlens=None, n_splits=1, rows_p
     if ctx.direct_launch and _launch_in_place(ctx, call, q, k, v, o, lse, walk):
         return
     if ctx.kind == "torch":  # the CuPy copies of this call (padding, views) on torch's stream
-        with _cupy_stream(ctx.stream_ptr()):
+        with cupy_stream(ctx.stream_ptr()):
             _launch_tc(ctx, call, q, k, v, o, lse, walk)
     else:  # CuPy: its current stream is the caller's already
         _launch_tc(ctx, call, q, k, v, o, lse, walk)
@@ -172,7 +161,7 @@ class _StreamHandle:
 
 
 @functools.lru_cache(maxsize=64)
-def _cupy_stream(ptr: int):
+def cupy_stream(ptr: int):
     """A CuPy stream for a foreign handle (CuPy 14 deprecates ``ExternalStream`` for
     ``Stream.from_external``; older CuPy has only the former)."""
     import cupy
@@ -183,14 +172,14 @@ def _cupy_stream(ptr: int):
     return cupy.cuda.ExternalStream(ptr)
 
 
-def _launch_tc(ctx, call: dict, q, k, v, o, lse, walk) -> None:
+def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     seqlens, n_splits, rows_per_query = walk
-    B, H, Nq, D = call["q_shape"]
+    B, H, Nq, D = call.q_shape
     partial = n_splits > 1  # o, lse: float32 partials of the kernel's head dim
-    spec = kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
-                       ragged=seqlens is not None, split_out=partial, kv_stages=call.get("kv_stages", 1),
-                       key_warps=call.get("key_warps", 1))
-    sixteen = spec.regime in _TC_OF_DTYPE.values()
+    spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, call.regime,
+                       ragged=seqlens is not None, split_out=partial, kv_stages=call.kv_stages,
+                       key_warps=call.key_warps)
+    sixteen = spec.regime in TENSOR_CORE_KIND.values()
     dim, xp = spec.head_dim, _xp(ctx.kind)
     kq, kk, kv = kernel_inputs(spec.regime, ctx.kind, q, k, v)
     # The output: the caller's buffer viewed as the kernel's element type, or a padded one
@@ -198,7 +187,7 @@ def _launch_tc(ctx, call: dict, q, k, v, o, lse, walk) -> None:
     o_view = bits_view(o, ctx.kind, sixteen and not partial)
     o_kernel = o_view if o_view.shape[3] == dim else xp.empty((B, H, Nq, dim), dtype=o_view.dtype)
     lse_kernel = bits_view(lse, ctx.kind, False)
-    q_scale = np.float32(call["scale"] * LOG2E)  # scores in log2 units
+    q_scale = np.float32(call.scale * LOG2E)  # scores in log2 units
     written = [o_kernel, lse_kernel]
     tail = []
     if spec.algorithm == "fa1":  # the paper's O, l, m in global memory (float32)
@@ -219,7 +208,7 @@ def _launch_tc(ctx, call: dict, q, k, v, o, lse, walk) -> None:
         o_view[...] = o_kernel[..., :D]
 
 
-def _launch_in_place(ctx, call: dict, q, k, v, o, lse, walk) -> bool:
+def _launch_in_place(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> bool:
     """The common case on a GPU, with no array made: the caller's arrays are what the kernel
     reads and writes (16-byte aligned rows of the kernel's head dim), launched on their own
     pointers. False (nothing launched) when one is not; then :func:`_launch_tc` pads."""
@@ -233,13 +222,13 @@ def _launch_in_place(ctx, call: dict, q, k, v, o, lse, walk) -> bool:
                               device_array(lengths, "cupy" if seqlens is None else ctx.kind), n_splits, rows_per_query)
     if args is None:
         return False
-    B, H, Nq, _ = call["q_shape"]
+    B, H, Nq, _ = call.q_shape
     launch(spec.kernel, spec.grid(B, H, Nq, n_splits), (spec.threads,), ctx.stream_ptr(), args,
            shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
     return True
 
 
-def plan_in_place(builder, call: dict, q, k, v, o, lse, seqlens, n_splits, rows_per_query) -> bool:
+def plan_in_place(builder, call: LaunchConfig, q, k, v, o, lse, seqlens, n_splits, rows_per_query) -> bool:
     """:func:`_launch_in_place` added to a plan (``plans.PlanBuilder``) for the call's arrays
     described with open pointers; the plan checks per call that q, k and v are
     :data:`CP_ASYNC_ALIGNMENT`-aligned. False when the kernel cannot read the inputs where they are (their layout)."""
@@ -250,28 +239,28 @@ def plan_in_place(builder, call: dict, q, k, v, o, lse, seqlens, n_splits, rows_
     if args is None:
         return False
     builder.require_aligned(q.ptr.index, k.ptr.index, v.ptr.index)
-    B, H, Nq, _ = call["q_shape"]
+    B, H, Nq, _ = call.q_shape
     builder.add_launch(spec.kernel, spec.grid(B, H, Nq, n_splits), (spec.threads,), args, spec.dynamic_smem)
     return True
 
 
-def _in_place_spec(call: dict, ragged: bool, n_splits: int):
+def _in_place_spec(call: LaunchConfig, ragged: bool, n_splits: int):
     """The launch specification of the call's tensor-core kernel (float32 partials when split)."""
-    D = call["q_shape"][3]
-    return kernel_spec(call["algorithm"], D, call["dtype"], call["block_m"], call["block_n"], call["causal"], call["regime"],
-                       ragged=ragged, split_out=n_splits > 1, kv_stages=call.get("kv_stages", 1),
-                       key_warps=call.get("key_warps", 1))
+    D = call.q_shape[3]
+    return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, call.regime,
+                       ragged=ragged, split_out=n_splits > 1, kv_stages=call.kv_stages,
+                       key_warps=call.key_warps)
 
 
-def in_place_arguments(spec, call: dict, q, k, v, o, lse, lengths, n_splits, rows_per_query):
+def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_splits, rows_per_query):
     """The tensor-core FA-2 kernel's arguments on the caller's arrays (``launch.DeviceArray``):
     q, k, v, o, lse, q_scale, seqlens, n_splits, rows_per_query, 16-bit inputs (and a 16-bit
     final output) as uint16 bit patterns. ``None`` when the kernel cannot read the inputs
     where they are: FA-1, a head dim it pads, rows that are not 16-byte multiples (the
     pointers' alignment is the caller's check)."""
-    if spec.algorithm != "fa2" or spec.head_dim != call["q_shape"][3]:
+    if spec.algorithm != "fa2" or spec.head_dim != call.q_shape[3]:
         return None
-    sixteen = spec.regime in _TC_OF_DTYPE.values()
+    sixteen = spec.regime in TENSOR_CORE_KIND.values()
     width = input_alignment(spec.regime)
     inputs = [q, k, v]
     if sixteen:
@@ -280,7 +269,7 @@ def in_place_arguments(spec, call: dict, q, k, v, o, lse, lengths, n_splits, row
         return None
     if sixteen and not spec.split_out:
         o = o._replace(dtype="uint16")
-    return [*inputs, o, lse, np.float32(call["scale"] * LOG2E), lengths, np.int32(n_splits), np.int32(rows_per_query)]
+    return [*inputs, o, lse, np.float32(call.scale * LOG2E), lengths, np.int32(n_splits), np.int32(rows_per_query)]
 
 
 def _rows_laid_out(a, width: int) -> bool:

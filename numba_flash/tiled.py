@@ -25,6 +25,7 @@ import math
 
 import numpy as np
 
+from numba_flash.masking import mask_spec
 from numba_flash.online import SoftmaxState, empty_state, finalize, merge, update
 
 __all__ = ["fa1_tiled", "fa2_tiled"]
@@ -41,9 +42,9 @@ def _prepare(q, k, v, scale):
 def _scores(q_tile, k_tile, rows, cols, n_q, n_k, scale, causal):
     """S_ij = scale Q_i K_j^T, -inf where query row i may not see key j."""
     s = scale * (q_tile @ k_tile.T)
-    if causal:
-        visible = cols[None, :] <= rows[:, None] + (n_k - n_q)
-        s = np.where(visible, s, -np.inf)
+    mask = mask_spec(causal)
+    if not mask.is_full:
+        s = np.where(mask.visible(rows[:, None], cols[None, :], n_q, n_k), s, -np.inf)
     return s
 
 

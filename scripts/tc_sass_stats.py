@@ -45,9 +45,9 @@ def compile_sass(cfg, max_registers=None):
 def compile_sass_of(pyfunc, signature, fastmath=None, max_registers=None, cc=(9, 0)):
     """``compile_sass`` for any kernel: its Python function, argument types and fastmath flags."""
     from numba_flash._cuda import cuda
-    from numba_flash.profiling.occupancy import _no_device_compilation
+    from numba_flash.profiling.occupancy import no_device_compilation
 
-    with _no_device_compilation(cc):
+    with no_device_compilation(cc):
         ptx, _ = cuda.compile_ptx(pyfunc, signature, cc=cc, fastmath=fastmath)
     return sass_of_ptx(ptx, max_registers)
 

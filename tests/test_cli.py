@@ -209,13 +209,13 @@ def test_default_simulated_compare_is_expected_within_a_minute():
     import numpy as np
 
     from numba_flash._world import simulated
-    from numba_flash.compare import _problem, _simulated_seconds
+    from numba_flash.compare import _simulated_seconds, problem_of
 
     if not simulated():
         pytest.skip("the simulator's default problem")
     args = argparse.Namespace(batch=None, heads=None, kv_heads=None, seq=None, seq_k=None, head_dim=None,
                               block_m=None, block_n=None, causal=False, dtype="float32", precision="default")
-    p = _problem(args)
+    p = problem_of(args)
     shapes = ((p["batch"], p["heads"], p["seq"], p["head_dim"]), (p["batch"], p["kv_heads"], p["seq_k"], p["head_dim"]))
     q, k = (np.zeros(s, np.float32) for s in shapes)
     assert _simulated_seconds(q, k, k, p) < 30
@@ -236,10 +236,10 @@ def test_compare_runs_fa1_and_fa2_at_the_same_cuda_core_tiles(monkeypatch):
     monkeypatch.setattr(tiles, "simulated", lambda: False)
     blank = dict(batch=None, heads=None, seq=None, head_dim=None, block_m=None, block_n=None, causal=False,
                  kv_heads=None, seq_k=None)
-    p = compare._problem(argparse.Namespace(**blank, precision="default", dtype="float32"))
+    p = compare.problem_of(argparse.Namespace(**blank, precision="default", dtype="float32"))
     assert (p["block_m"], p["block_n"]) == comparison_tiles(64) == default_tiles("fa1", 64, "float32", False)
     assert default_tiles("fa2", 64, "float32", False) != comparison_tiles(64)
-    p = compare._problem(argparse.Namespace(**blank, precision="default", dtype="float16"))
+    p = compare.problem_of(argparse.Namespace(**blank, precision="default", dtype="float16"))
     assert p["block_m"] is None and p["block_n"] is None
-    p = compare._problem(argparse.Namespace(**{**blank, "block_m": 128, "block_n": 64}, precision="ieee", dtype="float32"))
+    p = compare.problem_of(argparse.Namespace(**{**blank, "block_m": 128, "block_n": 64}, precision="ieee", dtype="float32"))
     assert (p["block_m"], p["block_n"]) == (128, 64)

@@ -270,7 +270,7 @@ def test_float32_decode_at_the_gpu_default_tiles(monkeypatch):
             v[b, :, n:] = np.nan
         o, lse = numba_flash.decode(q, k, v, cache_seqlens=np.array(lens, np.int32), causal=True, num_splits=2,
                                     return_lse=True)
-        assert [(c["block_m"], c["block_n"], c["num_splits"]) for c in calls] == [(128, 64, 2)]
+        assert [(c.block_m, c.block_n, c.num_splits) for c in calls] == [(128, 64, 2)]
         check(q, k, v, lens, True, o, lse)
     finally:
         kernel_spec.cache_clear()

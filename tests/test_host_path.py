@@ -35,7 +35,7 @@ def gpu(monkeypatch, tmp_path):
 
         return wrapper
 
-    monkeypatch.setattr(api, "_validate", counted(api._validate, "validations"))
+    monkeypatch.setattr(api, "configure", counted(api.configure, "validations"))
     monkeypatch.setattr(plans.PlanBuilder, "plan", counted(plans.PlanBuilder.plan, "plannings"))
     yield record
     plans.clear()  # plans made with the fake's kernels and allocators

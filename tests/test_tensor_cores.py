@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 from numba_flash import reference
 from numba_flash.api import attention, forward
 from numba_flash.kernels.tc_ops import tc_layout
-from numba_flash.tensor_cores import regime
+from numba_flash.problem import regime
 
 ALGORITHMS = ["fa1", "fa2"]
 NUMPY_DTYPE = {"float16": np.float16, "bfloat16": ml_dtypes.bfloat16, "float32": np.float32}

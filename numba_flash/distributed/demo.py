@@ -34,7 +34,7 @@ import statistics
 import sys
 import time
 
-from numba_flash.cli import _HelpFormatter, positive_int
+from numba_flash.cli import HelpFormatter, positive_int
 from numba_flash.distributed.layout import LAYOUTS, chunk_count, default_layout, gather_sequence, split_sequence
 from numba_flash.distributed.schedule import RingSchedule
 from numba_flash.profiling.timing import attention_flops, tflops
@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="torchrun --nproc-per-node N -m numba_flash.distributed.demo",
         description="Ring attention (numba_flash.distributed.ring_attention) over NCCL on every GPU that "
                     "torchrun starts, checked against numba_flash.attention on one GPU and float64, and timed.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("--batch", type=positive_int, default=1, metavar="B", help="batch size")
     parser.add_argument("--heads", type=positive_int, default=16, metavar="H", help="query heads")

@@ -90,10 +90,12 @@ def _check_shards(q, k, v, causal, scale, layout, options) -> tuple[int, int]:
     """Every check before the first shift (an error after it would leave the other ranks
     waiting): what ``attention`` checks, and that the shards cut into the layout's chunks.
     Returns the query and key chunk lengths."""
-    from numba_flash.api import _validate
+    from numba_flash.api import configure
+    from numba_flash.problem import describe
 
-    _validate(q, k, v, causal, scale, options.get("algorithm", "fa2"), options.get("block_m"),
-              options.get("block_n"), options.get("precision"))
+    problem = describe(q, k, v, causal=causal, scale=scale, algorithm=options.get("algorithm", "fa2"),
+                       precision=options.get("precision"))
+    configure(problem, options.get("block_m"), options.get("block_n"))  # the tiles' checks
     n_q, n_k = int(q.shape[2]), int(k.shape[2])
     if causal and n_q != n_k:
         raise ValueError(f"causal ring attention needs query and key shards of one sequence (n_q == n_k); got {n_q} and {n_k}")

@@ -77,7 +77,7 @@ class RunningResult:
         self.lse[:, :, rows] = lse.reshape(B, H, n)
 
     def _add_on_device(self, rows, o_part, lse_part):
-        from numba_flash.api import _quiet_kernels
+        from numba_flash.simulator import quiet_kernels
         from numba_flash.split_kv import combine
 
         B, H, n, D = (int(s) for s in o_part.shape)
@@ -86,7 +86,7 @@ class RunningResult:
         lse_parts = concatenate([self.lse[:, :, rows], lse_part], axis=0)
         o = self.ctx.empty((B, H, n, D), "float32")
         lse = self.ctx.empty((B, H, n), "float32")
-        with _quiet_kernels():
+        with quiet_kernels():
             combine(self.ctx, o_parts, lse_parts, o, lse)
         self.o[:, :, rows] = o
         self.lse[:, :, rows] = lse

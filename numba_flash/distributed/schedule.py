@@ -31,6 +31,7 @@ import enum
 from dataclasses import dataclass
 
 from numba_flash.distributed.layout import check_layout, chunks_per_rank, shard_chunks
+from numba_flash.masking import mask_spec
 
 
 class BlockKind(enum.Enum):
@@ -69,9 +70,7 @@ class BlockCall:
         """(query, key) pairs whose score this call computes and keeps: its work."""
         n_q = len(self.query_chunks) * query_chunk_len
         n_k = len(self.key_chunks) * key_chunk_len
-        if not self.causal:
-            return n_q * n_k
-        return sum(max(0, min(n_k, i + 1 + n_k - n_q)) for i in range(n_q))  # key j <= i + Nk - Nq
+        return mask_spec(self.causal).visible_pairs(n_q, n_k)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import math
 
+from numba_flash.masking import CAUSAL
+
 FLOAT32_REL_TOL = 1e-5
 LSE_TOL = 1e-4
 SMALL_HEAD_COUNT = 16  # up to this many (batch, head) pairs, check them all; else the four corners
@@ -70,7 +72,7 @@ def _errors(xp, outputs, q, k, v, causal, rows, pairs, scale) -> dict:
     group = H // int(k.shape[1])
     scale = 1 / math.sqrt(D) if scale is None else scale
     index = xp.asarray(rows)
-    visible = xp.arange(N)[None, :] <= index[:, None] if causal else None
+    visible = CAUSAL.visible(index[:, None], xp.arange(N)[None, :], N, N) if causal else None  # the global mask
     sums = {name: dict(diff2=0.0, ref2=0.0, max_abs=0.0, lse_max_abs=0.0, lse_ok=True) for name in outputs}
     plain_max = 0.0
     half = q.dtype == xp.float16

@@ -91,7 +91,7 @@ def configurations(algorithms, head_dims, dtypes, block_ms, block_ns, causal=(Fa
     """Every runnable combination (tiles a kernel cannot run are left out). ``precisions``:
     the ``attention`` argument (``None``: tensor cores for 16-bit dtypes, CUDA cores for float32)."""
     from numba_flash.kernels.tc_ops import BLOCK_M_CHOICES, BLOCK_N_CHOICES, SMEM_OPTIN_LIMIT
-    from numba_flash.tensor_cores import regime
+    from numba_flash.problem import regime
 
     for alg, d, dt, bm, bn, c, prec in product(algorithms, head_dims, dtypes, block_ms, block_ns, causal, precisions):
         try:
@@ -173,7 +173,7 @@ def _ptxas_row(cfg, cc) -> dict:
 
 
 @contextlib.contextmanager
-def _no_device_compilation(cc):
+def no_device_compilation(cc):
     """Let numba compile device functions with no GPU present.
 
     numba-cuda asks the current device for its compute capability when it compiles a
@@ -206,7 +206,7 @@ def compile_ptx(cfg, cc=(9, 0)) -> str:
         )
     spec = _spec(cfg)
     kernel = spec.kernel
-    with _no_device_compilation(cc):
+    with no_device_compilation(cc):
         ptx, _ = cuda.compile_ptx(kernel.py_func, spec.signature(), cc=cc, fastmath=kernel.targetoptions.get("fastmath"))
     return ptx
 

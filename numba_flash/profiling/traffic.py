@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from numba_flash.masking import mask_spec
+
 F32 = 4
 
 
@@ -32,23 +34,19 @@ def _itemsize(dtype: str) -> int:
     return 2 if dtype == "bfloat16" else np.dtype(dtype).itemsize
 
 
-def _visible_counts(n_q: int, n_k: int, block_m: int, block_n: int, causal: bool):
-    """Per Q tile: rows in it, and how many K/V tiles and keys it visits (not skipped)."""
+def visible_tiles(n_q: int, n_k: int, block_m: int, block_n: int, causal: bool):
+    """Per Q tile: rows in it, and how many K/V tiles and keys it visits (not skipped): the
+    kernels walk the K/V tiles from the first up to the last one holding a key that a row of
+    the Q tile sees (``masking.MaskSpec.key_span``)."""
+    mask = mask_spec(causal)
     tiles = []
     for i0 in range(0, n_q, block_m):
         rows = min(block_m, n_q - i0)
-        last_key = n_k - 1
-        if causal:
-            last_key = min(n_k - 1, i0 + rows - 1 + n_k - n_q)
+        _, last_key = mask.key_span(i0, i0 + rows, n_q, n_k)
         n_tiles = 0 if last_key < 0 else last_key // block_n + 1
         keys = min(n_k, n_tiles * block_n)
         tiles.append((rows, n_tiles, keys))
     return tiles
-
-
-def _last_key(row: int, n_q: int, n_k: int, causal: bool) -> int:
-    """The last key query ``row`` sees (bottom-right aligned causal mask; -1: none)."""
-    return min(n_k - 1, row + n_k - n_q) if causal else n_k - 1
 
 
 def traffic_breakdown(
@@ -100,7 +98,8 @@ def traffic_breakdown(
         }
     if algorithm == "standard":
         return _cupy_baseline(batch, heads, kv_heads, n_q, n_k, d, e, causal)
-    tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
+    mask = mask_spec(causal)
+    tiles = visible_tiles(n_q, n_k, block_m, block_n, causal)
     if algorithm == "fa2":
         q = kv = o = lse = 0
         for rows, _, keys in tiles:
@@ -124,7 +123,7 @@ def traffic_breakdown(
                 # Lines 12-13: O_i read and written, l_i, m_i written, for the rows that see
                 # a key of K_j (the tile adds nothing to the others, and they are skipped).
                 row0 = i * block_m
-                active = sum(1 for r in range(row0, row0 + rows) if _last_key(r, n_q, n_k, causal) >= col0)
+                active = sum(1 for r in range(row0, row0 + rows) if mask.last_visible_key(r, n_q, n_k) >= col0)
                 o_read += active * d * F32
                 o_written += active * d * F32
                 lm_written += active
@@ -178,7 +177,8 @@ def _kv_outer_variant(variant, batch, heads, kv_heads, n_q, n_k, head_dim, block
     out = traffic_breakdown("fa1", batch, heads, kv_heads, n_q, n_k, head_dim, block_m, block_n, dtype, causal,
                             tensor_cores)
     e, d, bh = _itemsize(dtype), head_dim, batch * heads
-    tiles = _visible_counts(n_q, n_k, block_m, block_n, causal)
+    mask = mask_spec(causal)
+    tiles = visible_tiles(n_q, n_k, block_m, block_n, causal)
     cast = e != F32 or tensor_cores
     o_role = "o_acc" if cast else "o"
     if variant.grid == "heads_x_qtiles":  # every Q tile's block walks the K/V tiles it sees
@@ -191,7 +191,7 @@ def _kv_outer_variant(variant, batch, heads, kv_heads, n_q, n_k, head_dim, block
             for i, (rows, n_tiles, _) in enumerate(tiles):
                 if j < n_tiles:
                     row0 = i * block_m
-                    idle = sum(1 for r in range(row0, row0 + rows) if _last_key(r, n_q, n_k, causal) < col0)
+                    idle = sum(1 for r in range(row0, row0 + rows) if mask.last_visible_key(r, n_q, n_k) < col0)
                     extra += idle * d * F32
         read, written = out[o_role]
         out[o_role] = (read + bh * extra, written)

@@ -1,0 +1,139 @@
+"""The problem of an attention call: what it computes, checked, with no tile choice in it.
+
+:func:`describe` checks ``q``, ``k``, ``v`` and the call's options as ``attention`` documents
+(API.md section 2: ``ValueError`` for shapes and values, ``TypeError`` for dtypes and array
+kinds, each naming the argument) and returns a frozen :class:`Problem`: the shapes, the GQA
+group, the dtype and array library, the scale, the mask (``masking.MaskSpec``), the
+algorithm and the precision regime (:func:`regime`: the one place that picks CUDA cores or a
+tensor-core kind for the forward). Every host entry point asks it: ``api`` (forward),
+``decoding`` (on the GQA-packed queries), ``backward``, ``distributed.ring`` and ``compare``.
+
+What a launch then needs besides -- tiles, splits, the kernel's pipeline -- is the launch
+configuration's (``api.configure``), not the problem's.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from numba_flash.arrays import device_id_of, dtype_name, kind_of
+from numba_flash.kernels.jit import LOG2E
+from numba_flash.kernels.tiles import MAX_HEAD_DIM
+from numba_flash.masking import MaskSpec, mask_spec
+
+__all__ = ["ALGORITHMS", "DTYPES", "TENSOR_CORE_KIND", "Problem", "describe", "regime"]
+
+ALGORITHMS = ("fa1", "fa2")  # the loop nests of kernels.KERNEL_FACTORIES
+DTYPES = ("float16", "bfloat16", "float32")
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+TENSOR_CORE_KIND = {"float16": "f16", "bfloat16": "bf16"}  # precision=None: the 16-bit dtypes' kinds
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A checked attention problem: ``q`` ``(batch, heads, n_q, head_dim)`` against ``k``, ``v``
+    ``(batch, kv_heads, n_k, head_dim)``; query head ``h`` reads kv head ``h // group``."""
+
+    kind: str  # the arrays' library: "numpy", "cupy", "torch"
+    batch: int
+    heads: int
+    kv_heads: int
+    n_q: int
+    n_k: int
+    head_dim: int
+    dtype: str  # "float16", "bfloat16" or "float32"
+    scale: float  # multiplies q . k (natural-log units)
+    mask: MaskSpec
+    algorithm: str  # "fa1" or "fa2"
+    regime: str  # "ieee" (CUDA cores) or a tensor-core kind: "f16", "bf16", "tf32", "tf32x3"
+    device_id: int | None = None  # the GPU the arrays live on (None: numba's current one, or the host)
+
+    @property
+    def group(self) -> int:
+        """Query heads per kv head (GQA; 1: multi-head attention)."""
+        return self.heads // self.kv_heads
+
+    @property
+    def q_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.heads, self.n_q, self.head_dim)
+
+    @property
+    def kv_shape(self) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, self.n_k, self.head_dim)
+
+    @property
+    def causal(self) -> bool:
+        """The public ``causal`` flag (the only mask the kernels take today)."""
+        return self.mask.is_causal
+
+    @property
+    def tensor_cores(self) -> bool:
+        return self.regime != "ieee"
+
+
+def regime(precision, dtype: str) -> str:
+    """``"ieee"`` (CUDA cores) or the tensor-core kind for this precision and input dtype
+    (API.md section 2a): ``None`` puts float16 and bfloat16 on tensor cores, float32 on CUDA
+    cores; ``"ieee"``: CUDA cores; ``"tf32"``/``"tf32x3"``: float32 on tensor cores."""
+    if precision is None:
+        return TENSOR_CORE_KIND.get(dtype, "ieee")
+    if isinstance(precision, str) and precision == "ieee":
+        return "ieee"
+    if isinstance(precision, str) and precision in ("tf32", "tf32x3"):
+        if dtype != "float32":
+            raise ValueError(
+                f"precision={precision!r} is for float32 inputs; got {dtype} (float16 and bfloat16 "
+                "use tensor cores with precision=None)"
+            )
+        return precision
+    raise ValueError(f"precision must be one of None, 'ieee', 'tf32', 'tf32x3'; got {precision!r}")
+
+
+def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=None) -> Problem:
+    """The checked :class:`Problem` of ``attention(q, k, v, causal=..., scale=..., algorithm=...,
+    precision=...)``; raises before anything runs, with a message naming the argument."""
+    kinds = [kind_of(x) for x in (q, k, v)]
+    if len(set(kinds)) != 1:
+        raise TypeError(f"q, k and v must be arrays of one library; got {kinds[0]}, {kinds[1]}, {kinds[2]}")
+    kind = kinds[0]
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
+    B, H, Nq, D = (int(s) for s in q.shape)
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+    Bk, Hkv, Nk, Dk = (int(s) for s in k.shape)
+    if Bk != B:
+        raise ValueError(f"k and v must have q's batch size {B}; got {Bk}")
+    if Dk != D:
+        raise ValueError(f"k and v must have q's head_dim {D}; got {Dk}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim (last axis of q) must be from 1 to {MAX_HEAD_DIM}; got {D}")
+    if Hkv == 0:
+        raise ValueError(f"k and v must have at least one head; got shape {tuple(k.shape)}")
+    if H % Hkv != 0:
+        raise ValueError(f"q's heads ({H}) must be a multiple of k's and v's heads ({Hkv})")
+    dtypes = [dtype_name(x, kind) for x in (q, k, v)]
+    for name, dt in zip("qkv", dtypes):
+        if dt not in DTYPES:
+            raise TypeError(f"{name} must be float16, bfloat16 or float32; got {dt}")
+    if len(set(dtypes)) != 1:
+        raise TypeError(f"q, k and v must have one dtype; got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}; got {algorithm!r}")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise TypeError(f"causal must be a bool; got {type(causal).__name__}")
+    if scale is None:
+        scale = 1.0 / math.sqrt(D)
+    elif isinstance(scale, bool) or not isinstance(scale, (int, float, np.floating, np.integer)):
+        raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
+    elif not abs(float(scale)) * LOG2E < FLOAT32_MAX:  # scale * log2(e) is a float32 in the kernel
+        raise ValueError(f"scale must be finite and below {FLOAT32_MAX / LOG2E:.3g} in magnitude; got {scale}")
+    return Problem(
+        kind=kind, batch=B, heads=H, kv_heads=Hkv, n_q=Nq, n_k=Nk, head_dim=D, dtype=dtypes[0], scale=float(scale),
+        mask=mask_spec(bool(causal)), algorithm=algorithm, regime=regime(precision, dtypes[0]),
+        device_id=device_id_of(q, kind),
+    )
