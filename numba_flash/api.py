@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numba_flash import plans, tile_cache
+from numba_flash import plans, switches, tile_cache
 from numba_flash._cuda import cuda
 from numba_flash._world import simulated
 from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, device_id_of, dtype_name, kind_of,
@@ -26,8 +26,8 @@ from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, dev
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
-from numba_flash.kernels.tiles import (MAX_HEAD_DIM, STATIC_SMEM_LIMIT, check_tiles, default_tiles, forward_rows_per_thread,
-                                      threads_per_block, tile_layout)
+from numba_flash.arch import STATIC_SMEM_LIMIT
+from numba_flash.kernels.tiles import check_tiles, threads_per_block, tile_layout
 from numba_flash.launch import device_array
 from numba_flash.launch import launch as direct_launch
 from numba_flash.launch import numba_launch
@@ -35,6 +35,7 @@ from numba_flash.specs import kernel_spec
 from numba_flash.split_kv import check_num_splits, choose_num_splits, combine, plan_combine
 from numba_flash.tensor_cores import launch_tc, plan_in_place, regime, tc_tiles
 from numba_flash.tile_cache import tuned_tiles
+from numba_flash.tile_table import MAX_HEAD_DIM, forward_rows_per_thread, forward_tiles
 
 ALGORITHMS = tuple(KERNEL_FACTORIES)  # ("fa1", "fa2")
 DTYPES = ("float16", "bfloat16", "float32")
@@ -204,7 +205,7 @@ def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, bloc
         if call["block_n"] % SPLIT_K_GROUPS or half < 1:
             raise ValueError(f"split_k gives each of its {SPLIT_K_GROUPS} warp groups block_n / {SPLIT_K_GROUPS} keys: "
                              f"block_n={call['block_n']} does not divide")
-        check_tiles(call["q_shape"][3], call["block_m"], half)
+        check_tiles(call["q_shape"][3], call["block_m"], half, maxreg=switches.ffma_maxreg())
         from numba_flash.kernels.forward import variant_smem_bytes
 
         need = variant_smem_bytes(variant, call["q_shape"][3], call["block_m"], call["block_n"])
@@ -489,7 +490,7 @@ def choose_tiles(mode, algorithm, head_dim, dtype, causal, block_m=None, block_n
     bm_default, bn_default = default_tiles_for(algorithm, head_dim, dtype, causal, device_id)
     block_m = bm_default if block_m is None else block_m
     block_n = bn_default if block_n is None else block_n
-    check_tiles(head_dim, block_m, block_n, forward_rows_per_thread(head_dim, block_m, block_n))
+    check_tiles(head_dim, block_m, block_n, forward_rows_per_thread(head_dim, block_m, block_n), switches.ffma_maxreg())
     return int(block_m), int(block_n)
 
 
@@ -535,7 +536,7 @@ def default_tiles_for(algorithm, head_dim, dtype, causal, device_id=None):
         tuned = tuned_tiles(algorithm, head_dim, dtype, causal, device_id)
         if tuned is not None:
             return tuned
-    return default_tiles(algorithm, head_dim, dtype, causal)
+    return forward_tiles(algorithm, head_dim, dtype, causal)
 
 
 def _check_order(kv_tile_order, n_k: int, block_n: int):
