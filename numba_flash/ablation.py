@@ -83,9 +83,9 @@ def ablate(args, progress=None):
     if p["precision"] not in (None, "ieee") or (p["precision"] is None and p["dtype"] != "float32"):
         raise ValueError("the ablation variants are CUDA-core kernels: pass --precision ieee for 16-bit dtypes")
     args.precision = "ieee"
-    if args.block_m is None or args.block_n is None:  # one tile choice for every variant (tiles.comparison_tiles)
+    if args.block_m is None or args.block_n is None:  # one tile choice for every variant (tile_table.comparison_tiles)
         from numba_flash.api import choose_tiles
-        from numba_flash.kernels.tiles import comparison_tiles
+        from numba_flash.tile_table import comparison_tiles
 
         bm, bn = comparison_tiles(p["head_dim"])
         args.block_m, args.block_n = choose_tiles("ieee", "fa1", p["head_dim"], p["dtype"], p["causal"],

@@ -18,15 +18,15 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numba_flash import plans, tile_cache
+from numba_flash import plans, switches, tile_cache
 from numba_flash._cuda import cuda
 from numba_flash._world import simulated
 from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, kind_of, may_overlap
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
-from numba_flash.kernels.tiles import (STATIC_SMEM_LIMIT, check_tiles, default_tiles, forward_rows_per_thread,
-                                      threads_per_block, tile_layout)
+from numba_flash.arch import STATIC_SMEM_LIMIT
+from numba_flash.kernels.tiles import check_tiles, threads_per_block, tile_layout
 from numba_flash.launch import device_array
 from numba_flash.launch import launch as direct_launch
 from numba_flash.launch import numba_launch
@@ -36,6 +36,7 @@ from numba_flash.specs import kernel_spec
 from numba_flash.split_kv import check_num_splits, choose_num_splits, combine, plan_combine
 from numba_flash.tensor_cores import launch_tc, plan_in_place, tc_tiles
 from numba_flash.tile_cache import tuned_tiles
+from numba_flash.tile_table import MAX_HEAD_DIM, forward_rows_per_thread, forward_tiles
 
 
 def attention(
@@ -202,7 +203,7 @@ def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, bloc
         if call.block_n % SPLIT_K_GROUPS or half < 1:
             raise ValueError(f"split_k gives each of its {SPLIT_K_GROUPS} warp groups block_n / {SPLIT_K_GROUPS} keys: "
                              f"block_n={call.block_n} does not divide")
-        check_tiles(call.q_shape[3], call.block_m, half)
+        check_tiles(call.q_shape[3], call.block_m, half, maxreg=switches.ffma_maxreg())
         from numba_flash.kernels.forward import variant_smem_bytes
 
         need = variant_smem_bytes(variant, call.q_shape[3], call.block_m, call.block_n)
@@ -268,7 +269,7 @@ def run(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order=None, seql
     if splits == 1:
         _run_kernel(ctx, call, q, k, v, o, lse, order, walk)
         return
-    # Split-KV: float32 partials (kernels.kv_split), merged by kernels.combine.
+    # Split-KV: float32 partials (kernels.block_info), merged by kernels.combine.
     o_parts = ctx.empty((splits * B, H, Nq, spec.head_dim), "float32")
     lse_parts = ctx.empty((splits * B, H, Nq), "float32")
     _run_kernel(ctx, call, q, k, v, o_parts, lse_parts, order, walk)
@@ -297,7 +298,7 @@ def plan_run(builder: plans.PlanBuilder, call: LaunchConfig, q, k, v, o, lse, se
                        key_warps=call.key_warps)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, builder.ctx.device_id)
     kernel_o, kernel_lse = o, lse
-    if splits > 1:  # float32 partials (kernels.kv_split), merged by kernels.combine
+    if splits > 1:  # float32 partials (kernels.block_info), merged by kernels.combine
         kernel_o = builder.scratch_array((splits * B, H, Nq, spec.head_dim), "float32")
         kernel_lse = builder.scratch_array((splits * B, H, Nq), "float32")
     if call.regime != "ieee":
@@ -457,7 +458,7 @@ def choose_tiles(mode, algorithm, head_dim, dtype, causal, block_m=None, block_n
     bm_default, bn_default = default_tiles_for(algorithm, head_dim, dtype, causal, device_id)
     block_m = bm_default if block_m is None else block_m
     block_n = bn_default if block_n is None else block_n
-    check_tiles(head_dim, block_m, block_n, forward_rows_per_thread(head_dim, block_m, block_n))
+    check_tiles(head_dim, block_m, block_n, forward_rows_per_thread(head_dim, block_m, block_n), switches.ffma_maxreg())
     return int(block_m), int(block_n)
 
 
@@ -503,7 +504,7 @@ def default_tiles_for(algorithm, head_dim, dtype, causal, device_id=None):
         tuned = tuned_tiles(algorithm, head_dim, dtype, causal, device_id)
         if tuned is not None:
             return tuned
-    return default_tiles(algorithm, head_dim, dtype, causal)
+    return forward_tiles(algorithm, head_dim, dtype, causal)
 
 
 def _check_order(kv_tile_order, n_k: int, block_n: int):
@@ -612,7 +613,7 @@ def _cuda_core_arguments(spec, call: LaunchConfig, q, k, v, o, lse, order, seqle
     lengths = _KernelArray("in", seqlens) if seqlens is not None else _KernelArray("own", placeholder(1, "int32"))
     q_scale = np.float32(call.scale * LOG2E)
     return [_KernelArray("in", q), _KernelArray("in", k), _KernelArray("in", v), *results, *state, q_scale, kv_order,
-            lengths, np.int32(n_splits), np.int32(rows_per_query)]  # the last two: split-KV (kernels.kv_split)
+            lengths, np.int32(n_splits), np.int32(rows_per_query)]  # the last two: split-KV (kernels.block_info)
 
 
 @functools.lru_cache(maxsize=None)

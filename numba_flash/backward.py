@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from numba_flash import tile_table
 from numba_flash._world import simulated
 from numba_flash.arrays import ArrayContext, as_cupy_view
 
@@ -34,16 +35,6 @@ ALGORITHMS = ("fa1", "fa2")
 # 24.9 ms on CUDA cores; errors against float64 within the CUDA-core bound. The CUDA-core kernels
 # stay reachable through gradients(..., precision="ieee").
 TF32X3_BACKWARD = True
-
-
-def backward_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(block_m, block_n, threads) of the backward kernels: square tiles by
-    ``kernels.bwd.backward_block``'s rule (D <= 64: 64 x 64, 128 threads; D <= 128: 32 x 32,
-    64 threads; the simulator: 8 x 8, 16 threads)."""
-    from numba_flash.kernels.bwd import backward_block, bwd_layout
-
-    block = backward_block(head_dim)
-    return block, block, bwd_layout("fa2", head_dim, block).threads
 
 
 def backward_regime(precision, dtype: str) -> str:
@@ -63,16 +54,6 @@ def backward_regime(precision, dtype: str) -> str:
             raise ValueError(f"precision='tf32x3' needs float32 inputs; got {dtype}")
         return "tf32x3"
     raise ValueError(f"the backward's precision must be None, 'ieee' or 'tf32x3'; got {precision!r}")
-
-
-def backward_tc_tiles(head_dim: int, kind: str = "f16") -> tuple[int, int]:
-    """(block_m, block_n) of the tensor-core backward: queries per Q tile, keys per K/V tile
-    (``kernels.tc_bwd.default_tc_bwd_tiles``; the simulator: 16 x 16, one warp)."""
-    from numba_flash.kernels.tc_bwd import default_tc_bwd_tiles
-
-    if simulated():
-        return 16, 16
-    return default_tc_bwd_tiles(head_dim, kind)
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False):
@@ -97,7 +78,7 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
     cores for any dtype: the research baseline, and the kernels the tests compare against) or
     ``"tf32x3"`` (float32 on split-precision tensor cores; the default for float32).
     ``tiles``: ``(block_m, block_n)`` of the tensor-core kernels (queries per Q tile, keys per
-    K/V tile; default :func:`backward_tc_tiles`), for sweeps."""
+    K/V tile; default ``tile_table.backward_tc_tiles``), for sweeps."""
     from numba_flash import api
     from numba_flash.problem import describe
 
@@ -135,7 +116,7 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
 
     B, H, Nq, D = problem.q_shape
     Nk = problem.n_k
-    block, _, _ = backward_tiles(D)
+    block = tile_table.backward_block(D)  # square tiles (the simulator: 8 x 8)
     scale = np.float32(problem.scale)
     wide = problem.dtype == "bfloat16"  # the kernels read float16 or float32
     do, q, k, v, o, lse = (_widen(x, ctx.kind) if wide and i != 5 else x for i, x in enumerate(inputs))
@@ -188,7 +169,7 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
     B, H, Nq, D = problem.q_shape
     Nk = problem.n_k
     dim = kernel_head_dim(kind, D)
-    block_m, block_n = backward_tc_tiles(dim, kind) if tiles is None else tiles
+    block_m, block_n = tile_table.backward_tc_tiles(dim, kind) if tiles is None else tiles
     check_tc_bwd_tiles(kind, dim, block_m, block_n, [algorithm] + (["dq"] if deterministic and algorithm == "fa2" else []))
     do, q, k, v, o, lse = inputs
     dq, dk, dv = grads

@@ -33,7 +33,7 @@ def problem_of(args) -> dict:
     )
     cuda_cores = p["precision"] == "ieee" or (p["precision"] is None and p["dtype"] == "float32")
     if cuda_cores and p["block_m"] is None and p["block_n"] is None:  # FA-1 and FA-2 at the same tiles
-        from numba_flash.kernels.tiles import comparison_tiles
+        from numba_flash.tile_table import comparison_tiles
 
         p["block_m"], p["block_n"] = comparison_tiles(p["head_dim"])
     return p

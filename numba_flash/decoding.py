@@ -24,17 +24,10 @@ from dataclasses import replace
 import numpy as np
 
 from numba_flash import api, plans, tile_cache
-from numba_flash._world import simulated
+from numba_flash.tile_table import decode_pipeline, decode_tiles
 from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, kind_of, pointer_reader
 from numba_flash.problem import describe
 from numba_flash.split_kv import check_num_splits
-
-DECODE_BLOCK_N = 64  # K/V rows per tile: 16 KiB of K (and of V) per tile at D = 128, 16-bit
-DECODE_KV_STAGES = 1  # K/V tiles in shared memory at once (tc_fa2_kernel's kv_stages; 1: K_j, V_j in turn)
-# One 16-row tile (all packed queries of a KV head): warps that split each K/V tile's keys, over
-# a ring of tiles (tc_fa2_kernel's key_warps and kv_stages; docs/performance-log.md 9j).
-DECODE_KEY_WARPS = 4
-DECODE_KEY_WARP_STAGES = 2  # 1M keys: 944.9 us with 2 stages (32 splits), 952.4 with 3 (H200, same process)
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False):
@@ -69,12 +62,12 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
             raise ValueError(f"q's heads ({H}) must be a multiple of the cache's heads ({Hkv})")
         group = H // Hkv
         rows = Nq * group
-        block_m, block_n = _decode_tiles(dtype_name(q, kind), rows, D)
+        block_m, block_n = decode_tiles(dtype_name(q, kind), rows, D)
         # Every check of attention (shapes, dtypes, scale, tiles), on the packed problem.
         packed = _pack(q, kind, group)
         call = api.configure(describe(packed, k_cache, v_cache, causal=causal, scale=scale, algorithm="fa2"),
                              block_m, block_n)
-        kv_stages, key_warps = _decode_pipeline(block_m, block_n) if call.regime != "ieee" else (1, 1)
+        kv_stages, key_warps = decode_pipeline(block_m, block_n) if call.regime != "ieee" else (1, 1)
         call = replace(call, kv_stages=kv_stages, key_warps=key_warps, num_splits=check_num_splits(num_splits, "fa2"))
         ctx = ArrayContext(kind, q)
         with ctx.on_device():
@@ -158,29 +151,6 @@ def _run_unaligned(call: api.LaunchConfig, q, k_cache, v_cache, seqlens, o, lse)
     o_packed, lse_packed = _pack(o, kind, group), _pack(lse[..., None], kind, group)[..., 0]
     api.run(ArrayContext(kind, q), call, _pack(q, kind, group), k_cache, v_cache, o_packed, lse_packed, None, seqlens,
             rows_per_query=group)
-
-
-def _decode_tiles(dtype: str, rows: int, head_dim: int):
-    """(block_m, block_n) of a decode call: the fewest 16-row warps that hold the packed rows
-    (at most 4), and K/V tiles of 64 rows; float32 (CUDA cores): the defaults."""
-    if dtype == "float32":
-        return None, None
-    if simulated():
-        return 16, 32
-    block_m = 16
-    while block_m < min(rows, 64):
-        block_m *= 2
-    return block_m, DECODE_BLOCK_N
-
-
-def _decode_pipeline(block_m: int, block_n: int) -> tuple[int, int]:
-    """(kv_stages, key_warps) of a tensor-core decode kernel: with one 16-row tile, up to
-    ``DECODE_KEY_WARPS`` warps of at least 16 keys each over a ring of
-    ``DECODE_KEY_WARP_STAGES`` tiles; else ``DECODE_KV_STAGES``, one warp per 16 rows."""
-    warps = min(DECODE_KEY_WARPS, block_n // 16) if block_m == 16 else 1
-    if warps > 1:
-        return DECODE_KEY_WARP_STAGES, warps
-    return DECODE_KV_STAGES, 1
 
 
 def _check_seqlens(cache_seqlens, batch: int, kind: str, ctx):

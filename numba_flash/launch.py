@@ -42,6 +42,7 @@ from typing import NamedTuple
 import numpy as np
 
 from numba_flash._world import simulated
+from numba_flash.arch import STATIC_SMEM_LIMIT
 from numba_flash.arrays import dtype_name
 
 
@@ -112,9 +113,6 @@ def _signature(args) -> tuple:
 _KERNELS: dict = {}  # (dispatcher id, device id, argument kinds) -> (dispatcher, cuda.core kernel, smem allowed)
 
 
-STATIC_SHARED_LIMIT = 48 * 1024  # dynamic shared memory a kernel gets without opting in
-
-
 def _current_device_id() -> int:
     """numba's current device (a driver call: only for callers that do not say which device)."""
     from numba_flash._cuda import cuda
@@ -126,7 +124,7 @@ def opt_in_shared_memory(cufunc, nbytes: int, device_id: int | None = None) -> N
     """Let a compiled kernel launch with ``nbytes`` of dynamic shared memory on ``device_id``
     (above 48 KiB a kernel must opt in: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES``;
     numba-cuda has no API for it, so this sets it through the driver binding numba itself uses)."""
-    if nbytes <= STATIC_SHARED_LIMIT:
+    if nbytes <= STATIC_SMEM_LIMIT:
         return
     from numba.cuda.cudadrv.driver import binding, driver
 
@@ -258,7 +256,7 @@ def numba_launch(dispatcher, grid, block, stream, args, shared_mem_bytes: int = 
     dynamic shared memory: above 48 KiB the overload for ``args`` is opted in first (once per
     kernel, signature and device). ``stream``: a numba stream or ``None`` (the default stream).
     Works in the simulator too (no opt-in there: ``cuda.shared.array(0, dtype)`` gets the size)."""
-    if shared_mem_bytes > STATIC_SHARED_LIMIT and not simulated():
+    if shared_mem_bytes > STATIC_SMEM_LIMIT and not simulated():
         from numba import typeof
 
         sig = tuple(typeof(a) for a in args)

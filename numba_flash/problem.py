@@ -21,7 +21,7 @@ import numpy as np
 
 from numba_flash.arrays import device_id_of, dtype_name, kind_of
 from numba_flash.kernels.jit import LOG2E
-from numba_flash.kernels.tiles import MAX_HEAD_DIM
+from numba_flash.tile_table import MAX_HEAD_DIM
 from numba_flash.masking import MaskSpec, mask_spec
 
 __all__ = ["ALGORITHMS", "DTYPES", "TENSOR_CORE_KIND", "Problem", "describe", "regime"]

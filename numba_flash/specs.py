@@ -6,10 +6,14 @@ Two regimes (``tensor_cores.regime``):
 
 - ``"ieee"``: the CUDA-core kernels (``kernels.fa1``, ``kernels.fa2``): static shared memory up
   to 48 KiB, dynamic above (``tiles.uses_dynamic_smem``), inputs in their own dtype (float16 or
-  float32), a register cap at D <= 64, the micro-tile height of ``tiles.forward_rows_per_thread``;
+  float32), a register cap at D <= 64, the micro-tile height of ``tile_table.forward_rows_per_thread``;
 - a tensor-core kind (``"f16"``, ``"bf16"``, ``"tf32"``, ``"tf32x3"``; ``kernels.tc_fa1``,
   ``kernels.tc_fa2``): dynamic shared memory (opted in above 48 KiB), 16-bit inputs as uint16
   bit patterns, the head dim rounded up to 16 bytes.
+
+The experiment switches (``numba_flash.switches``: register caps, tf32x3's pre-split operands,
+the micro-tile height) are read here, when a configuration's spec is first made, and reach the
+kernel factories as arguments.
 """
 
 from __future__ import annotations
@@ -17,7 +21,9 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
-from numba_flash.kernels.tiles import ROWS_PER_THREAD, forward_rows_per_thread, register_cap, threads_per_block
+from numba_flash import switches
+from numba_flash.kernels.tiles import ROWS_PER_THREAD, register_cap
+from numba_flash.tile_table import forward_rows_per_thread
 
 
 @dataclass(frozen=True)
@@ -39,7 +45,9 @@ class KernelSpec:
     variant: object = None  # CUDA cores: a point of the ablation space (``kernels.forward.Variant``), not a named one
     kv_stages: int = 1  # tensor-core FA-2: K/V tiles in shared memory at once (``tc_fa2_kernel``; decode's knob)
     key_warps: int = 1  # tensor-core FA-2 with a ring: warps per 16 rows, splitting each tile's keys (decode's knob)
-    rows_per_thread: int = ROWS_PER_THREAD  # CUDA cores: the forward's micro-tile height (``tiles.forward_rows_per_thread``)
+    rows_per_thread: int = ROWS_PER_THREAD  # CUDA cores: the forward's micro-tile height (``tile_table.forward_rows_per_thread``)
+    maxreg: int | None = None  # CUDA cores: NUMBA_FLASH_FFMA_MAXREG when set (``tiles.register_cap``'s override)
+    presplit: str | None = None  # tf32x3: NUMBA_FLASH_TF32X3_PRESPLIT's layout when set (``tc_ops.tc_layout``'s presplit)
 
     @property
     def kv_outer(self) -> bool:
@@ -81,13 +89,15 @@ class KernelSpec:
             from numba_flash.kernels.tc_fa1 import tc_fa1_kernel
             from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
 
+            split = {} if self.presplit is None else {"presplit": self.presplit}
             if self.algorithm == "fa2":
                 stages = {} if self.kv_stages == 1 else {"kv_stages": self.kv_stages}
                 if self.key_warps > 1:
                     stages["key_warps"] = self.key_warps
                 return tc_fa2_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal,
-                                     self.ragged, self.split_out, self.register_cap, **stages)
-            return tc_fa1_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal, self.register_cap)
+                                     self.ragged, self.split_out, self.register_cap, **stages, **split)
+            return tc_fa1_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal, self.register_cap,
+                                 **split)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
 
@@ -95,8 +105,11 @@ class KernelSpec:
             from numba_flash.kernels.forward import forward_kernel
 
             return forward_kernel(self.variant, self.head_dim, self.block_m, self.block_n, self.causal, self.permuted,
-                                  self.ragged, self.kv_outer and casts_output(self.dtype), self.rows_per_thread)
+                                  self.ragged, self.kv_outer and casts_output(self.dtype), self.rows_per_thread,
+                                  **({} if self.maxreg is None else {"maxreg": self.maxreg}))
         rows = {} if self.rows_per_thread == ROWS_PER_THREAD else {"rows_per_thread": self.rows_per_thread}
+        if self.maxreg is not None:
+            rows["maxreg"] = self.maxreg
         if self.algorithm == "fa2":
             return KERNEL_FACTORIES["fa2"](self.head_dim, self.block_m, self.block_n, self.causal, self.permuted, self.ragged,
                                            **rows)
@@ -140,7 +153,7 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
     (``algorithm`` then names its loop order's family: fa1 for kv_outer, fa2 for q_outer).
     ``kv_stages`` and ``key_warps`` (tensor-core FA-2 only, else 1): the K/V ring of
     ``tc_fa2_kernel`` and its warps per 16 rows. ``rows_per_thread`` (CUDA cores): the
-    micro-tile height; ``None``: ``tiles.forward_rows_per_thread``'s for the tiles (read once
+    micro-tile height; ``None``: ``tile_table.forward_rows_per_thread``'s for the tiles (read once
     per configuration: this is memoised)."""
     if variant is not None:
         from numba_flash.kernels.forward import FA1, FA2
@@ -155,10 +168,13 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
         d = kernel_head_dim(regime, head_dim)
         stages = int(kv_stages) if algorithm == "fa2" else 1
         warps = int(key_warps) if algorithm == "fa2" else 1
-        layout = tc_layout(regime, d, block_m, block_n, stages, key_warps=warps)
-        cap = tc_register_cap(regime, d, block_m, block_n)
+        mode = switches.tf32x3_presplit() if regime == "tf32x3" else None
+        split = {} if mode is None else {"presplit_mode": mode}
+        layout = tc_layout(regime, d, block_m, block_n, stages, key_warps=warps, **split)
+        cap = tc_register_cap(regime, d, block_m, block_n, switches.tc_maxreg())
         return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes,
-                          cap, ragged, split_out, kv_stages=stages, key_warps=warps)
+                          cap, ragged, split_out, kv_stages=stages, key_warps=warps,
+                          presplit=None if mode is None else layout.presplit)
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
     from numba_flash.kernels.forward import (FA1, FA2, variant_dynamic_smem_bytes, variant_smem_bytes,
@@ -173,7 +189,9 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
     dynamic = variant_dynamic_smem_bytes(point, head_dim, block_m, block_n)
     if variant is not None:
         ragged = ragged and variant.loop_order == "q_outer"
+    maxreg = switches.ffma_maxreg()
     return KernelSpec(
         algorithm, "ieee", head_dim, dtype, block_m, block_n, bool(causal), threads, smem - dynamic, dynamic,
-        register_cap(head_dim, rows), ragged, split_out, bool(permuted), variant, rows_per_thread=rows,
+        register_cap(head_dim, rows, maxreg), ragged, split_out, bool(permuted), variant, rows_per_thread=rows,
+        maxreg=maxreg,
     )

@@ -31,10 +31,11 @@ import numpy as np
 
 from numba_flash._world import simulated
 from numba_flash.kernels.jit import LOG2E
-from numba_flash.kernels.tc_ops import check_tc_tiles, default_tc_tiles, input_alignment, kernel_head_dim
+from numba_flash.kernels.tc_ops import check_tc_tiles, input_alignment, kernel_head_dim
 from numba_flash.launch import device_array, launch, numba_launch
 from numba_flash.problem import TENSOR_CORE_KIND
 from numba_flash.specs import kernel_spec
+from numba_flash.tile_table import forward_tc_tiles
 
 if TYPE_CHECKING:
     from numba_flash.api import LaunchConfig
@@ -43,9 +44,9 @@ CP_ASYNC_ALIGNMENT = 16  # bytes: the alignment of the inputs' data that cp.asyn
 
 
 def tc_tiles(kind: str, head_dim: int, block_m, block_n) -> tuple[int, int]:
-    """(block_m, block_n) for the tensor-core kernels: the caller's, checked, or the defaults."""
-    # In the simulator every thread is a Python thread and every product a barrier: one warp.
-    dm, dn = (16, 16) if simulated() else default_tc_tiles(kind, kernel_head_dim(kind, head_dim))
+    """(block_m, block_n) for the tensor-core kernels: the caller's, checked, or the defaults
+    (``tile_table.forward_tc_tiles``; the simulator: one warp)."""
+    dm, dn = forward_tc_tiles(kind, kernel_head_dim(kind, head_dim))
     block_m = dm if block_m is None else block_m
     block_n = dn if block_n is None else block_n
     check_tc_tiles(kind, kernel_head_dim(kind, head_dim), block_m, block_n)

@@ -4,7 +4,7 @@
 stores the fastest (block_m, block_n) per (GPU, algorithm, head_dim, dtype, causal) in
 ``$XDG_CACHE_HOME/numba_flash/tiles.json`` (``~/.cache/...`` by default); ``attention``
 reads it here when the caller leaves ``block_m`` / ``block_n`` as ``None``, and falls
-back to ``kernels.tiles.default_tiles`` without an entry.
+back to ``tile_table.forward_tiles`` without an entry.
 
 Layering: this module sits below ``api`` (it imports only ``kernels.tiles`` and, lazily,
 numba.cuda for a device's name); ``tuning`` sits above ``api``. So the API never imports

@@ -9,7 +9,8 @@ name). ``attention`` reads that cache when the caller leaves ``block_m`` / ``blo
 
 from __future__ import annotations
 
-from numba_flash.kernels.tiles import STATIC_SMEM_LIMIT, smem_bytes
+from numba_flash.arch import STATIC_SMEM_LIMIT
+from numba_flash.kernels.tiles import smem_bytes
 from numba_flash.tile_cache import save
 
 CANDIDATES_M = (32, 64, 128, 256)

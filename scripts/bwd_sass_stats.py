@@ -54,10 +54,11 @@ def kernels(head_dim, causal):
     """(name, dispatcher, signature, layout, FFMA per thread and step) of each backward kernel."""
     from numba import types
 
-    from numba_flash.kernels.bwd import bwd_dq_kernel, bwd_kernel, bwd_layout, dq_parts, gpu_block
+    from numba_flash.kernels.bwd import bwd_dq_kernel, bwd_kernel, bwd_layout, dq_parts
+    from numba_flash.tile_table import backward_block
 
     f4, f3, f = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C"), types.float32
-    block = gpu_block(head_dim)
+    block = backward_block(head_dim)
     kv_sig = (f4,) * 5 + (f3, f3, f4, f4, f4, f)
     out = []
     for name, k, sig, kind, products in (
@@ -110,7 +111,8 @@ def step_weights(instrs, hot, per_product, head_dim, parts):
 
 
 def stats(head_dim, causal, show_loops=False):
-    from numba_flash.profiling.occupancy import ARCH, occupancy_from_resources
+    from numba_flash.arch import ARCH
+    from numba_flash.profiling.occupancy import occupancy_from_resources
 
     rows = []
     for name, k, sig, lay, expected_ffma, per_product, parts in kernels(head_dim, causal):
@@ -184,7 +186,8 @@ def tc_stats(head_dim, tiles, causal, kind="f16", dump=None):
     the kernel; loops inside it that hold HMMA (ptxas keeps dQ's loop over 16-column chunks
     rolled) are weighted by the trip count that makes the step's HMMA equal the products a warp
     must make (checked: an integer)."""
-    from numba_flash.profiling.occupancy import ARCH, occupancy_from_resources
+    from numba_flash.arch import ARCH
+    from numba_flash.profiling.occupancy import occupancy_from_resources
 
     rows = []
     for name, k, sig, lay, expected in tc_kernels(head_dim, tiles, causal, kind):
@@ -239,7 +242,7 @@ def main(argv=None):
           "tile), branches of the step body counted once each", file=sys.stderr)
     header = None
     if a.tensor_cores:
-        from numba_flash.kernels.tc_bwd import default_tc_bwd_tiles
+        from numba_flash.tile_table import backward_tc_tiles as default_tc_bwd_tiles
 
         rows = (row for d in a.head_dim
                 for t in ([tuple(int(x) for x in t.lower().split("x")) for t in a.tiles] if a.tiles

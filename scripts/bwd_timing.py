@@ -45,9 +45,10 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import numba_flash
-    from numba_flash.backward import backward_regime, backward_tc_tiles, gradients
+    from numba_flash.backward import backward_regime, gradients
     from numba_flash.kernels.tc_ops import kernel_head_dim
     from numba_flash.profiling.timing import attention_flops, median_ms, tflops
+    from numba_flash.tile_table import backward_tc_tiles
 
     B, H, N = args.batch, args.heads, args.seq
     for D in args.head_dim:

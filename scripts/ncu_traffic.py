@@ -31,9 +31,9 @@ SWEEP_BLOCK_M = 32  # block_m of the block_n sweep: 32 x 8 ... 32 x 32 all fit a
 def plan(seqs, block_ns, standard_max_seq=4096):
     """Runs: every algorithm over N at the default tiles, then FA-1/FA-2 over block_n at
     N=4096 with block_m = SWEEP_BLOCK_M."""
-    from numba_flash.kernels.tiles import default_tiles
+    from numba_flash.tile_table import forward_tiles
 
-    bm, bn_default = default_tiles("fa2", HEAD_DIM, "float32", False)
+    bm, bn_default = forward_tiles("fa2", HEAD_DIM, "float32", False)
     runs = []
     for n in seqs:
         for alg in ("fa1", "fa2", "standard"):

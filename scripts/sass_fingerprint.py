@@ -38,8 +38,9 @@ def normalised(sass: str) -> str:
 
 
 def forward_configs():
-    from numba_flash.kernels.tc_ops import default_tc_tiles
-    from numba_flash.kernels.tiles import comparison_tiles, default_tiles
+    from numba_flash.tile_table import comparison_tiles
+    from numba_flash.tile_table import forward_tc_tiles as default_tc_tiles
+    from numba_flash.tile_table import forward_tiles as default_tiles
     from numba_flash.specs import kernel_spec
 
     for alg in ("fa1", "fa2"):
@@ -106,6 +107,7 @@ class Raw:
 def backward_configs():
     from numba import types
 
+    from numba_flash import tile_table
     from numba_flash.kernels import bwd, tc_bwd
 
     f4, f3, f = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C"), types.float32
@@ -113,7 +115,7 @@ def backward_configs():
     for d in (64, 128):
         for causal in (False, True):
             c = "causal" if causal else "full"
-            block = bwd.gpu_block(d)
+            block = tile_table.backward_block(d)
             kv_sig = (f4,) * 5 + (f3, f3, f4, f4, f4, f)
             yield f"bwd-ieee-fa2-d{d}-{c}", Raw(bwd.bwd_kernel("fa2", d, block, causal, True), kv_sig)
             yield f"bwd-ieee-fa2det-d{d}-{c}", Raw(bwd.bwd_kernel("fa2", d, block, causal, False), kv_sig)
@@ -122,7 +124,7 @@ def backward_configs():
             for kind in ("f16", "bf16", "tf32x3"):
                 x4 = u4 if kind in tc_bwd.HALF_KINDS else f4
                 kv = (x4,) * 5 + (f3, f3, f4, x4, x4, f)
-                bm, bn = tc_bwd.default_tc_bwd_tiles(d, kind)
+                bm, bn = tile_table.backward_tc_tiles(d, kind)
                 for order, dq in (("fa2", True), ("fa2", False), ("fa1", True)):
                     yield f"bwd-{kind}-{order}{'' if dq else 'det'}-d{d}-{c}", Raw(
                         tc_bwd.tc_bwd_kernel(order, kind, d, bm, bn, causal, dq), kv)

@@ -144,7 +144,8 @@ def mix(body):
 
 
 def blocks_per_sm(regs, smem, threads):
-    from numba_flash.profiling.occupancy import ARCH, occupancy_from_resources
+    from numba_flash.arch import ARCH
+    from numba_flash.profiling.occupancy import occupancy_from_resources
 
     return occupancy_from_resources(regs, smem, threads, ARCH[(9, 0)])
 

@@ -69,7 +69,8 @@ def child(D, bm, bn):
     import cupy as cp
 
     import numba_flash
-    from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout, tc_register_cap
+    from numba_flash import switches
+    from numba_flash.kernels.tc_ops import PRESPLIT_DEFAULT, kernel_head_dim, tc_layout, tc_register_cap
 
     rng = cp.random.default_rng(D)
     q, k, v = (rng.standard_normal((B, H, N, D), dtype=cp.float32) for _ in range(3))
@@ -82,8 +83,11 @@ def child(D, bm, bn):
     t = median_ms(run)
     e = rel_err(run(), ref)
     d = kernel_head_dim("tf32x3", D)
-    print("CHILD " + json.dumps(dict(ms=t, err=e, cap=tc_register_cap("tf32x3", d, bm, bn),
-                                     presplit=tc_layout("tf32x3", d, bm, bn).presplit or "none")), flush=True)
+    mode = switches.tf32x3_presplit()
+    mode = PRESPLIT_DEFAULT if mode is None else mode
+    print("CHILD " + json.dumps(dict(ms=t, err=e, cap=tc_register_cap("tf32x3", d, bm, bn, switches.tc_maxreg()),
+                                     presplit=tc_layout("tf32x3", d, bm, bn, presplit_mode=mode).presplit or "none")),
+          flush=True)
 
 
 def in_child(D, bm, bn, env):
@@ -119,10 +123,18 @@ def main():
 
     log(f"numba_flash from {os.path.dirname(numba_flash.__file__)}; torch {torch.__version__}; "
         f"GPU {torch.cuda.get_device_name()}; NUMBA_FLASH_TC_MAXREG={os.environ.get('NUMBA_FLASH_TC_MAXREG')}")
-    from numba_flash.kernels.tc_ops import PRESPLIT_DEFAULT, default_tc_tiles, kernel_head_dim, tc_layout, tc_register_cap
+    from numba_flash import switches
+    from numba_flash.kernels.tc_ops import PRESPLIT_DEFAULT, kernel_head_dim, tc_layout
+    from numba_flash.kernels.tc_ops import tc_register_cap as _tc_register_cap
+    from numba_flash.tile_table import forward_tc_tiles as default_tc_tiles
+
+    def tc_register_cap(precision, D, bm, bn):  # this process's cap (NUMBA_FLASH_TC_MAXREG)
+        return _tc_register_cap(precision, D, bm, bn, switches.tc_maxreg())
 
     def presplit_of(precision, D, bm, bn):
-        return tc_layout(precision, kernel_head_dim(precision, D), bm, bn).presplit or "none"
+        mode = switches.tf32x3_presplit()
+        mode = PRESPLIT_DEFAULT if mode is None else mode
+        return tc_layout(precision, kernel_head_dim(precision, D), bm, bn, presplit_mode=mode).presplit or "none"
 
     rows = []
     rng = cp.random.default_rng(0)

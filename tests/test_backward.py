@@ -110,7 +110,7 @@ def test_errors(change, error, match):
         attention_backward(do, q, k, v, o, lse, **change)
 
 
-# Tiles other than the simulator's default 8 x 8 (kernels.bwd.backward_block): 16 x 16 (32
+# Tiles other than the simulator's default 8 x 8 (tile_table.backward_block): 16 x 16 (32
 # threads, two score columns per thread) and 32 x 32 (64 threads, four), with lengths around the
 # tile edges, head dims that are not multiples of 4, GQA, causal with Nq != Nk (rows that see no
 # key). Float32 only: the dtype handling is the wrapper's, tested above.
@@ -151,11 +151,11 @@ def test_tile_edges(block, n_q, n_k, variant, causal):
 def _check_with_block(block, variant, gqa, n_q, n_k, head_dim, causal, seed):
     from unittest import mock
 
-    from numba_flash.kernels import bwd
+    from numba_flash import tile_table
 
     algorithm, deterministic = variant
     do, q, k, v, o, lse = problem(np.random.default_rng(seed), 1, 2, 1 if gqa else 2, n_q, n_k, head_dim, "float32", causal)
-    with mock.patch.object(bwd, "backward_block", lambda d: block):
+    with mock.patch.object(tile_table, "backward_block", lambda d: block):
         grads = attention_backward(do, q, k, v, o, lse, causal=causal, algorithm=algorithm, deterministic=deterministic)
     refs = reference.attention_backward(*(x.astype(np.float64) for x in (do, q, k, v)), causal=causal)
     for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
@@ -165,16 +165,21 @@ def _check_with_block(block, variant, gqa, n_q, n_k, head_dim, causal, seed):
 
 
 def test_tile_rule():
-    """kernels.bwd.gpu_block: 64 x 64 up to D = 64, 32 x 32 up to D = 128, and every choice
-    leaves two blocks per SM by shared memory within the opt-in limit of one block."""
+    """tile_table.backward_block on a GPU: 64 x 64 up to D = 64, 32 x 32 up to D = 128, and every
+    choice leaves two blocks per SM by shared memory within the opt-in limit of one block."""
+    from unittest import mock
+
+    from numba_flash import tile_table
+    from numba_flash.arch import SMEM_OPTIN_LIMIT, blocks_per_sm_by_smem
     from numba_flash.kernels import bwd
 
-    assert [bwd.gpu_block(d) for d in (1, 16, 32, 40, 64, 65, 96, 128)] == [64] * 5 + [32] * 3
-    for d in (1, 40, 64, 100, 128):
-        block = bwd.gpu_block(d)
-        for kernel in bwd.KERNELS:
-            layout = bwd.bwd_layout(kernel, d, block)
-            assert layout.smem_bytes <= bwd.SMEM_PER_BLOCK_MAX
-            assert layout.threads == 2 * block
-        assert bwd.blocks_per_sm_by_smem(bwd.bwd_layout("fa2", d, block).smem_bytes) >= 2
-        assert bwd.blocks_per_sm_by_smem(bwd.bwd_layout("fa2", d, 2 * block).smem_bytes) < 2 or block == 64
+    with mock.patch.object(tile_table, "simulated", lambda: False):
+        assert [tile_table.backward_block(d) for d in (1, 16, 32, 40, 64, 65, 96, 128)] == [64] * 5 + [32] * 3
+        for d in (1, 40, 64, 100, 128):
+            block = tile_table.backward_block(d)
+            for kernel in bwd.KERNELS:
+                layout = bwd.bwd_layout(kernel, d, block)
+                assert layout.smem_bytes <= SMEM_OPTIN_LIMIT
+                assert layout.threads == 2 * block
+            assert blocks_per_sm_by_smem(bwd.bwd_layout("fa2", d, block).smem_bytes) >= 2
+            assert blocks_per_sm_by_smem(bwd.bwd_layout("fa2", d, 2 * block).smem_bytes) < 2 or block == 64

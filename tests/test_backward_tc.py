@@ -148,13 +148,16 @@ def test_regime_follows_the_dtype_and_ieee_keeps_cuda_cores():
         backward.backward_regime("tf32", "float32")
 
 
-def test_tile_rule_and_shared_memory():
+def test_tile_rule_and_shared_memory(monkeypatch):
     """The default tiles (64 queries x 128 keys) and the deterministic dQ kernel's (64 x 64) fit
     a block's shared memory at every head dim up to 128; tiles that cannot run are refused."""
+    from numba_flash import tile_table
     from numba_flash.kernels import tc_bwd
 
+    monkeypatch.setattr(tile_table, "simulated", lambda: False)  # the GPU's tiles
+    monkeypatch.delenv("NUMBA_FLASH_TC_BWD_TILES", raising=False)
     for d in (8, 40, 64, 104, 128):
-        bm, bn = tc_bwd.default_tc_bwd_tiles(d)
+        bm, bn = tile_table.backward_tc_tiles(d)
         tc_bwd.check_tc_bwd_tiles("f16", d, bm, bn)
         assert tc_bwd.dq_kernel_tiles(bm, bn) == (bm, min(bn, 64))
     assert tc_bwd.tc_bwd_layout("fa2", "f16", 64, 64, 128).threads == 256

@@ -83,13 +83,16 @@ def test_switch_routes_float32_and_precision_is_checked():
     check(grads, inputs, True)
 
 
-def test_tf32x3_layout_fits_shared_memory():
+def test_tf32x3_layout_fits_shared_memory(monkeypatch):
     """The tf32x3 default tiles (float32 tiles: twice the bytes of the 16-bit ones) fit a block
     at every head dim up to 128, with the deterministic dQ kernel's."""
+    from numba_flash import tile_table
     from numba_flash.kernels import tc_bwd
 
+    monkeypatch.setattr(tile_table, "simulated", lambda: False)  # the GPU's tiles
+    monkeypatch.delenv("NUMBA_FLASH_TC_BWD_TILES", raising=False)
     for d in (8, 40, 64, 100, 128):
-        bm, bn = tc_bwd.default_tc_bwd_tiles(d, "tf32x3")
+        bm, bn = tile_table.backward_tc_tiles(d, "tf32x3")
         tc_bwd.check_tc_bwd_tiles("tf32x3", d, bm, bn)
         assert tc_bwd.tc_bwd_layout("fa2", "tf32x3", d, bm, bn).elem_bytes == 4
     assert tc_bwd.tc_bwd_layout("fa2", "tf32x3", 64, 32, 64).stride == 68  # 16 bytes of padding

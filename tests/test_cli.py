@@ -222,18 +222,18 @@ def test_default_simulated_compare_is_expected_within_a_minute():
 
 
 def test_compare_runs_fa1_and_fa2_at_the_same_cuda_core_tiles(monkeypatch):
-    """On a GPU, ``compare`` without tiles runs both loop orders at ``tiles.comparison_tiles``
+    """On a GPU, ``compare`` without tiles runs both loop orders at ``tile_table.comparison_tiles``
     (FA-2's own float32 default at D <= 64 is larger: a ratio at each kernel's defaults would
     mix the tiles into the loop order); tensor-core problems keep each kernel's defaults."""
     import argparse
 
     from numba_flash import compare
-    from numba_flash.kernels.tiles import comparison_tiles, default_tiles
-
-    from numba_flash.kernels import tiles
+    from numba_flash import tile_table
+    from numba_flash.tile_table import comparison_tiles
+    from numba_flash.tile_table import forward_tiles as default_tiles
 
     monkeypatch.setattr(compare, "simulated", lambda: False)
-    monkeypatch.setattr(tiles, "simulated", lambda: False)
+    monkeypatch.setattr(tile_table, "simulated", lambda: False)
     blank = dict(batch=None, heads=None, seq=None, head_dim=None, block_m=None, block_n=None, causal=False,
                  kv_heads=None, seq_k=None)
     p = compare.problem_of(argparse.Namespace(**blank, precision="default", dtype="float32"))

@@ -244,14 +244,13 @@ def test_key_warps_need_a_ring_and_whole_key_tiles():
 
 def test_float32_decode_at_the_gpu_default_tiles(monkeypatch):
     """float32 decode runs FA-2 on CUDA cores at its default tiles: on a GPU, 128 x 64 at 8 rows
-    per thread for D <= 64 (``tiles.default_tiles``; the simulator's own default is 64 x 32).
+    per thread for D <= 64 (``tile_table.forward_tiles``; the simulator's own default is 64 x 32).
     Here at those tiles: ragged and split (the kernel's ragged, split-output specialisation),
     NaN-poisoned tails, a sequence of length 0."""
-    from numba_flash import plans
-    from numba_flash.kernels import tiles
+    from numba_flash import plans, tile_table
     from numba_flash.specs import kernel_spec
 
-    monkeypatch.setattr(tiles, "simulated", lambda: False)
+    monkeypatch.setattr(tile_table, "simulated", lambda: False)
     kernel_spec.cache_clear()
     plans.clear()
     try:

@@ -50,7 +50,7 @@ def test_a_candidate_launches_what_decode_launches(sweep, monkeypatch, cache):
         k, v = (fake_gpu.cupy_array((1, 8, cache, 128), "float16") for _ in range(2))
         seqlens = fake_gpu.cupy_array((1,), "int32")
         library = _launches(record, lambda: numba_flash.decode(q, k, v, cache_seqlens=seqlens, return_lse=True))
-        from numba_flash.decoding import DECODE_BLOCK_N, DECODE_KEY_WARP_STAGES, DECODE_KEY_WARPS
+        from numba_flash.tile_table import DECODE_BLOCK_N, DECODE_KEY_WARP_STAGES, DECODE_KEY_WARPS
 
         c = sweep.Candidate(DECODE_BLOCK_N, "walk", None, DECODE_KEY_WARP_STAGES, DECODE_KEY_WARPS, q, k, v, seqlens,
                             128**-0.5)

@@ -12,7 +12,8 @@ from helpers import random_qkv, to_numpy
 from test_attention import check_against_reference, run_poisoned
 
 from numba_flash.kernels.forward import Variant
-from numba_flash.kernels.tiles import ROWS_PER_THREAD_ENV, smem_bytes, uses_dynamic_smem
+from numba_flash.kernels.tiles import smem_bytes, uses_dynamic_smem
+from numba_flash.switches import FFMA_ROWS_PER_THREAD as ROWS_PER_THREAD_ENV
 from numba_flash.specs import kernel_spec
 
 
@@ -69,7 +70,7 @@ def test_eight_rows_per_thread(algorithm, tiles, eight_rows, xp, rng):
 
 
 def test_rows_per_thread_from_the_environment(monkeypatch):
-    from numba_flash.kernels.tiles import forward_rows_per_thread
+    from numba_flash.tile_table import forward_rows_per_thread
 
     monkeypatch.delenv(ROWS_PER_THREAD_ENV, raising=False)
     assert forward_rows_per_thread() == 4
@@ -85,18 +86,28 @@ def test_rows_per_thread_from_the_environment(monkeypatch):
 
 
 def test_register_cap_knob(monkeypatch):
-    from numba_flash.kernels.tiles import MAXREG_ENV, register_cap
+    from numba_flash import switches
+    from numba_flash.kernels.tiles import register_cap
+    from numba_flash.switches import FFMA_MAXREG as MAXREG_ENV
+
+    def cap(d, rows=4):  # the cap as the host makes it: the switch read, passed to the kernels' function
+        return register_cap(d, rows, switches.ffma_maxreg())
 
     monkeypatch.delenv(MAXREG_ENV, raising=False)
-    assert register_cap(64) == 128 and register_cap(64, 8) is None and register_cap(128) is None
+    assert cap(64) == 128 and cap(64, 8) is None and cap(128) is None
     monkeypatch.setenv(MAXREG_ENV, "168")
-    assert register_cap(64, 8) == 168 and register_cap(64) == 168
+    assert cap(64, 8) == 168 and cap(64) == 168
+    kernel_spec.cache_clear()
+    try:
+        assert kernel_spec("fa2", 64, "float32", 64, 32).register_cap == 168  # the spec reads it too
+    finally:
+        kernel_spec.cache_clear()
     monkeypatch.setenv(MAXREG_ENV, "0")
-    assert register_cap(64) is None
+    assert cap(64) is None
 
 
 def test_fa2_float32_default_tiles_by_name(xp, rng):
-    """FA-2's float32 default on the GPU at D <= 64 (``tiles.default_tiles``; the simulator keeps
+    """FA-2's float32 default on the GPU at D <= 64 (``tile_table.forward_tiles``; the simulator keeps
     64 x 32 as its default): 128 x 64 at 8 rows per thread, 103 KiB of dynamic shared memory."""
     spec = kernel_spec("fa2", 40, "float32", 128, 64, True)
     assert spec.rows_per_thread == 8 and spec.dynamic_smem > 48 * 1024 and spec.threads == 128

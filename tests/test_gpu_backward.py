@@ -76,7 +76,8 @@ def test_tensor_core_backward_tiles(tiles, variant, head_dim):
     torch = pytest.importorskip("torch")
     import numba_flash
     from numba_flash.backward import gradients
-    from numba_flash.kernels.tc_bwd import SMEM_OPTIN_LIMIT, tc_bwd_layout
+    from numba_flash.arch import SMEM_OPTIN_LIMIT
+    from numba_flash.kernels.tc_bwd import tc_bwd_layout
 
     algorithm, deterministic = variant
     if tc_bwd_layout(algorithm, "f16", head_dim, *tiles).smem_bytes > SMEM_OPTIN_LIMIT:
@@ -99,9 +100,10 @@ def test_tensor_core_backward_registers_and_no_local_memory(head_dim):
     prediction assumes (one block of 8 warps for the K/V kernels)."""
     torch = pytest.importorskip("torch")
     import numba_flash
-    from numba_flash.backward import attention_backward, backward_tc_tiles
+    from numba_flash.backward import attention_backward
     from numba_flash.kernels.tc_bwd import dq_kernel_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout
     from numba_flash.profiling.resources import compiled_resources
+    from numba_flash.tile_table import backward_tc_tiles
 
     q, k, v = (torch.randn(1, 2, 300, head_dim, device="cuda").half() for _ in range(3))
     o, lse = numba_flash.attention(q, k, v, return_lse=True)
@@ -163,11 +165,12 @@ def test_tf32x3_backward(variant, shape, causal):
 @pytest.mark.parametrize("tiles", [(16, 128), (32, 64), (32, 32), (64, 64)])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_tf32x3_backward_tiles(tiles, head_dim):
-    """Other tiles than tc_bwd.TF32X3_TILES' (the sweep of the next GPU session), every order."""
+    """Other tiles than tile_table.TC_BACKWARD_TILES' (the sweep of the next GPU session), every order."""
     torch = pytest.importorskip("torch")
     import numba_flash
     from numba_flash.backward import gradients
-    from numba_flash.kernels.tc_bwd import SMEM_OPTIN_LIMIT, tc_bwd_layout
+    from numba_flash.arch import SMEM_OPTIN_LIMIT
+    from numba_flash.kernels.tc_bwd import tc_bwd_layout
 
     gen = torch.Generator(device="cuda").manual_seed(6)
     q = torch.randn(1, 4, 333, head_dim, device="cuda", generator=gen)
@@ -196,6 +199,7 @@ def test_tf32x3_backward_switch_and_resources():
     from numba_flash import backward
     from numba_flash.kernels.tc_bwd import tc_bwd_kernel, tc_bwd_layout
     from numba_flash.profiling.resources import compiled_resources
+    from numba_flash.tile_table import backward_tc_tiles
 
     q, k, v = (torch.randn(1, 2, 300, 64, device="cuda") for _ in range(3))
     o, lse = numba_flash.attention(q, k, v, return_lse=True)
@@ -207,7 +211,7 @@ def test_tf32x3_backward_switch_and_resources():
         assert float((a - b).abs().max() / b.abs().max()) < 1e-4
     torch.cuda.synchronize()
     for d in (64, 128):
-        bm, bn = backward.backward_tc_tiles(d, "tf32x3")
+        bm, bn = backward_tc_tiles(d, "tf32x3")
         for order, dq in (("fa2", True), ("fa2", False), ("fa1", True)):
             kernel = tc_bwd_kernel(order, "tf32x3", d, bm, bn, False, dq, True)  # attention_backward's key on sm_90
             if not kernel.overloads:

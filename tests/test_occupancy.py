@@ -10,7 +10,8 @@ import sys
 
 import pytest
 
-from numba_flash.profiling.occupancy import ARCH, occupancy_from_resources
+from numba_flash.arch import ARCH
+from numba_flash.profiling.occupancy import occupancy_from_resources
 
 H100 = ARCH[(9, 0)]
 

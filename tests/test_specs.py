@@ -13,7 +13,8 @@ import sys
 import pytest
 from test_occupancy import _ptxas_available
 
-from numba_flash.kernels.tc_ops import SMEM_OPTIN_LIMIT, tc_layout
+from numba_flash.arch import SMEM_OPTIN_LIMIT
+from numba_flash.kernels.tc_ops import tc_layout
 from numba_flash.kernels.tiles import smem_bytes, threads_per_block
 from numba_flash.specs import kernel_spec
 

@@ -124,7 +124,11 @@ def test_tf32x3_presplit_operands_at_large_head_dim(algorithm, mode, causal, n_k
     walks of the other operands (FA-2 over two K/V tiles), 20 of 128 rows, D = 68 (80 padded).
     10-15 s each in the simulator (every product is a barrier of 256 threads)."""
     with presplit_mode(mode):
-        assert tc_layout("tf32x3", 68, 128, 16).presplit == mode
+        from numba_flash import switches
+        from numba_flash.specs import kernel_spec
+
+        assert tc_layout("tf32x3", 68, 128, 16, presplit_mode=switches.tf32x3_presplit()).presplit == mode
+        assert kernel_spec("fa2", 68, "float32", 128, 16, regime="tf32x3").presplit == mode  # what the kernels get
         q, k, v = qkv(rng, 1, 1, 1, 20, n_k, 68, "float32")
         k[..., 12:, :] *= 3  # the max moves in the second tile: O~ is rescaled
         o, lse = run_poisoned(q, k, v, causal=causal, algorithm=algorithm, precision="tf32x3", block_m=128, block_n=16)

@@ -9,15 +9,15 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from numba_flash.arch import SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 from numba_flash.kernels.tiles import (
     BLOCK_M_CHOICES,
     BLOCK_N_CHOICES,
-    STATIC_SMEM_LIMIT,
     check_tiles,
-    default_tiles,
     smem_bytes,
     tile_layout,
 )
+from numba_flash.tile_table import forward_tiles
 
 head_dims = st.integers(1, 128)
 block_ms = st.sampled_from(BLOCK_M_CHOICES)
@@ -71,12 +71,12 @@ def test_shared_memory_formula_by_hand():
 @pytest.mark.parametrize("d", [1, 16, 32, 40, 64, 96, 128])
 @pytest.mark.parametrize("algorithm, dtype", [("fa2", "float32"), ("fa2", "float16"), ("fa1", "float32")])
 def test_defaults_fit_and_are_accepted(d, algorithm, dtype, monkeypatch):
-    from numba_flash.kernels import tiles
-    from numba_flash.kernels.tiles import SMEM_OPTIN_LIMIT, forward_rows_per_thread
+    from numba_flash import tile_table
+    from numba_flash.tile_table import forward_rows_per_thread
 
-    monkeypatch.setattr(tiles, "simulated", lambda: False)  # the GPU's defaults (the simulator keeps 64 x 32)
+    monkeypatch.setattr(tile_table, "simulated", lambda: False)  # the GPU's defaults (the simulator keeps 64 x 32)
 
-    bm, bn = default_tiles(algorithm, d, dtype, False)
+    bm, bn = forward_tiles(algorithm, d, dtype, False)
     rows = forward_rows_per_thread(d, bm, bn)
     check_tiles(d, bm, bn, rows)
     if (algorithm, dtype) == ("fa2", "float32") and d <= 64:  # 128 x 64 at 8 rows, dynamic shared memory

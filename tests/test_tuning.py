@@ -8,7 +8,8 @@ import json
 import pytest
 
 from numba_flash import tile_cache, tuning
-from numba_flash.kernels.tiles import STATIC_SMEM_LIMIT, smem_bytes
+from numba_flash.arch import STATIC_SMEM_LIMIT
+from numba_flash.kernels.tiles import smem_bytes
 
 
 @pytest.fixture

@@ -47,7 +47,7 @@ P = 0, zero gradients, never NaN; keys hidden by the causal mask or past Nk get 
 
 Shared memory (float32, dynamic: above 48 KiB the launcher opts in): Q_i, dO_i, K_j, V_j with
 rows padded to ``D_pad + 4`` (and O_i for FA-1), P^T and dS^T (``block x (block + 8)``), L_i
-and D_i. :func:`backward_block` picks the tile.
+and D_i. ``tile_table.backward_block`` picks the tile.
 """
 
 from __future__ import annotations
@@ -58,7 +58,6 @@ from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
 
-from numba_flash._world import simulated
 from numba_flash.kernels.jit import LN2, LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile
 from numba_flash.kernels import mask
 from numba_flash.kernels.block_info import batch_and_head, tile_of_block
@@ -66,12 +65,6 @@ from numba_flash.kernels.tile_ops import at, tile_ops
 from numba_flash.kernels.tiles import VEC, tile_layout
 
 POS_INF = math.inf  # L_i of a row that sees no key: P = exp2(S - inf) = 0
-BLOCK_CHOICES = (64, 32, 16, 8)  # square tiles, largest first (64: the registers of a thread stay < 255)
-SIM_BLOCK = 8  # the simulator: 16 threads, one micro-tile column per thread
-SMEM_PER_SM = 228 * 1024  # H100/H200 (sm_90): shared memory of one SM
-SMEM_PER_BLOCK_MAX = 227 * 1024  # what one block may opt in to
-SMEM_RESERVED = 1024  # taken by the system for every resident block
-MIN_BLOCKS_PER_SM = 2  # the tile rule: at least this many blocks resident per SM by shared memory
 ROWDOT_THREADS = 128
 
 KERNELS = ("fa1", "fa2", "dq")  # the K/V kernels of each loop order, and the deterministic dQ kernel
@@ -142,34 +135,6 @@ def bwd_layout(kernel: str, head_dim: int, block: int) -> BwdLayout:
     if kernel not in KERNELS:
         raise ValueError(f"kernel must be one of {list(KERNELS)}; got {kernel!r}")
     return BwdLayout(kernel, int(head_dim), int(block))
-
-
-def blocks_per_sm_by_smem(smem_bytes: int) -> int:
-    return SMEM_PER_SM // (smem_bytes + SMEM_RESERVED)
-
-
-def gpu_block(head_dim: int) -> int:
-    """The square tile of the backward kernels on an sm_90 GPU (block_m = block_n = the result).
-
-    Rule: the largest of 64, 32, 16, 8 whose FA-2 K/V kernel (Q_i, dO_i, K_j, V_j, P^T, dS^T:
-    the most shared memory of the FA-2 kernels) leaves ``MIN_BLOCKS_PER_SM`` = 2 blocks resident
-    on an SM by shared memory. D <= 64: 64 (104.5 KiB at D = 64, 2 blocks of 128 threads, 8
-    warps per SM); 64 < D <= 128: 32 (76.3 KiB, 2 blocks of 64 threads; 64 would need 168.5
-    KiB, one block per SM, and ~230 registers). Square, because the K/V kernels run the
-    forward's layout on the transposed scores: its rows are keys and its columns queries. 64 at
-    most: at 128 a thread's dK_j, dV_j, S^T and dP^T micro-tiles alone exceed 255 registers."""
-    for block in BLOCK_CHOICES:
-        if blocks_per_sm_by_smem(bwd_layout("fa2", head_dim, block).smem_bytes) >= MIN_BLOCKS_PER_SM:
-            return block
-    return BLOCK_CHOICES[-1]
-
-
-def backward_block(head_dim: int) -> int:
-    """:func:`gpu_block`; in the simulator 8 (16 threads; the same code paths, each thread one
-    column of the scores)."""
-    if simulated():
-        return SIM_BLOCK
-    return gpu_block(head_dim)
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,7 +26,7 @@ def casts_output(dtype: str) -> bool:
 
 
 def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, cast_out: bool = False,
-               rows_per_thread: int = ROWS_PER_THREAD):
+               rows_per_thread: int = ROWS_PER_THREAD, maxreg: int | None = None):
     """The FA-1 kernel: ``kernels.forward`` at its named point :data:`~numba_flash.kernels.forward.FA1`
     (K/V outer, one block per (batch, head), O normalised at every step, O_i read at the update).
 
@@ -35,4 +35,4 @@ def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     initialised by the kernel, line 2; with ``cast_out`` O is cast into ``o`` at the end).
     """
     return forward_kernel(FA1, head_dim, block_m, block_n, bool(causal), bool(permuted), False, bool(cast_out),
-                          int(rows_per_thread))
+                          int(rows_per_thread), maxreg)

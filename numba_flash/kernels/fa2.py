@@ -20,7 +20,7 @@ from numba_flash.kernels.tiles import ROWS_PER_THREAD
 
 
 def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, ragged: bool = False,
-               rows_per_thread: int = ROWS_PER_THREAD):
+               rows_per_thread: int = ROWS_PER_THREAD, maxreg: int | None = None):
     """The FA-2 kernel: ``kernels.forward`` at its named point :data:`~numba_flash.kernels.forward.FA2`
     (Q outer, one block per Q tile, the rescale deferred to the end).
 
@@ -29,4 +29,4 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     and ``lse (S*B,H,Nq)`` for ``S = n_splits`` (``block_info``); ``seqlens`` read when ``ragged``.
     """
     return forward_kernel(FA2, head_dim, block_m, block_n, bool(causal), bool(permuted), bool(ragged), False,
-                          int(rows_per_thread))
+                          int(rows_per_thread), maxreg)

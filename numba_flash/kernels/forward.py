@@ -93,14 +93,15 @@ FA2 = Variant("q_outer", "heads_x_qtiles", "deferred", "split_q", "at_update")
 @functools.lru_cache(maxsize=None)
 def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, causal: bool,
                    permuted: bool = False, ragged: bool = False, cast_out: bool = False,
-                   rows_per_thread: int = ROWS_PER_THREAD):
+                   rows_per_thread: int = ROWS_PER_THREAD, maxreg: int | None = None):
     """The forward kernel at ``variant`` for one specialisation (memoised).
 
     Launch: ``grid = (n_blocks,)`` with ``n_blocks = B * H`` (``grid="heads"``) or
     ``ceil(Nq / block_m) * B * H`` (``"heads_x_qtiles"``), times ``n_splits`` for ``q_outer``;
     ``block = (variant_threads(...),)``; dynamic shared memory ``variant_dynamic_smem_bytes(...)``
     (0 unless the tiles need more than 48 KiB: then one dynamic buffer holds Q_i | K_j | V_j | P~).
-    ``rows_per_thread``: the micro-tile height (``tiles.forward_rows_per_thread``; split_q only).
+    ``rows_per_thread``: the micro-tile height (``tile_table.forward_rows_per_thread``; split_q only).
+    ``maxreg``: ``tiles.register_cap``'s override (``NUMBA_FLASH_FFMA_MAXREG``, read by the host).
     Arguments: the module doc.
     """
     D, BM, BN = head_dim, block_m, block_n
@@ -260,7 +261,7 @@ def forward_kernel(variant: Variant, head_dim: int, block_m: int, block_n: int, 
                 if ops.thread_col() == 0:  # Lines 13, 15: L_i = m + log(l)
                     lse[ob, h, row] = ops.log_sum_exp(m[i], l_run[i])
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"}, max_registers=register_cap(D, rows_per_thread))
+    @kernel_jit(fastmath={"contract", "afn", "arcp"}, max_registers=register_cap(D, rows_per_thread, maxreg))
     def forward(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query):
         n_batch = q.shape[0]
         n_heads = q.shape[1]

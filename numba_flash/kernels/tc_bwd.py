@@ -61,29 +61,28 @@ big + small, products big*big + small*big + big*small; P^T and dS^T the A operan
 accumulators with each 8-query step's columns permuted, t <-> 2t, t + 4 <-> 2t + 1; each step's
 product summed from zero and added in float32); dS^T goes to shared memory as float32 and dQ's
 A operand is read from it as scalars (``dq_tile_tf32x3``). No ``ldmatrix`` A fragments kept in
-registers (two per element would crowd out dK_j, dV_j). Tiles: ``TF32X3_TILES``.
+registers (two per element would crowd out dK_j, dV_j). Tiles: ``tile_table.backward_tc_tiles``.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
+from numba_flash.arch import SMEM_OPTIN_LIMIT
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile, shared_tile_pair
 from numba_flash.kernels import mask
 from numba_flash.kernels.block_info import batch_and_head, tile_of_block
-from numba_flash.kernels.tc_ops import SMEM_OPTIN_LIMIT, tc_ops
+from numba_flash.kernels.tc_ops import tc_ops
 
 KINDS = ("f16", "bf16", "tf32x3")  # 16-bit inputs, or float32 with split-precision TF32 products
 HALF_KINDS = ("f16", "bf16")
 KERNELS = ("fa2", "fa1", "dq")  # the K/V kernels of each loop order, and the deterministic dQ kernel
 BLOCK_CHOICES = (16, 32, 64, 128)
 POS_INF = math.inf  # L of a row that sees no key (or past Nq): P = exp2(S - inf) = 0
-TF32X3_TILES = {64: (16, 64), 128: (16, 64)}  # tf32x3 (block_m, block_n) by head dim (default_tc_bwd_tiles; offline choice)
 A_IN_REGS_MAX_DIM = 64  # padded head dims up to which a warp keeps its own rows' fragments in registers
 
 
@@ -201,23 +200,6 @@ def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int, ker
         if need > SMEM_OPTIN_LIMIT:
             raise ValueError(f"block_m={block_m}, block_n={block_n} at head_dim={head_dim}: the {kernel} kernel needs "
                              f"{need} bytes of shared memory, more than the {SMEM_OPTIN_LIMIT} a block can have")
-
-
-def default_tc_bwd_tiles(head_dim: int, kind: str = "f16") -> tuple[int, int]:
-    """(block_m, block_n) of the tensor-core backward on an sm_90 GPU: 64 queries per Q tile,
-    128 keys per K/V tile (8 warps of 16 keys), FlashAttention-2's shape for its sm80 D = 128
-    backward. Chosen offline, unmeasured (docs/performance-log.md, "Backward on tensor cores"):
-    ptxas for sm_90 gives the FA-2 kernel 254 registers at D = 64 and 248 at D = 128 with no
-    spills, one block of 8 warps per SM; 64 x 64 (4 warps, two blocks per SM: also 8 warps) has
-    no spills either but twice the dQ atomics and the L2 reads of Q_i, dO_i.
-    ``NUMBA_FLASH_TC_BWD_TILES="MxN"`` overrides (an experiment knob for sweeps on a GPU)."""
-    env = os.environ.get("NUMBA_FLASH_TC_BWD_TILES")
-    if env:
-        m, n = env.lower().split("x")
-        return int(m), int(n)
-    if kind not in HALF_KINDS:
-        return TF32X3_TILES[64 if head_dim <= 64 else 128]
-    return (64, 128)
 
 
 # ------------------------------------------------------------------------------------------

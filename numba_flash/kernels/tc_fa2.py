@@ -5,7 +5,7 @@ O~, l, m on chip and rescales once at the end), with the tile steps of ``tc_ops`
 ``mma.sync``, Q_i's fragments in registers for the whole walk, P~ kept in registers and
 converted to the input type for P~V. Copies are ``cp.async``, and overlap the products: V_j is
 in flight while S = Q_i K_j^T is computed, K_{j+1} while O~ += P~ V_j is. Or, compiled with
-``kv_stages = S > 1`` (decode's knob, ``decoding.DECODE_KV_STAGES``), K/V tiles j+1 .. j+S-1
+``kv_stages = S > 1`` (decode's knob, ``tile_table.DECODE_KV_STAGES``), K/V tiles j+1 .. j+S-1
 are in flight in a ring of S shared tiles while tile j is used: more bytes in flight per block
 for the one-warp decode tiles, one barrier per tile.
 

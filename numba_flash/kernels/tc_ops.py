@@ -40,11 +40,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import os
 from dataclasses import dataclass
 from types import ModuleType
 
 from numba_flash._cuda import cuda, float32
+from numba_flash.arch import SMEM_OPTIN_LIMIT
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import NEG_INF, device_jit
 from numba_flash.kernels import mask
@@ -56,8 +56,6 @@ ROWS_PER_WARP = 16  # one m16 row tile per warp
 ROWS_PER_THREAD = 2  # g and g + 8
 BLOCK_M_CHOICES = (16, 32, 64, 128)  # 1 to 8 warps
 BLOCK_N_CHOICES = (16, 32, 64, 128)
-SMEM_OPTIN_LIMIT = 227 * 1024  # H100/H200 opt-in maximum per block (232448 B)
-MAX_HEAD_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -113,22 +111,18 @@ PRESPLIT_DEFAULT = "q"  # measured on the H200 (docs/performance-log.md, 8g): D=
 PRESPLIT_MODES = ("", "q", "v", "qv", "kv", "qkv")
 
 
-def presplit_operands(kind: str, head_dim: int, block_m: int) -> str:
+def presplit_operands(kind: str, head_dim: int, block_m: int, mode: str = PRESPLIT_DEFAULT) -> str:
     """Which operands a tf32x3 kernel splits into TF32 big and small parts once, into shared
     memory, instead of in every warp at every use: "q" (Q_i's A fragments, once per Q tile),
     "v" (V_j's B fragments, once per K/V tile for all 8 warps), "k" (K_j's, only with "v").
     Each trades ALU work (3 instructions per element and use) for shared-memory traffic (the
     products read two words per element instead of one). Only at D > 64 with 8 warps (128-row Q
     tiles), where a block holds an SM alone (~240 registers) and larger tiles cost no
-    occupancy; elsewhere "" (the kernels of version 8d, unchanged). ``NUMBA_FLASH_TF32X3_PRESPLIT``
-    (one of ``PRESPLIT_MODES``, or "none") overrides the default: an experiment knob, read when a
-    configuration's layout is first made (memoised: one value per process)."""
+    occupancy; elsewhere "" (the kernels of version 8d, unchanged). ``mode`` (letters of "qkv")
+    overrides the default: the host passes ``NUMBA_FLASH_TF32X3_PRESPLIT``'s value
+    (``switches.tf32x3_presplit``, an experiment knob) through ``tc_layout``."""
     if kind != "tf32x3" or head_dim <= 64 or block_m != 8 * ROWS_PER_WARP:
         return ""
-    mode = os.environ.get("NUMBA_FLASH_TF32X3_PRESPLIT", PRESPLIT_DEFAULT).strip().lower()
-    mode = "" if mode in ("none", "0") else mode
-    if set(mode) - set("qkv"):
-        raise ValueError(f"NUMBA_FLASH_TF32X3_PRESPLIT={mode!r}: letters of 'qkv', or 'none'")
     if "k" in mode:
         mode += "v"  # K_j's split walks the loop that splits V_j
     return "".join(c for c in "qkv" if c in mode)
@@ -136,10 +130,11 @@ def presplit_operands(kind: str, head_dim: int, block_m: int) -> str:
 
 @functools.lru_cache(maxsize=None)
 def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: int = 1,
-              presplit: str | None = None, key_warps: int = 1) -> TcLayout:
+              presplit: str | None = None, key_warps: int = 1, presplit_mode: str = PRESPLIT_DEFAULT) -> TcLayout:
     """Sizes of one specialisation. ``kv_stages``: FA-2's ring of K/V tiles (decode's knob; no
     pre-split with a ring). ``presplit`` None: ``presplit_operands``, less "q" and then "k" where
-    the tiles would not fit the opt-in shared memory (D = 128 with block_n = 64). ``key_warps``:
+    the tiles would not fit the opt-in shared memory (D = 128 with block_n = 64), of
+    ``presplit_mode`` (``presplit_operands``' ``mode``). ``key_warps``:
     the block has that many warps per 16 query rows, each on ``block_n / key_warps`` keys of
     every K/V tile (``tc_fa2``'s key-split decode, which needs a ring)."""
     sixteen = kind in mma.HALF_KINDS
@@ -175,7 +170,7 @@ def tc_layout(kind: str, head_dim: int, block_m: int, block_n: int, kv_stages: i
         return layout
     if presplit is not None:
         return dataclasses.replace(layout, presplit=presplit)
-    mode = presplit_operands(kind, head_dim, block_m)
+    mode = presplit_operands(kind, head_dim, block_m, presplit_mode)
     for fallback in (mode, mode.replace("q", ""), mode.replace("q", "").replace("k", "")):
         split = dataclasses.replace(layout, presplit=fallback)
         if split.smem_bytes <= SMEM_OPTIN_LIMIT:
@@ -210,24 +205,13 @@ def check_tc_tiles(kind: str, head_dim: int, block_m, block_n) -> None:
         )
 
 
-def default_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
-    """Tuned (block_m, block_n) for the tensor-core kernels (H200 sweep, B4 H16 N4096,
-    2026-11-30; docs/performance-log.md version 8)."""
-    if kind in mma.HALF_KINDS:  # f16 D64: 64x64 187-200 TFLOP/s; D128: 64x32 216 (64x64 196)
-        return (64, 64) if head_dim <= 64 else (64, 32)
-    if kind == "tf32":  # D64: 128x64 88 TFLOP/s; D128: 64x64 80
-        return (128, 64) if head_dim <= 64 else (64, 64)
-    return (128, 32)  # tf32x3: D64 41 TFLOP/s (128x64 alike), D128 35 before the per-tile split
-
-
-def tc_register_cap(kind: str, head_dim: int, block_m: int, block_n: int) -> int | None:
+def tc_register_cap(kind: str, head_dim: int, block_m: int, block_n: int, maxreg: int | None = None) -> int | None:
     """Registers per thread the tensor-core kernels are compiled under: ``None`` (no cap), unless
-    ``NUMBA_FLASH_TC_MAXREG`` asks for one (an experiment knob, read when a configuration's spec is first made; 0: none). Measured on the H200
+    ``maxreg`` asks for one: ``NUMBA_FLASH_TC_MAXREG``'s value (``switches.tc_maxreg``, an experiment knob the host reads when a configuration's spec is first made; 0: none). Measured on the H200
     (2026-11-30): tf32x3 D=128 128x32 capped at 128 registers (two blocks per SM, 164-172 bytes
     of spills) ran at 47.0 TFLOP/s against 49.9 uncapped (243 registers, one block)."""
-    env = os.environ.get("NUMBA_FLASH_TC_MAXREG")
-    if env is not None:
-        return int(env) or None
+    if maxreg is not None:
+        return int(maxreg) or None
     return None
 
 

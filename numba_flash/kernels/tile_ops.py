@@ -58,7 +58,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
     ``groups``: the block holds that many copies of the layout, one after the other (thread
     ``t`` is thread ``t % threads`` of group ``t // threads``): the warps of a split-K block
     (``kernels.forward``), each group on its own part of the K/V tile. 1: the whole block.
-    ``rows_per_thread``: the micro-tile height (``tiles.forward_rows_per_thread``)."""
+    ``rows_per_thread``: the micro-tile height (``tile_table.forward_rows_per_thread``)."""
     L = tile_layout(head_dim, block_m, block_n, rows_per_thread)
     D, BM, BN = head_dim, block_m, block_n
     TM, TX, TN = L.rows_per_thread, L.threads_per_row, L.cols_per_thread

@@ -19,9 +19,12 @@ block_m: Q-tile rows; block_n: K/V-tile rows. Both kernels share one layout per
   ``max(threads_per_row, 4)`` (a warp's 4 x 8 stores of P~ cover the 32 banks once).
 
 - Micro-tile height: ``rows_per_thread`` is 4 (``ROWS_PER_THREAD``), or 8 for the forward's
-  128 x 64 tiles at D <= 64 (FA-2's float32 default there; :func:`forward_rows_per_thread`,
+  128 x 64 tiles at D <= 64 (FA-2's float32 default there; ``tile_table.forward_rows_per_thread``,
   which ``NUMBA_FLASH_FFMA_ROWS_PER_THREAD`` overrides): 8 rows halve the shared loads and loop
   overhead per FFMA of both products at the cost of registers. The backward always uses 4.
+
+The default tiles of every path are in ``numba_flash.tile_table``; the hardware limits below
+(``STATIC_SMEM_LIMIT``, ``SMEM_OPTIN_LIMIT``, ``SM_REGISTERS``) in ``numba_flash.arch``.
 
 Limits, both kernels alike:
 - block_m and block_n are powers of two, 1 to 256 and 1 to 128;
@@ -36,21 +39,13 @@ from __future__ import annotations
 
 import functools
 import operator
-import os
 from dataclasses import dataclass
 
-from numba_flash._world import simulated
+from numba_flash.arch import SM_REGISTERS, SMEM_OPTIN_LIMIT, STATIC_SMEM_LIMIT
 
 BLOCK_M_CHOICES = tuple(2**p for p in range(0, 9))  # 1 .. 256
 BLOCK_N_CHOICES = tuple(2**p for p in range(0, 8))  # 1 .. 128
-STATIC_SMEM_LIMIT = 48 * 1024
-SMEM_OPTIN_LIMIT = 227 * 1024  # H100/H200 opt-in maximum of dynamic shared memory per block (232448 B)
-SM_REGISTERS = 64 * 1024  # registers of one SM: threads x registers of one block must fit
-MAX_HEAD_DIM = 128
 ROWS_PER_THREAD = 4  # query rows a thread owns (fewer when block_m < 4)
-ROWS_PER_THREAD_CHOICES = (4, 8)  # the forward's micro-tile heights (forward_rows_per_thread)
-ROWS_PER_THREAD_ENV = "NUMBA_FLASH_FFMA_ROWS_PER_THREAD"
-MAXREG_ENV = "NUMBA_FLASH_FFMA_MAXREG"  # the forward's register cap, an experiment knob (register_cap)
 THREADS_PER_ROW = 8  # threads that share a query row (fewer when block_n < 8)
 VEC = 4  # floats per 128-bit shared load
 
@@ -157,70 +152,25 @@ def threads_per_block(head_dim: int, block_m: int, block_n: int, rows_per_thread
     return tile_layout(head_dim, block_m, block_n, rows_per_thread).threads
 
 
-EIGHT_ROW_TILES = ((128, 64),)  # (block_m, block_n) that take 8 rows per thread by default, at D <= 64
-
-
-def forward_rows_per_thread(head_dim: int = MAX_HEAD_DIM, block_m: int = 0, block_n: int = 0) -> int:
-    """The forward's micro-tile height for these tiles: ``NUMBA_FLASH_FFMA_ROWS_PER_THREAD`` (4
-    or 8) when set; else 8 for the tiles of ``EIGHT_ROW_TILES`` at D <= 64 (128 x 64, 128
-    threads, 255 registers, 2 blocks per SM: 8.67 ms against 9.95 for 64 x 32 at 4 rows, B1 H8
-    N16384 D64 causal float32 on the H200; docs/performance-log.md, "Tiles above 48 KiB and 8
-    rows per thread"), and 4 for every other tile. Read when a kernel specification is first
-    made for a configuration (``specs.kernel_spec`` is memoised): set the variable before the
-    process's first call."""
-    text = os.environ.get(ROWS_PER_THREAD_ENV, "").strip()
-    if not text:
-        if head_dim <= 64 and (block_m, block_n) in EIGHT_ROW_TILES:
-            return 8
-        return ROWS_PER_THREAD
-    if not text.isdigit() or int(text) not in ROWS_PER_THREAD_CHOICES:
-        raise ValueError(f"{ROWS_PER_THREAD_ENV} must be one of {list(ROWS_PER_THREAD_CHOICES)}; got {text!r}")
-    return int(text)
-
-
-def comparison_tiles(head_dim: int) -> tuple[int, int]:
-    """The one CUDA-core tile choice for every kernel of a comparison (``numba-flash compare``,
-    ``ablate``) whose caller names none: FA-1 and FA-2 at the same tiles, so that their ratio is
-    the loop order's and not the tiles'. 64 x 32 (D <= 64) and 32 x 16 at 4 rows per thread:
-    measured for both loop orders on the H200 (2026-11-29). FA-2's own float32 default at
-    D <= 64 is larger (:func:`default_tiles`)."""
-    return (64, 32) if head_dim <= 64 else (32, 16)
-
-
-def default_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) -> tuple[int, int]:
-    """The tuned (block_m, block_n) for a problem class (measured on an H200, see docs)."""
-    # FA-2 float32 at D <= 64: 128 x 64 at 8 rows per thread (forward_rows_per_thread), in
-    # dynamic shared memory (103 KiB): 15% faster than 64 x 32 (2026-11-30, sixth session). Not
-    # in the simulator, whose problems are a few dozen rows: there a 128 x 64 tile is mostly
-    # padding at 4x the cost (tests/test_forward_tiles.py runs it by name).
-    if algorithm == "fa2" and dtype_name == "float32" and head_dim <= 64 and not simulated():
-        return 128, 64
-    # Otherwise one choice per head dim: on the H200 (2026-11-29, docs/performance-log.md) the
-    # same tiles were best or within noise for FA-1 and FA-2, float32 and float16, causal or not.
-    del causal
-    # D <= 64: 64 x 32, 128 threads, 43.5 KiB, 4 blocks/SM by registers (FA-2 D=64: 29-30 TFLOP/s against
-    # 27-29 at 32 x 32 and 24-25 at 64 x 16). D > 64: 32 x 16, 64 threads, 35.8 KiB at D = 128
-    # (26 TFLOP/s against 21 at 64 x 8).
-    return comparison_tiles(head_dim)
-
-
-def max_threads(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD) -> int:
+def max_threads(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD, maxreg: int | None = None) -> int:
     """Threads a block may have so that it fits an SM's registers at the register cap (255,
-    rounded up to 256, without one)."""
-    return SM_REGISTERS // (register_cap(head_dim, rows_per_thread) or 256)
+    rounded up to 256, without one); ``maxreg``: :func:`register_cap`'s."""
+    return SM_REGISTERS // (register_cap(head_dim, rows_per_thread, maxreg) or 256)
 
 
-def tiles_fit(head_dim: int, block_m: int, block_n: int) -> bool:
+def tiles_fit(head_dim: int, block_m: int, block_n: int, maxreg: int | None = None) -> bool:
     """Can the CUDA-core kernels run these tiles (:func:`check_tiles` raises nothing)?"""
     try:
-        check_tiles(head_dim, block_m, block_n)
+        check_tiles(head_dim, block_m, block_n, maxreg=maxreg)
     except ValueError:
         return False
     return True
 
 
-def check_tiles(head_dim: int, block_m: int, block_n: int, rows_per_thread: int = ROWS_PER_THREAD) -> None:
-    """Raise ``ValueError`` naming the argument when a kernel cannot run these tiles."""
+def check_tiles(head_dim: int, block_m: int, block_n: int, rows_per_thread: int = ROWS_PER_THREAD,
+                maxreg: int | None = None) -> None:
+    """Raise ``ValueError`` naming the argument when a kernel cannot run these tiles (``maxreg``:
+    :func:`register_cap`'s, for the registers a block needs)."""
     for name, value, choices in (
         ("block_m", block_m, BLOCK_M_CHOICES),
         ("block_n", block_n, BLOCK_N_CHOICES),
@@ -248,25 +198,25 @@ def check_tiles(head_dim: int, block_m: int, block_n: int, rows_per_thread: int 
             f"shared memory, more than the {SMEM_OPTIN_LIMIT} a block can have; {hint}"
         )
     threads = threads_per_block(head_dim, int(block_m), int(block_n), rows_per_thread)
-    if threads > max_threads(head_dim, rows_per_thread):
+    if threads > max_threads(head_dim, rows_per_thread, maxreg):
         raise ValueError(
             f"block_m={block_m}, block_n={block_n} with head_dim={head_dim} need {threads} threads per block, "
-            f"more than the {max_threads(head_dim, rows_per_thread)} whose registers fit an SM; use a smaller "
+            f"more than the {max_threads(head_dim, rows_per_thread, maxreg)} whose registers fit an SM; use a smaller "
             f"block_m or block_n"
         )
 
 
-def register_cap(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD) -> int | None:
+def register_cap(head_dim: int, rows_per_thread: int = ROWS_PER_THREAD, maxreg: int | None = None) -> int | None:
     """Registers per thread the forward kernels are held to (``None``: the compiler's choice).
 
     128 lets four 128-thread blocks share an SM's 64K registers (the 4-row micro-tile at
     D <= 64). The 8-row micro-tile holds twice the accumulators: uncapped (offline, ptxas sm_90,
     D=64: 238-255 registers; at 168, three blocks of 128 threads, 128 x 32 spills 420 bytes, 35
-    local loads and stores per K/V tile outside the products). ``NUMBA_FLASH_FFMA_MAXREG``
-    overrides both (an experiment knob like ``NUMBA_FLASH_TC_MAXREG``; 0: no cap), read when a
-    configuration's spec and kernel are first made.
+    local loads and stores per K/V tile outside the products). ``maxreg`` overrides both: the
+    value of ``NUMBA_FLASH_FFMA_MAXREG`` (``switches.ffma_maxreg``, an experiment knob like
+    ``NUMBA_FLASH_TC_MAXREG``; 0: no cap) that the host read when it made the configuration;
+    ``None``: the default.
     """
-    env = os.environ.get(MAXREG_ENV, "").strip()
-    if env:
-        return int(env) or None
+    if maxreg is not None:
+        return int(maxreg) or None
     return 128 if head_dim <= 64 and rows_per_thread == ROWS_PER_THREAD else None

@@ -27,36 +27,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
 from itertools import product
 
+from numba_flash import switches
+from numba_flash.arch import ARCH, SMEM_OPTIN_LIMIT, ArchLimits
 from numba_flash.kernels.tiles import tiles_fit
 from numba_flash.specs import kernel_spec
 
-
-@dataclass(frozen=True)
-class ArchLimits:
-    """Per-SM limits of one compute capability (CUDA C Programming Guide, Table 'Technical
-    Specifications per Compute Capability'; allocation granularities from the CUDA
-    Occupancy Calculator)."""
-
-    max_threads: int = 2048
-    max_warps: int = 64
-    max_blocks: int = 32
-    registers: int = 65536
-    sub_partitions: int = 4  # the register file is split among 4 schedulers; a warp lives in one
-    reg_alloc_unit: int = 256  # registers are given to a warp in chunks of 256
-    smem_per_sm: int = 228 * 1024
-    smem_alloc_unit: int = 128
-    smem_reserved_per_block: int = 1024  # taken by the system for every resident block
-
-
-ARCH = {
-    (8, 0): ArchLimits(smem_per_sm=164 * 1024),
-    (8, 6): ArchLimits(max_threads=1536, max_warps=48, max_blocks=16, smem_per_sm=100 * 1024),
-    (8, 9): ArchLimits(max_threads=1536, max_warps=48, max_blocks=24, smem_per_sm=100 * 1024),
-    (9, 0): ArchLimits(),
-}
 
 ROW_KEYS = (
     "algorithm", "precision", "head_dim", "dtype", "causal", "block_m", "block_n", "threads", "regs",
@@ -90,7 +67,7 @@ def signature(algorithm: str, head_dim: int, dtype: str):
 def configurations(algorithms, head_dims, dtypes, block_ms, block_ns, causal=(False,), precisions=(None,)):
     """Every runnable combination (tiles a kernel cannot run are left out). ``precisions``:
     the ``attention`` argument (``None``: tensor cores for 16-bit dtypes, CUDA cores for float32)."""
-    from numba_flash.kernels.tc_ops import BLOCK_M_CHOICES, BLOCK_N_CHOICES, SMEM_OPTIN_LIMIT
+    from numba_flash.kernels.tc_ops import BLOCK_M_CHOICES, BLOCK_N_CHOICES
     from numba_flash.problem import regime
 
     for alg, d, dt, bm, bn, c, prec in product(algorithms, head_dims, dtypes, block_ms, block_ns, causal, precisions):
@@ -100,7 +77,7 @@ def configurations(algorithms, head_dims, dtypes, block_ms, block_ns, causal=(Fa
             continue  # e.g. tf32 asked of float16
         cfg = dict(algorithm=alg, precision=mode, head_dim=d, dtype=dt, block_m=bm, block_n=bn, causal=c)
         if mode == "ieee":
-            if dt in ("float16", "float32") and tiles_fit(d, bm, bn):  # (above 48 KiB: dynamic shared memory)
+            if dt in ("float16", "float32") and tiles_fit(d, bm, bn, switches.ffma_maxreg()):  # (above 48 KiB: dynamic shared memory)
                 yield cfg
         elif bm in BLOCK_M_CHOICES and bn in BLOCK_N_CHOICES and _spec(cfg).smem_bytes <= SMEM_OPTIN_LIMIT:
             yield cfg

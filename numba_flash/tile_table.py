@@ -1,0 +1,209 @@
+"""The tile table: the default tiles of every kernel path, in one place.
+
+In the spirit of FlashAttention-3's ``hopper/tile_size.h``: one readable entry per path, problem
+class -> (block_m, block_n, ...). Every host path reads its defaults here (the forward on CUDA
+cores and on tensor cores, the backward in both regimes, decode); the kernels only check what
+they are given (``kernels.tiles.check_tiles``, ``tc_ops.check_tc_tiles``,
+``tc_bwd.check_tc_bwd_tiles``). The numbers were measured or chosen on an H200 (sm_90,
+``numba_flash.arch.TARGET``): docs/performance-log.md has the runs. In the simulator, whose
+problems are a few dozen rows and whose every thread is a Python thread, the paths take small
+tiles (each entry says which). Experiment switches (``numba_flash.switches``) override two
+entries: the forward's micro-tile height and the tensor-core backward's tiles.
+
+=============================  ====================================================  ============
+path                           GPU (sm_90)                                           simulator
+=============================  ====================================================  ============
+forward, CUDA cores            fa2 float32 D <= 64: 128 x 64 (8 rows per thread);    64 x 32 /
+(:func:`forward_tiles`)        else D <= 64: 64 x 32, D > 64: 32 x 16 (4 rows)       32 x 16
+comparisons (compare, ablate)  D <= 64: 64 x 32, D > 64: 32 x 16                     the same
+forward, tensor cores          f16/bf16: D <= 64 64 x 64, else 64 x 32; tf32:         16 x 16
+(:func:`forward_tc_tiles`)     D <= 64 128 x 64, else 64 x 64; tf32x3: 128 x 32
+backward, CUDA cores           square: D <= 64: 64, D > 64: 32                       8
+(:func:`backward_block`)
+backward, tensor cores         f16/bf16: 64 x 128; tf32x3: 16 x 64                   16 x 16
+(:func:`backward_tc_tiles`)
+decode, tensor cores           block_m: 16-row warps holding the packed rows (<= 64), 16 x 32
+(:func:`decode_tiles`)         block_n 64; one 16-row tile: 4 key warps, 2 stages
+decode, float32                the forward's (CUDA cores)                            the same
+=============================  ====================================================  ============
+"""
+
+from __future__ import annotations
+
+from numba_flash import switches
+from numba_flash._world import simulated
+from numba_flash.kernels.tiles import ROWS_PER_THREAD
+
+MAX_HEAD_DIM = 128  # the largest head dim the library takes: every entry below covers 1 .. 128
+
+# ------------------------------------------------------------------------------------------
+# Forward on CUDA cores (FFMA register micro-tiles: kernels.forward, kernels.tiles)
+# ------------------------------------------------------------------------------------------
+
+EIGHT_ROW_TILES = ((128, 64),)  # (block_m, block_n) that take 8 rows per thread by default, at D <= 64
+
+
+def comparison_tiles(head_dim: int) -> tuple[int, int]:
+    """The one CUDA-core tile choice for every kernel of a comparison (``numba-flash compare``,
+    ``ablate``) whose caller names none: FA-1 and FA-2 at the same tiles, so that their ratio is
+    the loop order's and not the tiles'. 64 x 32 (D <= 64: 128 threads, 43.5 KiB, 4 blocks/SM
+    by registers; FA-2 D = 64: 29-30 TFLOP/s against 27-29 at 32 x 32 and 24-25 at 64 x 16)
+    and 32 x 16 (D > 64: 64 threads, 35.8 KiB at D = 128; 26 TFLOP/s against 21 at 64 x 8), at
+    4 rows per thread: measured for both loop orders on the H200 (2026-11-29). FA-2's own
+    float32 default at D <= 64 is larger (:func:`forward_tiles`)."""
+    return (64, 32) if head_dim <= 64 else (32, 16)
+
+
+def forward_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) -> tuple[int, int]:
+    """(block_m, block_n) of the CUDA-core forward for a problem class (H200, see docs).
+
+    FA-2 float32 at D <= 64: 128 x 64 at 8 rows per thread (:func:`forward_rows_per_thread`), in
+    dynamic shared memory (103 KiB): 15% faster than 64 x 32 (2026-11-30). Not in the
+    simulator, whose problems are a few dozen rows: there a 128 x 64 tile is mostly padding at
+    4x the cost (tests/test_forward_tiles.py runs it by name). Otherwise one choice per head dim
+    (:func:`comparison_tiles`): on the H200 (2026-11-29, docs/performance-log.md) the same tiles
+    were best or within noise for FA-1 and FA-2, float32 and float16, causal or not."""
+    if algorithm == "fa2" and dtype_name == "float32" and head_dim <= 64 and not simulated():
+        return 128, 64
+    del causal
+    return comparison_tiles(head_dim)
+
+
+def forward_rows_per_thread(head_dim: int = MAX_HEAD_DIM, block_m: int = 0, block_n: int = 0) -> int:
+    """The CUDA-core forward's micro-tile height for these tiles: ``NUMBA_FLASH_FFMA_ROWS_PER_THREAD``
+    (4 or 8, ``switches.ffma_rows_per_thread``) when set; else 8 for the tiles of
+    ``EIGHT_ROW_TILES`` at D <= 64 (128 x 64, 128 threads, 255 registers, 2 blocks per SM: 8.67
+    ms against 9.95 for 64 x 32 at 4 rows, B1 H8 N16384 D64 causal float32 on the H200;
+    docs/performance-log.md, "Tiles above 48 KiB and 8 rows per thread"), and 4 for every other
+    tile. Read when a kernel specification is first made for a configuration
+    (``specs.kernel_spec`` is memoised): set the variable before the process's first call."""
+    override = switches.ffma_rows_per_thread()
+    if override is not None:
+        return override
+    if head_dim <= 64 and (block_m, block_n) in EIGHT_ROW_TILES:
+        return 8
+    return ROWS_PER_THREAD
+
+
+# ------------------------------------------------------------------------------------------
+# Forward on tensor cores (mma.sync: kernels.tc_fa1, kernels.tc_fa2)
+# ------------------------------------------------------------------------------------------
+
+TC_FORWARD_TILES = {  # kind -> ((block_m, block_n) at D <= 64, at D > 64); H200 sweep, B4 H16 N4096, 2026-11-30
+    "f16": ((64, 64), (64, 32)),  # D64: 64 x 64 187-200 TFLOP/s; D128: 64 x 32 216 (64 x 64 196)
+    "bf16": ((64, 64), (64, 32)),  # as f16
+    "tf32": ((128, 64), (64, 64)),  # D64: 128 x 64 88 TFLOP/s; D128: 64 x 64 80
+    "tf32x3": ((128, 32), (128, 32)),  # D64 41 TFLOP/s (128 x 64 alike), D128 35 before the per-tile split
+}
+TC_SIM_TILES = (16, 16)  # the simulator: one warp (every thread a Python thread, every product a barrier)
+
+
+def forward_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
+    """(block_m, block_n) of the tensor-core forward (docs/performance-log.md version 8);
+    ``head_dim``: the kernel's (``tc_ops.kernel_head_dim``). The simulator: 16 x 16."""
+    if simulated():
+        return TC_SIM_TILES
+    small, large = TC_FORWARD_TILES[kind]
+    return small if head_dim <= 64 else large
+
+
+# ------------------------------------------------------------------------------------------
+# Backward on CUDA cores (kernels.bwd: square block x block tiles)
+# ------------------------------------------------------------------------------------------
+
+BACKWARD_BLOCKS = ((64, 64), (MAX_HEAD_DIM, 32))  # (largest head dim, block): the first that covers D
+BACKWARD_SIM_BLOCK = 8  # the simulator: 16 threads, one micro-tile column per thread
+BACKWARD_BLOCK_CHOICES = (64, 32, 16, 8)  # the rule's candidates, largest first (64: a thread's registers stay < 255)
+BACKWARD_MIN_BLOCKS_PER_SM = 2  # the rule: at least this many FA-2 K/V blocks resident per SM by shared memory
+
+
+def backward_block(head_dim: int) -> int:
+    """The square tile of the CUDA-core backward kernels (block_m = block_n = the result).
+
+    On the GPU (sm_90), the rule: the largest of ``BACKWARD_BLOCK_CHOICES`` whose FA-2 K/V
+    kernel (Q_i, dO_i, K_j, V_j, P^T, dS^T: the most shared memory of the FA-2 kernels) leaves
+    ``BACKWARD_MIN_BLOCKS_PER_SM`` = 2 blocks resident on an SM by shared memory
+    (tests/test_tile_table.py checks the table against it). D <= 64: 64 (104.5 KiB at D = 64, 2
+    blocks of 128 threads, 8 warps per SM); 64 < D <= 128: 32 (76.3 KiB, 2 blocks of 64 threads;
+    64 would need 168.5 KiB, one block per SM, and ~230 registers). Square, because the K/V
+    kernels run the forward's layout on the transposed scores: its rows are keys and its columns
+    queries. 64 at most: at 128 a thread's dK_j, dV_j, S^T and dP^T micro-tiles alone exceed
+    255 registers. In the simulator 8 (16 threads; the same code paths, each thread one column
+    of the scores)."""
+    if simulated():
+        return BACKWARD_SIM_BLOCK
+    for largest, block in BACKWARD_BLOCKS:
+        if head_dim <= largest:
+            return block
+    return BACKWARD_BLOCKS[-1][1]
+
+
+# ------------------------------------------------------------------------------------------
+# Backward on tensor cores (kernels.tc_bwd)
+# ------------------------------------------------------------------------------------------
+
+TC_BACKWARD_TILES = {  # kind -> (block_m, block_n) on sm_90: queries per Q tile, keys per K/V tile
+    # 64 x 128 (8 warps of 16 keys), FlashAttention-2's shape for its sm80 D = 128 backward.
+    # Chosen offline, unmeasured (docs/performance-log.md, "Backward on tensor cores"): ptxas for
+    # sm_90 gives the FA-2 kernel 254 registers at D = 64 and 248 at D = 128 with no spills, one
+    # block of 8 warps per SM; 64 x 64 (4 warps, two blocks per SM: also 8 warps) has no spills
+    # either but twice the dQ atomics and the L2 reads of Q_i, dO_i.
+    "f16": (64, 128),
+    "bf16": (64, 128),
+    # tf32x3 (float32 tiles; docs/performance-log.md "Backward in tf32x3"; offline choice): the
+    # same 16 x 64 at every head dim.
+    "tf32x3": (16, 64),
+}
+TC_BACKWARD_SIM_TILES = (16, 16)  # the simulator: one warp
+
+
+def backward_tc_tiles(head_dim: int, kind: str = "f16") -> tuple[int, int]:
+    """(block_m, block_n) of the tensor-core backward; ``head_dim``: the kernel's. On a GPU
+    ``NUMBA_FLASH_TC_BWD_TILES="MxN"`` (``switches.tc_bwd_tiles``) overrides the table (an
+    experiment knob for sweeps); the simulator: 16 x 16, one warp, whatever the switch says."""
+    if simulated():
+        return TC_BACKWARD_SIM_TILES
+    override = switches.tc_bwd_tiles()
+    if override is not None:
+        return override
+    del head_dim  # one entry per kind at every head dim (so far)
+    return TC_BACKWARD_TILES.get(kind, TC_BACKWARD_TILES["tf32x3"])
+
+
+# ------------------------------------------------------------------------------------------
+# Decode (kernels.tc_fa2 on GQA-packed rows; float32: the CUDA-core forward)
+# ------------------------------------------------------------------------------------------
+
+DECODE_BLOCK_N = 64  # K/V rows per tile: 16 KiB of K (and of V) per tile at D = 128, 16-bit
+DECODE_MAX_BLOCK_M = 64  # block_m grows by 16-row warps up to the packed rows, at most this
+DECODE_KV_STAGES = 1  # K/V tiles in shared memory at once (tc_fa2_kernel's kv_stages; 1: K_j, V_j in turn)
+# One 16-row tile (all packed queries of a KV head): warps that split each K/V tile's keys, over
+# a ring of tiles (tc_fa2_kernel's key_warps and kv_stages; docs/performance-log.md 9j).
+DECODE_KEY_WARPS = 4
+DECODE_KEY_WARP_STAGES = 2  # 1M keys: 944.9 us with 2 stages (32 splits), 952.4 with 3 (H200, same process)
+DECODE_SIM_TILES = (16, 32)  # the simulator
+
+
+def decode_tiles(dtype: str, rows: int, head_dim: int):
+    """(block_m, block_n) of a decode call of ``rows`` packed query rows: the fewest 16-row warps
+    that hold them (at most 4), and K/V tiles of ``DECODE_BLOCK_N`` rows; float32 (CUDA cores):
+    ``(None, None)``, the forward's defaults (:func:`forward_tiles`)."""
+    del head_dim  # one entry at every head dim (so far)
+    if dtype == "float32":
+        return None, None
+    if simulated():
+        return DECODE_SIM_TILES
+    block_m = 16
+    while block_m < min(rows, DECODE_MAX_BLOCK_M):
+        block_m *= 2
+    return block_m, DECODE_BLOCK_N
+
+
+def decode_pipeline(block_m: int, block_n: int) -> tuple[int, int]:
+    """(kv_stages, key_warps) of a tensor-core decode kernel: with one 16-row tile, up to
+    ``DECODE_KEY_WARPS`` warps of at least 16 keys each over a ring of
+    ``DECODE_KEY_WARP_STAGES`` tiles; else ``DECODE_KV_STAGES``, one warp per 16 rows."""
+    warps = min(DECODE_KEY_WARPS, block_n // 16) if block_m == 16 else 1
+    if warps > 1:
+        return DECODE_KEY_WARP_STAGES, warps
+    return DECODE_KV_STAGES, 1
