@@ -30,6 +30,7 @@ from numba_flash.kernels.tiles import check_tiles, threads_per_block, tile_layou
 from numba_flash.launch import device_array
 from numba_flash.launch import launch as direct_launch
 from numba_flash.launch import numba_launch
+from numba_flash.launch_config import LaunchConfig
 from numba_flash.problem import Problem, describe
 from numba_flash.simulator import quiet_kernels
 from numba_flash.specs import kernel_spec
@@ -376,37 +377,6 @@ def _caller_stacklevel() -> int:
 def _widen(x, kind):
     """A float32 copy of a bfloat16 array of the caller's library."""
     return x.float() if kind == "torch" else x.astype(np.float32)
-
-
-@dataclass(frozen=True)
-class LaunchConfig:
-    """A checked call of the forward kernels: its :class:`~numba_flash.problem.Problem` and what
-    running it takes besides -- the tiles (:func:`choose_tiles`), the split count, the ablation
-    variant (``None``: the named points' kernels), the tensor-core pipeline (``kv_stages``,
-    ``key_warps``: ``decode``'s). Made by :func:`configure`; read by :func:`run`,
-    :func:`plan_run`, ``tensor_cores`` and ``decoding``; a plan's ``call`` (``plans``).
-    The problem's fields read through it (``call.q_shape``, ``call.dtype``, ...)."""
-
-    problem: Problem
-    block_m: int
-    block_n: int
-    num_splits: int | None = None
-    variant: object = None
-    kv_stages: int = 1
-    key_warps: int = 1
-
-    kind = property(lambda self: self.problem.kind)
-    q_shape = property(lambda self: self.problem.q_shape)
-    n_k = property(lambda self: self.problem.n_k)
-    dtype = property(lambda self: self.problem.dtype)
-    causal = property(lambda self: self.problem.causal)
-    scale = property(lambda self: self.problem.scale)
-    algorithm = property(lambda self: self.problem.algorithm)
-    regime = property(lambda self: self.problem.regime)
-
-    def with_dtype(self, dtype: str) -> LaunchConfig:
-        """The same launch on inputs of another dtype (bfloat16 widened to float32)."""
-        return replace(self, problem=replace(self.problem, dtype=dtype))
 
 
 def configure(problem: Problem, block_m=None, block_n=None, **launch) -> LaunchConfig:

@@ -38,7 +38,7 @@ from numba_flash.specs import kernel_spec
 from numba_flash.tile_table import forward_tc_tiles
 
 if TYPE_CHECKING:
-    from numba_flash.api import LaunchConfig
+    from numba_flash.launch_config import LaunchConfig
 
 CP_ASYNC_ALIGNMENT = 16  # bytes: the alignment of the inputs' data that cp.async reads in place
 

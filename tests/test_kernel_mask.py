@@ -12,6 +12,8 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from numba_flash.kernels import mask
 from numba_flash.masking import mask_spec
 
@@ -19,7 +21,7 @@ shapes = st.tuples(st.integers(1, 24), st.integers(0, 24), st.booleans(), st.sam
                    st.sampled_from([1, 2, 4, 8, 16]))
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(shapes)
 def test_device_rule_is_the_host_rule(shape):
     n_q, n_k, causal, block_m, block_n = shape
@@ -35,7 +37,7 @@ def test_device_rule_is_the_host_rule(shape):
             assert (not mask.query_hidden(row, first)) == seen, (row, key)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(shapes)
 def test_tile_questions_match_the_visible_entries(shape):
     n_q, n_k, causal, block_m, block_n = shape

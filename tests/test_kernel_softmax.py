@@ -14,6 +14,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from numba_flash import online
 from numba_flash.kernels import softmax
 
@@ -27,7 +29,7 @@ def device_merge(m_a, l_a, o_a, m_b, l_b, o_b):
     return m, w_a * l_a + w_b * l_b, w_a * o_a + w_b * o_b
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(maxima, maxima, st.floats(0.5, 4), st.floats(0.5, 4), st.floats(-3, 3), st.floats(-3, 3))
 def test_merge_weights_give_online_merge(m_a, m_b, l_a, l_b, o_a, o_b):
     # a state that has seen nothing has m = -inf and l = 0, O~ = 0
@@ -54,7 +56,7 @@ def test_nan_propagates():
     assert math.isnan(softmax.nan_max(float("nan"), 1.0)) and math.isnan(softmax.nan_max(1.0, float("nan")))
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.lists(st.one_of(st.just(-math.inf), st.floats(-20, 20)), min_size=3, max_size=3), min_size=1,
                 max_size=4))
 def test_row_update_is_online_update(chunks):

@@ -8,6 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from helpers import examples
+
 from numba_flash.masking import CAUSAL, FULL, MaskSpec, mask_spec
 
 
@@ -24,7 +26,7 @@ def brute_force(left, right, n_q, n_k):
 windows = st.tuples(st.integers(-1, 12), st.integers(-1, 12))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(n_q=st.integers(0, 20), n_k=st.integers(0, 20), window=windows)
 def test_visible_is_the_definition(n_q, n_k, window):
     """The matrix, the scalar predicate, the row and column bounds, counts and tile spans all

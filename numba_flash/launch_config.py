@@ -1,0 +1,44 @@
+"""The launch configuration of a checked forward call: its problem and the choices made for it.
+
+:class:`LaunchConfig` is what the host passes down the forward's launch path (``api``,
+``tensor_cores``, ``decoding``, ``plans``): a :class:`~numba_flash.problem.Problem` (what is
+asked, no tiles) and how it runs (tiles, splits, variant, the tensor-core pipeline). Made by
+``api.configure``, which chooses the tiles (``tile_table``, ``tile_cache``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from numba_flash.problem import Problem
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    """A checked call of the forward kernels: its :class:`~numba_flash.problem.Problem` and what
+    running it takes besides -- the tiles (``api.choose_tiles``), the split count, the ablation
+    variant (``None``: the named points' kernels), the tensor-core pipeline (``kv_stages``,
+    ``key_warps``: ``decode``'s). Made by ``api.configure``; read by ``api.run``,
+    ``api.plan_run``, ``tensor_cores`` and ``decoding``; a plan's ``call`` (``plans``).
+    The problem's fields read through it (``call.q_shape``, ``call.dtype``, ...)."""
+
+    problem: Problem
+    block_m: int
+    block_n: int
+    num_splits: int | None = None
+    variant: object = None
+    kv_stages: int = 1
+    key_warps: int = 1
+
+    kind = property(lambda self: self.problem.kind)
+    q_shape = property(lambda self: self.problem.q_shape)
+    n_k = property(lambda self: self.problem.n_k)
+    dtype = property(lambda self: self.problem.dtype)
+    causal = property(lambda self: self.problem.causal)
+    scale = property(lambda self: self.problem.scale)
+    algorithm = property(lambda self: self.problem.algorithm)
+    regime = property(lambda self: self.problem.regime)
+
+    def with_dtype(self, dtype: str) -> LaunchConfig:
+        """The same launch on inputs of another dtype (bfloat16 widened to float32)."""
+        return replace(self, problem=replace(self.problem, dtype=dtype))
