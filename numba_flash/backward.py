@@ -26,8 +26,7 @@ import numpy as np
 from numba_flash import tile_table
 from numba_flash._world import simulated
 from numba_flash.arrays import ArrayContext, as_cupy_view
-
-ALGORITHMS = ("fa1", "fa2")
+from numba_flash.problem import ALGORITHMS, TENSOR_CORE_KIND
 
 # Does attention_backward run float32 on tensor cores (tf32x3) instead of CUDA cores? On since
 # the H200 check (docs/performance-log.md, "Backward in tf32x3"): FA-2 B4 H16 N4096 D64 18.4 ms
@@ -46,7 +45,7 @@ def backward_regime(precision, dtype: str) -> str:
     if precision is None:
         if dtype == "float32" and TF32X3_BACKWARD:
             return "tf32x3"
-        return {"float16": "f16", "bfloat16": "bf16"}.get(dtype, "ieee")
+        return TENSOR_CORE_KIND.get(dtype, "ieee")
     if isinstance(precision, str) and precision == "ieee":
         return "ieee"
     if isinstance(precision, str) and precision == "tf32x3":

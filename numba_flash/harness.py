@@ -29,12 +29,11 @@ import sys
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.problem import regime
+from numba_flash.problem import ALGORITHMS, regime
 from numba_flash.profiling.timing import attention_flops, median_ms, tflops
 from numba_flash.profiling.traffic import traffic_bytes
 from numba_flash.specs import kernel_spec
 
-ALGORITHMS = ("fa1", "fa2")
 WARMUP = 3  # untimed calls before timing (the check before them has compiled)
 GRAD_REF_BUDGET_BYTES = 10**9  # float64 scores the NumPy gradient reference may hold (host memory)
 BACKWARD_FLOPS = 2.5  # backward FLOPs / forward FLOPs
