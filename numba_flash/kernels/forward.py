@@ -162,6 +162,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         v_tile = shared_tile(Q_FLOATS + K_FLOATS, V_FLOATS)
         p_tile = shared_tile(Q_FLOATS + K_FLOATS + V_FLOATS, P_FLOATS)
     SKIPS_TILES = pipe.SYNCHRONOUS  # a walk may skip tiles only where no copy runs ahead of it
+    RING, OPERAND_ELEMS = pipe.RING, pipe.OPERAND_ELEMS  # a ring: the products read the stage's tiles
     TM, OUT = E.rows_per_thread, E.out_cols
     S_SHAPE, ACC_SHAPE, QF_SHAPE, QF_SMALL_SHAPE, KV_LOADS = E.s_shape, E.acc_shape, E.qf_shape, E.qf_small_shape, E.kv_reg
     SCRATCH = scratch_floats(TM, NT * KG)
@@ -224,8 +225,8 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         row0 = i_tile * BM
         lead = E.group() == 0  # split_k: the group that holds the merged state (else everyone)
         key0 = E.first_key()  # this thread's first key of every K/V tile (split_k, key warps)
-        # Line 4: load Q_i into shared memory.
-        pipe.load_q(q, b, h, row0, n_q, q_scale, q_s, lead)
+        if pipe.Q_BEFORE_RANGE:  # Line 4: load Q_i into shared memory (synchronous copies: first)
+            pipe.load_q(q, b, h, row0, n_q, q_scale, q_s, lead)
         E.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, rows_per_query)
         # The last key any row of this Q tile sees: tiles after it are fully masked.
         tile_last_key = mask.packed_last_visible_key(min(row0 + BM, n_q) - 1, rows_per_query, n_q, n_k, CAUSAL)
@@ -235,6 +236,8 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         # of them, this split's range.
         n_visible = n_kv_tiles if PERMUTED else mask.kv_tiles_seen(tile_last_key, n_kv_tiles, BN)
         first, end = split_tiles(n_visible, n_splits, split)
+        if not pipe.Q_BEFORE_RANGE:  # Line 4: Q_i, issued with the first K/V copies (one commit group)
+            pipe.load_q(q, b, h, row0, n_q, q_scale, q_s, lead)
         # The pipeline's first K/V copies.
         col_first = (kv_order[first] if PERMUTED and first < end else first) * BN
         pipe.start(k, v, b, hk, n_k, col_first, end - first, smem, k_s, v_s)
@@ -255,7 +258,10 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
             pipe.before_scores(k, v, b, hk, col0, step, end - first, n_k, smem, k_s, v_s, k_split, kv_reg)  # Line 7
             if jj == first:
                 E.q_frags(q_s, qf, qf_small)
-            k_op = pipe.k_operand(smem, k_s, k_split, step)
+            if RING:  # this stage's K_j (this warp's keys of it)
+                k_op = smem[pipe.k_offset(step) : pipe.k_offset(step) + OPERAND_ELEMS]
+            else:
+                k_op = pipe.k_operand(smem, k_s, k_split, step)
             E.score_tile(qf, qf_small, q_s, k_op, s, mscratch)  # Line 8: S_i^(j) = Q_i K_j^T
             masked = E.tile_needs_mask(colg, first_row_last_key)
             E.scale_mask(s, q_scale, colg, last_keys, masked)
@@ -274,7 +280,10 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                 for i in range(TM):
                     E.rescale_row(acc, i, l_run[i])  # diag(l) O_i
                 pipe.before_pv(k, v, b, hk, col0, step, end - first, n_k, smem, k_s, v_s, v_split)
-                v_op = pipe.v_operand(smem, v_s, v_split, step)
+                if RING:
+                    v_op = smem[pipe.v_offset(step) : pipe.v_offset(step) + OPERAND_ELEMS]
+                else:
+                    v_op = pipe.v_operand(smem, v_s, v_split, step)
                 E.pv_tile(s, p_s, v_op, acc, colg, last_keys, masked, mscratch)  # + P~ V_j
                 for i in range(TM):
                     l_new = l_run[i] + row_sums[i]
@@ -284,7 +293,10 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                 for i in range(TM):
                     l_run[i] += row_sums[i]
                 pipe.before_pv(k, v, b, hk, col0, step, end - first, n_k, smem, k_s, v_s, v_split)
-                v_op = pipe.v_operand(smem, v_s, v_split, step)
+                if RING:
+                    v_op = smem[pipe.v_offset(step) : pipe.v_offset(step) + OPERAND_ELEMS]
+                else:
+                    v_op = pipe.v_operand(smem, v_s, v_split, step)
                 E.pv_tile(s, p_s, v_op, acc, colg, last_keys, masked, mscratch)  # Line 10: O~ += P~ V_j
         pipe.finish()  # no copy outlives the walk
 
@@ -527,12 +539,16 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                           acc, tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg, o_old, merge_s)
         else:  # -------------------------------------------------------------------- FA-2's loop nest
             # Line 3: for 1 <= i <= Tr -- the grid (one Q tile per block), or this block's loop.
-            for i_tile in range(i_first, i_end):
-                if not PER_TILE:
-                    cuda.syncthreads()  # the previous Q tile's last P~ and V_j are no longer read
-                walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob,
+            if PER_TILE:
+                walk_q_tile(i_first, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob,
                             n_q, n_k, n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf,
                             qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg, merge_s)
+            else:
+                for i_tile in range(n_q_tiles):
+                    cuda.syncthreads()  # the previous Q tile's last P~ and V_j are no longer read
+                    walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk,
+                                ob, n_q, n_k, n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch,
+                                qf, qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg, merge_s)
 
     return forward
 

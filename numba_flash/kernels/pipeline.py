@@ -19,11 +19,15 @@ Q-outer walk (FA-2 lines 4-11), tile ``step`` of ``n_steps`` at key ``col0``:
   ``before_scores(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, k_split, kv_reg)``,
   ``before_pv(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, v_split)``, ``finish()``;
   ``k_operand(smem, k_s, k_split, step)`` and ``v_operand(smem, v_s, v_split, step)``: the
-  shared-memory tiles the products read at ``step``.
+  shared-memory tiles the products read at ``step``; a ring (``RING``) instead gives their
+  offsets in the dynamic buffer, ``k_offset(step)`` and ``v_offset(step)``, ``OPERAND_ELEMS``
+  long (numba's device functions return only arrays they were given, not new views).
 K/V-outer walk (FA-1 lines 5-8):
   ``kv_tile(k, v, b, hk, col0, n_k, smem, k_s, v_s, k_split, v_split, kv_reg)``,
   ``q_tile(q, b, h, row0, n_q, q_scale, q_s, lead)``, ``finish()``.
 ``SYNCHRONOUS``: no copy outlives its hook (a loop nest may then skip tiles freely).
+``Q_BEFORE_RANGE``: Q_i is loaded before the walk's range is worked out (synchronous copies, as
+measured), else just before ``start`` (its copies join the first K/V tile's commit group).
 """
 
 from __future__ import annotations
@@ -46,6 +50,11 @@ def _policy(name: str, **functions) -> ModuleType:
 @device_jit
 def _nothing():
     pass
+
+
+@device_jit
+def _zero_offset(step):
+    return 0
 
 
 @functools.lru_cache(maxsize=None)
@@ -92,7 +101,8 @@ def synchronous(engine) -> ModuleType:
         if lead:
             ops.load_q_tile(q, b, h, row0, n_q, q_scale, q_s)  # FA-1 line 8: load Q_i
 
-    return _policy("synchronous", SYNCHRONOUS=True, load_q=load_q, start=start, before_scores=before_scores, before_pv=before_pv,
+    return _policy("synchronous", SYNCHRONOUS=True, Q_BEFORE_RANGE=True, RING=False, OPERAND_ELEMS=1,
+                   k_offset=_zero_offset, v_offset=_zero_offset, load_q=load_q, start=start, before_scores=before_scores, before_pv=before_pv,
                    k_operand=k_operand, v_operand=v_operand, kv_tile=kv_tile, q_tile=q_tile, finish=_nothing)
 
 
@@ -213,14 +223,15 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
             pass  # V_j landed with K_j
 
         @device_jit
-        def k_operand(smem, k_s, k_split, step):
-            base = Q_ELEMS + 2 * KV_ELEMS * (step % STAGES) + engine.first_key() * STRIDE
-            return smem[base : base + WARP_KV_ELEMS]
+        def k_offset(step):
+            """Where in the dynamic buffer this warp's keys of K_j are at ``step`` (its stage)."""
+            return Q_ELEMS + 2 * KV_ELEMS * (step % STAGES) + engine.first_key() * STRIDE
 
         @device_jit
-        def v_operand(smem, v_s, v_split, step):
-            base = Q_ELEMS + 2 * KV_ELEMS * (step % STAGES) + KV_ELEMS + engine.first_key() * STRIDE
-            return smem[base : base + WARP_KV_ELEMS]
+        def v_offset(step):
+            return Q_ELEMS + 2 * KV_ELEMS * (step % STAGES) + KV_ELEMS + engine.first_key() * STRIDE
+
+        k_operand = v_operand = None  # (a device function returns only an array it was given: the nest slices)
 
     @device_jit
     def kv_tile(k, v, b, hk, col0, n_k, smem, k_s, v_s, k_split, v_split, kv_reg):
@@ -247,6 +258,9 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
     def load_q(q, b, h, row0, n_q, q_scale, q_s, lead):
         copies.load_q_tile(q, b, h, row0, n_q, q_s)  # FA-2 line 4 (committed with the first K/V copies)
 
-    return _policy(f"cp_async_s{STAGES}", SYNCHRONOUS=False, STAGES=STAGES, load_q=load_q, start=start, before_scores=before_scores,
+    if STAGES == 1:
+        k_offset = v_offset = _zero_offset
+    return _policy(f"cp_async_s{STAGES}", SYNCHRONOUS=False, Q_BEFORE_RANGE=False, RING=STAGES > 1,
+                   OPERAND_ELEMS=WARP_KV_ELEMS, k_offset=k_offset, v_offset=v_offset, STAGES=STAGES, load_q=load_q, start=start, before_scores=before_scores,
                    before_pv=before_pv, k_operand=k_operand, v_operand=v_operand, kv_tile=kv_tile, q_tile=q_tile,
                    finish=wait_all)
