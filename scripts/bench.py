@@ -5,7 +5,7 @@ Reproduces the H200 results table:
     python scripts/bench.py --seq 1024 2048 4096 8192 --head-dim 64 128 --dtype float32 float16 --causal both --long-context --out bench-out
 
 For every configuration (seq, head_dim, causal, dtype), in one process, by the harness of
-``numba-flash compare`` and ``ablate`` (``numba_flash.harness``; one ``measure`` a row):
+``numba-flash compare`` and ``ablate`` (``numba_flash.research.harness``; one ``measure`` a row):
 
 1. fresh standard-normal inputs q, k, v of shape (B, H, N, D) (seeded NumPy, copied to the
    GPU as CuPy arrays);
@@ -52,11 +52,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numba_flash  # noqa: F401  (chooses GPU or simulator before numba.cuda is imported)
-from numba_flash import harness
 from numba_flash._world import simulated
-from numba_flash.cli import positive_int
-from numba_flash.profiling.timing import attention_flops
-from numba_flash.report import display_name, markdown_table
+from numba_flash.research import harness
+from numba_flash.research.cli import positive_int
+from numba_flash.research.profiling.timing import attention_flops
+from numba_flash.research.report import display_name, markdown_table
 
 IMPL_CHOICES = ("fa1", "fa2", "cupy", "torch")
 SDPA_MEM_EFFICIENT = "torch-mem_efficient"  # the name torch_sdpa_backends gives it
@@ -297,7 +297,7 @@ def run_plan(plan, args: argparse.Namespace, meta: dict, out_dir: Path) -> list[
 
 def environment(argv: list[str], args: argparse.Namespace) -> dict:
     """The header of bench.md: command, date, GPU, versions, method."""
-    from numba_flash.profiling.run_info import gpu_name, versions
+    from numba_flash.research.profiling.run_info import gpu_name, versions
 
     return {
         "command": "`" + shlex.join(["python", os.path.relpath(__file__), *argv]) + "`",

@@ -112,7 +112,7 @@ def step_weights(instrs, hot, per_product, head_dim, parts):
 
 def stats(head_dim, causal, show_loops=False):
     from numba_flash.arch import ARCH
-    from numba_flash.profiling.occupancy import occupancy_from_resources
+    from numba_flash.research.profiling.occupancy import occupancy_from_resources
 
     rows = []
     for name, k, sig, lay, expected_ffma, per_product, parts in kernels(head_dim, causal):
@@ -187,7 +187,7 @@ def tc_stats(head_dim, tiles, causal, kind="f16", dump=None):
     rolled) are weighted by the trip count that makes the step's HMMA equal the products a warp
     must make (checked: an integer)."""
     from numba_flash.arch import ARCH
-    from numba_flash.profiling.occupancy import occupancy_from_resources
+    from numba_flash.research.profiling.occupancy import occupancy_from_resources
 
     rows = []
     for name, k, sig, lay, expected in tc_kernels(head_dim, tiles, causal, kind):

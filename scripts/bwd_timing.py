@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     import numba_flash
     from numba_flash.backward import backward_regime, gradients
     from numba_flash.kernels.tc_ops import kernel_head_dim
-    from numba_flash.profiling.timing import attention_flops, median_ms, tflops
+    from numba_flash.research.profiling.timing import attention_flops, median_ms, tflops
     from numba_flash.tile_table import backward_tc_tiles
 
     B, H, N = args.batch, args.heads, args.seq

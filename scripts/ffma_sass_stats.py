@@ -87,7 +87,7 @@ def kv_tile(instrs, ffma_s: int, ffma_pv: int) -> dict:
 def stats(head_dim, block_m, block_n, rows_per_thread, causal, dump=None, max_registers=None) -> dict:
     from numba_flash.kernels.tiles import VEC, tile_layout
     from numba_flash.arch import ARCH
-    from numba_flash.profiling.occupancy import occupancy_from_resources
+    from numba_flash.research.profiling.occupancy import occupancy_from_resources
     from numba_flash.specs import kernel_spec
 
     spec = kernel_spec("fa2", head_dim, "float32", block_m, block_n, causal, rows_per_thread=rows_per_thread)

@@ -79,7 +79,7 @@ def last_rows_error(o, q, k, v):
 
 
 def median_ms(fn, repeats):
-    from numba_flash.profiling.timing import median_ms as shared
+    from numba_flash.research.profiling.timing import median_ms as shared
 
     return shared(fn, warmup=2, repeats=repeats)
 

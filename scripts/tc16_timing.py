@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import numba_flash
-    from numba_flash.profiling.timing import attention_flops, median_ms, tflops
+    from numba_flash.research.profiling.timing import attention_flops, median_ms, tflops
 
     B, H, N = args.batch, args.heads, args.seq
     for D in args.head_dim:

@@ -37,7 +37,7 @@ def cuobjdump() -> str:
 
 
 def compile_sass(cfg, max_registers=None):
-    from numba_flash.profiling.occupancy import compile_ptx
+    from numba_flash.research.profiling.occupancy import compile_ptx
 
     return sass_of_ptx(compile_ptx(cfg), max_registers)
 
@@ -45,7 +45,7 @@ def compile_sass(cfg, max_registers=None):
 def compile_sass_of(pyfunc, signature, fastmath=None, max_registers=None, cc=(9, 0)):
     """``compile_sass`` for any kernel: its Python function, argument types and fastmath flags."""
     from numba_flash._cuda import cuda
-    from numba_flash.profiling.occupancy import no_device_compilation
+    from numba_flash.research.profiling.occupancy import no_device_compilation
 
     with no_device_compilation(cc):
         ptx, _ = cuda.compile_ptx(pyfunc, signature, cc=cc, fastmath=fastmath)
@@ -54,7 +54,7 @@ def compile_sass_of(pyfunc, signature, fastmath=None, max_registers=None, cc=(9,
 
 def sass_of_ptx(ptx, max_registers=None):
     """(ptx, SASS, resources) of PTX through ptxas -v (sm_90) and cuobjdump."""
-    from numba_flash.profiling.occupancy import find_ptxas
+    from numba_flash.research.profiling.occupancy import find_ptxas
 
     with tempfile.TemporaryDirectory() as tmp:
         src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
@@ -145,7 +145,7 @@ def mix(body):
 
 def blocks_per_sm(regs, smem, threads):
     from numba_flash.arch import ARCH
-    from numba_flash.profiling.occupancy import occupancy_from_resources
+    from numba_flash.research.profiling.occupancy import occupancy_from_resources
 
     return occupancy_from_resources(regs, smem, threads, ARCH[(9, 0)])
 

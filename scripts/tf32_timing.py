@@ -36,7 +36,7 @@ def log(msg):
 
 
 def median_ms(fn, reps=REPS, warmup=WARMUP):
-    from numba_flash.profiling.timing import median_ms as shared_median_ms
+    from numba_flash.research.profiling.timing import median_ms as shared_median_ms
 
     return shared_median_ms(fn, warmup=warmup, repeats=reps)
 

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from numba_flash.ablation import PATH, all_variants, barriers_per_kv_tile, parse_variant
-from numba_flash.cli import main
+from numba_flash.research.ablation import PATH, all_variants, barriers_per_kv_tile, parse_variant
+from numba_flash.research.cli import main
 from numba_flash.kernels.forward import FA1, FA2, Variant
 
 JSON_KEYS = {"loop_order", "grid", "rescale", "warp_partition", "o_load", "rel_err", "ms", "tflops"}
@@ -69,8 +69,8 @@ def test_ncu_needs_a_gpu(capsys):
 def test_ncu_plan_and_command(tmp_path, monkeypatch):
     """What --ncu runs, without ncu: the plan holds the problem and the variants, the target is
     the ablation's ncu_target, and the measured figures land in the rows by marked run."""
-    import numba_flash.profiling.ncu as ncu
-    from numba_flash.ablation import add_ncu
+    import numba_flash.research.profiling.ncu as ncu
+    from numba_flash.research.ablation import add_ncu
 
     seen = {}
 
@@ -107,8 +107,8 @@ def test_ncu_without_warp_metrics_profiles_again(tmp_path, monkeypatch):
     metrics and the rows get DRAM bytes and occupancy only."""
     import subprocess
 
-    import numba_flash.profiling.ncu as ncu
-    from numba_flash.ablation import add_ncu
+    import numba_flash.research.profiling.ncu as ncu
+    from numba_flash.research.ablation import add_ncu
 
     calls = []
 
@@ -132,7 +132,7 @@ def test_ncu_without_warp_metrics_profiles_again(tmp_path, monkeypatch):
 
 def test_ncu_target_runs_the_planned_variants(tmp_path):
     """The process ncu profiles, run here in the simulator: the plan's problem, each variant once."""
-    from numba_flash.ablation import ncu_target
+    from numba_flash.research.ablation import ncu_target
 
     plan = dict(args=dict(batch=1, heads=1, kv_heads=None, seq=8, seq_k=None, head_dim=4, causal=False,
                           dtype="float32", block_m=4, block_n=4, seed=0),

@@ -99,7 +99,7 @@ def config(bench, seq, causal, dtype="float32", head_dim=64):
 
 
 def timed(bench, cfg, impl, ms, rel_err=None):
-    from numba_flash.profiling.timing import tflops
+    from numba_flash.research.profiling.timing import tflops
 
     row = bench.new_row(cfg, impl, "ok")
     row.update(ms=ms, tflops=tflops(cfg.flops, ms), rel_err=rel_err, rel_err_scope=None if rel_err is None else "all")

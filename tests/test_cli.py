@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from numba_flash.cli import main
+from numba_flash.research.cli import main
 
 
 def test_compare_prints_both_algorithms_side_by_side(capsys):
@@ -91,7 +91,7 @@ def test_bad_values_are_named_without_private_names(argv, flag, capsys):
 
 
 def _subcommands():
-    from numba_flash.cli import _parser
+    from numba_flash.research.cli import _parser
 
     parser = _parser()
     sub = next(a for a in parser._actions if isinstance(a, __import__("argparse")._SubParsersAction))
@@ -138,7 +138,7 @@ def test_scripts_help_works_without_gpu_or_cupy():
 def test_occupancy_says_what_is_missing(monkeypatch, capsys):
     """No libNVVM/NVRTC here: the command names each missing piece and the extra that gives it,
     before compiling anything."""
-    from numba_flash.profiling import occupancy
+    from numba_flash.research.profiling import occupancy
 
     monkeypatch.setattr(occupancy, "missing_toolchain", lambda: [
         f"{occupancy.TOOLCHAIN['nvrtc']}: not found", f"{occupancy.TOOLCHAIN['ptxas']}: not found"])
@@ -152,7 +152,7 @@ def test_occupancy_says_what_is_missing(monkeypatch, capsys):
 def test_missing_toolchain_names_nvvm_and_nvrtc(monkeypatch):
     import cuda.pathfinder
 
-    from numba_flash.profiling import occupancy
+    from numba_flash.research.profiling import occupancy
 
     def not_found(lib):
         raise cuda.pathfinder.DynamicLibNotFoundError(f"lib{lib}.so not found")
@@ -164,7 +164,7 @@ def test_missing_toolchain_names_nvvm_and_nvrtc(monkeypatch):
 
 def test_ptxas_failure_shows_ptxas_own_message(monkeypatch, tmp_path):
     """An old ptxas exits 255 on new PTX; its own words must reach the user."""
-    from numba_flash.profiling import occupancy
+    from numba_flash.research.profiling import occupancy
 
     fake = tmp_path / "ptxas"
     fake.write_text("#!/bin/sh\necho \"ptxas fatal   : Unsupported .version 9.5; current version is '9.0'\" >&2\nexit 255\n")
@@ -176,7 +176,7 @@ def test_ptxas_failure_shows_ptxas_own_message(monkeypatch, tmp_path):
 
 def test_the_wheel_ptxas_wins_over_path(monkeypatch, tmp_path):
     """An older ptxas first on PATH must not shadow the one the occupancy extra installs."""
-    from numba_flash.profiling import occupancy
+    from numba_flash.research.profiling import occupancy
 
     wheel = occupancy._wheel_ptxas()
     if wheel is None:
@@ -209,7 +209,7 @@ def test_default_simulated_compare_is_expected_within_a_minute():
     import numpy as np
 
     from numba_flash._world import simulated
-    from numba_flash.compare import _simulated_seconds, problem_of
+    from numba_flash.research.compare import _simulated_seconds, problem_of
 
     if not simulated():
         pytest.skip("the simulator's default problem")
@@ -227,7 +227,7 @@ def test_compare_runs_fa1_and_fa2_at_the_same_cuda_core_tiles(monkeypatch):
     mix the tiles into the loop order); tensor-core problems keep each kernel's defaults."""
     import argparse
 
-    from numba_flash import compare
+    from numba_flash.research import compare
     from numba_flash import tile_table
     from numba_flash.tile_table import comparison_tiles
     from numba_flash.tile_table import forward_tiles as default_tiles

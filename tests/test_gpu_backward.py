@@ -102,7 +102,7 @@ def test_tensor_core_backward_registers_and_no_local_memory(head_dim):
     import numba_flash
     from numba_flash.backward import attention_backward
     from numba_flash.kernels.tc_bwd import dq_kernel_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout
-    from numba_flash.profiling.resources import compiled_resources
+    from numba_flash.research.profiling.resources import compiled_resources
     from numba_flash.tile_table import backward_tc_tiles
 
     q, k, v = (torch.randn(1, 2, 300, head_dim, device="cuda").half() for _ in range(3))
@@ -198,7 +198,7 @@ def test_tf32x3_backward_switch_and_resources():
     import numba_flash
     from numba_flash import backward
     from numba_flash.kernels.tc_bwd import tc_bwd_kernel, tc_bwd_layout
-    from numba_flash.profiling.resources import compiled_resources
+    from numba_flash.research.profiling.resources import compiled_resources
     from numba_flash.tile_table import backward_tc_tiles
 
     q, k, v = (torch.randn(1, 2, 300, 64, device="cuda") for _ in range(3))

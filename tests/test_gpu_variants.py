@@ -20,7 +20,7 @@ pytestmark = pytest.mark.gpu
 ])
 def test_variant_large(variant_name, causal):
     cp = pytest.importorskip("cupy")
-    from numba_flash.ablation import parse_variant
+    from numba_flash.research.ablation import parse_variant
     from numba_flash.api import forward
     from numba_flash.baselines import cupy_attention
 

@@ -1,15 +1,15 @@
-"""numba_flash.harness, the measurement of compare, ablate and scripts/bench.py, in whichever world
-this machine has (the simulator in CI: errors and launch shapes, no timings); and the table
-writer of numba_flash.report that their reports share."""
+"""numba_flash.research.harness, the measurement of compare, ablate and scripts/bench.py, in
+whichever world this machine has (the simulator in CI: errors and launch shapes, no timings);
+and the table writer of numba_flash.research.report that their reports share."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from numba_flash import harness
 from numba_flash._world import simulated
-from numba_flash.report import markdown_table
+from numba_flash.research import harness
+from numba_flash.research.report import markdown_table
 
 
 def test_check_scope():

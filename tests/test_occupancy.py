@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from numba_flash.arch import ARCH
-from numba_flash.profiling.occupancy import occupancy_from_resources
+from numba_flash.research.profiling.occupancy import occupancy_from_resources
 
 H100 = ARCH[(9, 0)]
 
@@ -40,7 +40,7 @@ def test_occupancy_rules(regs, smem, threads, blocks, limiter):
 
 def _ptxas_available():
     try:
-        from numba_flash.profiling.occupancy import find_ptxas
+        from numba_flash.research.profiling.occupancy import find_ptxas
 
         find_ptxas()
         import nvidia.cu13  # noqa: F401  (libNVVM of numba-cuda[cu13])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from numba_flash.profiling.traffic import dram_bytes, traffic_breakdown, traffic_bytes
+from numba_flash.research.profiling.traffic import dram_bytes, traffic_breakdown, traffic_bytes
 
 
 def test_standard_attention_paper_hand_count():

@@ -1,7 +1,7 @@
 """Proof of the loop order (issue 10): the kernels' global-memory traffic, counted, against the model.
 
 In the simulator every element a kernel reads or writes through an array argument is recorded
-(``numba_flash.profiling.counting``), so two things can be checked exactly, per variant:
+(``numba_flash.research.profiling.counting``), so two things can be checked exactly, per variant:
 
 - the bytes read and written of each array (Q, K, V, O, the logsumexp, FA-1's l and m) equal
   ``traffic.traffic_breakdown`` (requests: one per distinct element per warp and barrier
@@ -26,8 +26,8 @@ from hypothesis import strategies as st
 
 from numba_flash import api, kernels, reference
 from numba_flash._world import simulated
-from numba_flash.profiling.counting import count_traffic
-from numba_flash.profiling.traffic import traffic_breakdown, traffic_bytes
+from numba_flash.research.profiling.counting import count_traffic
+from numba_flash.research.profiling.traffic import traffic_breakdown, traffic_bytes
 
 needs_simulator = pytest.mark.skipif(not simulated(), reason="counts element accesses of kernels run as Python (simulator)")
 
@@ -286,7 +286,7 @@ def test_ignored_kv_tile_order_is_caught(monkeypatch, algorithm, case):
 def _all_variants():
     import itertools
 
-    from numba_flash.ablation import all_variants
+    from numba_flash.research.ablation import all_variants
 
     return all_variants()
 

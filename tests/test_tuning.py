@@ -7,9 +7,10 @@ import json
 
 import pytest
 
-from numba_flash import tile_cache, tuning
+from numba_flash import tile_cache
 from numba_flash.arch import STATIC_SMEM_LIMIT
 from numba_flash.kernels.tiles import smem_bytes
+from numba_flash.research import tuning
 
 
 @pytest.fixture

@@ -14,7 +14,7 @@ import itertools
 import math
 
 from numba_flash.kernels.forward import FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, WARP_PARTITIONS, Variant
-from numba_flash.report import markdown_table, shape_label
+from numba_flash.research.report import markdown_table, shape_label
 
 SWITCHES = ("loop_order", "grid", "rescale", "warp_partition", "o_load")
 
@@ -56,7 +56,7 @@ def barriers_per_kv_tile(variant: Variant, n_q: int, n_k: int, block_m: int, blo
     4 with split_k (the groups' states merged at every step)."""
     if variant.loop_order == "q_outer":
         return 3.0
-    from numba_flash.profiling.traffic import visible_tiles
+    from numba_flash.research.profiling.traffic import visible_tiles
 
     per_pair = 4 if variant.warp_partition == "split_k" else 3
     tiles = visible_tiles(n_q, n_k, block_m, block_n, causal)
@@ -71,8 +71,8 @@ def ablate(args, progress=None):
     """Measure ``args.variants`` (default: all) on one problem; returns ``(rows, notes)``."""
     import time
 
-    from numba_flash.compare import problem_of, setup
-    from numba_flash.harness import measure
+    from numba_flash.research.compare import problem_of, setup
+    from numba_flash.research.harness import measure
 
     say = progress or (lambda line: None)
     variants = [parse_variant(v) for v in args.variants] if args.variants else all_variants()
@@ -200,8 +200,8 @@ def ncu_target(plan_path: str) -> None:
     import json
 
     from numba_flash.api import forward
-    from numba_flash.compare import setup
-    from numba_flash.profiling.ncu import marker
+    from numba_flash.research.compare import setup
+    from numba_flash.research.profiling.ncu import marker
 
     with open(plan_path) as f:
         plan = json.load(f)
@@ -247,13 +247,13 @@ def add_ncu(rows, args, ncu: str, workdir: str) -> None:
 
     import subprocess
 
-    from numba_flash.profiling.ncu import METRICS, WARP_METRICS, group_runs, run_ncu
+    from numba_flash.research.profiling.ncu import METRICS, WARP_METRICS, group_runs, run_ncu
 
     os.makedirs(workdir, exist_ok=True)
     plan_path = os.path.join(workdir, "ablate_ncu_plan.json")
     with open(plan_path, "w") as f:
         json.dump(dict(args=_ncu_problem_args(args), variants=[r["variant"] for r in rows]), f)
-    target = [sys.executable, "-c", f"from numba_flash.ablation import ncu_target; ncu_target({plan_path!r})"]
+    target = [sys.executable, "-c", f"from numba_flash.research.ablation import ncu_target; ncu_target({plan_path!r})"]
     log_file = os.path.join(workdir, "ablate_ncu.csv")
     try:
         kernels = run_ncu(ncu, log_file, target, metrics=(*METRICS, *WARP_METRICS))

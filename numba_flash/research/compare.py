@@ -10,10 +10,10 @@ run so that every figure has a peer beside it.
 from __future__ import annotations
 
 from numba_flash._world import simulated
-from numba_flash.harness import (
+from numba_flash.research.harness import (
     ALGORITHMS, REF_BUDGET_BYTES, describe, make_problem, measure, measure_or_fail, peer_names, time_ratio,
 )
-from numba_flash.report import SHAPE, display_name, markdown_table, shape_label
+from numba_flash.research.report import SHAPE, display_name, markdown_table, shape_label
 
 # Problems `compare` runs when the user names none: the research shape on a GPU, and a
 # small one the simulator finishes in seconds.

@@ -26,7 +26,7 @@ def autotune(algorithm, head_dim, dtype, causal, *, batch=4, heads=16, seq=4096,
     import cupy as cp
 
     from numba_flash.api import forward
-    from numba_flash.profiling.timing import attention_flops, median_ms, tflops
+    from numba_flash.research.profiling.timing import attention_flops, median_ms, tflops
 
     shape = (batch, heads, seq, head_dim)
     rs = cp.random.default_rng(0)

@@ -147,7 +147,7 @@ def main(argv=None) -> int:
         return 0
     if args.command == "ablate":
         return _ablate(args)
-    from numba_flash.compare import compare, format_table
+    from numba_flash.research.compare import compare, format_table
 
     result = _measure_rows("compare", compare, args)
     if result is None:
@@ -180,7 +180,7 @@ def _ablate(args) -> int:
     import os
 
     from numba_flash._world import simulated
-    from numba_flash.ablation import ablate, add_ncu, format_ablation, plot_waterfall
+    from numba_flash.research.ablation import ablate, add_ncu, format_ablation, plot_waterfall
 
     if args.ncu and simulated():
         print("numba-flash ablate: error: --ncu needs a GPU (Nsight Compute profiles real kernels)", file=sys.stderr)
@@ -206,7 +206,7 @@ def _autotune(args) -> int:
     if simulated():
         print("autotune measures on a GPU; none was found (Numba's CUDA simulator is active)", file=sys.stderr)
         return 2
-    from numba_flash.tuning import autotune
+    from numba_flash.research.tuning import autotune
 
     causal = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
     for alg in args.algorithm:
@@ -224,7 +224,7 @@ def _occupancy(args) -> int:
     source = args.source or ("driver" if gpu_present() else "ptxas")
     if source == "ptxas" and "numba.cuda" not in sys.modules:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real; no GPU is touched
-    from numba_flash.profiling.occupancy import ROW_KEYS, configurations, missing_toolchain, profile
+    from numba_flash.research.profiling.occupancy import ROW_KEYS, configurations, missing_toolchain, profile
 
     missing = missing_toolchain() if source == "ptxas" else []
     blocking = [m for m in missing if not m.startswith("ptxas")]  # an old ptxas may still do
@@ -248,7 +248,7 @@ def _occupancy(args) -> int:
     else:
         print(_markdown(rows, ROW_KEYS))
     if args.plot:
-        from numba_flash.profiling.plots import plot_occupancy
+        from numba_flash.research.profiling.plots import plot_occupancy
 
         for path in plot_occupancy(rows, args.plot):
             print(f"wrote {path}", file=sys.stderr)
@@ -256,7 +256,7 @@ def _occupancy(args) -> int:
 
 
 def _toolchain_error(what: str, missing: list[str]) -> None:
-    from numba_flash.profiling.occupancy import OCCUPANCY_EXTRA
+    from numba_flash.research.profiling.occupancy import OCCUPANCY_EXTRA
 
     lines = [f"numba-flash occupancy: {what}"]
     if missing:
@@ -276,7 +276,7 @@ def compute_capability(text: str) -> tuple[int, int]:
 
 
 def _markdown(rows, keys) -> str:
-    from numba_flash.report import markdown_table
+    from numba_flash.research.report import markdown_table
 
     def cell(v):
         return f"{v:.1%}" if isinstance(v, float) else str(v)

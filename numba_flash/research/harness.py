@@ -30,8 +30,8 @@ import numpy as np
 
 from numba_flash._world import simulated
 from numba_flash.problem import ALGORITHMS, regime
-from numba_flash.profiling.timing import attention_flops, median_ms, tflops
-from numba_flash.profiling.traffic import traffic_bytes
+from numba_flash.research.profiling.timing import attention_flops, median_ms, tflops
+from numba_flash.research.profiling.traffic import traffic_bytes
 from numba_flash.specs import kernel_spec
 
 WARMUP = 3  # untimed calls before timing (the check before them has compiled)
@@ -246,7 +246,7 @@ def _measure_kernel(problem, algorithm, repeats, warmup, variant, device_memory,
         row.update(_backward(problem, algorithm, o, lse, repeats, warmup))
     del o, lse
     if not problem["sim"]:
-        from numba_flash.profiling.resources import compiled_resources
+        from numba_flash.research.profiling.resources import compiled_resources
 
         if device_memory:
             row["extra_mem_bytes"] = _extra_device_bytes(run)

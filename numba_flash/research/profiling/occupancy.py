@@ -129,7 +129,7 @@ def _row(cfg, regs, smem, local, blocks, limiter, max_warps, source) -> dict:
 def _driver_row(cfg, cc) -> dict:
     from numba_flash._cuda import cuda
 
-    from numba_flash.profiling.resources import compiled_resources
+    from numba_flash.research.profiling.resources import compiled_resources
 
     spec = _spec(cfg)
     compiled = spec.kernel.compile(spec.signature())
