@@ -211,6 +211,29 @@ def test_markdown_long_context_section(bench):
     assert long_row["checked on"] == "head 0, last 7629 rows"
 
 
+def test_backward_table_with_hand_computed_ratios(bench, tmp_path):
+    """--backward rows: a backward table beside the group's (CuPy has no backward), its ratios
+    from the backward times, FA's gradient errors; bench.csv carries the backward columns."""
+    rows = one_config_rows(bench)
+    for impl, bwd_ms, err in (("fa1", 8.0, 3e-7), ("fa2", 2.0, 4e-7), ("torch-mem_efficient", 5.0, None)):
+        row = next(r for r in rows if r["impl"] == impl)
+        row.update(bwd_ms=bwd_ms, bwd_tflops=2.5 * row["tflops"] * row["ms"] / bwd_ms, grad_rel_err=err,
+                   grad_rel_err_scope=None if err is None else "batch 0, kv head 0")
+    tables = markdown_tables(bench.markdown_report(rows, META))
+    assert list(tables) == ["float32, D=64, non-causal", "float32, D=64, non-causal: backward"]
+    (bwd,) = tables["float32, D=64, non-causal: backward"]
+    assert "cupy" not in bwd and bwd["torch-flash"] == "failed"
+    assert (bwd["FA-2/FA-1"], bwd["FA-2/SDPA-mem-efficient"]) == ("4.00x", "2.50x")  # 8/2, 5/2
+    assert bwd["fa2"] == "21.47"  # 2.5 * 17.18e9 FLOP in 2 ms
+    assert bwd["grad rel err fa2"] == "4.0e-07†"
+    bench.write_csv(rows, tmp_path / "bench.csv")
+    with open(tmp_path / "bench.csv", newline="") as f:
+        read = {r["impl"]: r for r in csv.DictReader(f)}
+    assert float(read["fa2"]["bwd_ms"]) == 2.0 and float(read["fa1"]["grad_rel_err"]) == 3e-7
+    assert read["cupy"]["bwd_ms"] == ""
+    assert "Backward" not in bench.markdown_report(one_config_rows(bench), META)  # only with --backward
+
+
 def test_tiles_are_the_ones_that_ran(bench, tmp_path):
     rows = one_config_rows(bench)[:2]
     rows[0].update(block_m=64, block_n=32)
@@ -247,6 +270,14 @@ def test_a_config_is_measured_on_one_problem_and_failures_stay_in_their_rows(ben
     assert fa1["status"] == "skipped: N=16 > --skip-fa1-above 8"
 
 
+def test_backward_rows_check_the_gradients(bench):
+    """--backward: FA-2's row holds its gradients' error against float64 (timed on a GPU only)."""
+    cfg = bench.Config(seq=12, head_dim=4, causal=True, dtype="float32", batch=1, heads=2)
+    (fa2,) = bench.measure_config(cfg, [("fa2", None)], 0, 2, lambda *_: None, backward=True)
+    assert fa2["status"] == "ok" and fa2["grad_rel_err_scope"] == "all" and fa2["grad_rel_err"] < 1e-5
+    assert (fa2["bwd_ms"] is None) == simulated()
+
+
 def test_inputs_that_cannot_be_made_fail_every_row_to_run(bench, monkeypatch):
     def out_of_memory(p, seed):
         raise MemoryError("no room for q")
@@ -272,7 +303,9 @@ def test_a_row_past_the_tolerance_is_inaccurate_and_long_context_records_memory(
     assert bench.measure_row(sweep, {"p": sweep.problem(), "rel_err": 2e-4}, "fa2", 20)["status"] == (
         "inaccurate: rel_err 2.0e-04 > 1e-04")
     assert bench.measure_row(long, {"p": long.problem(), "rel_err": 5e-5}, "fa2", 5)["status"] == "ok"
-    assert seen == [(20, dict(warmup=3, device_memory=False)), (5, dict(warmup=1, device_memory=True))]
+    assert bench.measure_row(sweep, {"p": sweep.problem(), "rel_err": 0.0}, "fa2", 20, backward=True)["status"] == "ok"
+    assert seen == [(20, dict(warmup=3, device_memory=False)), (5, dict(warmup=1, device_memory=True)),
+                    (20, dict(warmup=3, device_memory=False, backward=True))]
 
 
 # --------------------------------------------------------------------- entry point
@@ -287,6 +320,46 @@ def test_docstring_gives_the_h200_command_and_it_parses(bench):
     assert H200_COMMAND in bench.__doc__
     plan = plan_for(bench, *H200_COMMAND.split()[2:])
     assert len(plan) == 4 * 2 * 2 * 2 + 1  # the sweep and the long-context row
+
+
+def test_backward_applies_to_the_sweep_not_the_long_context_row(bench, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr(bench, "measure_config",
+                        lambda cfg, entries, seed, repeats, report, backward=False: seen.append((cfg.suite, backward))
+                        or [])
+    args = bench.parse_args(["--seq", "512", "--head-dim", "64", "--dtype", "float32", "--causal", "off",
+                             "--long-context", "--backward"])
+    bench.run_plan(bench.build_plan(args, {}), args, META, tmp_path)
+    assert seen == [("sweep", True), ("long-context", False)]
+
+
+def test_launch_overhead_adds_its_rows_to_the_plan_and_a_section(bench):
+    plain = plan_for(bench, "--seq", "512", "--head-dim", "64", "--dtype", "float32", "--causal", "off")
+    plan = plan_for(bench, "--seq", "512", "--head-dim", "64", "--dtype", "float32", "--causal", "off",
+                    "--launch-overhead")  # fmt: skip
+    assert plan[:-1] == plain
+    cfg, entries = plan[-1]
+    assert (cfg.suite, cfg.batch, cfg.heads, cfg.seq, cfg.head_dim) == ("launch-overhead", 1, 1, 128, 64)
+    assert [impl for impl, _ in entries] == ["fa2", "fa1", bench.LAUNCH_FLOOR]
+    rows = []
+    for impl, loop_us, sync_us in (("fa2", 90.0, 116.0), ("fa1", 80.0, 105.5)):
+        row = bench.new_row(cfg, impl, "ok")
+        row.update(ms=loop_us / 1e3, sync_ms=sync_us / 1e3)
+        rows.append(row)
+    rows.append(bench.new_row(cfg, bench.LAUNCH_FLOOR, "failed: RuntimeError: x"))
+    tables = markdown_tables(bench.markdown_report(rows, META))
+    assert list(tables) == ["Launch overhead"]  # no sweep table for these rows
+    fa2, fa1, floor = tables["Launch overhead"]
+    assert (fa2["us per call in a loop"], fa2["us per synchronised call (median)"]) == ("90.0", "116.0")
+    assert fa1["us per synchronised call (median)"] == "105.5" and floor["us per call in a loop"].startswith("failed")
+
+
+def test_per_call_cost_counts_every_call_and_synchronises(bench):
+    calls, syncs = [], []
+    loop_us, sync_us = bench.per_call_us(lambda: calls.append(1), 50, lambda: syncs.append(len(calls)), single=7)
+    assert len(calls) == bench.LAUNCH_WARMUP + 50 + 7
+    assert syncs[:2] == [bench.LAUNCH_WARMUP, bench.LAUNCH_WARMUP + 50] and len(syncs) == 2 + 7
+    assert 0 <= loop_us < 1e5 and 0 <= sync_us < 1e5
 
 
 def test_dry_run_prints_the_plan(bench, capsys):
