@@ -17,8 +17,8 @@ analysis, which assumes no cache between them and HBM), for the tiles actually v
   (line 2) and the final logsumexp/cast pass.
 
 All counts are exact functions of the shapes, tiles and dtype; they are checked against
-hand counts in ``tests/test_traffic.py``, and per array against the elements the simulated
-kernels read and write in ``tests/test_traffic_counts.py`` (:func:`traffic_breakdown`).
+hand counts in ``tests/research/test_traffic.py``, and per array against the elements the simulated
+kernels read and write in ``tests/research/test_traffic_counts.py`` (:func:`traffic_breakdown`).
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def traffic_breakdown(
     Roles: ``q``, ``k``, ``v``, ``o`` (the output, in ``dtype``), ``lse``; FA-1 adds ``l``,
     ``m`` and, when it keeps O in a float32 buffer apart from the output (16-bit dtypes, or
     ``tensor_cores``), ``o_acc`` (that buffer); ``standard`` has ``scores`` (S and P).
-    :func:`traffic_bytes` is the sum. ``tests/test_traffic_counts.py`` checks every role
+    :func:`traffic_bytes` is the sum. ``tests/research/test_traffic_counts.py`` checks every role
     against the elements the simulated kernels read and write.
     """
     e = _itemsize(dtype)

@@ -1,7 +1,7 @@
 """The direct launcher's host-side bookkeeping (``numba_flash.launch``), with the GPU faked:
 cuda.core's own stream per handle, kernels compiled and opted in once per (kernel, device),
 arrays on a second GPU launched there; and numba's launch with dynamic shared memory (runs in
-the simulator). The same paths on a real GPU: ``tests/test_gpu_host.py``."""
+the simulator). The same paths on a real GPU: ``tests/gpu/test_gpu_host.py``."""
 
 from __future__ import annotations
 
@@ -136,7 +136,7 @@ def _dynamic_sum(x, out):
 
 def test_numba_launch_passes_dynamic_shared_memory():
     if not simulated():
-        pytest.skip("the GPU case is tests/test_gpu_host.py")
+        pytest.skip("the GPU case is tests/gpu/test_gpu_host.py")
     x = np.arange(16, dtype=np.float32)
     out = np.zeros(1, np.float32)
     L.numba_launch(_dynamic_sum, (1,), (16,), None, (x, out), shared_mem_bytes=16 * 4)

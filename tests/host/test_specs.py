@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from test_occupancy import _ptxas_available
+from helpers import ptxas_available
 
 from numba_flash.arch import SMEM_OPTIN_LIMIT
 from numba_flash.kernels.tc_ops import tc_layout
@@ -52,7 +52,7 @@ def test_shared_memory_and_threads_of_each_regime():
     assert tc_layout("tf32x3", 128, 64, 32).presplit == tc_layout("tf32x3", 64, 128, 32).presplit == ""
 
 
-@pytest.mark.skipif(not _ptxas_available(), reason="needs numba-flash[occupancy] (libNVVM and ptxas)")
+@pytest.mark.skipif(not ptxas_available(), reason="needs numba-flash[occupancy] (libNVVM and ptxas)")
 def test_occupancy_of_tensor_core_kernels_without_gpu():
     """`numba-flash occupancy --precision default` on float16 profiles the tensor-core kernels:
     threads from the warp count, shared memory = the dynamic tiles, no spills."""

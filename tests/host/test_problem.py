@@ -1,6 +1,6 @@
 """``numba_flash.problem``: the checked description of a call (no tile choice in it), and the
 launch configuration ``api.configure`` makes of it. The messages of the checks are tested
-through the public functions in ``tests/test_attention_errors.py``."""
+through the public functions in ``tests/host/test_attention_errors.py``."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "ncu_traffic.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "ncu_traffic.py"
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 
 from numba_flash._world import simulated
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "bench.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
 
 
 @pytest.fixture(scope="module")

@@ -54,7 +54,7 @@ def test_receive_slots_alternate_and_never_take_what_is_sent():
 def test_a_ring_with_one_receive_slot_reads_a_shard_in_flight(monkeypatch):
     """LocalRing writes NaN into a receive slot while its shift is in flight, as a wire may: with a
     single slot, step 1 receives into the shard it computes with, and the result is wrong. (Three
-    ranks: two shifts; the two-slot ring passes the same check in tests/test_ring.py.)"""
+    ranks: two shifts; the two-slot ring passes the same check in tests/distributed/test_ring.py.)"""
     rng = np.random.default_rng(3)
     q, k, v = random_qkv(rng, 1, 1, 1, 6, 6, 4, "float32")
 

@@ -126,7 +126,7 @@ def test_scripts_help_works_without_gpu_or_cupy():
     import subprocess
     import sys
 
-    scripts = sorted((pathlib.Path(__file__).parent.parent / "scripts").glob("*.py"))
+    scripts = sorted((pathlib.Path(__file__).resolve().parents[2] / "scripts").glob("*.py"))
     assert len(scripts) >= 5
     code = ("import runpy, sys\nsys.modules['cupy'] = None\nsys.modules['torch'] = None\n"
             "sys.argv = [sys.argv[1], '--help']\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")

@@ -14,9 +14,8 @@ import pytest
 import fake_gpu
 import numba_flash
 from numba_flash import plans
-from test_host_path import _launches
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "decode_sweep.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "decode_sweep.py"
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +48,7 @@ def test_a_candidate_launches_what_decode_launches(sweep, monkeypatch, cache):
         q = fake_gpu.cupy_array((1, 32, 1, 128), "float16")
         k, v = (fake_gpu.cupy_array((1, 8, cache, 128), "float16") for _ in range(2))
         seqlens = fake_gpu.cupy_array((1,), "int32")
-        library = _launches(record, lambda: numba_flash.decode(q, k, v, cache_seqlens=seqlens, return_lse=True))
+        library = fake_gpu.launches(record, lambda: numba_flash.decode(q, k, v, cache_seqlens=seqlens, return_lse=True))
         from numba_flash.tile_table import DECODE_BLOCK_N, DECODE_KEY_WARP_STAGES, DECODE_KEY_WARPS
 
         c = sweep.Candidate(DECODE_BLOCK_N, "walk", None, DECODE_KEY_WARP_STAGES, DECODE_KEY_WARPS, q, k, v, seqlens,
@@ -59,7 +58,7 @@ def test_a_candidate_launches_what_decode_launches(sweep, monkeypatch, cache):
             c()
             return c.o, c.lse
 
-        assert _launches(record, run) == library
+        assert fake_gpu.launches(record, run) == library
         assert len(library[0]) == (2 if c.splits > 1 else 1)
     finally:
         plans.clear()

@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from helpers import ptxas_available
 
 from numba_flash.arch import ARCH
 from numba_flash.research.profiling.occupancy import occupancy_from_resources
@@ -38,18 +39,7 @@ def test_occupancy_rules(regs, smem, threads, blocks, limiter):
     assert occupancy_from_resources(regs, smem, threads, H100) == (blocks, limiter)
 
 
-def _ptxas_available():
-    try:
-        from numba_flash.research.profiling.occupancy import find_ptxas
-
-        find_ptxas()
-        import nvidia.cu13  # noqa: F401  (libNVVM of numba-cuda[cu13])
-    except Exception:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ptxas_available(), reason="needs numba-flash[occupancy] (libNVVM and ptxas)")
+@pytest.mark.skipif(not ptxas_available(), reason="needs numba-flash[occupancy] (libNVVM and ptxas)")
 def test_occupancy_command_without_gpu_matches_the_driver():
     """`numba-flash occupancy --json` with no GPU (ptxas path), against the H200 driver's
     figures for the same kernels (2026-11-29, micro-tiled kernels, D=64, tiles 64 x 32,

@@ -7,7 +7,7 @@ visible (query, key) pair exactly once over the ring and no masked one; the zigz
 every rank the same causal work at every step (the contiguous one does not, which shows that the
 check can fail); split and gather are inverses; a partial whose rows see no key merges as the
 identity (o = 0, lse = -inf, never NaN). The transports themselves (receive slots, the NCCL
-ring's stream order against a fake torch.distributed): ``tests/test_ring_transport.py``.
+ring's stream order against a fake torch.distributed): ``tests/distributed/test_ring_transport.py``.
 """
 
 from __future__ import annotations

@@ -2,11 +2,10 @@
 torch CUDA tensors is checked and planned once per signature (``numba_flash.plans``) and only
 launched after; what depends on pointers is checked on every call; a bad call raises every
 time; and a planned call launches exactly what the unplanned path launches. The same paths on
-a real GPU: ``tests/test_gpu*.py``."""
+a real GPU: ``tests/gpu/``."""
 
 from __future__ import annotations
 
-import ctypes
 import json
 
 import numpy as np
@@ -192,24 +191,6 @@ def test_new_autotuned_tiles_replan(gpu, monkeypatch):
     assert gpu.plannings == 3
 
 
-def _launches(record, call):
-    """``call``'s launches: kernel, configuration and parameters, pointers numbered by first
-    appearance (the results' first), and its results' layouts."""
-    record.launches.clear()
-    results = call()
-    numbering = {}
-    for r in results:
-        numbering.setdefault(r.data_ptr() if hasattr(r, "data_ptr") else r.data.ptr, len(numbering))
-    launches = []
-    for kernel, config, params in record.launches:
-        launches.append((kernel, config, [
-            (type(p).__name__, p.value) if isinstance(p, (ctypes.c_float, ctypes.c_int32))
-            else f"ptr{numbering.setdefault(p, len(numbering))}" if isinstance(p, int) and p >= 1 << 32 else p
-            for p in params]))
-    layouts = [(r.shape, r.stride() if hasattr(r, "stride") else r.strides, str(r.dtype)) for r in results]
-    return launches, layouts
-
-
 PROBLEMS = {
     "cupy float32 fa2 heuristic split": (C, (1, 1, 16, 64), (1, 1, 8192, 64), "float32", {}),
     "cupy float32 fa1, results given": (C, (2, 2, 33, 40), (2, 1, 70, 40), "float32", dict(algorithm="fa1", out=True)),
@@ -231,10 +212,10 @@ def test_planned_launches_are_the_unplanned_ones(gpu, monkeypatch, name):
     q, k, v = _qkv(make, shape_q, shape_kv, dtype)
     if options.pop("out", False):
         options.update(out=make(shape_q, dtype), lse_out=make(shape_q[:3], "float32"))
-    planned = [_launches(gpu, lambda: forward(q, k, v, **options)) for _ in range(2)]
+    planned = [fake_gpu.launches(gpu, lambda: forward(q, k, v, **options)) for _ in range(2)]
     monkeypatch.setattr(api, "_plan_forward", lambda *args: None)
     plans.clear()
-    unplanned = _launches(gpu, lambda: forward(q, k, v, **options))
+    unplanned = fake_gpu.launches(gpu, lambda: forward(q, k, v, **options))
     assert planned[0] == planned[1] == unplanned
 
 
@@ -246,11 +227,11 @@ def test_planned_decode_launches_are_the_unplanned_ones(gpu, monkeypatch, dtype,
     are allocated in the caller's shapes)."""
     q, k, v = _qkv(T, (2, heads, 1, 128), (2, kv_heads, 4096, 128), dtype)
     seqlens = T((2,), "int32") if lengths else None
-    planned = [_launches(gpu, lambda: numba_flash.decode(q, k, v, cache_seqlens=seqlens, return_lse=True))
+    planned = [fake_gpu.launches(gpu, lambda: numba_flash.decode(q, k, v, cache_seqlens=seqlens, return_lse=True))
                for _ in range(2)]
     monkeypatch.setattr(decoding, "_plan_decode", lambda *args: None)
     plans.clear()
-    unplanned = _launches(gpu, lambda: numba_flash.decode(q, k, v, cache_seqlens=seqlens, return_lse=True))
+    unplanned = fake_gpu.launches(gpu, lambda: numba_flash.decode(q, k, v, cache_seqlens=seqlens, return_lse=True))
     assert planned[0] == planned[1] == unplanned
     assert gpu.plannings == 1
 

@@ -8,7 +8,7 @@ k-step (12 -> 16, 20 -> 32, 40 -> 48: two warps split a 16-query group's three d
 tiles of one and two warps either way. The bound is float32's: the simulated products are exact
 float32 FMAs, so this checks the fragment layouts, the TF32 A operand of P^T / dS^T from the
 accumulators (keys permuted within each 8-key step), dS^T's float32 round trip through shared
-memory and the masks, not the TF32 rounding (tests/test_gpu_backward.py does, at 1e-4).
+memory and the masks, not the TF32 rounding (tests/gpu/test_gpu_backward.py does, at 1e-4).
 """
 
 from __future__ import annotations

@@ -2,14 +2,13 @@
 8-row micro-tile (``NUMBA_FLASH_FFMA_ROWS_PER_THREAD=8``), against the float64 reference.
 
 Lengths are not tile multiples, causal with Nq > Nk leaves rows that see no key (o = 0,
-lse = -inf), and outputs are NaN-poisoned (``test_attention.run_poisoned``)."""
+lse = -inf), and outputs are NaN-poisoned (``helpers.run_poisoned``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import random_qkv, to_numpy
-from test_attention import check_against_reference, run_poisoned
+from helpers import check_against_reference, random_qkv, run_poisoned, to_numpy
 
 from numba_flash.kernels.forward import Variant
 from numba_flash.kernels.tiles import smem_bytes, uses_dynamic_smem

@@ -9,17 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import (
-    examples,
-    lse_matches,
-    output_rounding_bound,
-    plain_fp16_attention,
-    poisoned,
-    random_qkv,
-    rel_err,
-    score_rounding_bound,
-    to_numpy,
-)
+from helpers import check_against_reference, examples, output_rounding_bound, random_qkv, run_poisoned, to_numpy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -28,40 +18,6 @@ from numba_flash.api import attention, forward
 
 ALGORITHMS = ["fa1", "fa2"]
 TILES = st.sampled_from([1, 2, 4, 8])
-
-
-def run_poisoned(xp, q, k, v, **kw):
-    """``forward`` into NaN-poisoned buffers; the CUDA-core kernels unless ``precision`` is given
-    (their tiles go down to one row; the tensor-core kernels have tests of their own)."""
-    kw.setdefault("precision", "ieee")
-    B, H, Nq, D = q.shape
-    o = poisoned(xp, (B, H, Nq, D), q.dtype)
-    lse = poisoned(xp, (B, H, Nq), np.float32)
-    return forward(q, k, v, out=o, lse_out=lse, **kw)
-
-
-def check_against_reference(q, k, v, o, lse, causal, scale=None, oracle=None):
-    """``o`` and ``lse`` against the float64 reference (or another float64 ``oracle``'s pair)."""
-    if oracle is None:
-        ref_o, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, scale=scale)
-    else:
-        ref_o, ref_lse = oracle
-    o_np = to_numpy(o)
-    assert not np.isnan(o_np).any(), "an output element was not written (or is NaN)"
-    if q.dtype == np.float16:
-        base = np.abs(plain_fp16_attention(q, k, v, causal, scale).astype(np.float64) - ref_o).max()
-        err = np.abs(o_np.astype(np.float64) - ref_o).max()
-        assert err <= 2 * base + 1e-6, f"float16 error {err:.3g} > 2 x plain float16 error {base:.3g}"
-    else:
-        # float32: rounding the scores alone moves o by up to output_rounding_bound, which grows
-        # with the score magnitude (a constant fit for unit scores fails at scores ~1e4); what
-        # the kernel gets wrong beyond that must stay within 2e-6 of the reference, norm-wise.
-        allowed = output_rounding_bound(q, k, v, ref_o, scale, causal)
-        excess = np.maximum(np.abs(o_np.astype(np.float64) - ref_o) - allowed, 0.0)
-        ref_norm, excess_norm = float(np.linalg.norm(ref_o)), float(np.linalg.norm(excess))
-        assert excess_norm <= 2e-6 * ref_norm, (rel_err(o_np, ref_o), excess_norm, float(allowed.max()))
-    delta = score_rounding_bound(q, k, scale, causal)  # lse = m + log l moves by at most delta
-    assert lse_matches(lse, ref_lse, atol=1e-4 + delta), (to_numpy(lse), ref_lse)
 
 
 @settings(max_examples=examples(12))

@@ -18,7 +18,7 @@ import pytest
 
 from numba_flash._world import simulated
 
-SCRIPT = Path(__file__).resolve().parents[1] / "scripts" / "decode_bench.py"
+SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "decode_bench.py"
 JSON_KEYS = {"batch", "heads", "kv_heads", "q_len", "head_dim", "dtype", "cache_len", "num_splits", "ms",
              "kv_bytes", "tbs", "pct_peak", "rel_err", "peers", "vs_best_sdpa"}  # fmt: skip
 

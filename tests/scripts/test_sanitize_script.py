@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import pytest
 
-SCRIPT = pathlib.Path(__file__).parent.parent / "scripts" / "sanitize.py"
+SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "sanitize.py"
 
 
 @pytest.fixture(scope="module")
