@@ -195,8 +195,9 @@ def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, bloc
     checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision)
     call = configure(checked, block_m, block_n)  # (the tiles' checks before num_splits', as always)
     call = replace(call, num_splits=check_num_splits(num_splits, algorithm))
-    if variant is not None and call.regime != "ieee":
-        raise ValueError(f"the ablation variants are CUDA-core kernels: {call.dtype} inputs need precision='ieee'")
+    if variant is not None and call.regime != "ieee" and variant.warp_partition == "split_k":
+        raise ValueError("split_k runs on CUDA cores (precision='ieee'); on tensor cores the keys of a tile are split "
+                         "between warps only by decode's key warps")
     if variant is not None and variant.warp_partition == "split_k":
         from numba_flash.kernels.forward import SPLIT_K_GROUPS
 
@@ -398,8 +399,6 @@ def _check_variant(variant, precision):
         variant = Variant(**variant)
     if not isinstance(variant, Variant):
         raise TypeError(f"variant must be a kernels.forward.Variant or a dict of its fields; got {type(variant).__name__}")
-    if precision is not None and precision != "ieee":
-        raise ValueError("the ablation variants are CUDA-core kernels: pass precision='ieee' (or None for float32)")
     return variant
 
 

@@ -75,7 +75,7 @@ class KernelSpec:
         """FA-1: one block per (batch, head); FA-2: one per Q tile of each (batch, head) and
         split of the K/V tiles (``kernels.block_info``); a variant: by its grid and loop order
         (only Q-outer walks split)."""
-        if self.tensor_cores or self.variant is None:
+        if self.variant is None:
             if self.algorithm == "fa1":
                 return (batch * heads,)
             return (-(-n_q // self.block_m) * batch * heads * n_splits,)
@@ -85,28 +85,25 @@ class KernelSpec:
     @property
     def kernel(self):
         """The dispatcher (compiled on first use for the arguments it is launched with)."""
-        if self.tensor_cores:
-            from numba_flash.kernels.tc_fa1 import tc_fa1_kernel
-            from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
+        if self.tensor_cores:  # the skeleton (kernels.forward) on the mma engine
+            from numba_flash.kernels.engines import TensorCores
+            from numba_flash.kernels.forward import FA1, FA2, forward_kernel
 
-            split = {} if self.presplit is None else {"presplit": self.presplit}
-            if self.algorithm == "fa2":
-                stages = {} if self.kv_stages == 1 else {"kv_stages": self.kv_stages}
-                if self.key_warps > 1:
-                    stages["key_warps"] = self.key_warps
-                return tc_fa2_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal,
-                                     self.ragged, self.split_out, self.register_cap, **stages, **split)
-            return tc_fa1_kernel(self.regime, self.head_dim, self.block_m, self.block_n, self.causal, self.register_cap,
-                                 **split)
+            point = self.variant if self.variant is not None else (FA1 if self.algorithm == "fa1" else FA2)
+            tiles = TensorCores(self.regime, self.head_dim, self.block_m, self.block_n, None, self.presplit,
+                                self.kv_stages, self.key_warps)
+            return forward_kernel(point, tiles, self.causal, False, self.ragged, cast_out=self.kv_outer,
+                                  f32_out=self.split_out, max_registers=self.register_cap)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
 
         if self.variant is not None:
+            from numba_flash.kernels.engines import CudaCores
             from numba_flash.kernels.forward import forward_kernel
 
-            return forward_kernel(self.variant, self.head_dim, self.block_m, self.block_n, self.causal, self.permuted,
-                                  self.ragged, self.kv_outer and casts_output(self.dtype), self.rows_per_thread,
-                                  **({} if self.maxreg is None else {"maxreg": self.maxreg}))
+            tiles = CudaCores(self.head_dim, self.block_m, self.block_n, self.rows_per_thread)
+            return forward_kernel(self.variant, tiles, self.causal, self.permuted, self.ragged,
+                                  self.kv_outer and casts_output(self.dtype), max_registers=self.register_cap)
         rows = {} if self.rows_per_thread == ROWS_PER_THREAD else {"rows_per_thread": self.rows_per_thread}
         if self.maxreg is not None:
             rows["maxreg"] = self.maxreg
@@ -123,21 +120,18 @@ class KernelSpec:
 
         f4, f3 = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C")
         i1, i4 = types.Array(types.int32, 1, "C"), types.int32
-        if self.tensor_cores:
-            elem = types.float32 if self.regime.startswith("tf32") else types.uint16
-            a4 = types.Array(elem, 4, "C")
-            if self.algorithm == "fa2":  # q, k, v, o, lse, q_scale, seqlens, n_splits, rows_per_query
-                return (a4, a4, a4, f4 if self.split_out else a4, f3, types.float32, i1, i4, i4)
-            return (a4, a4, a4, f4, f3, f3, a4, f3, types.float32)  # + o_hbm, l, m before o
         from numba_flash.kernels.fa1 import casts_output
 
-        elem = {"float32": types.float32, "float16": types.float16}[self.dtype]
-        a4 = types.Array(elem, 4, "C")
-        # kernels.forward: q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query
-        if self.algorithm == "fa2":
+        if self.tensor_cores:  # 16-bit inputs and outputs as bit patterns
+            a4 = types.Array(types.float32 if self.regime.startswith("tf32") else types.uint16, 4, "C")
             out = f4 if self.split_out else a4
         else:
-            out = a4 if casts_output(self.dtype) else f4
+            a4 = types.Array({"float32": types.float32, "float16": types.float16}[self.dtype], 4, "C")
+            if self.kv_outer:
+                out = a4 if casts_output(self.dtype) else f4
+            else:
+                out = f4 if self.split_out else a4
+        # kernels.forward: q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query
         return (a4, a4, a4, out, f3, f4, f3, f3, types.float32, i1, i1, i4, i4)
 
 
@@ -172,8 +166,12 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
         split = {} if mode is None else {"presplit_mode": mode}
         layout = tc_layout(regime, d, block_m, block_n, stages, key_warps=warps, **split)
         cap = tc_register_cap(regime, d, block_m, block_n, switches.tc_maxreg())
+        if variant is not None and variant.warp_partition == "split_k":
+            raise ValueError("split_k runs on CUDA cores; on tensor cores the keys of a tile are split between warps "
+                             "by key_warps (decode's ring)")
         return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes,
-                          cap, ragged, split_out, kv_stages=stages, key_warps=warps,
+                          cap, ragged and (variant is None or variant.loop_order == "q_outer"), split_out,
+                          variant=variant, kv_stages=stages, key_warps=warps,
                           presplit=None if mode is None else layout.presplit)
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"

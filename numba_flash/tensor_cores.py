@@ -178,7 +178,7 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     B, H, Nq, D = call.q_shape
     partial = n_splits > 1  # o, lse: float32 partials of the kernel's head dim
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, call.regime,
-                       ragged=seqlens is not None, split_out=partial, kv_stages=call.kv_stages,
+                       ragged=seqlens is not None, split_out=partial, variant=call.variant, kv_stages=call.kv_stages,
                        key_warps=call.key_warps)
     sixteen = spec.regime in TENSOR_CORE_KIND.values()
     dim, xp = spec.head_dim, _xp(ctx.kind)
@@ -190,18 +190,20 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     lse_kernel = bits_view(lse, ctx.kind, False)
     q_scale = np.float32(call.scale * LOG2E)  # scores in log2 units
     written = [o_kernel, lse_kernel]
-    tail = []
-    if spec.algorithm == "fa1":  # the paper's O, l, m in global memory (float32)
-        written += [xp.empty((B, H, Nq, dim), np.float32), xp.empty((B, H, Nq), np.float32), xp.empty((B, H, Nq), np.float32)]
-        arrays = [kq, kk, kv, *written[2:], o_kernel, lse_kernel]
-    else:  # + the split-KV arguments (kernels.block_info)
-        lengths = bits_view(seqlens, ctx.kind, False) if seqlens is not None else _unread_lengths(ctx.kind, ctx.device_id)
-        arrays = [kq, kk, kv, o_kernel, lse_kernel, lengths]
-        tail = [np.int32(n_splits), np.int32(rows_per_query)]
+    if spec.kv_outer:  # the paper's O, l, m in global memory (float32)
+        state = [xp.empty((B, H, Nq, dim), np.float32), xp.empty((B, H, Nq), np.float32), xp.empty((B, H, Nq), np.float32)]
+        written += state
+    else:
+        state = list(_unread_state(ctx.kind, ctx.device_id))
+    unread = _unread_lengths(ctx.kind, ctx.device_id)
+    lengths = bits_view(seqlens, ctx.kind, False) if seqlens is not None else unread
+    # the skeleton's arguments (kernels.forward), q_scale and the ints aside
+    arrays = [kq, kk, kv, o_kernel, lse_kernel, *state, unread, lengths]
+    tail = [np.int32(n_splits), np.int32(rows_per_query)]
     grid = spec.grid(B, H, Nq, n_splits)
     if ctx.direct_launch:
         args = [device_array(x, "cupy") for x in arrays]
-        launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(), _ordered(spec, args, q_scale, tail),
+        launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(), _ordered(args, q_scale, tail),
                shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
     else:
         _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail)
@@ -219,8 +221,10 @@ def _launch_in_place(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> bool:
     if any(a.ptr % CP_ASYNC_ALIGNMENT for a in inputs):
         return False
     lengths = seqlens if seqlens is not None else _unread_lengths("cupy", ctx.device_id)
+    unread = [device_array(x, "cupy") for x in (*_unread_state("cupy", ctx.device_id), _unread_lengths("cupy", ctx.device_id))]
     args = in_place_arguments(spec, call, *inputs, device_array(o, ctx.kind), device_array(lse, ctx.kind),
-                              device_array(lengths, "cupy" if seqlens is None else ctx.kind), n_splits, rows_per_query)
+                              device_array(lengths, "cupy" if seqlens is None else ctx.kind), n_splits, rows_per_query,
+                              unread)
     if args is None:
         return False
     B, H, Nq, _ = call.q_shape
@@ -236,7 +240,9 @@ def plan_in_place(builder, call: LaunchConfig, q, k, v, o, lse, seqlens, n_split
     spec = _in_place_spec(call, seqlens is not None, n_splits)
     if seqlens is None:
         seqlens = builder.constant(_unread_lengths("cupy", builder.ctx.device_id), "cupy")
-    args = in_place_arguments(spec, call, q, k, v, o, lse, seqlens, n_splits, rows_per_query)
+    unread = [builder.constant(x, "cupy") for x in (*_unread_state("cupy", builder.ctx.device_id),
+                                                      _unread_lengths("cupy", builder.ctx.device_id))]
+    args = in_place_arguments(spec, call, q, k, v, o, lse, seqlens, n_splits, rows_per_query, unread)
     if args is None:
         return False
     builder.require_aligned(q.ptr.index, k.ptr.index, v.ptr.index)
@@ -249,14 +255,15 @@ def _in_place_spec(call: LaunchConfig, ragged: bool, n_splits: int):
     """The launch specification of the call's tensor-core kernel (float32 partials when split)."""
     D = call.q_shape[3]
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, call.regime,
-                       ragged=ragged, split_out=n_splits > 1, kv_stages=call.kv_stages,
+                       ragged=ragged, split_out=n_splits > 1, variant=call.variant, kv_stages=call.kv_stages,
                        key_warps=call.key_warps)
 
 
-def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_splits, rows_per_query):
+def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_splits, rows_per_query, unread):
     """The tensor-core FA-2 kernel's arguments on the caller's arrays (``launch.DeviceArray``):
-    q, k, v, o, lse, q_scale, seqlens, n_splits, rows_per_query, 16-bit inputs (and a 16-bit
-    final output) as uint16 bit patterns. ``None`` when the kernel cannot read the inputs
+    the skeleton's (``kernels.forward``), 16-bit inputs (and a 16-bit final output) as uint16
+    bit patterns; ``unread``: the device arrays passed as o_hbm, l_hbm, m_hbm and kv_order,
+    which a Q-outer walk never reads. ``None`` when the kernel cannot read the inputs
     where they are: FA-1, a head dim it pads, rows that are not 16-byte multiples (the
     pointers' alignment is the caller's check)."""
     if spec.algorithm != "fa2" or spec.head_dim != call.q_shape[3]:
@@ -270,7 +277,9 @@ def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_spl
         return None
     if sixteen and not spec.split_out:
         o = o._replace(dtype="uint16")
-    return [*inputs, o, lse, np.float32(call.scale * LOG2E), lengths, np.int32(n_splits), np.int32(rows_per_query)]
+    o_hbm, l_hbm, m_hbm, kv_order = unread
+    return [*inputs, o, lse, o_hbm, l_hbm, m_hbm, np.float32(call.scale * LOG2E), kv_order, lengths, np.int32(n_splits),
+            np.int32(rows_per_query)]
 
 
 def _rows_laid_out(a, width: int) -> bool:
@@ -292,12 +301,20 @@ def _unread_lengths(kind: str, device_id):
         return xp.zeros(1, np.int32)
 
 
-def _ordered(spec, arrays, q_scale, tail) -> list:
-    """The kernel's arguments in order: FA-1 ``(arrays..., q_scale)``; FA-2 ``(q, k, v, o, lse,
-    q_scale, seqlens, n_splits, rows_per_query)``."""
-    if spec.algorithm == "fa1":
-        return [*arrays, q_scale]
-    return [*arrays[:5], q_scale, arrays[5], *tail]
+@functools.lru_cache(maxsize=None)
+def _unread_state(kind: str, device_id):
+    """The ``o_hbm``, ``l_hbm``, ``m_hbm`` arguments of a Q-outer kernel (never read): one set per device."""
+    xp = _xp(kind)
+    if xp is np:
+        return np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32)
+    with xp.cuda.Device(device_id if device_id is not None else xp.cuda.runtime.getDevice()):
+        return xp.zeros((1, 1, 1, 1), np.float32), xp.zeros((1, 1, 1), np.float32), xp.zeros((1, 1, 1), np.float32)
+
+
+def _ordered(arrays, q_scale, tail) -> list:
+    """The skeleton's arguments in order (``kernels.forward``): q, k, v, o, lse, o_hbm, l_hbm,
+    m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query."""
+    return [*arrays[:8], q_scale, *arrays[8:], *tail]
 
 
 def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail) -> None:
@@ -314,7 +331,7 @@ def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail) -> None:
     else:
         dev = [cuda.as_cuda_array(x) for x in arrays]
     stream = ctx.stream()
-    numba_launch(spec.kernel, grid, spec.threads, stream, _ordered(spec, dev, q_scale, tail), shared_mem_bytes=spec.dynamic_smem)
+    numba_launch(spec.kernel, grid, spec.threads, stream, _ordered(dev, q_scale, tail), shared_mem_bytes=spec.dynamic_smem)
     if host and not simulated():
         for x, d in zip(arrays, dev):
             if any(x is w for w in written):

@@ -130,8 +130,12 @@ class Candidate:
         self.o_parts = cp.empty((splits * B, Hkv, rows, D), cp.float32)
         self.lse_parts = cp.empty((splits * B, Hkv, rows), cp.float32)
         packed = [x.view(cp.uint16) for x in (q.reshape(B, Hkv, rows, D), k, v)]
-        arrays = [device_array(x, "cupy") for x in (*packed, self.o_parts, self.lse_parts)]
-        args = [*arrays, np.float32(scale * LOG2E), device_array(seqlens, "cupy"), np.int32(splits), np.int32(group)]
+        # the skeleton's arguments (kernels.forward): o_hbm, l_hbm, m_hbm and kv_order are not read by a Q-outer walk
+        self.unread = [cp.zeros((1, 1, 1, 1), cp.float32), cp.zeros((1, 1, 1), cp.float32), cp.zeros((1, 1, 1), cp.float32),
+                       cp.zeros(1, cp.int32)]
+        arrays = [device_array(x, "cupy") for x in (*packed, self.o_parts, self.lse_parts, *self.unread[:3])]
+        args = [*arrays, np.float32(scale * LOG2E), device_array(self.unread[3], "cupy"), device_array(seqlens, "cupy"),
+                np.int32(splits), np.int32(group)]
         device = cp.cuda.runtime.getDevice()
         self.main = prepare_launch(kernel, spec.grid(B, Hkv, rows, splits), (spec.threads,), args, spec.dynamic_smem, device)
         comb = [device_array(x, "cupy") for x in (self.o_parts, self.lse_parts, self.o.reshape(B, Hkv, rows, D),

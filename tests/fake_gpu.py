@@ -303,9 +303,18 @@ class FakeNumbaDeviceArray:
         return True
 
 
+def _assigned(cell) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
+
+
 def kernel_name(kernel) -> str:
     """A simulator kernel by its function and specialisation (the constants it closes over)."""
-    cells = [c.cell_contents for c in kernel.fn.__closure__ or ()]
+    # (a cell a specialisation never assigns, e.g. the other engine's sizes in kernels.forward, is empty)
+    cells = [c.cell_contents for c in kernel.fn.__closure__ or () if _assigned(c)]
     constants = [getattr(c, "__name__", c) if not isinstance(c, (bool, int, float, str)) else c for c in cells]
     return f"{kernel.fn.__qualname__}{constants}"
 

@@ -15,8 +15,9 @@ by the first thread of each row after a barrier that follows every thread's read
 
 from __future__ import annotations
 
+from numba_flash.kernels.engines import CudaCores
 from numba_flash.kernels.forward import FA1, forward_kernel
-from numba_flash.kernels.tiles import ROWS_PER_THREAD
+from numba_flash.kernels.tiles import ROWS_PER_THREAD, register_cap
 
 
 def casts_output(dtype: str) -> bool:
@@ -34,5 +35,6 @@ def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     skeleton's (``o_hbm``, ``l_hbm``, ``m_hbm``: the paper's O, l, m in global memory,
     initialised by the kernel, line 2; with ``cast_out`` O is cast into ``o`` at the end).
     """
-    return forward_kernel(FA1, head_dim, block_m, block_n, bool(causal), bool(permuted), False, bool(cast_out),
-                          int(rows_per_thread), maxreg)
+    rows = int(rows_per_thread)
+    return forward_kernel(FA1, CudaCores(head_dim, block_m, block_n, rows), bool(causal), bool(permuted), False,
+                          bool(cast_out), max_registers=register_cap(head_dim, rows, maxreg))

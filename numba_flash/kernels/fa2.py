@@ -15,8 +15,9 @@ The per-tile work (load, scores, exp, P~V) is shared with FA-1 in ``tile_ops``.
 
 from __future__ import annotations
 
+from numba_flash.kernels.engines import CudaCores
 from numba_flash.kernels.forward import FA2, forward_kernel
-from numba_flash.kernels.tiles import ROWS_PER_THREAD
+from numba_flash.kernels.tiles import ROWS_PER_THREAD, register_cap
 
 
 def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, ragged: bool = False,
@@ -28,5 +29,6 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     arguments: the skeleton's (``o_hbm``, ``l_hbm``, ``m_hbm`` never read), ``o (S*B,H,Nq,D)``
     and ``lse (S*B,H,Nq)`` for ``S = n_splits`` (``block_info``); ``seqlens`` read when ``ragged``.
     """
-    return forward_kernel(FA2, head_dim, block_m, block_n, bool(causal), bool(permuted), bool(ragged), False,
-                          int(rows_per_thread), maxreg)
+    rows = int(rows_per_thread)
+    return forward_kernel(FA2, CudaCores(head_dim, block_m, block_n, rows), bool(causal), bool(permuted),
+                          bool(ragged), max_registers=register_cap(head_dim, rows, maxreg))

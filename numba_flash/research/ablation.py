@@ -14,6 +14,7 @@ import itertools
 import math
 
 from numba_flash.kernels.forward import FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, WARP_PARTITIONS, Variant
+from numba_flash.problem import TENSOR_CORE_KIND
 from numba_flash.research.report import markdown_table, shape_label
 
 SWITCHES = ("loop_order", "grid", "rescale", "warp_partition", "o_load")
@@ -80,18 +81,31 @@ def ablate(args, progress=None):
         if needed not in variants:
             variants.append(needed)
     p = problem_of(args)
-    if p["precision"] not in (None, "ieee") or (p["precision"] is None and p["dtype"] != "float32"):
-        raise ValueError("the ablation variants are CUDA-core kernels: pass --precision ieee for 16-bit dtypes")
-    args.precision = "ieee"
-    if args.block_m is None or args.block_n is None:  # one tile choice for every variant (tile_table.comparison_tiles)
+    # The engine: CUDA cores for float32 (and --precision ieee), tensor cores for the 16-bit
+    # dtypes (or --precision tf32 / tf32x3): the same loop nests (kernels.forward) on either.
+    regime = p["precision"] or TENSOR_CORE_KIND.get(p["dtype"], "ieee")
+    args.precision = "ieee" if regime == "ieee" else p["precision"]  # (None: the 16-bit dtype's kind)
+    skipped = []
+    if regime != "ieee":  # split_k is a CUDA-core partition (on tensor cores: decode's key warps)
+        skipped = [v for v in variants if v.warp_partition == "split_k"]
+        variants = [v for v in variants if v.warp_partition != "split_k"]
+    if args.block_m is None or args.block_n is None:  # one tile choice for every variant (tile_table)
         from numba_flash.api import choose_tiles
-        from numba_flash.tile_table import comparison_tiles
+        from numba_flash.tile_table import comparison_tiles, forward_tc_tiles
 
-        bm, bn = comparison_tiles(p["head_dim"])
-        args.block_m, args.block_n = choose_tiles("ieee", "fa1", p["head_dim"], p["dtype"], p["causal"],
+        if regime == "ieee":
+            bm, bn = comparison_tiles(p["head_dim"])
+        else:
+            from numba_flash.kernels.tc_ops import kernel_head_dim
+
+            bm, bn = forward_tc_tiles(regime, kernel_head_dim(regime, p["head_dim"]))
+        args.block_m, args.block_n = choose_tiles(regime, "fa1", p["head_dim"], p["dtype"], p["causal"],
                                                   bm if args.block_m is None else args.block_m,
                                                   bn if args.block_n is None else args.block_n)
     problem, notes = setup(args, say, algorithms=("fa1",) * len(variants))
+    if skipped:
+        notes.append(f"tensor cores ({regime}): {len(skipped)} split_k variants not built (a CUDA-core warp partition); "
+                     f"the path starts at FA-1 with split-Q warps")
     rows = []
     for n, variant in enumerate(variants, 1):
         started = time.perf_counter()
@@ -111,10 +125,12 @@ def ablate(args, progress=None):
 
 
 def path_steps(rows) -> list[tuple[str, dict, dict]]:
-    """The PATH's steps as ``(factor, before, after)`` rows."""
+    """The PATH's steps as ``(factor, before, after)`` rows (from its first point measured: on
+    tensor cores FA-1 with split-Q warps)."""
     by_name = {row["variant"]: row for row in rows}
+    path = [v for v in PATH if v.name in by_name]
     steps = []
-    for before, after in zip(PATH, PATH[1:]):
+    for before, after in zip(path, path[1:]):
         factor = next(key for key in SWITCHES if getattr(before, key) != getattr(after, key))
         steps.append((f"{factor}: {getattr(before, factor)} -> {getattr(after, factor)}", by_name[before.name], by_name[after.name]))
     return steps
@@ -155,10 +171,13 @@ def plot_waterfall(rows, path: str) -> str:
     ax.text(len(steps), max(bottom, 0) + 0.03, f"{2 ** bottom:.2f}x", ha="center", va="bottom", fontsize=8)
     ax.axhline(0, color="black", linewidth=0.6)
     ax.set_xticks(range(len(steps) + 1), [f.replace(": ", "\n").replace(" -> ", "\n-> ") for f, _, _ in steps]
-                  + ["FA-2 /\nFA-1 with\nsplit-K warps"], fontsize=7)
+                  + ["FA-2 /\nFA-1 with\nsplit-K warps" if steps[0][1]["warp_partition"] == "split_k" else "FA-2 /\nFA-1"],
+                  fontsize=7)
     ax.set_ylabel("log2 gain (" + ("time" if timed else "modelled traffic") + ")")
     r = rows[0]
-    ax.set_title(f"FA-1 -> FA-2, one factor at a time: {shape_label(r)} {r['dtype']}{' causal' if r['causal'] else ''}", fontsize=9)
+    engine = r.get("regime") or "CUDA cores"
+    ax.set_title(f"FA-1 -> FA-2, one factor at a time: {shape_label(r)} {r['dtype']}{' causal' if r['causal'] else ''}, "
+                 f"{engine}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -97,10 +97,10 @@ def presplit_mode(mode):
     """``NUMBA_FLASH_TF32X3_PRESPLIT=mode`` for the block, with the memoised layouts, kernels and
     specs that read it made afresh (and again after)."""
     from numba_flash import specs
-    from numba_flash.kernels import tc_fa1, tc_fa2, tc_ops
+    from numba_flash.kernels import engines, forward, tc_ops
 
     def clear():
-        for f in (tc_ops.tc_layout, tc_ops.tc_ops, tc_fa1.tc_fa1_kernel, tc_fa2.tc_fa2_kernel, specs.kernel_spec):
+        for f in (tc_ops.tc_layout, tc_ops.tc_ops, engines.mma_engine, forward.forward_kernel, specs.kernel_spec):
             f.cache_clear()
 
     before = os.environ.get("NUMBA_FLASH_TF32X3_PRESPLIT")

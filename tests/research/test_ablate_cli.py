@@ -38,10 +38,24 @@ def test_table_and_waterfall(capsys, tmp_path):
     assert (tmp_path / "ablation_waterfall.png").stat().st_size > 1000
 
 
+def test_float16_runs_the_space_on_tensor_cores(capsys):
+    """--dtype float16: the same loop nests on the mma engine; split_k (a CUDA-core partition) is
+    not built there, so the path starts at FA-1 with split-Q warps."""
+    assert main(["ablate", "--variants", "fa1", "--dtype", "float16", "--seq", "20", "--head-dim", "16",
+                 "--json"]) == 0
+    out = capsys.readouterr()
+    rows = json.loads(out.out)
+    names = [r["variant"] for r in rows]
+    assert all(p.name in names for p in PATH if p.warp_partition == "split_q")
+    assert not any(r["warp_partition"] == "split_k" for r in rows)
+    for r in rows:
+        assert "tensor cores" in r["regime"] and r["rel_err"] < 2e-3
+    assert "split_k variants not built" in out.err and "warp_partition" not in out.err.split("one factor at a time")[1]
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--variants", "kv_outer-everywhere-deferred"], "grid"),
     (["--variants", "q_outer-heads-deferred-split_v"], "warp_partition"),
-    (["--dtype", "float16"], "precision ieee"),
 ])
 def test_refusals(capsys, argv, message):
     assert main(["ablate", "--seq", "8", "--head-dim", "4", *argv]) == 2
