@@ -1,3 +1,3 @@
-from numba_flash.cli import main
+from numba_flash.research.cli import main
 
 raise SystemExit(main())

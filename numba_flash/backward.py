@@ -16,7 +16,7 @@ Two regimes, chosen by dtype as the forward's ``precision=None`` does (API.md se
 The public signature has no ``precision`` (API.md section 5). The CUDA-core kernels stay
 reachable for any dtype through :func:`gradients` with ``precision="ieee"`` (the research
 baseline, as the forward's ``precision="ieee"``: float16 read as it is, bfloat16 widened to
-float32 and narrowed back); ``scripts/bwd_timing.py --precision ieee`` times them.
+float32 and narrowed back).
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ from tile to tile, and the oracle their tile-level steps are tested against.
 :mod:`numba_flash.tiled` runs FA-1's and FA-2's loop nests on these four operations (FA-2:
 ``update`` per K/V tile, one ``finalize``; FA-1: the tile's own ``update`` then ``merge`` with
 the state read back from global memory, lines 9-13 of its Algorithm 1), and the tests hold the
-kernels to those walks as well as to the materialised reference (``tests/test_tiled.py``,
-``tests/test_attention.py``). The kernels compute the same recurrences in float32 and in log2
+kernels to those walks as well as to the materialised reference (``tests/host/test_tiled.py``,
+``tests/host/test_attention.py``). The kernels compute the same recurrences in float32 and in log2
 units (``exp2``); this module is float64 and natural-log.
 
 A :class:`SoftmaxState` summarises what some output rows have seen of their keys so

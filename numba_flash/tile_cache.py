@@ -1,6 +1,6 @@
 """The autotuned-tile cache: where it lives, how it is keyed, lookup and save.
 
-``numba-flash autotune`` (``numba_flash.tuning``, which times candidates through the API)
+``numba-flash autotune`` (``numba_flash.research.tuning``, which times candidates through the API)
 stores the fastest (block_m, block_n) per (GPU, algorithm, head_dim, dtype, causal) in
 ``$XDG_CACHE_HOME/numba_flash/tiles.json`` (``~/.cache/...`` by default); ``attention``
 reads it here when the caller leaves ``block_m`` / ``block_n`` as ``None``, and falls

@@ -60,7 +60,7 @@ def forward_tiles(algorithm: str, head_dim: int, dtype_name: str, causal: bool) 
     FA-2 float32 at D <= 64: 128 x 64 at 8 rows per thread (:func:`forward_rows_per_thread`), in
     dynamic shared memory (103 KiB): 15% faster than 64 x 32 (2026-11-30). Not in the
     simulator, whose problems are a few dozen rows: there a 128 x 64 tile is mostly padding at
-    4x the cost (tests/test_forward_tiles.py runs it by name). Otherwise one choice per head dim
+    4x the cost (tests/kernels/test_forward_tiles.py runs it by name). Otherwise one choice per head dim
     (:func:`comparison_tiles`): on the H200 (2026-11-29, docs/performance-log.md) the same tiles
     were best or within noise for FA-1 and FA-2, float32 and float16, causal or not."""
     if algorithm == "fa2" and dtype_name == "float32" and head_dim <= 64 and not simulated():
@@ -123,7 +123,7 @@ def backward_block(head_dim: int) -> int:
     On the GPU (sm_90), the rule: the largest of ``BACKWARD_BLOCK_CHOICES`` whose FA-2 K/V
     kernel (Q_i, dO_i, K_j, V_j, P^T, dS^T: the most shared memory of the FA-2 kernels) leaves
     ``BACKWARD_MIN_BLOCKS_PER_SM`` = 2 blocks resident on an SM by shared memory
-    (tests/test_tile_table.py checks the table against it). D <= 64: 64 (104.5 KiB at D = 64, 2
+    (tests/host/test_tile_table.py checks the table against it). D <= 64: 64 (104.5 KiB at D = 64, 2
     blocks of 128 threads, 8 warps per SM); 64 < D <= 128: 32 (76.3 KiB, 2 blocks of 64 threads;
     64 would need 168.5 KiB, one block per SM, and ~230 registers). Square, because the K/V
     kernels run the forward's layout on the transposed scores: its rows are keys and its columns

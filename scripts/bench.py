@@ -5,7 +5,7 @@ Reproduces the H200 results table:
     python scripts/bench.py --seq 1024 2048 4096 8192 --head-dim 64 128 --dtype float32 float16 --causal both --long-context --out bench-out
 
 For every configuration (seq, head_dim, causal, dtype), in one process, by the harness of
-``numba-flash compare`` and ``ablate`` (``numba_flash.harness``; one ``measure`` a row):
+``numba-flash compare`` and ``ablate`` (``numba_flash.research.harness``; one ``measure`` a row):
 
 1. fresh standard-normal inputs q, k, v of shape (B, H, N, D) (seeded NumPy, copied to the
    GPU as CuPy arrays);
@@ -35,6 +35,21 @@ also printed to stdout at the end; progress goes to stderr, one line per measure
 memory it takes beyond its inputs and output o (CuPy's memory pool, read before and
 after one call): the logsumexp, B*H*N*4 bytes, O(N) -- where S would be O(N^2).
 
+``--backward`` also times the backward pass of every sweep row (the harness's ``backward``):
+FA-1 and FA-2 run ``attention_backward`` (its default regime: tensor cores for float16,
+tf32x3 for float32) of their own o and lse for a seeded upstream gradient, their gradients
+checked against float64 (``grad_rel_err``: the largest of dq, dk, dv); each PyTorch SDPA
+backend is timed through ``torch.autograd.grad`` (the CuPy baseline has no backward).
+TFLOP/s at 2.5x the forward's FLOPs, as the FlashAttention papers count the backward.
+bench.md gains a backward table per group.
+
+``--launch-overhead`` adds the cost of a call from Python on a tiny problem (B=1 H=1 N=128 D=64
+float32, compilation excluded): ``--launch-calls`` back-to-back calls timed by the host clock
+with one synchronisation at the end (what a Python loop sees: a call's host work hides behind
+the previous call's kernel), and single calls each followed by a synchronisation (median: the
+latency, host work included), for FA-2, FA-1 and a CuPy elementwise op on the same stream (the
+floor of a launch). Its rows carry ``ms`` (per call in the loop) and ``sync_ms``.
+
 Needs a CUDA GPU and CuPy (torch optional); ``--dry-run`` lists the plan anywhere.
 """
 
@@ -46,29 +61,34 @@ import datetime
 import itertools
 import os
 import shlex
+import statistics
 import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numba_flash  # noqa: F401  (chooses GPU or simulator before numba.cuda is imported)
-from numba_flash import harness
+import numba_flash  # (chooses GPU or simulator before numba.cuda is imported)
 from numba_flash._world import simulated
-from numba_flash.cli import positive_int
-from numba_flash.profiling.timing import attention_flops
-from numba_flash.report import display_name, markdown_table
+from numba_flash.research import harness
+from numba_flash.research.cli import positive_int
+from numba_flash.research.profiling.timing import attention_flops
+from numba_flash.research.report import display_name, markdown_table
 
 IMPL_CHOICES = ("fa1", "fa2", "cupy", "torch")
 SDPA_MEM_EFFICIENT = "torch-mem_efficient"  # the name torch_sdpa_backends gives it
 TOLERANCE = {"float32": 1e-4, "float16": 1e-2}  # rel_err above this: status "inaccurate"
 LONG_WARMUP = 1  # the long-context row takes seconds a call
 LONG_CONTEXT = dict(seq=131072, head_dim=64, causal=False, dtype="float32", batch=1, heads=8)
+LAUNCH = dict(seq=128, head_dim=64, causal=False, dtype="float32", batch=1, heads=1)  # --launch-overhead
+LAUNCH_FLOOR = "cupy-elementwise"  # q * 2: one kernel launch from Python, the floor of a call
+LAUNCH_WARMUP, LAUNCH_SINGLE = 20, 200  # untimed calls; synchronised calls timed one by one
 
 # bench.csv columns: the result table first, then the details behind it.
 CSV_FIELDS = [
     "seq", "head_dim", "causal", "dtype", "batch", "heads", "impl",
     "ms", "tflops", "rel_err", "vs_cupy", "vs_sdpa_mem_efficient", "status",
-    "rel_err_scope", "tiles", "regs", "occupancy", "extra_mem_bytes", "suite",
+    "bwd_ms", "bwd_tflops", "grad_rel_err",
+    "sync_ms", "rel_err_scope", "grad_rel_err_scope", "tiles", "regs", "occupancy", "extra_mem_bytes", "suite",
 ]  # fmt: skip
 
 
@@ -85,7 +105,7 @@ class Config:
     dtype: str
     batch: int
     heads: int
-    suite: str = "sweep"  # "sweep" or "long-context"
+    suite: str = "sweep"  # "sweep", "long-context" or "launch-overhead"
 
     @property
     def group(self) -> tuple[str, int, bool]:
@@ -130,6 +150,12 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--skip-fa1-above", type=positive_int, default=8192, help="record FA-1 as skipped for N above this"
     )
     ap.add_argument("--long-context", action="store_true", help="add FA-2 at B=1 H=8 N=131072 D=64 float32")
+    ap.add_argument("--launch-overhead", action="store_true",
+                    help="add the per-call cost from Python at B=1 H=1 N=128 D=64 float32 (see above)")
+    ap.add_argument("--launch-calls", type=positive_int, default=2000,
+                    help="back-to-back calls timed by --launch-overhead")
+    ap.add_argument("--backward", action="store_true",
+                    help="also time each sweep row's backward pass and check FA's gradients (see above)")
     ap.add_argument("--dry-run", action="store_true", help="print the planned configurations and exit")
     args = ap.parse_args(argv)
     if args.tokens is not None and args.tokens < max(args.seq):
@@ -177,6 +203,8 @@ def build_plan(args: argparse.Namespace, sdpa_names: dict[str, list[str]]):
     ]
     if args.long_context:
         plan.append((Config(**LONG_CONTEXT, suite="long-context"), [("fa2", None)]))
+    if args.launch_overhead:
+        plan.append((Config(**LAUNCH, suite="launch-overhead"), [("fa2", None), ("fa1", None), (LAUNCH_FLOOR, None)]))
     return plan
 
 
@@ -229,21 +257,24 @@ def accuracy_status(rel_err: float | None, dtype: str) -> str:
 # ---------------------------------------------------------------- GPU measurements
 
 
-def measure_row(cfg: Config, problem: dict, impl: str, repeats: int) -> dict:
+def measure_row(cfg: Config, problem: dict, impl: str, repeats: int, backward: bool = False) -> dict:
     """One implementation's row (``harness.measure_or_fail``: never raises, a failure is the status);
-    an FA row of the long-context suite also records the device memory one call takes."""
+    an FA row of the long-context suite also records the device memory one call takes; with
+    ``backward``, the row also holds the backward pass."""
     row = new_row(cfg, impl, None)
+    options = dict(backward=True) if backward else {}
     row.update(harness.measure_or_fail(
         problem, impl, repeats, warmup=harness.WARMUP if cfg.suite == "sweep" else LONG_WARMUP,
-        device_memory=cfg.suite == "long-context",
+        device_memory=cfg.suite == "long-context", **options,
     ))  # fmt: skip
     if row["status"] == "ok":
         row["status"] = accuracy_status(row["rel_err"], cfg.dtype)
     return row
 
 
-def measure_config(cfg: Config, entries, seed: int, repeats: int, report) -> list[dict]:
-    """All rows of one configuration, on one set of inputs; ``report(row, seconds)`` after each."""
+def measure_config(cfg: Config, entries, seed: int, repeats: int, report, backward: bool = False) -> list[dict]:
+    """All rows of one configuration, on one set of inputs; ``report(row, seconds)`` after each;
+    ``backward``: the backward pass too."""
     try:
         problem = harness.make_problem(cfg.problem(), seed)
     except Exception as exc:  # out of memory for the inputs
@@ -252,7 +283,7 @@ def measure_config(cfg: Config, entries, seed: int, repeats: int, report) -> lis
     rows = []
     for impl, status in entries:
         start = time.perf_counter()
-        row = measure_row(cfg, problem, impl, repeats) if status is None else new_row(cfg, impl, status)
+        row = measure_row(cfg, problem, impl, repeats, backward) if status is None else new_row(cfg, impl, status)
         report(row, time.perf_counter() - start)
         rows.append(row)
     add_ratios(rows)
@@ -261,13 +292,69 @@ def measure_config(cfg: Config, entries, seed: int, repeats: int, report) -> lis
     return rows
 
 
+def per_call_us(fn, calls: int, synchronize, single: int = LAUNCH_SINGLE) -> tuple[float, float]:
+    """(us per call over ``calls`` back-to-back calls and one synchronisation, median us of
+    ``single`` calls each followed by a synchronisation), after ``LAUNCH_WARMUP`` untimed calls."""
+    for _ in range(LAUNCH_WARMUP):
+        fn()  # compiles, warms the plan cache
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    synchronize()
+    loop_us = (time.perf_counter() - start) / calls * 1e6
+    times = []
+    for _ in range(single):
+        start = time.perf_counter()
+        fn()
+        synchronize()
+        times.append((time.perf_counter() - start) * 1e6)
+    return loop_us, statistics.median(times)
+
+
+def measure_launch(cfg: Config, entries, seed: int, calls: int, report) -> list[dict]:
+    """The rows of ``--launch-overhead``: each implementation's per-call cost (:func:`per_call_us`)
+    on one set of inputs; a failure stays in its row."""
+    import cupy
+
+    problem = harness.make_problem(cfg.problem(), seed)
+    q, k, v = problem["q"], problem["k"], problem["v"]
+    rows = []
+    for impl, status in entries:
+        start = time.perf_counter()
+        row = new_row(cfg, impl, status or "ok")
+        if status is None:
+            if impl == LAUNCH_FLOOR:
+                def fn():
+                    return q * 2
+            else:
+                def fn(impl=impl):
+                    return numba_flash.attention(q, k, v, causal=cfg.causal, algorithm=impl)
+            try:
+                loop_us, sync_us = per_call_us(fn, calls, cupy.cuda.Device().synchronize)
+                row.update(ms=loop_us / 1e3, sync_ms=sync_us / 1e3)
+            except Exception as exc:  # recorded, the run goes on
+                row["status"] = harness.failure(exc)
+        report(row, time.perf_counter() - start)
+        rows.append(row)
+    del problem
+    harness.release_memory()
+    return rows
+
+
 def progress_line(index: int, total: int, row: dict, seconds: float, elapsed: float) -> str:
     cfg = f"{row['dtype']} D{row['head_dim']} {'causal' if row['causal'] else 'noncausal'} "
     cfg += f"B{row['batch']} H{row['heads']} N{row['seq']}"
-    if row["ms"] is not None:
+    if row.get("sync_ms") is not None:
+        what = f"{row['ms'] * 1e3:.1f} us per call in a loop, {row['sync_ms'] * 1e3:.1f} us synchronised"
+    elif row["ms"] is not None:
         what = f"{row['ms']:.3f} ms {row['tflops']:.2f} TFLOP/s"
         if row["rel_err"] is not None:
             what += f" rel_err {row['rel_err']:.1e}"
+        if row.get("bwd_ms") is not None:
+            what += f", backward {row['bwd_ms']:.3f} ms {row['bwd_tflops']:.2f} TFLOP/s"
+        if row.get("grad_rel_err") is not None:
+            what += f" grad_rel_err {row['grad_rel_err']:.1e}"
         if row["status"] != "ok":
             what += f" [{row['status']}]"
     else:
@@ -289,7 +376,11 @@ def run_plan(plan, args: argparse.Namespace, meta: dict, out_dir: Path) -> list[
     rows: list[dict] = []
     for cfg, entries in plan:
         repeats = args.repeats if cfg.suite == "sweep" else args.long_repeats
-        rows.extend(measure_config(cfg, entries, args.seed, repeats, report))
+        if cfg.suite == "launch-overhead":
+            rows.extend(measure_launch(cfg, entries, args.seed, args.launch_calls, report))
+        else:
+            backward = args.backward and cfg.suite == "sweep"
+            rows.extend(measure_config(cfg, entries, args.seed, repeats, report, backward))
         write_csv(rows, out_dir / "bench.csv")
         (out_dir / "bench.md").write_text(markdown_report(rows, meta))
     return rows
@@ -297,7 +388,7 @@ def run_plan(plan, args: argparse.Namespace, meta: dict, out_dir: Path) -> list[
 
 def environment(argv: list[str], args: argparse.Namespace) -> dict:
     """The header of bench.md: command, date, GPU, versions, method."""
-    from numba_flash.profiling.run_info import gpu_name, versions
+    from numba_flash.research.profiling.run_info import gpu_name, versions
 
     return {
         "command": "`" + shlex.join(["python", os.path.relpath(__file__), *argv]) + "`",
@@ -308,6 +399,7 @@ def environment(argv: list[str], args: argparse.Namespace) -> dict:
             f"median of {args.repeats} runs ({args.long_repeats} for the long-context row) by CUDA events, "
             f"after untimed warm-up runs (compilation never timed); "
             f"TFLOP/s with FLOPs = 4*B*H*N*N*D, halved for causal"
+            + ("; the backward's FLOPs are 2.5x the forward's" if args.backward else "")
         ),
         "rel err": (
             "||o - o_ref|| / ||o_ref|| against float64 CuPy attention of the same inputs "
@@ -392,7 +484,50 @@ def group_section(key: tuple, rows: list[dict]) -> list[str]:
     notes = [f"- N={r['seq']} {r['impl']}: {r['status']}" for r in rows if r["status"] != "ok"]
     scopes = sorted({r["rel_err_scope"] for r in rows if r["rel_err_scope"] not in (None, "all")})
     notes += [f"- † rel err checked on {s} only" for s in scopes]
-    return lines + ([""] + notes if notes else []) + [""]
+    lines += ([""] + notes if notes else []) + [""]
+    if any(r.get("bwd_ms") is not None or r.get("grad_rel_err") is not None for r in rows):
+        lines += backward_section(key, rows)
+    return lines
+
+
+def backward_section(key: tuple, rows: list[dict]) -> list[str]:
+    """The group's backward table (``--backward``): a row per N, backward TFLOP/s per
+    implementation that has one, FA-2's backward speed-ups, FA's gradient errors."""
+    impls = list(dict.fromkeys(r["impl"] for r in rows if r["impl"] != "cupy"))  # CuPy: no backward
+    fa = [i for i in harness.ALGORITHMS if i in impls]
+    header = ["N", "B", *impls, "FA-2/FA-1", "FA-2/SDPA-mem-efficient", *(f"grad rel err {i}" for i in fa)]
+
+    def tflops(row):
+        if row is None:
+            return "—"
+        if row.get("bwd_ms") is None:
+            return row["status"].split(":")[0] if row["status"] != "ok" else "—"
+        return f"{row['bwd_tflops']:.2f}"
+
+    def ratio(by_impl, slower):
+        own, peer = by_impl.get("fa2"), by_impl.get(slower)
+        if own is None or peer is None or own.get("bwd_ms") is None or peer.get("bwd_ms") is None:
+            return "—"
+        return f"{peer['bwd_ms'] / own['bwd_ms']:.2f}x"
+
+    def grad_err(row):
+        if row is None or row.get("grad_rel_err") is None:
+            return "—"
+        return f"{row['grad_rel_err']:.1e}" + ("†" if row.get("grad_rel_err_scope") not in (None, "all") else "")
+
+    body = []
+    for seq in dict.fromkeys(r["seq"] for r in rows):
+        by_impl = {r["impl"]: r for r in rows if r["seq"] == seq}
+        batch = next(iter(by_impl.values()))["batch"]
+        body.append([str(seq), str(batch), *(tflops(by_impl.get(i)) for i in impls), ratio(by_impl, "fa1"),
+                     ratio(by_impl, SDPA_MEM_EFFICIENT), *(grad_err(by_impl.get(i)) for i in fa)])
+    intro = ("Backward TFLOP/s (2.5x the forward's FLOPs): FA's attention_backward of its own o and lse, "
+             "PyTorch SDPA's autograd; FA-2/X = backward time of X / that of FA-2. Gradients' error: the "
+             "largest relative error of dq, dk, dv against float64.")
+    scopes = sorted({r["grad_rel_err_scope"] for r in rows if r.get("grad_rel_err_scope") not in (None, "all")})
+    notes = [f"- grad rel err {s}" if s.startswith("not checked") else f"- † grad rel err checked on {s} only"
+             for s in scopes]
+    return [f"### {group_title(*key)}: backward", "", intro, ""] + markdown_table(header, body) + notes + [""]
 
 
 def long_context_section(rows: list[dict]) -> list[str]:
@@ -417,6 +552,16 @@ def long_context_section(rows: list[dict]) -> list[str]:
     return ["### Long context (FA-2)", "", intro, ""] + markdown_table(header, body) + notes + [""]
 
 
+def launch_section(rows: list[dict]) -> list[str]:
+    header = ["call", "us per call in a loop", "us per synchronised call (median)"]
+    body = [[r["impl"], *((f"{r['ms'] * 1e3:.1f}", f"{r['sync_ms'] * 1e3:.1f}") if r.get("sync_ms") is not None
+                          else (r["status"], "—"))] for r in rows]
+    r = rows[0]
+    intro = (f"B={r['batch']} H={r['heads']} N={r['seq']} D={r['head_dim']} {r['dtype']}: a call's cost from "
+             f"Python (host clock, compilation excluded); {LAUNCH_FLOOR} is q * 2 on the same stream, one launch.")
+    return ["### Launch overhead", "", intro, ""] + markdown_table(header, body) + [""]
+
+
 def human_bytes(n: int | None) -> str:
     if n is None:
         return "—"
@@ -435,6 +580,9 @@ def markdown_report(rows: list[dict], meta: dict) -> str:
     long_rows = [r for r in rows if r["suite"] == "long-context"]
     if long_rows:
         lines += long_context_section(long_rows)
+    launch_rows = [r for r in rows if r["suite"] == "launch-overhead"]
+    if launch_rows:
+        lines += launch_section(launch_rows)
     return "\n".join(lines)
 
 

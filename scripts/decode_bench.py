@@ -52,7 +52,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from numba_flash.cli import positive_int  # argparse type: an integer >= 1
+from numba_flash.research.cli import positive_int  # argparse type: an integer >= 1
 
 DTYPES = ("float16", "bfloat16", "float32")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -401,10 +401,10 @@ def release_memory() -> None:
 
 
 def time_ms(fn, repeats: int, simulate: bool) -> float | None:
-    """Median ms by CUDA events (``profiling.timing.median_ms``); None in the simulator."""
+    """Median ms by CUDA events (``research.profiling.timing.median_ms``); None in the simulator."""
     if simulate:
         return None
-    from numba_flash.profiling.timing import median_ms
+    from numba_flash.research.profiling.timing import median_ms
 
     return median_ms(fn, warmup=WARMUP, repeats=repeats)
 
@@ -660,7 +660,7 @@ def write_plots(rows: list[dict], out_dir: Path, gpu: str, peak_tbs: float) -> l
 
 def environment(argv: list[str], args: argparse.Namespace) -> dict:
     """The run's header: command, date, device, versions, method."""
-    from numba_flash.profiling.run_info import gpu_name, versions
+    from numba_flash.research.profiling.run_info import gpu_name, versions
 
     meta = {
         "command": "`" + shlex.join(["python", "scripts/decode_bench.py", *argv]) + "`",

@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from numba_flash.profiling.ncu import group_runs, parse_ncu_csv, run_ncu
+from numba_flash.research.profiling.ncu import group_runs, parse_ncu_csv, run_ncu
 
 BATCH, HEADS, HEAD_DIM = 4, 16, 64
 
@@ -57,7 +57,7 @@ def run_target(runs):
 
     import cupy as cp
 
-    from numba_flash.profiling.ncu import marker
+    from numba_flash.research.profiling.ncu import marker
 
     ncu_run_marker = marker()
     rng = np.random.default_rng(0)
@@ -76,7 +76,7 @@ def run_target(runs):
 
 
 def add_model(results, l2_bytes):
-    from numba_flash.profiling.traffic import dram_bytes, traffic_bytes
+    from numba_flash.research.profiling.traffic import dram_bytes, traffic_bytes
 
     for r in results:
         args = (r["algorithm"], BATCH, HEADS, HEADS, r["seq"], r["seq"], HEAD_DIM, r["block_m"], r["block_n"])

@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     import numba_flash
-    from numba_flash.profiling.timing import attention_flops, median_ms, tflops
+    from numba_flash.research.profiling.timing import attention_flops, median_ms, tflops
 
     B, H = args.batch, args.heads
     rows = []

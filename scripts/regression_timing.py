@@ -5,9 +5,9 @@
 
 Each round runs one child process per tree (``PYTHONPATH`` set to that tree) that times every
 case of :data:`CASES` with CUDA events (median of ``--repeats`` queued calls after warm-up,
-``profiling.timing.median_ms``; compilation is excluded); the trees alternate within a round so
-that a drift of the machine hits both. One line per case: each tree's best median over the rounds
-and the ratio (this tree's time / base's: above 1.02 fails the refactor's "nothing slower" rule).
+the tree's own ``median_ms``, ``research.profiling.timing``'s; compilation is excluded); the trees
+alternate within a round so that a drift of the machine hits both. One line per case: each tree's
+best median over the rounds and the ratio (this tree's time / base's: above 1.02 fails the refactor's "nothing slower" rule).
 The cases are the benchmarks' headline configurations: forward at B4 H16 N4096 (both loop orders,
 float16, bfloat16, float32 on CUDA cores and tf32x3, D 64 and 128, causal and not), the backward
 at the same shape, and decode (B1 H32 Hkv8 1M keys; B64 x 4096 keys). Needs a GPU, CuPy.
@@ -40,7 +40,7 @@ def child(cases, repeats) -> None:
 
     try:
         from numba_flash.research.profiling.timing import median_ms
-    except ImportError:  # a tree from before the research subpackage
+    except ImportError:  # a base tree from before the research tools moved (issue 22)
         from numba_flash.profiling.timing import median_ms
 
     def rand(shape, dtype):

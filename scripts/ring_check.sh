@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13's checks of ring attention over NCCL, on one machine with two GPUs (target: < 5 minutes):
 #
-#   1. tests/test_gpu_ring.py: two spawned ranks, ring_attention against float64 and one GPU
+#   1. tests/gpu/test_gpu_ring.py: two spawned ranks, ring_attention against float64 and one GPU
 #      (causal and not, GQA, float32 and float16, CuPy arrays, a process group, a kept TorchRing);
 #   2. the target run: B1 H16 D128 float16 causal, N = 262144 on 2 GPUs (zigzag), which must take
 #      at most 0.55x the time of the whole sequence on one GPU;
@@ -33,7 +33,7 @@ step() {  # step NAME COMMAND...: run it, keep its output, report its exit statu
   echo
 }
 
-step gpu_tests python -m pytest -q -rA -s tests/test_gpu_ring.py
+step gpu_tests python -m pytest -q -rA -s tests/gpu/test_gpu_ring.py
 step target "${launch[@]}" --batch 1 --heads 16 --head-dim 128 --dtype float16 --seq 262144 --causal \
   --repeats 3 --json "$out/target.json"
 step gqa_float32 "${launch[@]}" --batch 2 --heads 16 --kv-heads 4 --head-dim 128 --dtype float32 --seq 8190 \

@@ -100,7 +100,7 @@ def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, 
 def _variant_cases(xp):
     """Every point of the ablation space (kernels.forward), float32 and float16, causal or not,
     on two awkward shapes, D 40."""
-    from numba_flash.ablation import all_variants
+    from numba_flash.research.ablation import all_variants
 
     cases = []
     for variant in all_variants():

@@ -1,4 +1,5 @@
-"""SASS fingerprints of every kernel configuration the benchmarks cover, compiled offline (no GPU).
+"""SASS fingerprints and statistics of every kernel configuration the benchmarks cover, compiled
+offline (no GPU).
 
 A refactor that leaves a kernel's SASS identical leaves its speed identical: this script is how a
 change proves "nothing slower" without device time. It compiles each configuration to PTX with
@@ -7,35 +8,158 @@ cuobjdump, and records a hash of the instructions (symbol names removed, so a ke
 between modules still compares equal) with registers and spills.
 
     python scripts/sass_fingerprint.py --out after.json [--compare before.json] [--only forward]
+    python scripts/sass_fingerprint.py --stats [--only backward] [--match d128] [--dump DIR]
+
+``--stats`` prints one Markdown row per configuration instead: registers, spill stores and loads,
+stack frame, instructions, the static count (each instruction once) of the opcode families that
+decide these kernels' speed (HMMA, FFMA, shared loads and stores, ldmatrix, global loads and
+cp.async, MUFU, shuffles, barriers, reductions and atomics, local memory), and the same for the
+main loop: the largest backward-branch range holding an HMMA (tensor cores), else an FFMA (CUDA
+cores). Loops ptxas keeps rolled inside the main loop count once; occupancy per configuration is
+``numba-flash occupancy``'s. (The per-experiment analyses that weighted rolled loops by their trip
+counts were ``scripts/{tc,ffma,bwd,combine}_sass_stats.py``, folded into this mode in issue 22;
+docs/performance-log.md names the commit that has each.)
 
 Families: ``forward`` (CUDA cores and tensor cores, FA-1 and FA-2, plain, ragged and split-output),
 ``decode`` (the key-warp ring), ``variants`` (ablation points), ``backward`` (CUDA cores and tensor
-cores), ``combine``. Needs ``pip install -e '.[occupancy]'`` and ``nvidia-cuda-cuobjdump``.
+cores), ``combine``. Needs ``pip install -e '.[occupancy]'`` and cuobjdump (the
+``nvidia-cuda-cuobjdump`` wheel, or ``CUOBJDUMP``, or on PATH).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import hashlib
 import json
 import os
 import re
+import shutil
+import subprocess
 import sys
+import tempfile
 import time
 
 os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "0")
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from tc_sass_stats import compile_sass_of  # noqa: E402
 
 NAME = re.compile(r"_Z\w+|\$__internal_\w+|__cuda_\w+")
 PARAM = re.compile(r"c\[0x0\]\[0x[0-9a-f]+\]")
+LINE = re.compile(r"/\*([0-9a-f]{4,})\*/\s+(@!?U?P\w+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);")
+# --stats: the opcode families counted (REDG, ATOM and ATOMG count as RED; LDS.128 also as LDS)
+STAT_OPS = ("HMMA", "FFMA", "LDS", "LDS.128", "LDSM", "STS", "LDG", "LDGSTS", "MUFU", "SHFL", "BAR", "RED", "LDL",
+            "STL")
+LOOP_OPS = ("HMMA", "FFMA", "LDS", "LDSM", "BAR")
+
+
+# ------------------------------------------------------------------ compiling to SASS
+
+
+def cuobjdump() -> str:
+    """cuobjdump: ``CUOBJDUMP``, else the nvidia-cuda-cuobjdump wheel's (beside the wheel's ptxas),
+    else the first on PATH."""
+    from numba_flash.research.profiling.occupancy import find_ptxas
+
+    beside = os.path.join(os.path.dirname(find_ptxas()), "cuobjdump")
+    for path in (os.environ.get("CUOBJDUMP"), beside, shutil.which("cuobjdump")):
+        if path and os.path.exists(path):
+            return path
+    sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump, or set CUOBJDUMP")
+
+
+def compile_sass_of(pyfunc, signature, fastmath=None, max_registers=None, cc=(9, 0)):
+    """(ptx, SASS, resources) of a kernel: its Python function, argument types and fastmath flags."""
+    from numba_flash._cuda import cuda
+    from numba_flash.research.profiling.occupancy import no_device_compilation
+
+    with no_device_compilation(cc):
+        ptx, _ = cuda.compile_ptx(pyfunc, signature, cc=cc, fastmath=fastmath)
+    return sass_of_ptx(ptx, max_registers)
+
+
+def sass_of_ptx(ptx, max_registers=None):
+    """(ptx, SASS, resources) of PTX through ptxas -v (sm_90) and cuobjdump."""
+    from numba_flash.research.profiling.occupancy import find_ptxas
+
+    with tempfile.TemporaryDirectory() as tmp:
+        src, cubin = os.path.join(tmp, "k.ptx"), os.path.join(tmp, "k.cubin")
+        with open(src, "w") as f:
+            f.write(ptx)
+        cmd = [find_ptxas(), "-v", "-arch=sm_90", src, "-o", cubin]
+        if max_registers:
+            cmd.insert(2, f"-maxrregcount={max_registers}")
+        done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+        sass = subprocess.run([cuobjdump(), "-sass", cubin], capture_output=True, text=True, check=True).stdout
+    info = done.stderr
+    regs = int(re.search(r"Used (\d+) registers", info).group(1))
+    spill_st = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    spill_ld = int(re.search(r"(\d+) bytes spill loads", info).group(1))
+    stack = int(re.search(r"(\d+) bytes stack frame", info).group(1))
+    return ptx, sass, dict(regs=regs, spill_stores=spill_st, spill_loads=spill_ld, stack=stack)
 
 
 def normalised(sass: str) -> str:
     """The instruction lines of ``sass`` with symbol names replaced (kernel names carry the module)."""
     lines = [ln for ln in sass.splitlines() if "/*" in ln and ";" in ln]
     return "\n".join(NAME.sub("SYM", ln.strip()) for ln in lines)
+
+
+# ------------------------------------------------------------------ reading SASS (--stats)
+
+
+def parse(sass):
+    """[(address, opcode, operands)] of the kernel's instructions."""
+    out = []
+    for line in sass.splitlines():
+        m = LINE.search(line)
+        if m:
+            op = m.group(3)
+            if (m.group(2) or "").strip() == "@!UPT" and op == "UIADD3":
+                op = "NOP"  # never-executed filler ptxas puts between dependent HMMAs
+            out.append((int(m.group(1), 16), op, m.group(4)))
+    return out
+
+
+def loops(instrs):
+    """(first, last) addresses of every backward branch's range."""
+    out = []
+    for addr, op, args in instrs:
+        if op.startswith("BRA"):
+            t = re.search(r"0x([0-9a-f]+)", args)
+            if t and int(t.group(1), 16) < addr:
+                out.append((int(t.group(1), 16), addr))
+    return out
+
+
+def op_counts(instrs) -> collections.Counter:
+    """Static count of each opcode family (``STAT_OPS``) and ``total``."""
+    c = collections.Counter()
+    for _, op, _ in instrs:
+        family = op.split(".")[0]
+        c["RED" if family in ("REDG", "ATOM", "ATOMG") else family] += 1
+        if family == "LDS" and ".128" in op:
+            c["LDS.128"] += 1
+        c["total"] += 1
+    return c
+
+
+def main_loop(instrs):
+    """The instructions of the largest backward-branch range holding an HMMA, else an FFMA
+    (the K/V loop of a forward, the Q-tile step of a backward); [] when there is none."""
+    ranges = loops(instrs)
+    for marker in ("HMMA", "FFMA"):
+        holding = [r for r in ranges if any(r[0] <= a <= r[1] and o.startswith(marker) for a, o, _ in instrs)]
+        if holding:
+            lo, hi = max(holding, key=lambda r: r[1] - r[0])
+            return [x for x in instrs if lo <= x[0] <= hi]
+    return []
+
+
+def sass_stats(sass: str, resources: dict) -> dict:
+    """The ``--stats`` row of one kernel (module doc)."""
+    instrs = parse(sass)
+    whole, loop = op_counts(instrs), op_counts(main_loop(instrs))
+    return dict(**resources, instructions=whole["total"], **{op: whole[op] for op in STAT_OPS},
+                loop=loop["total"], **{f"loop {op}": loop[op] for op in LOOP_OPS})
 
 
 def forward_configs():
@@ -153,38 +277,74 @@ FAMILIES = {"forward": forward_configs, "decode": decode_configs, "variants": va
             "backward": backward_configs, "combine": combine_configs}
 
 
-def fingerprint(spec):
+def compile_spec(spec):
+    """(SASS, resources) of a configuration (a ``KernelSpec`` or a :class:`Raw`)."""
     kernel = spec.kernel
     _, sass, res = compile_sass_of(kernel.py_func, spec.signature(), kernel.targetoptions.get("fastmath"),
                                    spec.register_cap)
+    return sass, res
+
+
+def fingerprint(sass: str, resources: dict) -> dict:
     body = normalised(sass)
     # code: the same hash with kernel-parameter offsets masked (a kernel given more or other
     # arguments reads them from other constant-bank offsets; its instructions are the same)
     code = re.sub(r"/\* [0-9a-f]+ \*/", "", PARAM.sub("c[0x0][PARAM]", body))
     return dict(sha=hashlib.sha256(body.encode()).hexdigest()[:16],
-                code=hashlib.sha256(code.encode()).hexdigest()[:16], instructions=body.count("\n") + 1, **res)
+                code=hashlib.sha256(code.encode()).hexdigest()[:16], instructions=body.count("\n") + 1, **resources)
+
+
+def stats_table(stats: dict) -> str:
+    """The ``--stats`` rows as one Markdown table (a configuration that did not compile: its error)."""
+    from numba_flash.research.report import markdown_table
+
+    keys = next((list(row) for row in stats.values() if "error" not in row), ["error"])
+    body = []
+    for name, row in stats.items():
+        cells = [str(row[k]) for k in keys] if "error" not in row else [row["error"]] + [""] * (len(keys) - 1)
+        body.append([name, *cells])
+    return "\n".join(markdown_table(["configuration", *keys], body))
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="JSON file of {configuration: fingerprint}")
+    p.add_argument("--out", help="JSON file of {configuration: fingerprint} (needed unless --stats)")
     p.add_argument("--compare", help="a JSON written before: list what differs")
     p.add_argument("--only", nargs="*", choices=sorted(FAMILIES), help="families to compile (default: all)")
     p.add_argument("--match", help="only configurations whose name contains this")
+    p.add_argument("--stats", action="store_true",
+                   help="print registers, spills and the instruction mix of each configuration (module doc)")
+    p.add_argument("--dump", metavar="DIR", help="write each configuration's SASS into this directory")
     args = p.parse_args(argv)
-    out = {}
+    if not (args.out or args.stats):
+        p.error("--out is required (or --stats)")
+    if args.compare and not args.out:
+        p.error("--compare needs --out")
+    out, stats = {}, {}
+    log = sys.stderr if args.stats else sys.stdout  # --stats: the table alone on stdout
     t0 = time.time()
     for fam in args.only or list(FAMILIES):
         for name, spec in FAMILIES[fam]():
             if args.match and args.match not in name:
                 continue
             try:
-                out[name] = fingerprint(spec)
+                sass, res = compile_spec(spec)
             except Exception as e:  # a configuration that does not compile is a result too
-                out[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
-            print(f"[{time.time() - t0:6.0f} s] {name}: {out[name]}", flush=True)
-    with open(args.out, "w") as f:
-        json.dump(out, f, indent=1, sort_keys=True)
+                out[name] = stats[name] = dict(error=f"{type(e).__name__}: {e}"[:300])
+            else:
+                out[name] = fingerprint(sass, res)
+                if args.stats:
+                    stats[name] = sass_stats(sass, res)
+                if args.dump:
+                    os.makedirs(args.dump, exist_ok=True)
+                    with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
+                        f.write(sass)
+            print(f"[{time.time() - t0:6.0f} s] {name}: {out[name]}", file=log, flush=True)
+    if args.stats:
+        print(stats_table(stats), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1, sort_keys=True)
     if args.compare:
         with open(args.compare) as f:
             before = json.load(f)
@@ -193,9 +353,9 @@ def main(argv=None) -> int:
                      and before[n].get("code") == out[n].get("code")]
         differ = [n for n in out if n in before and n not in same and n not in code_only]
         print(f"{len(same)} identical, {len(code_only)} identical but for kernel-parameter offsets, "
-              f"{len(differ)} differ, {len([n for n in out if n not in before])} new")
+              f"{len(differ)} differ, {len([n for n in out if n not in before])} new", file=log)
         for n in differ:
-            print(f"  DIFFERS {n}: {before[n]} -> {out[n]}")
+            print(f"  DIFFERS {n}: {before[n]} -> {out[n]}", file=log)
         return 1 if differ else 0
     return 0
 

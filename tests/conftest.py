@@ -5,8 +5,16 @@ driver first (``numba_flash._world``) and only then imports anything that loads 
 """
 
 import os
+import sys
 
-from numba_flash._world import choose_world
+# The shared modules beside this file (helpers, fake_gpu, fake_nccl) are imported by name from
+# the test subdirectories (kernels/, host/, research/, distributed/, scripts/, gpu/): this
+# directory on sys.path, whichever import mode pytest runs in.
+TESTS = os.path.dirname(os.path.abspath(__file__))
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+
+from numba_flash._world import choose_world  # noqa: E402
 
 choose_world()
 

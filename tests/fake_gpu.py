@@ -4,7 +4,7 @@ layouts only, and a cuda.core that records launches instead of running them.
 With :func:`install`, ``numba_flash.attention`` and ``numba_flash.decode`` take their GPU path
 (``ArrayContext.direct_launch``) on a machine without a GPU, up to the launch: every check,
 plan, allocation and packed parameter list, no kernel. The kernels stay the simulator's (the
-fake never runs one), so this tests and times host work only (``tests/test_host_path.py``).
+fake never runs one), so this tests and times host work only (``tests/host/test_host_path.py``).
 
 The array libraries are modules put into ``sys.modules`` as ``cupy`` and ``torch``; arrays
 compute their views (reshape, transpose, permute, indexing) on a NumPy layout over no memory,
@@ -15,6 +15,7 @@ of a dimension of size 1, which no kernel reads).
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import itertools
 import math
 import sys
@@ -393,3 +394,21 @@ def clear_host_caches() -> None:
             for value in list(vars(module).values()):
                 if callable(getattr(value, "cache_clear", None)) and getattr(value, "__module__", None) == name:
                     value.cache_clear()
+
+
+def launches(record, call):
+    """``call``'s launches: kernel, configuration and parameters, pointers numbered by first
+    appearance (the results' first), and its results' layouts."""
+    record.launches.clear()
+    results = call()
+    numbering = {}
+    for r in results:
+        numbering.setdefault(r.data_ptr() if hasattr(r, "data_ptr") else r.data.ptr, len(numbering))
+    out = []
+    for kernel, config, params in record.launches:
+        out.append((kernel, config, [
+            (type(p).__name__, p.value) if isinstance(p, (ctypes.c_float, ctypes.c_int32))
+            else f"ptr{numbering.setdefault(p, len(numbering))}" if isinstance(p, int) and p >= 1 << 32 else p
+            for p in params]))
+    layouts = [(r.shape, r.stride() if hasattr(r, "stride") else r.strides, str(r.dtype)) for r in results]
+    return out, layouts

@@ -176,3 +176,53 @@ def plain_fp16_attention(q, k, v, causal=False, scale=None, dtype=np.float16):
     l = p.astype(np.float32).sum(axis=-1, keepdims=True)
     p = (p / np.where(l > 0, l, 1).astype(dtype)).astype(dtype)
     return np.einsum("bhij,bhjd->bhid", p.astype(np.float32), v.astype(np.float32)).astype(dtype)
+
+
+def run_poisoned(xp, q, k, v, **kw):
+    """``forward`` into NaN-poisoned buffers; the CUDA-core kernels unless ``precision`` is given
+    (their tiles go down to one row; the tensor-core kernels have tests of their own)."""
+    from numba_flash.api import forward
+
+    kw.setdefault("precision", "ieee")
+    B, H, Nq, D = q.shape
+    o = poisoned(xp, (B, H, Nq, D), q.dtype)
+    lse = poisoned(xp, (B, H, Nq), np.float32)
+    return forward(q, k, v, out=o, lse_out=lse, **kw)
+
+
+def check_against_reference(q, k, v, o, lse, causal, scale=None, oracle=None):
+    """``o`` and ``lse`` against the float64 reference (or another float64 ``oracle``'s pair)."""
+    from numba_flash import reference
+
+    if oracle is None:
+        ref_o, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, scale=scale)
+    else:
+        ref_o, ref_lse = oracle
+    o_np = to_numpy(o)
+    assert not np.isnan(o_np).any(), "an output element was not written (or is NaN)"
+    if q.dtype == np.float16:
+        base = np.abs(plain_fp16_attention(q, k, v, causal, scale).astype(np.float64) - ref_o).max()
+        err = np.abs(o_np.astype(np.float64) - ref_o).max()
+        assert err <= 2 * base + 1e-6, f"float16 error {err:.3g} > 2 x plain float16 error {base:.3g}"
+    else:
+        # float32: rounding the scores alone moves o by up to output_rounding_bound, which grows
+        # with the score magnitude (a constant fit for unit scores fails at scores ~1e4); what
+        # the kernel gets wrong beyond that must stay within 2e-6 of the reference, norm-wise.
+        allowed = output_rounding_bound(q, k, v, ref_o, scale, causal)
+        excess = np.maximum(np.abs(o_np.astype(np.float64) - ref_o) - allowed, 0.0)
+        ref_norm, excess_norm = float(np.linalg.norm(ref_o)), float(np.linalg.norm(excess))
+        assert excess_norm <= 2e-6 * ref_norm, (rel_err(o_np, ref_o), excess_norm, float(allowed.max()))
+    delta = score_rounding_bound(q, k, scale, causal)  # lse = m + log l moves by at most delta
+    assert lse_matches(lse, ref_lse, atol=1e-4 + delta), (to_numpy(lse), ref_lse)
+
+
+def ptxas_available() -> bool:
+    """Whether kernels compile offline here (the ``occupancy`` extra: ptxas and libNVVM)."""
+    try:
+        from numba_flash.research.profiling.occupancy import find_ptxas
+
+        find_ptxas()
+        import nvidia.cu13  # noqa: F401  (libNVVM of numba-cuda[cu13])
+    except Exception:
+        return False
+    return True

@@ -14,15 +14,17 @@ from helpers import CI_EXAMPLES, examples
 
 TESTS = pathlib.Path(__file__).parent
 
-# Imports every test module under a profile and prints {test: max_examples} for each
-# Hypothesis test (its own settings, or the profile's when it has none).
+# Imports every test module (tests/ and its subdirectories, each module by its file name, as
+# pytest does) under a profile and prints {test: max_examples} for each Hypothesis test (its
+# own settings, or the profile's when it has none).
 LISTER = """
 import importlib, inspect, json, pathlib, sys
 sys.path.insert(0, {tests!r})
 import conftest  # loads the profile named by HYPOTHESIS_PROFILE
 from hypothesis import settings
 counts = {{}}
-for path in sorted(pathlib.Path({tests!r}).glob("test_*.py")):
+for path in sorted(pathlib.Path({tests!r}).rglob("test_*.py"), key=lambda p: p.name):
+    sys.path.insert(0, str(path.parent))
     module = importlib.import_module(path.stem)
     for name, fn in inspect.getmembers(module, callable):
         if name.startswith("test") and hasattr(fn, "hypothesis"):

@@ -20,8 +20,8 @@ process group:
 4. rank 0 prints the table on stdout (progress goes to stderr) and ``--json PATH`` writes every
    figure. The exit status is 1 when a check fails.
 
-FLOPs: ``4 B H N^2 D``, halved for causal (``profiling.timing.attention_flops``), the same for the
-ring (all ranks together) and the one GPU.
+FLOPs: ``4 B H N^2 D``, halved for causal (``research.profiling.timing.attention_flops``), the
+same for the ring (all ranks together) and the one GPU.
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ import statistics
 import sys
 import time
 
-from numba_flash.cli import HelpFormatter, positive_int
 from numba_flash.distributed.layout import LAYOUTS, chunk_count, default_layout, gather_sequence, split_sequence
 from numba_flash.distributed.schedule import RingSchedule
-from numba_flash.profiling.timing import attention_flops, tflops
-from numba_flash.report import markdown_table
+from numba_flash.research.cli import HelpFormatter, positive_int
+from numba_flash.research.profiling.timing import attention_flops, tflops
+from numba_flash.research.report import markdown_table
 
 DTYPES = ("float16", "float32")  # what verify.py checks (bfloat16: no CuPy dtype for its float64 check)
 NCCL_PRIORITY_VARIABLE = "TORCH_NCCL_HIGH_PRIORITY"  # 1: ProcessGroupNCCL makes its streams high-priority

@@ -115,7 +115,7 @@ class RingSchedule:
 
     def calls(self, rank: int, step: int) -> tuple[BlockCall, ...]:
         """The step's attention calls, covering each ``FULL`` and ``DIAGONAL`` pair once and no
-        ``SKIPPED`` one (``tests/test_ring.py`` checks this position by position)."""
+        ``SKIPPED`` one (``tests/distributed/test_ring.py`` checks this position by position)."""
         kinds = self.kinds(rank, step)
         n_q, n_k = len(kinds), len(kinds[0])
         if any(BlockKind.DIAGONAL in row for row in kinds):

@@ -6,7 +6,7 @@ checked only, so that it fits at any length: the scores of ``r`` rows against ``
 sequence (:func:`check_rows`), so every rank's shard and both chunks of a zigzag shard are
 checked; a row's causal mask is its global one (key ``j`` visible to query ``i`` iff ``j <= i``).
 
-The rules (``tests/test_gpu.py``, after FlashAttention's ``tests/test_flash_attn.py``):
+The rules (``tests/gpu/test_gpu.py``, after FlashAttention's ``tests/test_flash_attn.py``):
 
 - float32: relative (Frobenius) error against float64 below :data:`FLOAT32_REL_TOL`;
 - float16: largest absolute error against float64 at most twice that of a plain float16

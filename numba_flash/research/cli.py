@@ -1,0 +1,296 @@
+"""The ``numba-flash`` command (also ``python -m numba_flash``).
+
+    numba-flash compare [--batch B --heads H --seq N --head-dim D --causal --dtype float16]
+    numba-flash occupancy [--json] [--source driver|ptxas] [--plot DIR]
+    numba-flash autotune [--algorithm fa2 --head-dim 64 --dtype float32 --causal both]
+    numba-flash demo        the seed's worked example of the online softmax, step by step
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+
+import numpy as np
+
+from numba_flash._world import choose_world
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1 (its name is what argparse shows for a bad value)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text}")
+    return value
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """Shows each flag's default after its help, except where there is none to show (a flag
+    that is off unless given, or a default that depends on the machine and is said in words)."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.default is False or action.default == argparse.SUPPRESS:
+            return action.help
+        if "(default:" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _version() -> str:
+    from numba_flash import __version__
+
+    return __version__
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="numba-flash",
+        description="FlashAttention-1 and FlashAttention-2 in numba.cuda, side by side "
+        "(also: python -m numba_flash). Without a GPU the kernels run in Numba's CUDA simulator.",
+        epilog="numba-flash COMMAND --help describes a command's options.",
+        formatter_class=HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def add(name, help_text):
+        return sub.add_parser(name, help=help_text, description=help_text, formatter_class=HelpFormatter)
+
+    cmp = add("compare", "FA-1 and FA-2 on the same inputs, side by side")
+    cmp.add_argument("--batch", type=positive_int, metavar="B", help="batch size (default: 4 on a GPU, 1 in the simulator)")
+    cmp.add_argument("--heads", type=positive_int, metavar="H", help="query heads (default: 16 on a GPU, 2 in the simulator)")
+    cmp.add_argument("--kv-heads", type=positive_int, metavar="HKV", help="K/V heads, a divisor of --heads (GQA) (default: --heads)")
+    cmp.add_argument("--seq", type=positive_int, metavar="N", help="query and key length (default: 4096 on a GPU, 48 in the simulator)")
+    cmp.add_argument("--seq-k", type=positive_int, metavar="NK", help="key length when it differs from --seq (default: --seq)")
+    cmp.add_argument("--head-dim", type=positive_int, metavar="D", help="head dimension, 1 to 128 (default: 64 on a GPU, 16 in the simulator)")
+    cmp.add_argument("--causal", action="store_true", help="causal mask, bottom-right aligned")
+    cmp.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="input and output dtype")
+    cmp.add_argument(
+        "--precision", choices=["default", "ieee", "tf32", "tf32x3"], default="default",
+        help="where the products run: default = tensor cores for float16/bfloat16, CUDA cores "
+        "for float32; ieee = CUDA cores; tf32/tf32x3 = float32 on tensor cores (default: default)",
+    )
+    cmp.add_argument("--block-m", type=int, metavar="BM", help="Q-tile rows, a power of two (default: tuned per head dim)")
+    cmp.add_argument("--block-n", type=int, metavar="BN", help="K/V-tile rows, a power of two (default: tuned per head dim)")
+    cmp.add_argument("--repeats", type=positive_int, default=20, help="timed runs on a GPU (median reported)")
+    cmp.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    cmp.add_argument("--json", action="store_true", help="print the rows as JSON (progress and notes go to stderr)")
+
+    abl = add("ablate", "every point of the FA-1 -> FA-2 space (loop order, grid, rescale, O load) on the same inputs")
+    for action in cmp._actions:  # compare's problem flags, the same defaults
+        if action.dest in ("help", "precision"):
+            continue
+        abl._add_action(action)
+    # After ablate copied compare's flags: the backward has its two loop orders only (no variants).
+    cmp.add_argument("--backward", action="store_true",
+                     help="also the backward pass (attention_backward of each algorithm's o and lse; PyTorch SDPA "
+                          "backward for the peers): gradients' error against float64, time, TFLOP/s at 2.5x the "
+                          "forward's FLOPs")
+    abl.add_argument("--precision", choices=["default", "ieee"], default="default",
+                     help="the variants are CUDA-core kernels: ieee (default for float32; needed for 16-bit dtypes)")
+    abl.add_argument("--variants", nargs="+", metavar="V",
+                     help="fa1, fa2 or loop_order-grid-rescale[-warp_partition[-o_load]] (default: all 24)")
+    abl.add_argument("--plot", metavar="DIR", help="write the FA-1 -> FA-2 waterfall (PNG) here")
+    abl.add_argument("--ncu", nargs="?", const="ncu", metavar="NCU",
+                     help="also measure each variant's DRAM bytes and achieved occupancy with Nsight Compute "
+                          "(the ncu binary; GPU only)")
+    abl.add_argument("--ncu-dir", default="ablate-ncu", metavar="DIR", help="where --ncu writes its plan and raw CSV")
+
+    occ = add("occupancy", "registers, shared memory and occupancy per tile configuration (GPU or ptxas)")
+    occ.add_argument("--algorithm", nargs="+", default=["fa1", "fa2"], choices=["fa1", "fa2"], help="kernels to profile")
+    occ.add_argument("--head-dim", nargs="+", type=positive_int, default=[32, 64, 128], metavar="D", help="head dims")
+    occ.add_argument("--dtype", nargs="+", default=["float32"], choices=["float32", "float16", "bfloat16"], help="input dtypes")
+    occ.add_argument(
+        "--precision", nargs="+", default=["default"], choices=["default", "ieee", "tf32", "tf32x3"],
+        help="regimes to profile (default: tensor cores for 16-bit dtypes, CUDA cores for float32)",
+    )
+    occ.add_argument("--block-m", nargs="+", type=positive_int, default=[32, 64, 128, 256], metavar="BM", help="Q-tile rows")
+    occ.add_argument("--block-n", nargs="+", type=positive_int, default=[16, 32], metavar="BN", help="K/V-tile rows")
+    occ.add_argument("--causal", action="store_true", help="profile the causal kernels")
+    occ.add_argument("--source", choices=["driver", "ptxas"],
+                     help="driver: the GPU's own figures; ptxas: compile offline, no GPU needed (default: driver on a GPU, else ptxas)")
+    occ.add_argument("--cc", type=compute_capability, default="9.0", metavar="MAJOR.MINOR",
+                     help="compute capability to compile for with ptxas (9.0: H100/H200)")
+    occ.add_argument("--json", action="store_true", help="print a JSON list of row objects")
+    occ.add_argument("--plot", metavar="DIR", help="write occupancy/registers-vs-tile PNGs here")
+
+    tune = add("autotune", "time tile candidates on this GPU and cache the fastest")
+    tune.add_argument("--algorithm", nargs="+", default=["fa2", "fa1"], choices=["fa1", "fa2"], help="kernels to tune")
+    tune.add_argument("--head-dim", nargs="+", type=positive_int, default=[64, 128], metavar="D", help="head dims to tune")
+    tune.add_argument("--dtype", nargs="+", default=["float32", "float16"], choices=["float32", "float16"], help="dtypes to tune")
+    tune.add_argument("--causal", choices=["both", "on", "off"], default="both", help="tune the causal kernels, the full ones, or both")
+    tune.add_argument("--seq", type=positive_int, default=4096, metavar="N", help="sequence length of the timed problem")
+    tune.add_argument("--batch", type=positive_int, default=4, metavar="B", help="batch size of the timed problem")
+    tune.add_argument("--heads", type=positive_int, default=16, metavar="H", help="heads of the timed problem")
+
+    add("demo", "the online-softmax worked example of the seed, step by step")
+    return parser
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.command == "occupancy":
+        return _occupancy(args)
+    choose_world()
+    if args.command == "autotune":
+        return _autotune(args)
+    if args.command == "demo":
+        from numba_flash.seed_example import print_worked_example
+
+        print_worked_example()
+        return 0
+    if args.command == "ablate":
+        return _ablate(args)
+    from numba_flash.research.compare import compare, format_table
+
+    result = _measure_rows("compare", compare, args)
+    if result is None:
+        return 2
+    _print_rows(*result, args, format_table)
+    return 0
+
+
+def _measure_rows(command, run, args):
+    """``run(args, progress)`` with its stages on stderr; ``None`` after a one-line error for a
+    problem the kernels refuse."""
+    try:
+        return run(args, progress=lambda line: print(f"numba-flash {command}: {line}", file=sys.stderr, flush=True))
+    except (ValueError, TypeError) as exc:  # a problem the kernels refuse, said in one line
+        print(f"numba-flash {command}: error: {exc}", file=sys.stderr)
+        return None
+
+
+def _print_rows(rows, notes, args, format_rows) -> None:
+    """The rows as JSON (notes on stderr) or as the command's table with its notes."""
+    if args.json:
+        print(json.dumps(rows, indent=2, default=_json_default))
+        for note in notes:
+            print(note, file=sys.stderr)
+    else:
+        print(format_rows(rows, notes))
+
+
+def _ablate(args) -> int:
+    import os
+
+    from numba_flash._world import simulated
+    from numba_flash.research.ablation import ablate, add_ncu, format_ablation, plot_waterfall
+
+    if args.ncu and simulated():
+        print("numba-flash ablate: error: --ncu needs a GPU (Nsight Compute profiles real kernels)", file=sys.stderr)
+        return 2
+    result = _measure_rows("ablate", ablate, args)
+    if result is None:
+        return 2
+    rows, notes = result
+    if args.ncu:
+        print(f"numba-flash ablate: profiling {len(rows)} variants under {args.ncu} ...", file=sys.stderr, flush=True)
+        add_ncu(rows, args, args.ncu, args.ncu_dir)
+    _print_rows(rows, notes, args, format_ablation)
+    if args.plot:
+        os.makedirs(args.plot, exist_ok=True)
+        path = plot_waterfall(rows, os.path.join(args.plot, "ablation_waterfall.png"))
+        print(f"numba-flash ablate: wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _autotune(args) -> int:
+    from numba_flash._world import simulated
+
+    if simulated():
+        print("autotune measures on a GPU; none was found (Numba's CUDA simulator is active)", file=sys.stderr)
+        return 2
+    from numba_flash.research.tuning import autotune
+
+    causal = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
+    for alg in args.algorithm:
+        for d in args.head_dim:
+            for dt in args.dtype:
+                for c in causal:
+                    autotune(alg, d, dt, c, batch=args.batch, heads=args.heads, seq=args.seq,
+                             progress=lambda m: print(m, flush=True))
+    return 0
+
+
+def _occupancy(args) -> int:
+    from numba_flash._world import gpu_present
+
+    source = args.source or ("driver" if gpu_present() else "ptxas")
+    if source == "ptxas" and "numba.cuda" not in sys.modules:
+        os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real; no GPU is touched
+    from numba_flash.research.profiling.occupancy import ROW_KEYS, configurations, missing_toolchain, profile
+
+    missing = missing_toolchain() if source == "ptxas" else []
+    blocking = [m for m in missing if not m.startswith("ptxas")]  # an old ptxas may still do
+    if blocking:
+        _toolchain_error("cannot compile the kernels without a GPU here", missing)
+        return 2
+    cc = args.cc
+    precisions = [None if p == "default" else p for p in args.precision]
+    configs = configurations(
+        args.algorithm, args.head_dim, args.dtype, args.block_m, args.block_n, (args.causal,), precisions
+    )
+    try:
+        rows = profile(configs, cc=cc, source=source, progress=lambda m: print(m, file=sys.stderr, flush=True))
+    except Exception as exc:
+        if source != "ptxas":
+            raise
+        _toolchain_error(f"compiling without a GPU failed: {type(exc).__name__}: {str(exc).strip()}", missing)
+        return 2
+    if args.json:
+        print(json.dumps(rows, indent=1))
+    else:
+        print(_markdown(rows, ROW_KEYS))
+    if args.plot:
+        from numba_flash.research.profiling.plots import plot_occupancy
+
+        for path in plot_occupancy(rows, args.plot):
+            print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _toolchain_error(what: str, missing: list[str]) -> None:
+    from numba_flash.research.profiling.occupancy import OCCUPANCY_EXTRA
+
+    lines = [f"numba-flash occupancy: {what}"]
+    if missing:
+        lines.append("Missing here:")
+        lines += [f"  - {m}" for m in missing]
+    lines.append(f"All of them come with the occupancy extra: {OCCUPANCY_EXTRA}")
+    print("\n".join(lines), file=sys.stderr)
+
+
+def compute_capability(text: str) -> tuple[int, int]:
+    """argparse type: ``MAJOR.MINOR``, e.g. 9.0."""
+    try:
+        major, minor = (int(x) for x in text.split("."))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MAJOR.MINOR such as 9.0, got {text!r}") from None
+    return major, minor
+
+
+def _markdown(rows, keys) -> str:
+    from numba_flash.research.report import markdown_table
+
+    def cell(v):
+        return f"{v:.1%}" if isinstance(v, float) else str(v)
+
+    return "\n".join(markdown_table(list(keys), [[cell(r[k]) for k in keys] for r in rows]))
+
+
+def _json_default(x):
+    if isinstance(x, (np.floating, np.integer)):
+        return x.item()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    raise TypeError(type(x))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

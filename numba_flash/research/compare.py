@@ -1,0 +1,159 @@
+"""FA-1 against FA-2 on the same inputs: the main job of ``numba-flash compare``.
+
+For each algorithm, a row of ``harness.measure``: error against the float64 reference, time and
+TFLOP/s (GPU only: CUDA events, warm-up excluded, median), registers, shared memory, theoretical
+occupancy (GPU only), and the modelled global-memory traffic. On a GPU the CuPy
+matmul-softmax-matmul baseline (and PyTorch SDPA when installed) are timed in the same
+run so that every figure has a peer beside it.
+"""
+
+from __future__ import annotations
+
+from numba_flash._world import simulated
+from numba_flash.research.harness import (
+    ALGORITHMS, REF_BUDGET_BYTES, describe, make_problem, measure, measure_or_fail, peer_names, time_ratio,
+)
+from numba_flash.research.report import SHAPE, display_name, markdown_table, shape_label
+
+# Problems `compare` runs when the user names none: the research shape on a GPU, and a
+# small one the simulator finishes in seconds.
+GPU_DEFAULT = dict(batch=4, heads=16, seq=4096, head_dim=64)
+SIM_DEFAULT = dict(batch=1, heads=2, seq=48, head_dim=16, block_m=16, block_n=16)
+
+
+def problem_of(args) -> dict:
+    """The problem of ``args`` (``harness.describe``): the flags given, the world's defaults for the rest."""
+    defaults = SIM_DEFAULT if simulated() else GPU_DEFAULT
+    given = {key: getattr(args, key, None) for key in ("batch", "heads", "seq", "head_dim", "block_m", "block_n")}
+    precision = getattr(args, "precision", "default")
+    p = describe(
+        **{key: defaults.get(key) if value is None else value for key, value in given.items()},
+        dtype=args.dtype, causal=args.causal, kv_heads=args.kv_heads, seq_k=args.seq_k,
+        precision=None if precision in (None, "default") else precision,
+    )
+    cuda_cores = p["precision"] == "ieee" or (p["precision"] is None and p["dtype"] == "float32")
+    if cuda_cores and p["block_m"] is None and p["block_n"] is None:  # FA-1 and FA-2 at the same tiles
+        from numba_flash.tile_table import comparison_tiles
+
+        p["block_m"], p["block_n"] = comparison_tiles(p["head_dim"])
+    return p
+
+
+def setup(args, say, algorithms=ALGORITHMS):
+    """The problem of ``args`` built (``harness.make_problem``), and notes for the table; in the
+    simulator, ``say`` how long ``algorithms`` will take."""
+    from numba_flash.simulator import format_seconds
+
+    p = problem_of(args)
+    problem = make_problem(p, args.seed)
+    notes = []
+    if problem["rel_err_scope"] != "all":
+        notes.append(f"Errors checked on {problem['rel_err_scope']} only: the float64 scores of every head "
+                     f"would take more than {REF_BUDGET_BYTES / 1e9:.0f} GB.")
+    if problem["sim"]:
+        notes.append(
+            "No GPU: ran in Numba's CUDA simulator on a small problem (no timings or "
+            "occupancy; errors and modelled traffic are real)."
+        )
+        shape = shape_label(p) + f" {p['dtype']}{' causal' if p['causal'] else ''}"
+        estimate = _simulated_seconds(problem["q"], problem["k"], problem["v"], p, algorithms)
+        say(f"no GPU: running {shape} in Numba's CUDA simulator, about {format_seconds(estimate)} for "
+            f"{len(algorithms)} kernels" + ("; smaller --seq/--head-dim/--batch/--heads run faster" if estimate >= 60 else ""))
+    return problem, notes
+
+
+def compare(args, progress=None):
+    """Run both algorithms on one problem; return (rows, notes) for :func:`format_table`.
+
+    ``progress``: called with a line per stage (the CLI prints them to stderr as they come)."""
+    import time
+
+    say = progress or (lambda line: None)
+    backward = bool(getattr(args, "backward", False))
+    problem, notes = setup(args, say)
+    rows = []
+    for n, alg in enumerate(ALGORITHMS, 1):
+        name = display_name(alg)
+        started = time.perf_counter()
+        say(f"[{n}/{len(ALGORITHMS)}] {name}: {'simulating' if problem['sim'] else 'compiling, checking against float64, timing'} ...")
+        row = measure(problem, alg, args.repeats, backward=backward)
+        rows.append(row)
+        say(f"[{n}/{len(ALGORITHMS)}] {name}: done in {time.perf_counter() - started:.1f} s, relative error {row['rel_err']:.1e}")
+    if not problem["sim"]:
+        say("timing the peers (CuPy matmul-softmax-matmul, PyTorch SDPA backends) ...")
+        for name in peer_names(problem["p"]["dtype"]):
+            notes.append(peer_note(measure_or_fail(problem, name, args.repeats, backward=backward)))
+        fa1, fa2 = rows
+        notes.append(f"FA-2 / FA-1 speed: {time_ratio(fa1, fa2):.2f}x")
+        if backward:
+            notes.append(f"FA-2 / FA-1 backward speed: {fa1['bwd_ms'] / fa2['bwd_ms']:.2f}x")
+    return rows, notes
+
+
+def peer_note(row) -> str:
+    """A peer's row as a line under the table: its time and TFLOP/s, or why it has none."""
+    if row["ms"] is None:
+        return f"peer {row['impl']}: {row['status']}"
+    note = f"peer {row['impl']}: {row['ms']:.3f} ms, {row['tflops']:.1f} TFLOP/s"
+    if row["bwd_ms"] is not None:
+        note += f"; backward {row['bwd_ms']:.3f} ms, {row['bwd_tflops']:.1f} TFLOP/s"
+    return note
+
+
+def _simulated_seconds(q, k, v, p, algorithms=ALGORITHMS) -> float:
+    """The simulator's cost model for these kernels on this problem (``api.simulated_seconds``)."""
+    from numba_flash.api import configure, simulated_seconds
+    from numba_flash.problem import describe as describe_problem
+
+    total = 0.0
+    for alg in algorithms:
+        problem = describe_problem(q, k, v, causal=p["causal"], algorithm=alg, precision=p["precision"])
+        total += simulated_seconds(configure(problem, p["block_m"], p["block_n"]))
+    return total
+
+
+# The table's lines: a label and its cells, templates over a row (and its traffic in MB). A line
+# whose keys no row has is left out, or said n/a where only a GPU measures them.
+_LINES = [
+    ("regime", "{regime}"),
+    ("shape", SHAPE),
+    ("dtype", "{dtype}"),
+    ("causal", "{causal}"),
+    ("block_m x block_n", "{block_m} x {block_n}"),
+    ("max \\|o - ref\\|", "{max_abs_err:.2e}"),
+    ("relative error", "{rel_err:.2e}"),
+    ("time (ms, median)", "{ms:.3f}"),
+    ("TFLOP/s", "{tflops:.2f}"),
+    ("registers / thread", "{regs}"),
+    ("shared memory / block (B)", "{smem_bytes}"),
+    ("local (spill) bytes / thread", "{local_bytes}"),
+    ("resident blocks / SM", "{blocks_per_sm}"),
+    ("theoretical occupancy", "{occupancy:.1%}"),
+    ("modelled global traffic (MB)", "{modelled_mb:.3f}"),
+    ("backward: gradients' relative error", "{grad_rel_err:.2e}"),
+    ("backward: gradients checked on", "{grad_rel_err_scope}"),
+    ("backward: time (ms, median)", "{bwd_ms:.3f}"),
+    ("backward: TFLOP/s (2.5x forward FLOPs)", "{bwd_tflops:.2f}"),
+]
+_GPU_ONLY = {"ms", "tflops", "regs", "occupancy", "bwd_ms", "bwd_tflops"}
+
+
+def format_table(rows, notes) -> str:
+    """One table, FA-1 and FA-2 side by side, then the notes (peers, ratio, world)."""
+    import string
+
+    values = [dict(r, modelled_mb=r["modelled_bytes"] / 1e6) for r in rows]
+    body = []
+    backward = any(r.get("grad_rel_err_scope") is not None for r in rows)  # compare --backward
+    for label, template in _LINES:
+        if label.startswith("backward") and not backward:
+            continue
+        keys = [field for _, field, _, _ in string.Formatter().parse(template) if field]
+        cells = [template.format(**v) if all(v[key] is not None for key in keys) else "n/a" for v in values]
+        if cells == ["n/a"] * len(rows):
+            if not set(keys) <= _GPU_ONLY:
+                continue
+            cells = ["n/a (simulator)"] * len(rows)
+        body.append([label, *cells])
+    table = markdown_table(["", *(display_name(r["impl"]) for r in rows)], body)
+    return "\n".join(table + [""] + notes)
