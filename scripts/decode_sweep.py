@@ -131,8 +131,8 @@ class Candidate:
         self.lse_parts = cp.empty((splits * B, Hkv, rows), cp.float32)
         packed = [x.view(cp.uint16) for x in (q.reshape(B, Hkv, rows, D), k, v)]
         # the skeleton's arguments (kernels.forward): o_hbm, l_hbm, m_hbm and kv_order are not read by a Q-outer walk
-        self.unread = [cp.zeros((1, 1, 1, 1), cp.float32), cp.zeros((1, 1, 1), cp.float32), cp.zeros((1, 1, 1), cp.float32),
-                       cp.zeros(1, cp.int32)]
+        self.unread = [cp.zeros((1, 1, 1, 1), np.float32), cp.zeros((1, 1, 1), np.float32), cp.zeros((1, 1, 1), np.float32),
+                       cp.zeros(1, np.int32)]
         arrays = [device_array(x, "cupy") for x in (*packed, self.o_parts, self.lse_parts, *self.unread[:3])]
         args = [*arrays, np.float32(scale * LOG2E), device_array(self.unread[3], "cupy"), device_array(seqlens, "cupy"),
                 np.int32(splits), np.int32(group)]
