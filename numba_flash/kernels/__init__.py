@@ -23,7 +23,9 @@ Tensor cores (``precision``, API.md section 2a):
 - ``mma``: the primitives (``mma.sync``, ``ldmatrix``, ``cp.async``, conversions) as inline
   PTX, each with a simulator twin of the same per-lane semantics.
 - ``tc_ops``: one (Q tile, K/V tile) step on them (split-Q warps, P~ kept in registers).
-- ``tc_fa1``, ``tc_fa2``: the two loop nests on ``tc_ops``.
+- ``engines``: the forward's engine interface over ``tile_ops`` and ``tc_ops``; ``pipeline``:
+  the copy policies; ``forward``: FA-1's and FA-2's loop nests, once, over both.
+- ``tc_fa1``, ``tc_fa2``: the skeleton at FA-1's and FA-2's points on tensor cores.
 """
 
 from numba_flash.kernels.fa1 import fa1_kernel

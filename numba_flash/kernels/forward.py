@@ -22,9 +22,12 @@ switch of this skeleton (:class:`Variant`), so that any one can be measured alon
   ``numba_flash.online`` -- at the end of the walk for q_outer, at every step for kv_outer,
   whose state goes to global memory after each step: the communication FA-2 removes).
 
-FA-1 and FA-2 are two named points (:data:`FA1`, :data:`FA2`): ``fa1.fa1_kernel`` and
-``fa2.fa2_kernel`` are this skeleton at those points. The tile steps (loads, S, masking, row
-max, P~ = exp2(S - m), P~ V) are ``tile_ops``'s, shared by every variant.
+FA-1 and FA-2 are two named points (:data:`FA1`, :data:`FA2`): ``fa1.fa1_kernel``,
+``fa2.fa2_kernel`` (CUDA cores) and ``tc_fa1.tc_fa1_kernel``, ``tc_fa2.tc_fa2_kernel`` (tensor
+cores) are this skeleton at those points. Each loop nest is written once, against an engine
+(``engines``: the tile steps S, masking, row max, P~ = exp2(S - m), P~ V on FFMA micro-tiles or
+``mma.sync``) and a pipeline (``pipeline``: how K_j, V_j, Q_i are copied and the barriers), so
+every variant runs on both engines (split_k on CUDA cores only).
 
 Arguments (every variant): ``q (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``; ``o`` out (q's dtype;
 ``(S*B,H,Nq,D)`` for split partials); ``lse`` out ``(S*B,H,Nq) float32``; ``o_hbm (B,H,Nq,D)
