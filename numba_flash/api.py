@@ -135,8 +135,9 @@ def forward(
 
     ``variant``: a point of the FA-1 -> FA-2 ablation space (``kernels.forward.Variant``, or a
     dict of its fields: loop_order, grid, rescale, warp_partition, o_load); it overrides
-    ``algorithm`` (``FA1`` and ``FA2`` are its named points). CUDA cores only: float16 and
-    bfloat16 inputs need ``precision="ieee"``.
+    ``algorithm`` (``FA1`` and ``FA2`` are its named points). It runs on the engine the call's
+    regime picks (the same loop nests, ``kernels.forward``); split_k, a CUDA-core warp partition,
+    needs ``precision="ieee"`` for 16-bit inputs or tf32.
 
     ``kv_tile_order``: a permutation of ``range(ceil(Nk / block_n))``; the kernel walks
     the K/V tiles in that order (both algorithms) -- the seed's chunk-order invariance,
@@ -195,9 +196,10 @@ def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, bloc
     checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision)
     call = configure(checked, block_m, block_n)  # (the tiles' checks before num_splits', as always)
     call = replace(call, num_splits=check_num_splits(num_splits, algorithm))
-    if variant is not None and call.regime != "ieee" and variant.warp_partition == "split_k":
-        raise ValueError("split_k runs on CUDA cores (precision='ieee'); on tensor cores the keys of a tile are split "
-                         "between warps only by decode's key warps")
+    if call.regime != "ieee":
+        from numba_flash.kernels.forward import check_tensor_core_variant
+
+        check_tensor_core_variant(variant)
     if variant is not None and variant.warp_partition == "split_k":
         from numba_flash.kernels.forward import SPLIT_K_GROUPS
 

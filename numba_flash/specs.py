@@ -166,9 +166,9 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
         split = {} if mode is None else {"presplit_mode": mode}
         layout = tc_layout(regime, d, block_m, block_n, stages, key_warps=warps, **split)
         cap = tc_register_cap(regime, d, block_m, block_n, switches.tc_maxreg())
-        if variant is not None and variant.warp_partition == "split_k":
-            raise ValueError("split_k runs on CUDA cores; on tensor cores the keys of a tile are split between warps "
-                             "by key_warps (decode's ring)")
+        from numba_flash.kernels.forward import check_tensor_core_variant
+
+        check_tensor_core_variant(variant)
         return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes,
                           cap, ragged and (variant is None or variant.loop_order == "q_outer"), split_out,
                           variant=variant, kv_stages=stages, key_warps=warps,

@@ -292,23 +292,24 @@ def _rows_laid_out(a, width: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
+def _unread(kind: str, device_id, shape: tuple, dtype: str):
+    """An argument a kernel's specialisation never reads, one per (device, shape, dtype)."""
+    xp = _xp(kind)
+    if xp is np:
+        return np.zeros(shape, dtype)
+    with xp.cuda.Device(device_id if device_id is not None else xp.cuda.runtime.getDevice()):
+        return xp.zeros(shape, dtype)
+
+
 def _unread_lengths(kind: str, device_id):
-    """The ``seqlens`` argument of a kernel compiled without it (never read): one per device."""
-    xp = _xp(kind)
-    if xp is np:
-        return np.zeros(1, np.int32)
-    with xp.cuda.Device(device_id if device_id is not None else xp.cuda.runtime.getDevice()):
-        return xp.zeros(1, np.int32)
+    """The ``seqlens`` (or ``kv_order``) argument of a kernel compiled without it."""
+    return _unread(kind, device_id, (1,), "int32")
 
 
-@functools.lru_cache(maxsize=None)
 def _unread_state(kind: str, device_id):
-    """The ``o_hbm``, ``l_hbm``, ``m_hbm`` arguments of a Q-outer kernel (never read): one set per device."""
-    xp = _xp(kind)
-    if xp is np:
-        return np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32)
-    with xp.cuda.Device(device_id if device_id is not None else xp.cuda.runtime.getDevice()):
-        return xp.zeros((1, 1, 1, 1), np.float32), xp.zeros((1, 1, 1), np.float32), xp.zeros((1, 1, 1), np.float32)
+    """The ``o_hbm``, ``l_hbm``, ``m_hbm`` arguments of a Q-outer walk (never read)."""
+    return (_unread(kind, device_id, (1, 1, 1, 1), "float32"), _unread(kind, device_id, (1, 1, 1), "float32"),
+            _unread(kind, device_id, (1, 1, 1), "float32"))
 
 
 def _ordered(arrays, q_scale, tail) -> list:

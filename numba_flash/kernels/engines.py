@@ -50,7 +50,7 @@ from numba_flash.kernels.jit import device_jit
 from numba_flash.kernels.tc_ops import ROWS_PER_THREAD as MMA_ROWS_PER_THREAD
 from numba_flash.kernels.tc_ops import tc_ops
 from numba_flash.kernels.tile_ops import tile_ops
-from numba_flash.kernels.tiles import VEC
+from numba_flash.kernels.tiles import ROWS_PER_THREAD, VEC
 
 SHARED = ("load_q", "q_frags", "score_tile", "scale_mask", "row_max", "exp_scores", "pv_tile", "rescale_row", "zero",
           "allreduce_sum", "thread_row", "first_of_row", "out_col", "acc_row", "acc_col", "store_out",
@@ -71,7 +71,8 @@ def _engine(name: str, ops, functions: dict, **constants) -> ModuleType:
 
 
 @functools.lru_cache(maxsize=None)
-def ffma_engine(head_dim: int, block_m: int, block_n: int, groups: int = 1, rows_per_thread: int = 4) -> ModuleType:
+def ffma_engine(head_dim: int, block_m: int, block_n: int, groups: int = 1,
+                rows_per_thread: int = ROWS_PER_THREAD) -> ModuleType:
     """CUDA cores: ``tile_ops``'s micro-tiles (``groups``: split_k's groups of warps, each with the
     layout of ``block_n`` keys)."""
     ops = tile_ops(head_dim, block_m, block_n, groups, rows_per_thread)
@@ -276,7 +277,7 @@ class CudaCores:
     head_dim: int
     block_m: int
     block_n: int
-    rows_per_thread: int = 4
+    rows_per_thread: int = ROWS_PER_THREAD
 
 
 @dataclass(frozen=True)

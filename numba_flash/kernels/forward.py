@@ -94,6 +94,20 @@ FA1 = Variant("kv_outer", "heads", "every_step", "split_q", "at_update")
 FA2 = Variant("q_outer", "heads_x_qtiles", "deferred", "split_q", "at_update")
 
 
+def runs_on_tensor_cores(variant) -> bool:
+    """Has the tensor-core engine a form of ``variant``? Not of split_k (each group of warps on its
+    part of every K/V tile, their states merged through shared memory): a CUDA-core warp
+    partition; on tensor cores only decode's key warps split a tile's keys."""
+    return variant is None or variant.warp_partition != "split_k"
+
+
+def check_tensor_core_variant(variant) -> None:
+    """``ValueError`` for a variant the tensor-core engine has no form of (:func:`runs_on_tensor_cores`)."""
+    if not runs_on_tensor_cores(variant):
+        raise ValueError("split_k runs on CUDA cores (precision='ieee'); on tensor cores the keys of a tile are "
+                         "split between warps only by decode's key warps")
+
+
 @functools.lru_cache(maxsize=None)
 def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False, ragged: bool = False,
                    cast_out: bool = False, f32_out: bool = False, max_registers: int | None = None):
@@ -121,9 +135,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
     TENSOR_CORES = isinstance(tiles, TensorCores)
     if TENSOR_CORES:
         KW, STAGES = int(tiles.key_warps), int(tiles.kv_stages)
-        if SPLIT_K:
-            raise ValueError("split_k runs on CUDA cores; on tensor cores the keys of a tile are split between warps "
-                             "by key_warps (decode's ring)")
+        check_tensor_core_variant(variant)
         if PERMUTED:
             raise ValueError("the tensor-core engine walks the K/V tiles in order (its copies run ahead of the walk)")
         if KW < 1 or BN % KW or BN // KW < 16:

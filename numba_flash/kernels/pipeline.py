@@ -66,7 +66,7 @@ def synchronous(engine) -> ModuleType:
     @device_jit
     def load_q(q, b, h, row0, n_q, q_scale, q_s, lead):
         if lead:  # (split_k: the groups share Q_i; one loads it)
-            ops.load_q_tile(q, b, h, row0, n_q, q_scale, q_s)  # FA-2 line 4
+            engine.load_q(q, b, h, row0, n_q, q_scale, q_s)  # FA-2 line 4
 
     @device_jit
     def start(k, v, b, hk, n_k, col_first, n_steps, smem, k_s, v_s):
@@ -99,7 +99,7 @@ def synchronous(engine) -> ModuleType:
     def q_tile(q, b, h, row0, n_q, q_scale, q_s, lead):
         cuda.syncthreads()  # the previous Q_i and P~ are no longer read
         if lead:
-            ops.load_q_tile(q, b, h, row0, n_q, q_scale, q_s)  # FA-1 line 8: load Q_i
+            engine.load_q(q, b, h, row0, n_q, q_scale, q_s)  # FA-1 line 8: load Q_i
 
     return _policy("synchronous", SYNCHRONOUS=True, Q_BEFORE_RANGE=True, RING=False, OPERAND_ELEMS=1,
                    k_offset=_zero_offset, v_offset=_zero_offset, load_q=load_q, start=start, before_scores=before_scores, before_pv=before_pv,
@@ -250,13 +250,13 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
     @device_jit
     def q_tile(q, b, h, row0, n_q, q_scale, q_s, lead):
         cuda.syncthreads()  # everyone has Q_{i-1}'s fragments in registers
-        copies.load_q_tile(q, b, h, row0, n_q, q_s)  # FA-1 line 8: load Q_i
+        engine.load_q(q, b, h, row0, n_q, q_scale, q_s)  # FA-1 line 8: load Q_i
         commit()
         wait_all()
 
     @device_jit
     def load_q(q, b, h, row0, n_q, q_scale, q_s, lead):
-        copies.load_q_tile(q, b, h, row0, n_q, q_s)  # FA-2 line 4 (committed with the first K/V copies)
+        engine.load_q(q, b, h, row0, n_q, q_scale, q_s)  # FA-2 line 4 (committed with the first K/V copies)
 
     if STAGES == 1:
         k_offset = v_offset = _zero_offset

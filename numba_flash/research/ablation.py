@@ -13,7 +13,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from numba_flash.kernels.forward import FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, WARP_PARTITIONS, Variant
+from numba_flash.kernels.forward import (FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, WARP_PARTITIONS, Variant,
+                                         runs_on_tensor_cores)
 from numba_flash.problem import TENSOR_CORE_KIND
 from numba_flash.research.report import markdown_table, shape_label
 
@@ -87,8 +88,8 @@ def ablate(args, progress=None):
     args.precision = "ieee" if regime == "ieee" else p["precision"]  # (None: the 16-bit dtype's kind)
     skipped = []
     if regime != "ieee":  # split_k is a CUDA-core partition (on tensor cores: decode's key warps)
-        skipped = [v for v in variants if v.warp_partition == "split_k"]
-        variants = [v for v in variants if v.warp_partition != "split_k"]
+        skipped = [v for v in variants if not runs_on_tensor_cores(v)]
+        variants = [v for v in variants if runs_on_tensor_cores(v)]
     if args.block_m is None or args.block_n is None:  # one tile choice for every variant (tile_table)
         from numba_flash.api import choose_tiles
         from numba_flash.tile_table import comparison_tiles, forward_tc_tiles
