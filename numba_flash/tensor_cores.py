@@ -292,7 +292,7 @@ def _rows_laid_out(a, width: int) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _unread(kind: str, device_id, shape: tuple, dtype: str):
+def _unread(kind: str, device_id, shape: tuple, dtype):
     """An argument a kernel's specialisation never reads, one per (device, shape, dtype)."""
     xp = _xp(kind)
     if xp is np:
@@ -303,13 +303,13 @@ def _unread(kind: str, device_id, shape: tuple, dtype: str):
 
 def _unread_lengths(kind: str, device_id):
     """The ``seqlens`` (or ``kv_order``) argument of a kernel compiled without it."""
-    return _unread(kind, device_id, (1,), "int32")
+    return _unread(kind, device_id, (1,), np.int32)
 
 
 def _unread_state(kind: str, device_id):
     """The ``o_hbm``, ``l_hbm``, ``m_hbm`` arguments of a Q-outer walk (never read)."""
-    return (_unread(kind, device_id, (1, 1, 1, 1), "float32"), _unread(kind, device_id, (1, 1, 1), "float32"),
-            _unread(kind, device_id, (1, 1, 1), "float32"))
+    return (_unread(kind, device_id, (1, 1, 1, 1), np.float32), _unread(kind, device_id, (1, 1, 1), np.float32),
+            _unread(kind, device_id, (1, 1, 1), np.float32))
 
 
 def _ordered(arrays, q_scale, tail) -> list:

@@ -130,11 +130,12 @@ class Candidate:
         self.o_parts = cp.empty((splits * B, Hkv, rows, D), cp.float32)
         self.lse_parts = cp.empty((splits * B, Hkv, rows), cp.float32)
         packed = [x.view(cp.uint16) for x in (q.reshape(B, Hkv, rows, D), k, v)]
-        # the skeleton's arguments (kernels.forward): o_hbm, l_hbm, m_hbm and kv_order are not read by a Q-outer walk
-        self.unread = [cp.zeros((1, 1, 1, 1), np.float32), cp.zeros((1, 1, 1), np.float32), cp.zeros((1, 1, 1), np.float32),
-                       cp.zeros(1, np.int32)]
-        arrays = [device_array(x, "cupy") for x in (*packed, self.o_parts, self.lse_parts, *self.unread[:3])]
-        args = [*arrays, np.float32(scale * LOG2E), device_array(self.unread[3], "cupy"), device_array(seqlens, "cupy"),
+        # the skeleton's arguments (kernels.forward): o_hbm, l_hbm, m_hbm and kv_order are not read by a Q-outer
+        # walk (one array per shape, as the library passes them)
+        self.unread = [cp.zeros((1, 1, 1, 1), np.float32), cp.zeros((1, 1, 1), np.float32), cp.zeros(1, np.int32)]
+        o_hbm, state, kv_order = self.unread
+        arrays = [device_array(x, "cupy") for x in (*packed, self.o_parts, self.lse_parts, o_hbm, state, state)]
+        args = [*arrays, np.float32(scale * LOG2E), device_array(kv_order, "cupy"), device_array(seqlens, "cupy"),
                 np.int32(splits), np.int32(group)]
         device = cp.cuda.runtime.getDevice()
         self.main = prepare_launch(kernel, spec.grid(B, Hkv, rows, splits), (spec.threads,), args, spec.dynamic_smem, device)
