@@ -194,6 +194,10 @@ def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, bloc
     if variant is not None:  # the loop order decides which kernel family's defaults apply
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
     checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision)
+    if variant is not None and variant.warp_partition == "split_k" and block_m is None and block_n is None:
+        from numba_flash.tile_table import comparison_tiles  # (the ablation's tiles: FA-2's own default
+        # at D <= 64, 128 x 64, gives split_k's static tiles 107 KiB)
+        block_m, block_n = comparison_tiles(checked.q_shape[3])
     call = configure(checked, block_m, block_n)  # (the tiles' checks before num_splits', as always)
     call = replace(call, num_splits=check_num_splits(num_splits, algorithm))
     if call.regime != "ieee":

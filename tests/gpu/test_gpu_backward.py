@@ -101,7 +101,10 @@ def test_tensor_core_backward_registers_and_no_local_memory(head_dim):
     torch = pytest.importorskip("torch")
     import numba_flash
     from numba_flash.backward import attention_backward
-    from numba_flash.kernels.tc_bwd import dq_kernel_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout
+    from numba_flash.backward import cuda_device_capability
+    from numba_flash.kernels.tc_bwd import (
+        dq_kernel_tiles, tc_bwd_dq_kernel, tc_bwd_kernel, tc_bwd_layout, vector_reductions,
+    )
     from numba_flash.research.profiling.resources import compiled_resources
     from numba_flash.tile_table import backward_tc_tiles
 
@@ -114,9 +117,10 @@ def test_tensor_core_backward_registers_and_no_local_memory(head_dim):
     torch.cuda.synchronize()
     bm, bn = backward_tc_tiles(head_dim)
     dm, dn = dq_kernel_tiles(bm, bn)
-    for kernel, layout in ((tc_bwd_kernel("fa2", "f16", head_dim, bm, bn, False, True), tc_bwd_layout("fa2", "f16", head_dim, bm, bn)),
-                           (tc_bwd_kernel("fa2", "f16", head_dim, bm, bn, False, False), tc_bwd_layout("fa2", "f16", head_dim, bm, bn)),
-                           (tc_bwd_kernel("fa1", "f16", head_dim, bm, bn, False, True), tc_bwd_layout("fa1", "f16", head_dim, bm, bn)),
+    red = vector_reductions(cuda_device_capability())  # (the memoised kernels: the arguments the backward passes)
+    for kernel, layout in ((tc_bwd_kernel("fa2", "f16", head_dim, bm, bn, False, True, red), tc_bwd_layout("fa2", "f16", head_dim, bm, bn)),
+                           (tc_bwd_kernel("fa2", "f16", head_dim, bm, bn, False, False, red), tc_bwd_layout("fa2", "f16", head_dim, bm, bn)),
+                           (tc_bwd_kernel("fa1", "f16", head_dim, bm, bn, False, True, red), tc_bwd_layout("fa1", "f16", head_dim, bm, bn)),
                            (tc_bwd_dq_kernel("f16", head_dim, dm, dn, False), tc_bwd_layout("dq", "f16", head_dim, dm, dn))):
         res = compiled_resources(kernel, layout.threads, layout.smem_bytes)
         print(layout.kernel, head_dim, res.as_dict())

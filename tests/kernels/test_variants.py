@@ -99,6 +99,15 @@ def test_split_k_needs_block_n_the_groups_can_share():
         forward(q, k, v, variant=Variant("q_outer", "heads", "deferred", "split_k"), block_m=4, block_n=1)
 
 
+def test_split_k_without_tiles_takes_the_comparison_tiles():
+    """FA-2's own float32 default at D = 64 (128 x 64) gives split_k's static tiles 107 KiB; a
+    split_k variant whose caller names no tiles runs at the ablation's tiles instead of refusing."""
+    rng = np.random.default_rng(4)
+    q, k, v = random_qkv(rng, 1, 1, 1, 2, 3, 64, "float32")
+    o, _ = forward(q, k, v, causal=True, variant=Variant("q_outer", "heads", "deferred", "split_k"))
+    assert rel_err(o, reference.attention(q, k, v, causal=True)[0]) < 2e-6
+
+
 def test_each_variant_has_its_launch_specification():
     """Grid, threads, shared memory, kernel and signature of a variant: one place (specs)."""
     import inspect
