@@ -141,6 +141,48 @@ def _on_numba_device(device_id: int):
     return cuda.gpus[device_id]
 
 
+@functools.lru_cache(maxsize=None)
+def _compute_capability(device_id: int) -> tuple:
+    from numba_flash._cuda import cuda
+
+    return tuple(cuda.gpus[device_id].compute_capability)
+
+
+def load_cubin(entry_name: str, cubin: bytes):
+    """The kernel ``entry_name`` of ``cubin``, loaded into numba's current context as numba
+    loads the kernels it compiles (``module.get_function``: ``.kernel``, ``.handle``)."""
+    from cuda.core import ObjectCode
+    from numba.cuda.cudadrv import devices
+
+    module = devices.get_context().create_module_image(ObjectCode.from_cubin(cubin))
+    return module.get_function(entry_name)
+
+
+def _load_or_compile(dispatcher, signature: tuple, device_id: int):
+    """numba's loaded kernel (``module.get_function``: ``.kernel``, ``.handle``) of ``dispatcher``
+    for ``signature`` in the current context: from the persistent compilation cache when a
+    process compiled it before (``numba_flash.compile_cache``), else compiled by numba and
+    stored there. Kernels without an identity (``kernels.jit.kernel_factory``) or with numba
+    module setup functions are compiled and not stored."""
+    from numba_flash import compile_cache
+    from numba_flash.kernels.jit import kernel_identity
+
+    identity = kernel_identity(dispatcher)
+    text = ", ".join(str(t) for t in signature)
+    if identity is not None:
+        hit = compile_cache.lookup(identity, text, _compute_capability(device_id))
+        if hit is not None:
+            return load_cubin(*hit)
+    overload = dispatcher.compile(signature)
+    library = overload._codelibrary
+    cufunc = library.get_cufunc()  # numba loads it into this device's context
+    if identity is not None and not library._setup_functions:
+        cubin = library.get_cubin()
+        compile_cache.store(identity, text, _compute_capability(device_id), library._entry_name,
+                            cubin if isinstance(cubin, (bytes, bytearray)) else bytes(cubin.code))
+    return cufunc
+
+
 def compiled_kernel(dispatcher, args, shared_mem_bytes: int = 0, device_id: int | None = None):
     """The cuda.core kernel of ``dispatcher`` specialised for ``args`` and loaded on
     ``device_id`` (``None``: numba's current device), allowed ``shared_mem_bytes`` of dynamic
@@ -152,8 +194,7 @@ def compiled_kernel(dispatcher, args, shared_mem_bytes: int = 0, device_id: int 
     hit = _KERNELS.get(key)
     if hit is None or hit[0] is not dispatcher or hit[2] < shared_mem_bytes:
         with _on_numba_device(device_id):
-            overload = dispatcher.compile(_signature(args))
-            cufunc = overload._codelibrary.get_cufunc()  # numba loads it into this device's context
+            cufunc = _load_or_compile(dispatcher, _signature(args), device_id)
             opt_in_shared_memory(cufunc, shared_mem_bytes, device_id)
         allowed = max(shared_mem_bytes, 0 if hit is None or hit[0] is not dispatcher else hit[2])
         hit = _KERNELS[key] = (dispatcher, cufunc.kernel, allowed)
@@ -255,7 +296,17 @@ def numba_launch(dispatcher, grid, block, stream, args, shared_mem_bytes: int = 
     """numba's own launch, ``dispatcher[grid, block, stream, shared_mem_bytes](*args)``, with
     dynamic shared memory: above 48 KiB the overload for ``args`` is opted in first (once per
     kernel, signature and device). ``stream``: a numba stream or ``None`` (the default stream).
-    Works in the simulator too (no opt-in there: ``cuda.shared.array(0, dtype)`` gets the size)."""
+    Works in the simulator too (no opt-in there: ``cuda.shared.array(0, dtype)`` gets the size).
+
+    On a GPU, arguments that are all numba device arrays and float32 / int32 scalars go through
+    :func:`launch` instead (the compilation cache, no dispatcher, so none of its warnings reach
+    the caller); host arrays still go through numba's dispatcher, which copies them."""
+    if not simulated():
+        direct = _direct_arguments(args)
+        if direct is not None:
+            launch(dispatcher, grid if isinstance(grid, tuple) else (grid,), block if isinstance(block, tuple) else (block,),
+                   0 if stream is None else int(stream.handle), direct, shared_mem_bytes)
+            return
     if shared_mem_bytes > STATIC_SMEM_LIMIT and not simulated():
         from numba import typeof
 
@@ -267,3 +318,17 @@ def numba_launch(dispatcher, grid, block, stream, args, shared_mem_bytes: int = 
             opt_in_shared_memory(overload._codelibrary.get_cufunc(), shared_mem_bytes, device_id)
             _OPTED_IN[key] = shared_mem_bytes
     dispatcher[grid, block, 0 if stream is None else stream, shared_mem_bytes](*args)
+
+
+def _direct_arguments(args) -> list | None:
+    """``args`` as :func:`launch` takes them (numba device arrays as ``DeviceArray``), or
+    ``None`` when one of them is something else (a host array, a Python number)."""
+    out = []
+    for a in args:
+        if isinstance(a, (np.float32, np.int32)):
+            out.append(a)
+        elif hasattr(a, "device_ctypes_pointer") and hasattr(a, "is_c_contiguous"):
+            out.append(device_array(a, "numba"))
+        else:
+            return None
+    return out

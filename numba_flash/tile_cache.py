@@ -31,8 +31,9 @@ LAYOUT_VERSION = 2
 
 
 def cache_path() -> pathlib.Path:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return pathlib.Path(base) / "numba_flash" / "tiles.json"
+    from numba_flash.compile_cache import cache_root
+
+    return cache_root() / "tiles.json"
 
 
 @functools.lru_cache(maxsize=1)

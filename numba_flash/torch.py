@@ -1,22 +1,57 @@
-"""PyTorch autograd for numba_flash: ``numba_flash.torch.attention``.
+"""PyTorch entry points: ``numba_flash.torch.attention`` (autograd) and ``numba_flash.torch.decode``.
 
-``attention(q, k, v)`` is :func:`numba_flash.attention` on torch CUDA tensors with a
-backward pass (:func:`numba_flash.attention_backward`), as a ``torch.autograd.Function``::
+Each is a registered PyTorch custom operator (``torch.library.custom_op``) with a fake (meta)
+implementation, so ``torch.compile`` sees one opaque node per call and never traces into the
+launch path (default mode and ``fullgraph=True``; ``torch._dynamo.explain`` reports no graph
+break), and ``attention``'s gradient is registered with the operator
+(``register_autograd``)::
 
     import numba_flash.torch
 
     o = numba_flash.torch.attention(q, k, v, causal=True)  # q.requires_grad_() etc.
     o.sum().backward()                                    # fills q.grad, k.grad, v.grad
 
-PyTorch stays an optional extra: this module imports without it, and torch is imported on
-the first call. Double backward (gradients of gradients) is not supported.
+The operators, in the ``numba_flash`` namespace (``torch.ops.numba_flash.*``):
+
+==========================  ===============================================================
+``attention_forward``       ``(q, k, v, causal, scale, algorithm) -> (o, lse)``
+``attention_backward``      ``(do, q, k, v, o, lse, causal, scale, algorithm) -> (dq, dk, dv)``
+``decode``                  ``(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits)
+                            -> (o, lse)``
+==========================  ===============================================================
+
+They launch on PyTorch's current stream, so they can be captured in CUDA graphs (what may not
+change between replays: ``docs/api.md``). PyTorch stays an optional extra: this module imports
+without it; torch is imported, and the operators registered, on the first call. Double
+backward (gradients of gradients) is not supported.
 """
 
 from __future__ import annotations
 
-__all__ = ["attention"]
+__all__ = ["attention", "decode"]
 
-_FUNCTION = None  # the torch.autograd.Function subclass, built on first use
+_OPS = None  # the registered operators, on first use
+INSTALL_HINT = "numba_flash.torch needs PyTorch: pip install torch (a CUDA build, for the GPU)"
+
+
+def _torch():
+    """The real PyTorch (an absolute import: not this module, numba_flash.torch), or an
+    ``ImportError`` that says how to install it."""
+    try:
+        import torch
+    except ImportError as exc:
+        raise ImportError(INSTALL_HINT) from exc
+    return torch
+
+
+def _check_tensors(**arrays) -> None:
+    torch = _torch()
+    for name, x in arrays.items():
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(
+                f"{name} must be a torch tensor, got {type(x).__module__}.{type(x).__name__}; "
+                "for other arrays use numba_flash.attention, numba_flash.attention_backward and numba_flash.decode"
+            )
 
 
 def attention(q, k, v, causal=False, scale=None, algorithm="fa2"):
@@ -30,49 +65,81 @@ def attention(q, k, v, causal=False, scale=None, algorithm="fa2"):
     of the inputs' dtypes (those of a GQA kv head summed over its query heads; rows that see
     no key give zero gradients).
     """
-    import torch  # absolute import: the real PyTorch, not this module (numba_flash.torch)
-
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(x, torch.Tensor):
-            raise TypeError(
-                f"{name} must be a torch tensor, got {type(x).__module__}.{type(x).__name__}; "
-                "for other arrays use numba_flash.attention and numba_flash.attention_backward"
-            )
-    return _autograd_function().apply(q, k, v, causal, scale, algorithm)
+    _check_tensors(q=q, k=k, v=v)
+    o, _ = _ops().attention_forward(q, k, v, bool(causal), None if scale is None else float(scale), str(algorithm))
+    return o
 
 
-def _autograd_function():
-    """The ``torch.autograd.Function`` subclass (defined here so that torch loads lazily)."""
-    global _FUNCTION
-    if _FUNCTION is not None:
-        return _FUNCTION
-    # Absolute import (Python 3 has no implicit relative imports): this is the real PyTorch,
-    # even though this module's own name is numba_flash.torch.
-    import torch
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False):
+    """:func:`numba_flash.decode` on torch CUDA tensors as a custom operator (no gradient):
+    ``o``, or ``(o, lse)`` with ``return_lse``. ``cache_seqlens``: ``None``, an int32 tensor
+    ``(B,)`` on q's device, or a list of ints (made such a tensor)."""
+    _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
+    torch = _torch()
+    if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
+        cache_seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int32, device=q.device)
+    o, lse = _ops().decode(q, k_cache, v_cache, cache_seqlens, bool(causal), None if scale is None else float(scale),
+                           None if num_splits is None else int(num_splits))
+    return (o, lse) if return_lse else o
 
-    class Attention(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, q, k, v, causal, scale, algorithm):
-            from numba_flash.api import forward
 
-            o, lse = forward(
-                q.detach(), k.detach(), v.detach(), causal=causal, scale=scale, algorithm=algorithm
-            )
-            ctx.save_for_backward(q, k, v, o, lse)
-            ctx.causal, ctx.scale, ctx.algorithm = causal, scale, algorithm
-            return o
+def _ops():
+    """Register the operators (once) and return ``torch.ops.numba_flash``."""
+    global _OPS
+    if _OPS is not None:
+        return _OPS
+    torch = _torch()
+    from torch.library import custom_op
 
-        @staticmethod
-        @torch.autograd.function.once_differentiable
-        def backward(ctx, do):
-            from numba_flash.backward import attention_backward
+    @custom_op("numba_flash::attention_forward", mutates_args=(),
+               schema="(Tensor q, Tensor k, Tensor v, bool causal, float? scale, str algorithm) -> (Tensor, Tensor)")
+    def attention_forward(q, k, v, causal, scale, algorithm):
+        from numba_flash.api import forward
 
-            q, k, v, o, lse = ctx.saved_tensors
-            dq, dk, dv = attention_backward(
-                do.contiguous(), q, k, v, o, lse,
-                causal=ctx.causal, scale=ctx.scale, algorithm=ctx.algorithm,
-            )
-            return dq, dk, dv, None, None, None
+        return forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm)
 
-    _FUNCTION = Attention
-    return _FUNCTION
+    @attention_forward.register_fake
+    def _(q, k, v, causal, scale, algorithm):
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    @custom_op("numba_flash::attention_backward", mutates_args=(),
+               schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float? scale, "
+                      "str algorithm) -> (Tensor, Tensor, Tensor)")
+    def attention_backward(do, q, k, v, o, lse, causal, scale, algorithm):
+        from numba_flash.backward import attention_backward as gradients
+
+        return gradients(do.contiguous(), q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm)
+
+    @attention_backward.register_fake
+    def _(do, q, k, v, o, lse, causal, scale, algorithm):
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # (contiguous, as the kernels write them)
+
+    def setup_context(ctx, inputs, output):
+        q, k, v, causal, scale, algorithm = inputs
+        o, lse = output
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.causal, ctx.scale, ctx.algorithm = causal, scale, algorithm
+        ctx.mark_non_differentiable(lse)
+
+    def backward(ctx, do, _dlse):
+        q, k, v, o, lse = ctx.saved_tensors
+        dq, dk, dv = torch.ops.numba_flash.attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.algorithm)
+        return dq, dk, dv, None, None, None
+
+    attention_forward.register_autograd(backward, setup_context=setup_context)
+
+    @custom_op("numba_flash::decode", mutates_args=(),
+               schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, bool causal, float? scale, "
+                      "int? num_splits) -> (Tensor, Tensor)")
+    def decode_op(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits):
+        from numba_flash.decoding import decode as run
+
+        return run(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=causal, scale=scale, num_splits=num_splits,
+                   return_lse=True)
+
+    @decode_op.register_fake
+    def _(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits):
+        return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
+
+    _OPS = torch.ops.numba_flash
+    return _OPS

@@ -343,7 +343,7 @@ def install(setattr_, setitem):
     from numba.cuda.simulator.kernel import FakeCUDAKernel
 
     import numba_flash._world as world
-    from numba_flash import api, arrays, decoding, launch, split_kv, tensor_cores  # noqa: F401 (loaded to patch)
+    from numba_flash import api, arrays, compile_cache, decoding, launch, split_kv, tensor_cores  # noqa: F401 (loaded to patch)
     from numba_flash._cuda import cuda as numba_cuda
 
     record = LaunchRecord()
@@ -364,10 +364,17 @@ def install(setattr_, setitem):
         record.compiles.append((kernel, signature))
         name = (kernel_name(kernel), tuple(str(t) for t in signature))
         cufunc = types.SimpleNamespace(kernel=name, handle=("handle", name))
-        return types.SimpleNamespace(_codelibrary=types.SimpleNamespace(get_cufunc=lambda: cufunc))
+        library = types.SimpleNamespace(get_cufunc=lambda: cufunc, get_cubin=lambda: b"", _setup_functions=[],
+                                        _entry_name=name[0])
+        return types.SimpleNamespace(_codelibrary=library)
 
     setattr_(FakeCUDAKernel, "compile", compile_, raising=False)
     setattr_(launch, "_on_numba_device", lambda device_id: contextlib.nullcontext())
+    # No persistent compilation cache here (tests/host/test_compile_cache.py tests it): nothing
+    # read from or written to the user's cache folder.
+    setattr_(launch, "_compute_capability", lambda device_id: (9, 0))
+    setattr_(compile_cache, "lookup", lambda identity, signature, cc: None)
+    setattr_(compile_cache, "store", lambda *args: False)
     setattr_(numba_driver, "driver", types.SimpleNamespace(
         cuKernelSetAttribute=lambda attr, nbytes, handle, device: record.opt_ins.append((nbytes, handle, device))),
         raising=False)

@@ -58,7 +58,7 @@ from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
 
-from numba_flash.kernels.jit import LN2, LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile
+from numba_flash.kernels.jit import LN2, LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit, shared_tile
 from numba_flash.kernels import mask
 from numba_flash.kernels.block_info import batch_and_head, tile_of_block
 from numba_flash.kernels.tile_ops import at, tile_ops
@@ -251,7 +251,7 @@ def bwd_ops(head_dim: int, block: int):
     return ns
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: bool = True):
     """The dK/dV (and dQ) kernel of one loop order (memoised).
 
@@ -374,7 +374,7 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
     return attention_bwd
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
     """dQ without atomics (``deterministic=True``): one block per (Q tile, batch, head) walks the
     K/V tiles it sees, recomputing P and dS (S = Q_i K_j^T with queries as the micro-tile rows,
@@ -442,7 +442,7 @@ def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
     return attention_bwd_dq
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def rowdot_kernel(head_dim: int | None, threads: int = ROWDOT_THREADS, bits: str | None = None):
     """FA-2 line 4: ``dvec[b, h, i] = sum_d do[b, h, i, d] * o[b, h, i, d]`` (float32), for both
     regimes. ``head_dim``: the columns summed (a compile-time count; ``None``: ``do.shape[3]``,

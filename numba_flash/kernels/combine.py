@@ -37,13 +37,12 @@ threads per row, the lse folded serially from shared memory by every thread, 4 l
 
 from __future__ import annotations
 
-import functools
 import math
 
 from numba_flash._cuda import cuda, float32
 
 from numba_flash.kernels import mma
-from numba_flash.kernels.jit import NEG_INF, device_jit, kernel_jit
+from numba_flash.kernels.jit import NEG_INF, device_jit, kernel_factory, kernel_jit
 from numba_flash.kernels.row_reduce import add, issue_fence, lane_broadcast, row_allreduce, scratch_floats
 from numba_flash.kernels.softmax import nan_max
 from numba_flash.kernels.tile_ops import at
@@ -100,7 +99,7 @@ def pick(k, x0, x1, x2, x3):
     return x
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def _combine_kernel(bits, lane_cols: int, chunk: int):
     """The combine kernel for rows whose columns ``lane, lane + 32, ...`` make ``lane_cols`` per
     lane, summing ``chunk`` splits per warp and pass; ``bits``: ``None`` (``o`` holds values) or

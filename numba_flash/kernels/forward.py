@@ -42,7 +42,6 @@ otherwise). ``kv_outer`` with ``cast_out``: O is kept in ``o_hbm`` (float32) and
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
@@ -50,7 +49,7 @@ from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mask, mma, softmax
 from numba_flash.kernels.block_info import batch_and_head, split_of_block, split_tiles, tile_of_block, valid_keys
 from numba_flash.kernels.engines import CudaCores, TensorCores, ffma_engine, key_warp_merge, mma_engine
-from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile
+from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit, shared_tile
 from numba_flash.kernels.pipeline import cp_async, synchronous
 from numba_flash.kernels.row_reduce import scratch_floats
 from numba_flash.kernels.tiles import ROWS_PER_THREAD, uses_dynamic_smem
@@ -108,7 +107,7 @@ def check_tensor_core_variant(variant) -> None:
                          "split between warps only by decode's key warps")
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False, ragged: bool = False,
                    cast_out: bool = False, f32_out: bool = False, max_registers: int | None = None):
     """The forward kernel at ``variant`` on the engine of ``tiles`` (memoised).

@@ -30,6 +30,42 @@ def kernel_jit(**gpu_only):
     return cuda.jit(**options)
 
 
+def kernel_factory(factory):
+    """Memoise a function that makes a kernel, and give each kernel it makes an identity that
+    outlives the process: ``"module.factory(name=value, ...)"`` over every argument, defaults
+    filled in (so ``f(64, causal=True)`` and ``f(64, True)`` are one kernel, where
+    ``functools.lru_cache`` kept two). The identity is the kernel's part of the persistent
+    compilation cache's key (``numba_flash.compile_cache``); a kernel whose arguments have no
+    stable ``repr`` (an object address in it) gets none and is never stored.
+
+    ``cache_clear()`` forgets the kernels made, as ``lru_cache``'s does."""
+    import inspect
+
+    signature = inspect.signature(factory)
+    made: dict = {}
+
+    @functools.wraps(factory)
+    def make(*args, **kwargs):
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        key = tuple(bound.arguments.items())
+        kernel = made.get(key)
+        if kernel is None:
+            kernel = made[key] = factory(*args, **kwargs)
+            identity = f"{factory.__module__}.{factory.__qualname__}(" + ", ".join(f"{k}={v!r}" for k, v in key) + ")"
+            if " at 0x" not in identity:
+                kernel.numba_flash_identity = identity
+        return kernel
+
+    make.cache_clear = made.clear
+    return make
+
+
+def kernel_identity(kernel) -> str | None:
+    """The identity :func:`kernel_factory` gave ``kernel`` (``None``: made elsewhere)."""
+    return getattr(kernel, "numba_flash_identity", None)
+
+
 def device_jit(func):
     """``cuda.jit(device=True)``, inlined at the NVVM level (``alwaysinline``) so that the
     caller's local arrays (the S and O micro-tiles, the copy registers) can stay in registers."""

@@ -73,7 +73,7 @@ from dataclasses import dataclass
 from numba_flash._cuda import cuda, float32, int32
 from numba_flash.arch import SMEM_OPTIN_LIMIT
 from numba_flash.kernels import mma
-from numba_flash.kernels.jit import LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_jit, shared_tile, shared_tile_pair
+from numba_flash.kernels.jit import LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit, shared_tile, shared_tile_pair
 from numba_flash.kernels import mask
 from numba_flash.kernels.block_info import batch_and_head, tile_of_block
 from numba_flash.kernels.tc_ops import tc_ops
@@ -347,7 +347,7 @@ def _row_loader(head_dim: int, rows: int, threads: int, elem_bytes: int = 2):
     return load
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, causal: bool,
                   compute_dq: bool = True, vector_red: bool = True):
     """The dK/dV (and dQ) kernel of one loop order on tensor cores (memoised).
@@ -714,7 +714,7 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     return tc_attention_bwd
 
 
-@functools.lru_cache(maxsize=None)
+@kernel_factory
 def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool):
     """dQ without atomics on tensor cores (``deterministic=True``; memoised): one block per
     (Q tile, batch, head), warps of 16 query rows (the forward's orientation), walks the K/V

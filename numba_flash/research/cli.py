@@ -131,11 +131,17 @@ def _parser() -> argparse.ArgumentParser:
     tune.add_argument("--heads", type=positive_int, default=16, metavar="H", help="heads of the timed problem")
 
     add("demo", "the online-softmax worked example of the seed, step by step")
+
+    cache = add("cache", "the persistent compilation cache: what it holds, or empty it")
+    cache.add_argument("action", choices=["info", "clear"], help="info: folder, entries, size; clear: delete the entries")
+    cache.add_argument("--stale", action="store_true", help="clear only the entries this install cannot use (other sources)")
     return parser
 
 
 def main(argv=None) -> int:
     args = _parser().parse_args(argv)
+    if args.command == "cache":
+        return _cache(args)
     if args.command == "occupancy":
         return _occupancy(args)
     choose_world()
@@ -154,6 +160,22 @@ def main(argv=None) -> int:
     if result is None:
         return 2
     _print_rows(*result, args, format_table)
+    return 0
+
+
+def _cache(args) -> int:
+    """``numba-flash cache info|clear``: no GPU needed, nothing compiled."""
+    from numba_flash import compile_cache
+
+    if args.action == "clear":
+        removed, freed = compile_cache.clear(stale_only=args.stale)
+        print(f"removed {removed} {'stale ' if args.stale else ''}compiled kernels ({freed / 2**20:.1f} MiB) "
+              f"from {compile_cache.kernels_dir()}")
+        return 0
+    found = compile_cache.info()
+    print(f"folder:   {found['folder']} (${compile_cache.CACHE_DIR_VAR} overrides)")
+    print(f"kernels:  {found['entries']} ({found['bytes'] / 2**20:.1f} MiB): {found['usable']} for these sources "
+          f"({found['sources']}), {found['stale']} stale")
     return 0
 
 

@@ -94,7 +94,7 @@ def test_tensor_core_backward_tiles(tiles, variant, head_dim):
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-def test_tensor_core_backward_registers_and_no_local_memory(head_dim):
+def test_tensor_core_backward_registers_and_no_local_memory(head_dim, tmp_path, monkeypatch):
     """The default tiles' kernels as the device's JIT compiled them: no local memory (offline
     ptxas 13.5 for sm_90 found none, docs/performance-log.md), and the blocks per SM the
     prediction assumes (one block of 8 warps for the K/V kernels)."""
@@ -108,6 +108,12 @@ def test_tensor_core_backward_registers_and_no_local_memory(head_dim):
     from numba_flash.research.profiling.resources import compiled_resources
     from numba_flash.tile_table import backward_tc_tiles
 
+    from numba_flash import compile_cache, launch
+
+    # numba compiles them here (an empty compilation cache, nothing loaded before in this process):
+    # a kernel loaded from the cache has no overload in its dispatcher to read the resources of.
+    monkeypatch.setenv(compile_cache.CACHE_DIR_VAR, str(tmp_path))
+    monkeypatch.setattr(launch, "_KERNELS", {})
     q, k, v = (torch.randn(1, 2, 300, head_dim, device="cuda").half() for _ in range(3))
     o, lse = numba_flash.attention(q, k, v, return_lse=True)
     do = torch.randn_like(o)
