@@ -30,22 +30,28 @@ from __future__ import annotations
 
 __all__ = ["attention", "decode"]
 
-_OPS = None  # the registered operators, on first use
+import sys
+
+_OPS = None  # the registered operators (torch.ops.numba_flash), on first use
+_TORCH = None  # the torch module, once imported
 INSTALL_HINT = "numba_flash.torch needs PyTorch: pip install torch (a CUDA build, for the GPU)"
 
 
 def _torch():
     """The real PyTorch (an absolute import: not this module, numba_flash.torch), or an
     ``ImportError`` that says how to install it."""
-    try:
-        import torch
-    except ImportError as exc:
-        raise ImportError(INSTALL_HINT) from exc
-    return torch
+    global _TORCH
+    if _TORCH is None:
+        try:
+            import torch
+        except ImportError as exc:
+            raise ImportError(INSTALL_HINT) from exc
+        _TORCH = torch
+    return _TORCH
 
 
 def _check_tensors(**arrays) -> None:
-    torch = _torch()
+    torch = _TORCH or _torch()
     for name, x in arrays.items():
         if not isinstance(x, torch.Tensor):
             raise TypeError(
@@ -66,7 +72,7 @@ def attention(q, k, v, causal=False, scale=None, algorithm="fa2"):
     no key give zero gradients).
     """
     _check_tensors(q=q, k=k, v=v)
-    o, _ = _ops().attention_forward(q, k, v, bool(causal), None if scale is None else float(scale), str(algorithm))
+    o, _ = (_OPS or _ops()).attention_forward(q, k, v, bool(causal), None if scale is None else float(scale), str(algorithm))
     return o
 
 
@@ -75,16 +81,18 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     ``o``, or ``(o, lse)`` with ``return_lse``. ``cache_seqlens``: ``None``, an int32 tensor
     ``(B,)`` on q's device, or a list of ints (made such a tensor)."""
     _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
-    torch = _torch()
+    torch = _TORCH or _torch()
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int32, device=q.device)
-    o, lse = _ops().decode(q, k_cache, v_cache, cache_seqlens, bool(causal), None if scale is None else float(scale),
+    o, lse = (_OPS or _ops()).decode(q, k_cache, v_cache, cache_seqlens, bool(causal), None if scale is None else float(scale),
                            None if num_splits is None else int(num_splits))
     return (o, lse) if return_lse else o
 
 
 def _ops():
-    """Register the operators (once) and return ``torch.ops.numba_flash``."""
+    """Register the operators (once) and return ``torch.ops.numba_flash``. Done when this module
+    is imported after torch, else on the first call: registering them while ``torch.compile``
+    traces a first call would break its graph there."""
     global _OPS
     if _OPS is not None:
         return _OPS
@@ -143,3 +151,7 @@ def _ops():
 
     _OPS = torch.ops.numba_flash
     return _OPS
+
+
+if "torch" in sys.modules:  # torch is already there: register now, outside any trace
+    _ops()

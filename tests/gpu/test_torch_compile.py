@@ -66,9 +66,16 @@ def _train(model, steps: int, tokens) -> list[float]:
     return losses
 
 
+@pytest.fixture(autouse=True)
+def _fresh_inductor_cache(tmp_path, monkeypatch):
+    """Inductor's on-disk graph cache does not key on a custom operator's fake implementation:
+    graphs compiled against an older one would be reused. A fresh folder per test."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    torch._dynamo.reset()
+
+
 @pytest.mark.parametrize("fullgraph", [False, True])
 def test_compiled_transformer_trains_with_eager_losses(fullgraph):
-    torch._dynamo.reset()
     g = torch.Generator(device="cuda").manual_seed(1)
     tokens = torch.randint(0, 64, (2, 97), device="cuda", generator=g)
     eager = _train(_model(0), 4, tokens)
