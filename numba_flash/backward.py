@@ -242,8 +242,8 @@ class _DeviceArgs:
         ctx = self.ctx
         if ctx.kind != "numpy":
             return ctx.to_kernel(x)
-        if simulated():
-            return x if role == "out" else np.array(x)
+        if simulated():  # (inputs as C-ordered copies: the simulator refuses strided arguments)
+            return x if role == "out" else np.array(x, order="C")
         from numba_flash._cuda import cuda
 
         return cuda.to_device(np.ascontiguousarray(x))

@@ -327,8 +327,9 @@ def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail) -> None:
         dev = [cuda.to_device(np.ascontiguousarray(x)) if not any(x is w for w in written) else cuda.device_array(x.shape, x.dtype) for x in arrays]
     elif host:
         # The simulator copies every NumPy argument back after the launch: outputs go as they
-        # are (that is how they are written), inputs as copies (never written, read-only works).
-        dev = [x if any(x is w for w in written) else np.array(x) for x in arrays]
+        # are (that is how they are written), inputs as C-ordered copies (never written, read-only
+        # works; ``np.array`` alone keeps a strided view's order, which the simulator refuses).
+        dev = [x if any(x is w for w in written) else np.array(x, order="C") for x in arrays]
     else:
         dev = [cuda.as_cuda_array(x) for x in arrays]
     stream = ctx.stream()
