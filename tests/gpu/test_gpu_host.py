@@ -304,3 +304,30 @@ def test_second_process_compiles_nothing(tmp_path):
         assert cold["stage"] == "cold" and cold["compiled"] >= 1 and cold["loaded"] == 0
         assert cached["compiled"] == 0 and cached["loaded"] == cold["compiled"]
         assert cached["checksum"] == cold["checksum"] and all(np.isfinite(cold["checksum"]))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_strided_cupy_views_on_decode_and_backward(dtype):
+    """(B, N, H, D) buffers seen as (B, H, N, D) (not contiguous): decode with such a cache and
+    the backward with such inputs and ``do`` match their contiguous copies."""
+    cp = _cupy()
+    import numba_flash
+
+    def views(shape_bnhd, seed, n):
+        rs = cp.random.default_rng(seed)
+        return [rs.standard_normal(shape_bnhd, dtype=cp.float32).astype(dtype).transpose(0, 2, 1, 3) for _ in range(n)]
+
+    q1 = views((2, 1, 8, 64), 1, 1)[0]
+    kc, vc = views((2, 300, 2, 64), 2, 2)
+    got = numba_flash.decode(q1, kc, vc, cache_seqlens=[300, 123], return_lse=True)
+    want = numba_flash.decode(q1, cp.ascontiguousarray(kc), cp.ascontiguousarray(vc), cache_seqlens=[300, 123],
+                              return_lse=True)
+    for g, w in zip(got, want):
+        assert _rel(g, w.astype(cp.float64)) < 1e-6
+    q, k, v, do = views((1, 200, 4, 64), 3, 4)
+    o, lse = numba_flash.attention(q, k, v, causal=True, return_lse=True)
+    got = numba_flash.attention_backward(do, q, k, v, o, lse, causal=True, deterministic=True)
+    want = numba_flash.attention_backward(*(cp.ascontiguousarray(x) for x in (do, q, k, v)), o, lse, causal=True,
+                                          deterministic=True)
+    for g, w in zip(got, want):
+        assert _rel(g, w.astype(cp.float64)) < 1e-6
