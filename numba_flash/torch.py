@@ -8,11 +8,16 @@ backward pass (:func:`numba_flash.attention_backward`), as a ``torch.autograd.Fu
     o = numba_flash.torch.attention(q, k, v, causal=True)  # q.requires_grad_() etc.
     o.sum().backward()                                    # fills q.grad, k.grad, v.grad
 
-PyTorch stays an optional extra: this module imports without it, and torch is imported on
-the first call. Double backward (gradients of gradients) is not supported.
+PyTorch stays an optional extra: ``import numba_flash`` never imports it; importing this
+module does, and without torch raises ``ImportError`` naming the extra that installs it.
+Double backward (gradients of gradients) is not supported.
 """
 
 from __future__ import annotations
+
+from numba_flash.needs import require_module
+
+require_module("torch", "numba_flash.torch")  # the real PyTorch (absolute import), or the install hint
 
 __all__ = ["attention"]
 
