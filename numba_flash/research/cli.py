@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--repeats", type=positive_int, default=20, help="timed runs on a GPU (median reported)")
     cmp.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     cmp.add_argument("--json", action="store_true", help="print the rows as JSON (progress and notes go to stderr)")
+    cmp.add_argument("--force", action="store_true",
+                     help="run in the simulator (no GPU) even when that is expected to take more than 10 minutes")
 
     abl = add("ablate", "every point of the FA-1 -> FA-2 space (loop order, grid, rescale, O load) on the same inputs")
     for action in cmp._actions:  # compare's problem flags, the same defaults
@@ -192,10 +194,12 @@ def unmet_needs(args, occupancy_source=None) -> str | None:
 
 def _measure_rows(command, run, args):
     """``run(args, progress)`` with its stages on stderr; ``None`` after a one-line error for a
-    problem the kernels refuse."""
+    problem the kernels refuse, or one the simulator would take too long for."""
+    from numba_flash.research.compare import SimulatorTooSlow
+
     try:
         return run(args, progress=lambda line: print(f"numba-flash {command}: {line}", file=sys.stderr, flush=True))
-    except (ValueError, TypeError) as exc:  # a problem the kernels refuse, said in one line
+    except (ValueError, TypeError, SimulatorTooSlow) as exc:  # a problem the kernels refuse (or too slow here), in one line
         print(f"numba-flash {command}: error: {exc}", file=sys.stderr)
         return None
 
@@ -260,11 +264,20 @@ def _occupancy(args) -> int:
         return 2
     cc = args.cc
     precisions = [None if p == "default" else p for p in args.precision]
-    configs = configurations(
+    configs = list(configurations(
         args.algorithm, args.head_dim, args.dtype, args.block_m, args.block_n, (args.causal,), precisions
-    )
+    ))
+    if source == "ptxas":
+        from numba_flash.research.profiling.occupancy import ptxas_seconds
+        from numba_flash.simulator import format_seconds
+
+        print(f"numba-flash occupancy: {len(configs)} kernel configurations, compiled for sm_{cc[0]}{cc[1]} by numba and "
+              f"ptxas (no GPU), about {format_seconds(ptxas_seconds(len(configs)))}", file=sys.stderr, flush=True)
+    else:
+        print(f"numba-flash occupancy: {len(configs)} kernel configurations, compiled for this GPU", file=sys.stderr, flush=True)
     try:
-        rows = profile(configs, cc=cc, source=source, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        rows = profile(configs, cc=cc, source=source,
+                       progress=lambda line: print(f"numba-flash occupancy: {line}", file=sys.stderr, flush=True))
     except Exception as exc:
         if source != "ptxas":
             raise

@@ -20,11 +20,11 @@ def _one_line(err: str) -> str:
 def test_compare_bfloat16_without_its_package(monkeypatch, capsys):
     """bfloat16 arrays are ml_dtypes' in the simulator and torch's on a GPU: without them, one
     line before the inputs are even made."""
-    from numba_flash.research import harness
+    from numba_flash.research import compare
 
     for name in ("ml_dtypes", "torch"):
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.setattr(harness, "make_problem", lambda *a: pytest.fail("worked before saying what it needs"))
+    monkeypatch.setattr(compare, "make_problem", lambda *a: pytest.fail("worked before saying what it needs"))
     assert main(["compare", "--dtype", "bfloat16", "--seq", "4", "--head-dim", "4"]) == 2
     line = _one_line(capsys.readouterr().err)
     assert line.startswith("numba-flash compare --dtype bfloat16 needs ")
