@@ -66,12 +66,12 @@ def unmet(what: str, *needs: str | None) -> str | None:
     return f"{what} needs {listed}"
 
 
-def exit_unless(what: str, *needs: str | None) -> None:
-    """Return when every need is met; else print :func:`unmet`'s line on stderr and exit with
-    :data:`EXIT_STATUS`."""
+def exit_unless(what: str, *needs: str | None, instead: str | None = None) -> None:
+    """Return when every need is met; else print :func:`unmet`'s line on stderr (and after a
+    semicolon ``instead``: what can be done here) and exit with :data:`EXIT_STATUS`."""
     line = unmet(what, *needs)
     if line is not None:
-        print(line, file=sys.stderr, flush=True)
+        print(line if instead is None else f"{line}; {instead}", file=sys.stderr, flush=True)
         raise SystemExit(EXIT_STATUS)
 
 
