@@ -58,6 +58,22 @@ def test_the_backward_is_in_compare_backwards_estimate():
     assert estimate_backward_seconds("tf32x3", 1, 1, 64, 64, 64, 16, 16) > 2 * small
 
 
+def test_ablate_estimates_each_variant_at_its_own_loop_order(monkeypatch):
+    """q_outer variants run FA-2's grid (a block per Q tile), kv_outer ones FA-1's."""
+    from numba_flash.research import compare
+
+    seen = []
+
+    def estimate(p, algorithms, backward=False):
+        seen.append(algorithms)
+        raise Started
+
+    monkeypatch.setattr(compare, "simulated_seconds", estimate)
+    with pytest.raises(Started):
+        main(["ablate", "--variants", "fa1", "fa2", "--seq", "8", "--head-dim", "4"])
+    assert seen == [("fa1", "fa2", "fa1", "fa1", "fa1")]  # and the path's three kv_outer points
+
+
 def test_occupancy_says_how_long_and_what_each_configuration_gave(monkeypatch, capsys):
     from numba_flash.research.profiling import occupancy
 
