@@ -150,8 +150,8 @@ def forward(
     plan = _FORWARD_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check
         # CAI / DLPack objects: CuPy views (the caller's buffers, no copy)
-        q, k, v = (as_cupy_view(x) for x in (q, k, v))
-        out, lse_out = (None if x is None else as_cupy_view(x) for x in (out, lse_out))
+        q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+        out, lse_out = (None if x is None else as_cupy_view(x, name) for x, name in ((out, "out"), (lse_out, "lse_out")))
         ctx, call = _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision,
                                   num_splits, variant)
         if key is not None:
@@ -440,7 +440,7 @@ def choose_tiles(mode, algorithm, head_dim, dtype, causal, block_m=None, block_n
 def check_like(x, name, shape, dtype, kind) -> None:
     """``x`` must be an array of the inputs' library, of this shape and dtype (``TypeError`` /
     ``ValueError`` naming it)."""
-    if kind_of(x) != kind:
+    if kind_of(x, name) != kind:
         raise TypeError(f"{name} must be an array of the inputs' library ({kind})")
     if tuple(x.shape) != shape:
         raise ValueError(f"{name} must have shape {shape}; got {tuple(x.shape)}")

@@ -29,8 +29,9 @@ from numba_flash._world import simulated
 _KIND_OF_TYPE: dict = {}  # array types whose kind is a property of the type (NumPy, CuPy)
 
 
-def kind_of(x) -> str:
-    """The array kind of ``x``; ``TypeError`` for anything the kernels cannot read."""
+def kind_of(x, name: str | None = None) -> str:
+    """The array kind of ``x``; ``TypeError`` for anything the kernels cannot read, naming the
+    argument ``name`` when given (as the public signature spells it)."""
     kind = _KIND_OF_TYPE.get(type(x))
     if kind is not None:
         return kind
@@ -44,7 +45,7 @@ def kind_of(x) -> str:
     if module == "torch":
         if not getattr(x, "is_cuda", False):
             raise TypeError(
-                "a PyTorch tensor must be on a CUDA device; for a CPU tensor pass "
+                f"{name or 'a PyTorch tensor'} must be on a CUDA device; for a CPU tensor pass "
                 "tensor.numpy() (it runs in the simulator or is copied to the GPU)"
             )
         return "torch"
@@ -53,8 +54,8 @@ def kind_of(x) -> str:
     if hasattr(x, "__dlpack__"):
         return "dlpack"
     raise TypeError(
-        f"expected a NumPy array, a CuPy array, a PyTorch CUDA tensor, or an object with "
-        f"__cuda_array_interface__ or __dlpack__; got {type(x).__module__}.{type(x).__name__}"
+        f"{name + ' must be' if name else 'expected'} a NumPy array, a CuPy array, a PyTorch CUDA tensor, or an "
+        f"object with __cuda_array_interface__ or __dlpack__; got {type(x).__module__}.{type(x).__name__}"
     )
 
 
@@ -82,9 +83,10 @@ def pointer_reader(kind: str):
     return operator.methodcaller("data_ptr") if kind == "torch" else operator.attrgetter("data.ptr")
 
 
-def as_cupy_view(x):
-    """A CuPy view of a ``cai`` or ``dlpack`` object (no copy); any other array as it is."""
-    kind = kind_of(x)
+def as_cupy_view(x, name: str | None = None):
+    """A CuPy view of a ``cai`` or ``dlpack`` object (no copy); any other array as it is
+    (``TypeError`` naming the argument ``name`` for what is not an array, :func:`kind_of`)."""
+    kind = kind_of(x, name)
     if kind not in ("cai", "dlpack"):
         return x
     import cupy

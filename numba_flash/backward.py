@@ -81,7 +81,7 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
     from numba_flash import api
     from numba_flash.problem import describe
 
-    do, q, k, v, o, lse = (as_cupy_view(x) for x in (do, q, k, v, o, lse))
+    do, q, k, v, o, lse = (as_cupy_view(x, name) for name, x in zip(("do", "q", "k", "v", "o", "lse"), (do, q, k, v, o, lse)))
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}; got {algorithm!r}")
     if not isinstance(deterministic, (bool, np.bool_)):

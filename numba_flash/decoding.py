@@ -48,7 +48,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits)
     plan = _DECODE_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check
-        q, k_cache, v_cache = (as_cupy_view(x) for x in (q, k_cache, v_cache))
+        q, k_cache, v_cache = (as_cupy_view(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
         kinds = {kind_of(x) for x in (q, k_cache, v_cache)}
         if len(kinds) != 1:
             raise TypeError("q, k_cache and v_cache must be arrays of one library")
@@ -59,14 +59,14 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         B, H, Nq, D = (int(n) for n in q.shape)
         Hkv = int(k_cache.shape[1])
         if Hkv == 0 or H % Hkv:
-            raise ValueError(f"q's heads ({H}) must be a multiple of the cache's heads ({Hkv})")
+            raise ValueError(f"q's heads ({H}) must be a multiple of k_cache's heads ({Hkv})")
         group = H // Hkv
         rows = Nq * group
         block_m, block_n = decode_tiles(dtype_name(q, kind), rows, D)
         # Every check of attention (shapes, dtypes, scale, tiles), on the packed problem.
         packed = _pack(q, kind, group)
-        call = api.configure(describe(packed, k_cache, v_cache, causal=causal, scale=scale, algorithm="fa2"),
-                             block_m, block_n)
+        call = api.configure(describe(packed, k_cache, v_cache, causal=causal, scale=scale, algorithm="fa2",
+                                      names=("q", "k_cache", "v_cache")), block_m, block_n)
         kv_stages, key_warps = decode_pipeline(block_m, block_n) if call.regime != "ieee" else (1, 1)
         call = replace(call, kv_stages=kv_stages, key_warps=key_warps, num_splits=check_num_splits(num_splits, "fa2"))
         ctx = ArrayContext(kind, q)
@@ -160,7 +160,7 @@ def _check_seqlens(cache_seqlens, batch: int, kind: str, ctx):
     if isinstance(cache_seqlens, (list, tuple)):
         lengths, lengths_kind = cache_seqlens, "list"
     else:
-        lengths = as_cupy_view(cache_seqlens)
+        lengths = as_cupy_view(cache_seqlens, "cache_seqlens")
         lengths_kind = kind_of(lengths)
     if tuple(np.shape(lengths) if lengths_kind == "list" else lengths.shape) != (batch,):
         raise ValueError(f"cache_seqlens must have shape ({batch},); got {tuple(np.shape(lengths))}")

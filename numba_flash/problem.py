@@ -92,36 +92,38 @@ def regime(precision, dtype: str) -> str:
     raise ValueError(f"precision must be one of None, 'ieee', 'tf32', 'tf32x3'; got {precision!r}")
 
 
-def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=None) -> Problem:
+def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=None, names=("q", "k", "v")) -> Problem:
     """The checked :class:`Problem` of ``attention(q, k, v, causal=..., scale=..., algorithm=...,
-    precision=...)``; raises before anything runs, with a message naming the argument."""
-    kinds = [kind_of(x) for x in (q, k, v)]
+    precision=...)``; raises before anything runs, with a message naming the argument as the
+    caller's signature spells it (``names``: ``decode``'s are ``q``, ``k_cache``, ``v_cache``)."""
+    nq, nk, nv = names
+    kinds = [kind_of(x, name) for x, name in zip((q, k, v), names)]
     if len(set(kinds)) != 1:
-        raise TypeError(f"q, k and v must be arrays of one library; got {kinds[0]}, {kinds[1]}, {kinds[2]}")
+        raise TypeError(f"{nq}, {nk} and {nv} must be arrays of one library; got {kinds[0]}, {kinds[1]}, {kinds[2]}")
     kind = kinds[0]
-    for name, x in (("q", q), ("k", k), ("v", v)):
+    for name, x in zip(names, (q, k, v)):
         if len(x.shape) != 4:
             raise ValueError(f"{name} must be 4-D (batch, heads, seq, head_dim); got shape {tuple(x.shape)}")
     B, H, Nq, D = (int(s) for s in q.shape)
     if tuple(k.shape) != tuple(v.shape):
-        raise ValueError(f"k and v must have the same shape; got k {tuple(k.shape)} and v {tuple(v.shape)}")
+        raise ValueError(f"{nk} and {nv} must have the same shape; got {nk} {tuple(k.shape)} and {nv} {tuple(v.shape)}")
     Bk, Hkv, Nk, Dk = (int(s) for s in k.shape)
     if Bk != B:
-        raise ValueError(f"k and v must have q's batch size {B}; got {Bk}")
+        raise ValueError(f"{nk} and {nv} must have {nq}'s batch size {B}; got {Bk}")
     if Dk != D:
-        raise ValueError(f"k and v must have q's head_dim {D}; got {Dk}")
+        raise ValueError(f"{nk} and {nv} must have {nq}'s head_dim {D}; got {Dk}")
     if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"head_dim (last axis of q) must be from 1 to {MAX_HEAD_DIM}; got {D}")
+        raise ValueError(f"head_dim (last axis of {nq}) must be from 1 to {MAX_HEAD_DIM}; got {D}")
     if Hkv == 0:
-        raise ValueError(f"k and v must have at least one head; got shape {tuple(k.shape)}")
+        raise ValueError(f"{nk} and {nv} must have at least one head; got shape {tuple(k.shape)}")
     if H % Hkv != 0:
-        raise ValueError(f"q's heads ({H}) must be a multiple of k's and v's heads ({Hkv})")
+        raise ValueError(f"{nq}'s heads ({H}) must be a multiple of {nk}'s and {nv}'s heads ({Hkv})")
     dtypes = [dtype_name(x, kind) for x in (q, k, v)]
-    for name, dt in zip("qkv", dtypes):
+    for name, dt in zip(names, dtypes):
         if dt not in DTYPES:
             raise TypeError(f"{name} must be float16, bfloat16 or float32; got {dt}")
     if len(set(dtypes)) != 1:
-        raise TypeError(f"q, k and v must have one dtype; got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
+        raise TypeError(f"{nq}, {nk} and {nv} must have one dtype; got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}; got {algorithm!r}")
     if not isinstance(causal, (bool, np.bool_)):

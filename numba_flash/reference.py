@@ -24,7 +24,8 @@ def to_numpy(x, name: str) -> np.ndarray:
     Duck-typed so that neither CuPy nor PyTorch has to be installed: an object with
     ``__cuda_array_interface__`` is fetched with ``get()`` (CuPy) or ``copy_to_host()``
     (Numba device arrays); a PyTorch tensor (``detach``/``cpu``/``double``/``numpy``
-    methods) with ``detach().cpu()``, in float64 so that bfloat16 converts too.
+    methods) with ``detach().cpu()``, in float64 so that bfloat16 converts too. NumPy arrays of
+    ml_dtypes' types (bfloat16, as ``numba_flash.attention`` takes them) are real numbers too.
     """
     # A torch tensor first: a CUDA tensor also has __cuda_array_interface__ (one that
     # requires grad raises on it), but neither get() nor copy_to_host().
@@ -35,7 +36,7 @@ def to_numpy(x, name: str) -> np.ndarray:
         if callable(fetch):
             x = fetch()
     arr = np.asarray(x)
-    if arr.dtype.kind not in "biuf":
+    if arr.dtype.kind not in "biuf" and arr.dtype.type.__module__ != "ml_dtypes":
         raise TypeError(f"{name} must hold real numbers, got dtype {arr.dtype}")
     return arr.astype(np.float64, copy=False)
 

@@ -36,7 +36,8 @@ work of the tile loops themselves. So the defaults stay those tuned on the GPU.
 :func:`estimate_seconds` is a cost model of a simulated attention call (shared-memory reads
 and multiply-adds of the tile loops, which dominate once the scheduler is fixed), calibrated
 on that machine; ``api`` warns (:class:`SimulatorSlowWarning`) before a call it expects to
-take over a minute.
+take over a minute. :func:`estimate_backward_seconds` is the backward's (per tile pair and
+multiply-add, per regime), which ``numba-flash compare --backward`` adds to its estimate.
 """
 
 from __future__ import annotations
@@ -232,6 +233,19 @@ SLOW_FACTOR_STOCK = 3.0  # the stock simulator (no fast paths): ~2-8x slower; a 
 TENSOR_CORE_FACTOR = 0.7  # the tensor-core kernels' simulated products (NumPy per fragment)
 SLOW_SECONDS = 60.0  # api warns before a simulated call expected to take longer
 
+# The backward (``attention_backward``: kernels.bwd on CUDA cores, kernels.tc_bwd on tensor
+# cores), by regime: seconds per visited (Q tile, K/V tile) pair (its barriers, fragment loads and
+# atomics) and per multiply-add of its five products (S, dP, dV, dK, dQ), at the simulator's
+# backward tiles (8 x 8 on CUDA cores, 16 x 16 on tensor cores). Fitted to FA-1/FA-2 backward runs
+# (B1 H1-2 N32-64, D 16 and 64) on the 2-core x86 machine of the forward's constants (2026-12-01,
+# fast paths installed) while another process kept it busy, divided by 1.15: the forward's
+# slowdown in those runs against its idle timing on that machine (README: compare --seq 128
+# --head-dim 64), so that, like the forward's, the figures are an idle machine's (a busy one
+# takes longer).
+BACKWARD_PRODUCTS = 5
+BACKWARD_SECONDS_PER_PAIR = {"ieee": 0.054, "f16": 0.024, "bf16": 0.024, "tf32x3": 0.009}
+BACKWARD_SECONDS_PER_MAC = {"ieee": 4.8e-6, "f16": 3.6e-6, "bf16": 3.6e-6, "tf32x3": 1.5e-5}
+
 
 def format_seconds(seconds: float) -> str:
     if seconds < 90:
@@ -265,6 +279,20 @@ def estimate_seconds(algorithm: str, batch: int, heads: int, n_q: int, n_k: int,
     seconds = macs * SECONDS_PER_MAC + loads * SECONDS_PER_LOAD + blocks * threads * SECONDS_PER_THREAD
     if tensor_cores:
         seconds *= TENSOR_CORE_FACTOR
+    return seconds if fast() else seconds * SLOW_FACTOR_STOCK
+
+
+def estimate_backward_seconds(regime: str, batch: int, heads: int, n_q: int, n_k: int, head_dim: int,
+                              block_m: int, block_n: int, causal: bool = False) -> float:
+    """Rough wall time of one simulated ``attention_backward`` call (factor-of-two accuracy, as
+    :func:`estimate_seconds`): ``regime`` ``"ieee"`` or a tensor-core kind, ``head_dim`` the
+    kernel's (padded), ``block_m`` x ``block_n`` its tiles. Work counted: every (Q tile, K/V
+    tile) pair of every query head (halved under the causal mask) at its per-pair cost and its
+    five products' multiply-adds."""
+    q_tiles, kv_tiles = -(-n_q // block_m), -(-n_k // block_n)
+    pairs = batch * heads * q_tiles * kv_tiles * (0.5 if causal and q_tiles > 1 else 1.0)
+    per_pair = BACKWARD_SECONDS_PER_PAIR[regime] + BACKWARD_PRODUCTS * block_m * block_n * head_dim * BACKWARD_SECONDS_PER_MAC[regime]
+    seconds = pairs * per_pair
     return seconds if fast() else seconds * SLOW_FACTOR_STOCK
 
 

@@ -21,37 +21,25 @@ The operators, in the ``numba_flash`` namespace (``torch.ops.numba_flash.*``):
 ==========================  ===============================================================
 
 They launch on PyTorch's current stream, so they can be captured in CUDA graphs (what may not
-change between replays: ``docs/api.md``). PyTorch stays an optional extra: this module imports
-without it; torch is imported, and the operators registered, on the first call. Double
-backward (gradients of gradients) is not supported.
+change between replays: ``docs/api.md``). PyTorch stays an optional extra: ``import numba_flash``
+never imports it; importing this module does (without torch: ``ImportError`` naming the extra
+that installs it) and registers the operators then, outside any ``torch.compile`` trace (a
+registration while tracing a first call would break the graph there). Double backward
+(gradients of gradients) is not supported.
 """
 
 from __future__ import annotations
 
+from numba_flash.needs import require_module
+
+torch = require_module("torch", "numba_flash.torch")  # the real PyTorch (absolute import), or the install hint
+
 __all__ = ["attention", "decode"]
 
-import sys
-
-_OPS = None  # the registered operators (torch.ops.numba_flash), on first use
-_TORCH = None  # the torch module, once imported
-INSTALL_HINT = "numba_flash.torch needs PyTorch: pip install torch (a CUDA build, for the GPU)"
-
-
-def _torch():
-    """The real PyTorch (an absolute import: not this module, numba_flash.torch), or an
-    ``ImportError`` that says how to install it."""
-    global _TORCH
-    if _TORCH is None:
-        try:
-            import torch
-        except ImportError as exc:
-            raise ImportError(INSTALL_HINT) from exc
-        _TORCH = torch
-    return _TORCH
+_OPS = None  # the registered operators (torch.ops.numba_flash), made at import
 
 
 def _check_tensors(**arrays) -> None:
-    torch = _TORCH or _torch()
     for name, x in arrays.items():
         if not isinstance(x, torch.Tensor):
             raise TypeError(
@@ -72,7 +60,7 @@ def attention(q, k, v, causal=False, scale=None, algorithm="fa2"):
     no key give zero gradients).
     """
     _check_tensors(q=q, k=k, v=v)
-    o, _ = (_OPS or _ops()).attention_forward(q, k, v, bool(causal), None if scale is None else float(scale), str(algorithm))
+    o, _ = _OPS.attention_forward(q, k, v, bool(causal), None if scale is None else float(scale), str(algorithm))
     return o
 
 
@@ -81,22 +69,15 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     ``o``, or ``(o, lse)`` with ``return_lse``. ``cache_seqlens``: ``None``, an int32 tensor
     ``(B,)`` on q's device, or a list of ints (made such a tensor)."""
     _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
-    torch = _TORCH or _torch()
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int32, device=q.device)
-    o, lse = (_OPS or _ops()).decode(q, k_cache, v_cache, cache_seqlens, bool(causal), None if scale is None else float(scale),
+    o, lse = _OPS.decode(q, k_cache, v_cache, cache_seqlens, bool(causal), None if scale is None else float(scale),
                            None if num_splits is None else int(num_splits))
     return (o, lse) if return_lse else o
 
 
-def _ops():
-    """Register the operators (once) and return ``torch.ops.numba_flash``. Done when this module
-    is imported after torch, else on the first call: registering them while ``torch.compile``
-    traces a first call would break its graph there."""
-    global _OPS
-    if _OPS is not None:
-        return _OPS
-    torch = _torch()
+def _register():
+    """Register the operators (once, at import) and return ``torch.ops.numba_flash``."""
     from torch.library import custom_op
 
     @custom_op("numba_flash::attention_forward", mutates_args=(),
@@ -149,9 +130,7 @@ def _ops():
     def _(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits):
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
-    _OPS = torch.ops.numba_flash
-    return _OPS
+    return torch.ops.numba_flash
 
 
-if "torch" in sys.modules:  # torch is already there: register now, outside any trace
-    _ops()
+_OPS = _register()

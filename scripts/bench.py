@@ -68,6 +68,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numba_flash  # (chooses GPU or simulator before numba.cuda is imported)
+from numba_flash import needs
 from numba_flash._world import simulated
 from numba_flash.research import harness
 from numba_flash.research.cli import positive_int
@@ -645,18 +646,7 @@ def main(argv: list[str] | None = None) -> int:
         if simulated():
             print("(no GPU here: the plan is all --dry-run does; the run itself needs a CUDA GPU)")
         return 0
-    if simulated():
-        print(
-            "bench.py needs a CUDA GPU (Numba runs in its CUDA simulator here); "
-            "--dry-run prints the planned configurations.",
-            file=sys.stderr,
-        )
-        return 2
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        print("bench.py needs CuPy: pip install 'numba-flash[cuda12]' (or [cuda13])", file=sys.stderr)
-        return 2
+    needs.exit_unless("bench.py", needs.gpu(), needs.module("cupy"), instead="--dry-run prints the planned configurations")
     plan = build_plan(args, sdpa_backend_names(args))
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -669,6 +659,9 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         print("matplotlib is not installed: no plots (pip install 'numba-flash[plot]')", file=sys.stderr)
     print(markdown_report(rows, meta), flush=True)
+    if rows and not any(r["status"] == "ok" for r in rows):
+        print(f"bench.py: none of the {len(rows)} rows was measured (see their status)", file=sys.stderr)
+        return 1
     return 0
 
 

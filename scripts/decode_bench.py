@@ -704,6 +704,10 @@ def replot(json_path: Path, out_dir: Path, peak_tbs: float) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
+    from numba_flash import needs
+
+    if args.plot:  # before any work
+        needs.exit_unless("decode_bench.py --plot", needs.module("matplotlib"))
     if args.replot:
         return replot(Path(args.replot), Path(args.plot), args.peak_tbs)
     plan = build_plan(args)
@@ -720,16 +724,10 @@ def main(argv: list[str] | None = None) -> int:
         print("--simulate: numba.cuda was already imported for the GPU in this process", file=sys.stderr)
         return 2
     if not args.simulate:
-        if simulated():
-            print("decode_bench.py needs a CUDA GPU (there is none here: Numba would run in its CUDA simulator); "
-                  "--simulate runs one tiny configuration in the simulator, --dry-run lists the plan.",
-                  file=sys.stderr)  # fmt: skip
-            return 2
-        try:
-            import cupy  # noqa: F401
-        except ImportError:
-            print("decode_bench.py needs CuPy: pip install 'numba-flash[cuda12]' (or [cuda13])", file=sys.stderr)
-            return 2
+        needs.exit_unless("decode_bench.py", needs.gpu(), needs.module("cupy"),
+                          instead="--simulate runs one tiny configuration in the simulator, --dry-run lists the plan")
+    elif args.dtype == "bfloat16":  # NumPy bfloat16 arrays
+        needs.exit_unless("decode_bench.py --simulate --dtype bfloat16", needs.module("ml_dtypes"))
     arrays = arrays_for(args.dtype, args.simulate)
     if arrays.kind == "torch" and not sdpa_backends():
         print("--dtype bfloat16 on the GPU needs torch with CUDA (CuPy has no bfloat16)", file=sys.stderr)

@@ -217,16 +217,14 @@ def fmt(x, spec, none="-"):
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from numba_flash import needs
+
+    needs.exit_unless("decode_sweep.py", needs.gpu(), needs.module("cupy"))
     bench = _bench()
     import cupy as cp
 
     import numba_flash
-    from numba_flash._world import choose_world, simulated
 
-    choose_world()
-    if simulated():
-        print("decode_sweep.py needs a CUDA GPU", file=sys.stderr)
-        return 2
     arrays = bench.Arrays("cupy")
     backends = {} if args.no_peers else bench.sdpa_backends()
     peer_args = argparse.Namespace(repeats=args.repeats, simulate=False, skip_above_gib=40.0)

@@ -14,7 +14,7 @@ Each process also reports how many kernels it compiled (``CUDADispatcher.compile
 and loaded from the cache (``launch.load_cubin`` calls), and a checksum of its outputs: the
 two processes must agree bit for bit. The table's last column is cold / cached.
 
-Needs a CUDA GPU and CuPy; without them it says so and exits 2.
+Needs a CUDA GPU and CuPy; without them it says so in one line and exits 2.
 """
 
 from __future__ import annotations
@@ -102,16 +102,9 @@ def main(argv=None) -> int:
     if args.child:
         print(json.dumps(child(args.child)))
         return 0
-    from numba_flash._world import gpu_present
+    from numba_flash import needs
 
-    try:
-        import cupy  # noqa: F401
-    except ImportError:
-        print("first_call.py: needs CuPy (pip install 'numba-flash[cuda13]') and a CUDA GPU", file=sys.stderr)
-        return 2
-    if not gpu_present():
-        print("first_call.py: needs a CUDA GPU (the simulator compiles nothing)", file=sys.stderr)
-        return 2
+    needs.exit_unless("first_call.py", needs.gpu(), needs.module("cupy"))
     rows = []
     with tempfile.TemporaryDirectory(prefix="numba-flash-cache-") as fresh:
         for case in args.cases:

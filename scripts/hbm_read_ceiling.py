@@ -86,7 +86,9 @@ def main(argv=None):
     ap.add_argument("--rings", action="store_true",
                     help="also the cp.async rings of the decode kernel's copies (shared pitch 256 / 272 B)")
     args = ap.parse_args(argv)
+    from numba_flash import needs
 
+    needs.exit_unless("hbm_read_ceiling.py", needs.gpu(), needs.module("cupy"))
     import cupy as cp
     import numpy as np
 

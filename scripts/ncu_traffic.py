@@ -20,6 +20,7 @@ import json
 import os
 import sys
 
+from numba_flash import needs
 from numba_flash.research.profiling.ncu import group_runs, parse_ncu_csv, run_ncu
 
 BATCH, HEADS, HEAD_DIM = 4, 16, 64
@@ -146,6 +147,8 @@ def main(argv=None):
         with open(a.plan) as f:
             run_target(json.load(f))
         return 0
+    needs.exit_unless("ncu_traffic.py", needs.gpu(), needs.module("cupy"), needs.module("matplotlib"),
+                      needs.tool(a.ncu, "Nsight Compute's command line, from the CUDA toolkit; or give its path to --ncu"))
     runs = plan(a.seq, a.block_n)
     os.makedirs(a.out, exist_ok=True)
     plan_path = os.path.join(a.out, "plan.json")

@@ -39,6 +39,9 @@ def _args(argv=None):
 
 def main(argv=None) -> int:
     args = _args(argv)
+    from numba_flash import needs
+
+    needs.exit_unless("regimes.py", needs.gpu(), needs.module("cupy"), needs.module("torch"))
     import cupy as cp
     import torch
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -12,6 +12,9 @@
 # summary goes to stdout. Exit status 0 only if every step passed.
 set -u
 
+# What it needs (two GPUs, CuPy, torch), said in one line before anything runs (numba_flash.needs).
+python -c 'from numba_flash import needs; needs.exit_unless("ring_check.sh", needs.gpu(), needs.module("cupy"), needs.module("torch"))' || exit 2
+
 out="${OUT:-ring-check}"
 mkdir -p "$out"
 launch=(python -m torch.distributed.run --standalone --nproc-per-node 2 -m numba_flash.distributed.demo)

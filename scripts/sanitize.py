@@ -419,11 +419,15 @@ def main(argv=None) -> int:
         return 0
     if args.child:
         return run_child(args.case, args.precision, args.tiles, args.split_kv, args.variants, args.backward)
+    from numba_flash import needs
+
     sanitizer = find_sanitizer(args.compute_sanitizer)
-    if sanitizer is None:
-        print("sanitize.py: compute-sanitizer not found (pass --compute-sanitizer PATH; it comes with the CUDA "
-              "toolkit, e.g. /usr/local/cuda/bin/compute-sanitizer)", file=sys.stderr)
-        return 2
+    needs.exit_unless(
+        "sanitize.py", needs.gpu(), needs.module("cupy"),
+        None if sanitizer else ("compute-sanitizer (not found: pass --compute-sanitizer PATH; it comes with the CUDA "
+                                "toolkit, e.g. /usr/local/cuda/bin/compute-sanitizer)"),
+        instead="--list prints the cases",
+    )
     reports = [run_tool(sanitizer, tool, args) for tool in args.tool]
     for report in reports:
         print("\n".join(report.lines()))

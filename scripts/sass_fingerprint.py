@@ -54,16 +54,42 @@ LOOP_OPS = ("HMMA", "FFMA", "LDS", "LDSM", "BAR")
 # ------------------------------------------------------------------ compiling to SASS
 
 
-def cuobjdump() -> str:
+CUOBJDUMP_HINT = "not found: pip install nvidia-cuda-cuobjdump, or set CUOBJDUMP"
+
+
+def find_cuobjdump() -> str | None:
     """cuobjdump: ``CUOBJDUMP``, else the nvidia-cuda-cuobjdump wheel's (beside the wheel's ptxas),
-    else the first on PATH."""
+    else the first on PATH; ``None`` when there is none."""
     from numba_flash.research.profiling.occupancy import find_ptxas
 
-    beside = os.path.join(os.path.dirname(find_ptxas()), "cuobjdump")
+    try:
+        beside = os.path.join(os.path.dirname(find_ptxas()), "cuobjdump")
+    except RuntimeError:  # no ptxas either
+        beside = None
     for path in (os.environ.get("CUOBJDUMP"), beside, shutil.which("cuobjdump")):
         if path and os.path.exists(path):
             return path
-    sys.exit("cuobjdump not found: pip install nvidia-cuda-cuobjdump, or set CUOBJDUMP")
+    return None
+
+
+def cuobjdump() -> str:
+    """:func:`find_cuobjdump`'s path (``main`` checked that there is one)."""
+    path = find_cuobjdump()
+    if path is None:
+        sys.exit(f"cuobjdump {CUOBJDUMP_HINT}")
+    return path
+
+
+def unmet_toolchain() -> str | None:
+    """What compiling to SASS without a GPU lacks here, in one line (``numba_flash.needs``): the
+    occupancy extra's libNVVM, NVRTC and ptxas (``occupancy.missing_toolchain``), and cuobjdump."""
+    from numba_flash import needs
+    from numba_flash.research.profiling.occupancy import OCCUPANCY_EXTRA, missing_toolchain
+
+    missing = [f"{m} ({OCCUPANCY_EXTRA})" for m in missing_toolchain() if not m.startswith("ptxas") or m.endswith("not found")]
+    if find_cuobjdump() is None:
+        missing.append(f"cuobjdump ({CUOBJDUMP_HINT})")
+    return needs.unmet("sass_fingerprint.py", *missing)
 
 
 def compile_sass_of(pyfunc, signature, fastmath=None, max_registers=None, cc=(9, 0)):
@@ -320,6 +346,10 @@ def main(argv=None) -> int:
         p.error("--out is required (or --stats)")
     if args.compare and not args.out:
         p.error("--compare needs --out")
+    unmet = unmet_toolchain()
+    if unmet is not None:  # before any work
+        print(unmet, file=sys.stderr)
+        return 2
     out, stats = {}, {}
     log = sys.stderr if args.stats else sys.stdout  # --stats: the table alone on stdout
     t0 = time.time()
@@ -340,6 +370,11 @@ def main(argv=None) -> int:
                     with open(os.path.join(args.dump, f"{name}.sass"), "w") as f:
                         f.write(sass)
             print(f"[{time.time() - t0:6.0f} s] {name}: {out[name]}", file=log, flush=True)
+    failed = sum("error" in row for row in out.values())
+    if failed == len(out):  # nothing compiled (or nothing matched): no fingerprint to keep or compare
+        what = f"all {failed} configurations failed to compile" if out else "no configuration matched"
+        print(f"sass_fingerprint.py: {what}", file=sys.stderr)
+        return 1
     if args.stats:
         print(stats_table(stats), flush=True)
     if args.out:

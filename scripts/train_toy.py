@@ -121,6 +121,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     if args.width % args.heads:
         raise SystemExit("--width must be a multiple of --heads")
+    from numba_flash import needs
+
+    needs.exit_unless("train_toy.py" + (" --plot" if args.plot else ""), needs.module("torch"), needs.gpu(),
+                      needs.module("matplotlib") if args.plot else None)
     import torch
     import torch.nn.functional as F
     from torch.nn.attention import SDPBackend, sdpa_kernel

@@ -103,7 +103,7 @@ def ablate(args, progress=None):
         args.block_m, args.block_n = choose_tiles(regime, "fa1", p["head_dim"], p["dtype"], p["causal"],
                                                   bm if args.block_m is None else args.block_m,
                                                   bn if args.block_n is None else args.block_n)
-    problem, notes = setup(args, say, algorithms=("fa1",) * len(variants))
+    problem, notes = setup(args, say, algorithms=tuple("fa1" if v.loop_order == "kv_outer" else "fa2" for v in variants))
     if skipped:
         notes.append(f"tensor cores ({regime}): {len(skipped)} split_k variants not built (a CUDA-core warp partition); "
                      f"the path starts at FA-1 with split-Q warps")

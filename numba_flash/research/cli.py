@@ -81,6 +81,8 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--repeats", type=positive_int, default=20, help="timed runs on a GPU (median reported)")
     cmp.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     cmp.add_argument("--json", action="store_true", help="print the rows as JSON (progress and notes go to stderr)")
+    cmp.add_argument("--force", action="store_true",
+                     help="run in the simulator (no GPU) even when that is expected to take more than 10 minutes")
 
     abl = add("ablate", "every point of the FA-1 -> FA-2 space (loop order, grid, rescale, O load) on the same inputs")
     for action in cmp._actions:  # compare's problem flags, the same defaults
@@ -145,6 +147,10 @@ def main(argv=None) -> int:
     if args.command == "occupancy":
         return _occupancy(args)
     choose_world()
+    unmet = unmet_needs(args)
+    if unmet is not None:  # before any work
+        print(unmet, file=sys.stderr)
+        return 2
     if args.command == "autotune":
         return _autotune(args)
     if args.command == "demo":
@@ -179,12 +185,43 @@ def _cache(args) -> int:
     return 0
 
 
+def unmet_needs(args, occupancy_source=None) -> str | None:
+    """What the command of ``args`` needs that is not installed here, in one line naming the
+    flags that need it and the install hints (``numba_flash.needs``); ``None`` when nothing is
+    missing. ``occupancy_source``: the ``occupancy`` command's source (``driver``: a GPU)."""
+    from numba_flash import needs
+
+    asked = []  # (the flag that asks for it, or "", what it needs)
+    if args.command in ("compare", "ablate"):
+        from numba_flash._world import simulated
+
+        bfloat16 = args.dtype == "bfloat16"
+        if simulated():  # NumPy arrays: bfloat16 is ml_dtypes'
+            asked.append(("--dtype bfloat16", needs.module("ml_dtypes") if bfloat16 else None))
+        else:  # CuPy arrays; bfloat16 as torch tensors (CuPy has no bfloat16)
+            asked.append(("--dtype bfloat16" if bfloat16 else "", needs.module("torch" if bfloat16 else "cupy")))
+    if args.command == "ablate" and args.ncu:
+        asked += [("--ncu", needs.gpu()),
+                  ("--ncu", needs.tool(args.ncu, "Nsight Compute's command line, from the CUDA toolkit; or give its path to --ncu"))]
+    if args.command in ("ablate", "occupancy") and args.plot:
+        asked.append(("--plot", needs.module("matplotlib")))
+    if occupancy_source == "driver":
+        asked.append(("--source driver", needs.gpu()))
+    if args.command == "autotune":
+        asked += [("", needs.gpu()), ("", needs.module("cupy"))]
+    missing = [(flag, need) for flag, need in asked if need]
+    flags = [flag for flag in dict.fromkeys(flag for flag, _ in missing) if flag]
+    return needs.unmet(" ".join(["numba-flash", args.command, *flags]), *(need for _, need in missing))
+
+
 def _measure_rows(command, run, args):
     """``run(args, progress)`` with its stages on stderr; ``None`` after a one-line error for a
-    problem the kernels refuse."""
+    problem the kernels refuse, or one the simulator would take too long for."""
+    from numba_flash.research.compare import SimulatorTooSlow
+
     try:
         return run(args, progress=lambda line: print(f"numba-flash {command}: {line}", file=sys.stderr, flush=True))
-    except (ValueError, TypeError) as exc:  # a problem the kernels refuse, said in one line
+    except (ValueError, TypeError, SimulatorTooSlow) as exc:  # a problem the kernels refuse (or too slow here), in one line
         print(f"numba-flash {command}: error: {exc}", file=sys.stderr)
         return None
 
@@ -200,14 +237,8 @@ def _print_rows(rows, notes, args, format_rows) -> None:
 
 
 def _ablate(args) -> int:
-    import os
-
-    from numba_flash._world import simulated
     from numba_flash.research.ablation import ablate, add_ncu, format_ablation, plot_waterfall
 
-    if args.ncu and simulated():
-        print("numba-flash ablate: error: --ncu needs a GPU (Nsight Compute profiles real kernels)", file=sys.stderr)
-        return 2
     result = _measure_rows("ablate", ablate, args)
     if result is None:
         return 2
@@ -224,11 +255,6 @@ def _ablate(args) -> int:
 
 
 def _autotune(args) -> int:
-    from numba_flash._world import simulated
-
-    if simulated():
-        print("autotune measures on a GPU; none was found (Numba's CUDA simulator is active)", file=sys.stderr)
-        return 2
     from numba_flash.research.tuning import autotune
 
     causal = {"both": (False, True), "on": (True,), "off": (False,)}[args.causal]
@@ -245,22 +271,35 @@ def _occupancy(args) -> int:
     from numba_flash._world import gpu_present
 
     source = args.source or ("driver" if gpu_present() else "ptxas")
+    unmet = unmet_needs(args, source)
+    if unmet is not None:  # before any work
+        print(unmet, file=sys.stderr)
+        return 2
     if source == "ptxas" and "numba.cuda" not in sys.modules:
         os.environ["NUMBA_ENABLE_CUDASIM"] = "0"  # compile for real; no GPU is touched
     from numba_flash.research.profiling.occupancy import ROW_KEYS, configurations, missing_toolchain, profile
 
     missing = missing_toolchain() if source == "ptxas" else []
-    blocking = [m for m in missing if not m.startswith("ptxas")]  # an old ptxas may still do
+    blocking = [m for m in missing if not m.startswith("ptxas") or m.endswith("not found")]  # an old ptxas may still do
     if blocking:
         _toolchain_error("cannot compile the kernels without a GPU here", missing)
         return 2
     cc = args.cc
     precisions = [None if p == "default" else p for p in args.precision]
-    configs = configurations(
+    configs = list(configurations(
         args.algorithm, args.head_dim, args.dtype, args.block_m, args.block_n, (args.causal,), precisions
-    )
+    ))
+    if source == "ptxas":
+        from numba_flash.research.profiling.occupancy import ptxas_seconds
+        from numba_flash.simulator import format_seconds
+
+        print(f"numba-flash occupancy: {len(configs)} kernel configurations, compiled for sm_{cc[0]}{cc[1]} by numba and "
+              f"ptxas (no GPU), about {format_seconds(ptxas_seconds(len(configs)))}", file=sys.stderr, flush=True)
+    else:
+        print(f"numba-flash occupancy: {len(configs)} kernel configurations, compiled for this GPU", file=sys.stderr, flush=True)
     try:
-        rows = profile(configs, cc=cc, source=source, progress=lambda m: print(m, file=sys.stderr, flush=True))
+        rows = profile(configs, cc=cc, source=source,
+                       progress=lambda line: print(f"numba-flash occupancy: {line}", file=sys.stderr, flush=True))
     except Exception as exc:
         if source != "ptxas":
             raise
@@ -279,14 +318,14 @@ def _occupancy(args) -> int:
 
 
 def _toolchain_error(what: str, missing: list[str]) -> None:
+    """One line on stderr: why ``occupancy`` cannot compile here, what is missing, and the extra."""
     from numba_flash.research.profiling.occupancy import OCCUPANCY_EXTRA
 
-    lines = [f"numba-flash occupancy: {what}"]
+    parts = [f"numba-flash occupancy: {' / '.join(what.splitlines())}"]
     if missing:
-        lines.append("Missing here:")
-        lines += [f"  - {m}" for m in missing]
-    lines.append(f"All of them come with the occupancy extra: {OCCUPANCY_EXTRA}")
-    print("\n".join(lines), file=sys.stderr)
+        parts.append(f"missing here: {'; '.join(missing)}")
+    parts.append(f"all of them come with the occupancy extra: {OCCUPANCY_EXTRA}")
+    print("; ".join(parts), file=sys.stderr)
 
 
 def compute_capability(text: str) -> tuple[int, int]:

@@ -19,6 +19,11 @@ from numba_flash.research.report import SHAPE, display_name, markdown_table, sha
 # small one the simulator finishes in seconds.
 GPU_DEFAULT = dict(batch=4, heads=16, seq=4096, head_dim=64)
 SIM_DEFAULT = dict(batch=1, heads=2, seq=48, head_dim=16, block_m=16, block_n=16)
+REFUSE_SECONDS = 600.0  # a simulated run expected to take longer is refused unless asked for (--force)
+
+
+class SimulatorTooSlow(Exception):
+    """A simulated run expected to take longer than :data:`REFUSE_SECONDS`, not asked for with ``--force``."""
 
 
 def problem_of(args) -> dict:
@@ -39,12 +44,25 @@ def problem_of(args) -> dict:
     return p
 
 
-def setup(args, say, algorithms=ALGORITHMS):
-    """The problem of ``args`` built (``harness.make_problem``), and notes for the table; in the
-    simulator, ``say`` how long ``algorithms`` will take."""
+def setup(args, say, algorithms=ALGORITHMS, backward=False):
+    """The problem of ``args`` built (``harness.make_problem``), and notes for the table. In the
+    simulator, first ``say`` how long ``algorithms`` (and with ``backward`` their backward passes)
+    will take, or raise :class:`SimulatorTooSlow` when that is more than :data:`REFUSE_SECONDS`
+    and ``args.force`` is not set; ``ValueError`` for a problem the kernels refuse."""
     from numba_flash.simulator import format_seconds
 
     p = problem_of(args)
+    if simulated():  # from the shapes alone, before any input is made
+        shape = shape_label(p) + f" {p['dtype']}{' causal' if p['causal'] else ''}"
+        estimate = simulated_seconds(p, algorithms, backward)
+        if estimate > REFUSE_SECONDS and not getattr(args, "force", False):
+            raise SimulatorTooSlow(
+                f"no GPU: {shape} would take about {format_seconds(estimate)} in Numba's CUDA simulator (more than "
+                f"{REFUSE_SECONDS / 60:.0f} minutes); pass --force to run it anyway, or smaller --seq/--head-dim/--batch/--heads"
+            )
+        say(f"no GPU: running {shape} in Numba's CUDA simulator, about {format_seconds(estimate)} for "
+            f"{len(algorithms)} kernels{' and their backward passes' if backward else ''}"
+            + ("; smaller --seq/--head-dim/--batch/--heads run faster" if estimate >= 60 else ""))
     problem = make_problem(p, args.seed)
     notes = []
     if problem["rel_err_scope"] != "all":
@@ -55,10 +73,6 @@ def setup(args, say, algorithms=ALGORITHMS):
             "No GPU: ran in Numba's CUDA simulator on a small problem (no timings or "
             "occupancy; errors and modelled traffic are real)."
         )
-        shape = shape_label(p) + f" {p['dtype']}{' causal' if p['causal'] else ''}"
-        estimate = _simulated_seconds(problem["q"], problem["k"], problem["v"], p, algorithms)
-        say(f"no GPU: running {shape} in Numba's CUDA simulator, about {format_seconds(estimate)} for "
-            f"{len(algorithms)} kernels" + ("; smaller --seq/--head-dim/--batch/--heads run faster" if estimate >= 60 else ""))
     return problem, notes
 
 
@@ -70,7 +84,7 @@ def compare(args, progress=None):
 
     say = progress or (lambda line: None)
     backward = bool(getattr(args, "backward", False))
-    problem, notes = setup(args, say)
+    problem, notes = setup(args, say, backward=backward)
     rows = []
     for n, alg in enumerate(ALGORITHMS, 1):
         name = display_name(alg)
@@ -100,16 +114,47 @@ def peer_note(row) -> str:
     return note
 
 
-def _simulated_seconds(q, k, v, p, algorithms=ALGORITHMS) -> float:
-    """The simulator's cost model for these kernels on this problem (``api.simulated_seconds``)."""
-    from numba_flash.api import configure, simulated_seconds
-    from numba_flash.problem import describe as describe_problem
+def simulated_seconds(p: dict, algorithms=ALGORITHMS, backward: bool = False) -> float:
+    """About how long the simulator takes for ``algorithms`` on problem ``p`` (``harness.describe``),
+    from its shapes alone: each forward (``api.simulated_seconds``) and, with ``backward``, the
+    ``attention_backward`` call that follows it (:func:`backward_seconds`). ``ValueError`` for a
+    problem the kernels refuse."""
+    import numpy as np
 
+    from numba_flash.api import configure
+    from numba_flash.api import simulated_seconds as forward_seconds
+    from numba_flash.problem import describe as describe_problem
+    from numba_flash.research.harness import numpy_dtype
+
+    zero = np.zeros((), numpy_dtype(p["dtype"]))  # broadcast views: shapes and dtype, no memory
+    q = np.broadcast_to(zero, (p["batch"], p["heads"], p["seq"], p["head_dim"]))
+    kv = np.broadcast_to(zero, (p["batch"], p["kv_heads"], p["seq_k"], p["head_dim"]))
     total = 0.0
     for alg in algorithms:
-        problem = describe_problem(q, k, v, causal=p["causal"], algorithm=alg, precision=p["precision"])
-        total += simulated_seconds(configure(problem, p["block_m"], p["block_n"]))
+        problem = describe_problem(q, kv, kv, causal=p["causal"], algorithm=alg, precision=p["precision"])
+        total += forward_seconds(configure(problem, p["block_m"], p["block_n"]))
+        if backward:
+            total += backward_seconds(problem)
     return total
+
+
+def backward_seconds(problem) -> float:
+    """About how long the simulator takes for ``attention_backward`` of a checked problem
+    (``simulator.estimate_backward_seconds``), at the regime and tiles that call picks."""
+    from numba_flash import tile_table
+    from numba_flash.backward import backward_regime
+    from numba_flash.kernels.tc_ops import kernel_head_dim
+    from numba_flash.simulator import estimate_backward_seconds
+
+    regime = backward_regime(None, problem.dtype)
+    if regime == "ieee":
+        dim = problem.head_dim
+        block_m = block_n = tile_table.backward_block(dim)
+    else:
+        dim = kernel_head_dim(regime, problem.head_dim)
+        block_m, block_n = tile_table.backward_tc_tiles(dim, regime)
+    return estimate_backward_seconds(regime, problem.batch, problem.heads, problem.n_q, problem.n_k, dim,
+                                     block_m, block_n, problem.causal)
 
 
 # The table's lines: a label and its cells, templates over a row (and its traffic in MB). A line

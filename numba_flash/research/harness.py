@@ -72,21 +72,20 @@ def make_problem(p: dict, seed: int) -> dict:
     B, H, Hkv, Nq, Nk, D = (p[key] for key in ("batch", "heads", "kv_heads", "seq", "seq_k", "head_dim"))
     mode = regime(p["precision"], p["dtype"])
     rng = np.random.default_rng(seed)
-    host = [rng.standard_normal(shape, dtype=np.float32).astype(_numpy_dtype(p["dtype"]))
-            for shape in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D))]
+    host = [rng.standard_normal(shape, dtype=np.float32) for shape in ((B, H, Nq, D), (B, Hkv, Nk, D), (B, Hkv, Nk, D))]
     all_heads, rows, scope = check_scope(B, H, Nq, Nk, REF_BUDGET_BYTES)
     heads = slice(None) if all_heads else slice(0, 1)
     sim = simulated()
-    if sim:
-        q, k, v = host
-    elif p["dtype"] == "bfloat16":
+    if sim:  # (bfloat16: ml_dtypes)
+        q, k, v = (x.astype(numpy_dtype(p["dtype"])) for x in host)
+    elif p["dtype"] == "bfloat16":  # rounded by torch as ml_dtypes rounds (to nearest even)
         import torch
 
-        q, k, v = (torch.as_tensor(x.astype(np.float32), device="cuda").to(torch.bfloat16) for x in host)
+        q, k, v = (torch.as_tensor(x, device="cuda").to(torch.bfloat16) for x in host)
     else:
         import cupy
 
-        q, k, v = (cupy.asarray(x) for x in host)
+        q, k, v = (cupy.asarray(x.astype(p["dtype"])) for x in host)
     return dict(p=p, mode=mode, q=q, k=k, v=v, sim=sim, seed=seed, flops=attention_flops(B, H, Nq, Nk, D, p["causal"]),
                 checked=(heads, heads, slice(Nq - rows, None)),  # the last `rows` queries of the checked heads
                 rel_err_scope=scope, ref_o=None)
@@ -383,7 +382,8 @@ def _extra_device_bytes(fn) -> int:
     return pool.used_bytes() - before - o.nbytes
 
 
-def _numpy_dtype(name: str):
+def numpy_dtype(name: str):
+    """The NumPy dtype of a dtype name (bfloat16: ``ml_dtypes.bfloat16``)."""
     if name == "bfloat16":
         import ml_dtypes
 

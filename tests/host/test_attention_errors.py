@@ -70,7 +70,7 @@ def test_mixed_dtypes(qkv):
 
 def test_not_an_array(qkv):
     q, k, v = qkv
-    with pytest.raises(TypeError, match="expected a NumPy array"):
+    with pytest.raises(TypeError, match="^q must be a NumPy array"):
         attention(q.tolist(), k, v)
 
 
@@ -152,7 +152,7 @@ def test_kv_heads_more_than_q_heads(rng):
         ("out", lambda: np.empty((1, 2, 5, 4), np.float16), TypeError, "out must be float32"),
         ("out", lambda: np.empty((1, 2, 4, 5), np.float32).transpose(0, 1, 3, 2), ValueError, "C-contiguous"),
         ("lse_out", lambda: np.empty((1, 2, 5), np.float64), TypeError, "lse_out must be float32"),
-        ("lse_out", lambda: [[0.0]], TypeError, "expected a NumPy array"),
+        ("lse_out", lambda: [[0.0]], TypeError, "^lse_out must be a NumPy array"),
     ],
 )
 def test_result_buffers_are_checked(qkv, name, make, err, match):
@@ -223,3 +223,24 @@ def test_byte_ranges_of_device_arrays():
     q = cupy_like(4096, (1, 2, 5, 4), (160, 80, 16, 4))  # 160 bytes
     assert may_overlap(cupy_like(4096 + 156, (1,), (4,)), q, "cupy")  # its last float
     assert not may_overlap(cupy_like(4096 + 160, (1, 2, 5, 4), (160, 80, 16, 4)), q, "cupy")
+
+
+@pytest.mark.parametrize("position, name", [(0, "q"), (1, "k"), (2, "v")])
+@pytest.mark.parametrize("bad", [[[1.0]], 1.0, None])
+def test_an_argument_that_is_not_an_array_is_named(qkv, position, name, bad):
+    args = list(qkv)
+    args[position] = bad
+    with pytest.raises(TypeError, match=rf"^{name} must be a NumPy array, a CuPy array, .*; got builtins\."):
+        attention(*args)
+
+
+@pytest.mark.parametrize("name", ["do", "q", "k", "v", "o", "lse"])
+def test_backward_names_an_argument_that_is_not_an_array(qkv, name):
+    from numba_flash import attention_backward
+
+    q, k, v = qkv
+    o, lse = attention(q, k, v, return_lse=True)
+    args = dict(do=o, q=q, k=k, v=v, o=o, lse=lse)
+    args[name] = [1.0]
+    with pytest.raises(TypeError, match=rf"^{name} must be a NumPy array"):
+        attention_backward(*args.values())

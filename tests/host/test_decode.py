@@ -107,6 +107,33 @@ def test_decode_errors(kwargs, error, match):
         numba_flash.decode(q, k, k, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "position, bad, error, match",
+    [
+        (1, np.ones((2, 2, 5, 8), np.float64), TypeError, r"^k_cache must be float16, bfloat16 or float32"),
+        (2, np.ones((2, 2, 5, 8), np.float16), TypeError, r"^q, k_cache and v_cache must have one dtype"),
+        (2, np.ones((2, 2, 4, 8), np.float32), ValueError, r"^k_cache and v_cache must have the same shape; got k_cache"),
+        (1, np.ones((1, 2, 5, 8), np.float32), ValueError, r"^k_cache and v_cache must have the same shape"),
+        (1, [[1.0]], TypeError, r"^k_cache must be a NumPy array"),
+        (2, 1.0, TypeError, r"^v_cache must be a NumPy array, .*; got builtins\.float"),
+        (0, [1.0], TypeError, r"^q must be a NumPy array"),
+    ],
+)
+def test_decode_errors_name_the_argument_as_api_md_spells_it(position, bad, error, match):
+    """decode's arguments are q, k_cache, v_cache (API.md section 2b), not attention's k and v;
+    a non-array is named too."""
+    args = [np.ones((2, 4, 1, 8), np.float32), np.ones((2, 2, 5, 8), np.float32), np.ones((2, 2, 5, 8), np.float32)]
+    args[position] = bad
+    with pytest.raises(error, match=match):
+        numba_flash.decode(*args)
+
+
+def test_decode_names_lengths_that_are_not_an_array():
+    q, k = np.ones((1, 2, 1, 8), np.float32), np.ones((1, 2, 5, 8), np.float32)
+    with pytest.raises(TypeError, match=r"^cache_seqlens must be a NumPy array, .*; got builtins\.float"):
+        numba_flash.decode(q, k, k, cache_seqlens=4.0)
+
+
 def test_decode_heads_must_divide():
     with pytest.raises(ValueError, match="multiple"):
         numba_flash.decode(np.ones((1, 3, 1, 8), np.float32), np.ones((1, 2, 5, 8), np.float32), np.ones((1, 2, 5, 8), np.float32))

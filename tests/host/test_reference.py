@@ -304,3 +304,18 @@ Q, KV = np.zeros((2, 4, 3, 5)), np.zeros((2, 2, 6, 5))
 def test_bad_arguments_are_named(args, error, name):
     with pytest.raises(error, match=name):
         reference.attention(*args)
+
+
+def test_bfloat16_arrays_are_read_as_their_values():
+    """NumPy bfloat16 (ml_dtypes), as ``numba_flash.attention`` takes it: the reference (forward and
+    gradients) of the same values in float32, exactly (every bfloat16 is a float32)."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    rng = np.random.default_rng(0)
+    do, q, k, v = (rng.standard_normal((1, 2, 5, 4)).astype(ml_dtypes.bfloat16) for _ in range(4))
+    wide = [x.astype(np.float32) for x in (do, q, k, v)]
+    for got, want in zip(reference.attention(q, k, v, causal=True), reference.attention(*wide[1:], causal=True)):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(reference.attention_backward(do, q, k, v), reference.attention_backward(*wide)):
+        np.testing.assert_array_equal(got, want)
+    with pytest.raises(TypeError, match="q must hold real numbers"):
+        reference.attention(q.astype(np.complex64), k, v)

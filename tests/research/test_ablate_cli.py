@@ -77,7 +77,7 @@ def test_space_parsing_and_barriers():
 def test_ncu_needs_a_gpu(capsys):
     assert main(["ablate", "--variants", "fa1", "--seq", "8", "--head-dim", "4", "--block-m", "4", "--block-n", "4",
                  "--ncu"]) == 2
-    assert "--ncu needs a GPU" in capsys.readouterr().err
+    assert "numba-flash ablate --ncu needs a CUDA GPU" in capsys.readouterr().err
 
 
 def test_ncu_plan_and_command(tmp_path, monkeypatch):

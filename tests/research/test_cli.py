@@ -111,28 +111,12 @@ def test_every_flag_has_help_and_shows_its_default():
         for action in sub._actions:
             if isinstance(action, argparse._HelpAction):
                 continue
-            flag = action.option_strings[0]
+            flag = action.option_strings[0] if action.option_strings else action.dest  # (a positional: cache's action)
             assert action.help, f"{name} {flag} has no help"
             if action.default is not None and action.default is not False:
                 shown = sub._get_formatter()._get_help_string(action) % {"default": action.default}
                 assert "default:" in shown, f"{name} {flag} does not show its default"
                 assert "(default:" in text
-
-
-def test_scripts_help_works_without_gpu_or_cupy():
-    """Every research script answers --help with CuPy and torch unimportable (as on a
-    machine without a GPU) and exits 0."""
-    import pathlib
-    import subprocess
-    import sys
-
-    scripts = sorted((pathlib.Path(__file__).resolve().parents[2] / "scripts").glob("*.py"))
-    assert len(scripts) >= 5
-    code = ("import runpy, sys\nsys.modules['cupy'] = None\nsys.modules['torch'] = None\n"
-            "sys.argv = [sys.argv[1], '--help']\nrunpy.run_path(sys.argv[0], run_name='__main__')\n")
-    for script in scripts:
-        done = subprocess.run([sys.executable, "-c", code, str(script)], capture_output=True, text=True, timeout=300)
-        assert done.returncode == 0 and "usage:" in done.stdout, f"{script.name}: {done.stderr[-2000:]}"
 
 
 def test_occupancy_says_what_is_missing(monkeypatch, capsys):
@@ -206,19 +190,14 @@ def test_default_simulated_compare_is_expected_within_a_minute():
     """The README's main job without a GPU: the default problem, by the simulator's cost model."""
     import argparse
 
-    import numpy as np
-
     from numba_flash._world import simulated
-    from numba_flash.research.compare import _simulated_seconds, problem_of
+    from numba_flash.research.compare import problem_of, simulated_seconds
 
     if not simulated():
         pytest.skip("the simulator's default problem")
     args = argparse.Namespace(batch=None, heads=None, kv_heads=None, seq=None, seq_k=None, head_dim=None,
                               block_m=None, block_n=None, causal=False, dtype="float32", precision="default")
-    p = problem_of(args)
-    shapes = ((p["batch"], p["heads"], p["seq"], p["head_dim"]), (p["batch"], p["kv_heads"], p["seq_k"], p["head_dim"]))
-    q, k = (np.zeros(s, np.float32) for s in shapes)
-    assert _simulated_seconds(q, k, k, p) < 30
+    assert simulated_seconds(problem_of(args)) < 30
 
 
 def test_compare_runs_fa1_and_fa2_at_the_same_cuda_core_tiles(monkeypatch):

@@ -84,7 +84,9 @@ def test_simulate_defaults_are_tiny_and_explicit_values_win(bench):
 
 @pytest.mark.skipif(not simulated(), reason="on a GPU main() would run the sweep")
 def test_without_a_gpu_and_without_simulate_exit_2(bench, capsys):
-    assert bench.main(["--cache", "40", "--batch", "1"]) == 2
+    with pytest.raises(SystemExit) as stop:
+        bench.main(["--cache", "40", "--batch", "1"])
+    assert stop.value.code == 2
     err = capsys.readouterr().err
     assert "needs a CUDA GPU" in err and "--simulate" in err
 

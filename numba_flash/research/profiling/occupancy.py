@@ -83,12 +83,34 @@ def configurations(algorithms, head_dims, dtypes, block_ms, block_ns, causal=(Fa
             yield cfg
 
 
+# Wall time of the ptxas path (numba's PTX, then ptxas) on a 2-core x86 machine (2026-12-01): the
+# default 44 configurations took 3 minutes (issue 26); the first configuration pays ~3 s more
+# (numba's compiler warming up).
+PTXAS_SECONDS_PER_CONFIG = 4.0
+PTXAS_FIRST_SECONDS = 3.0
+
+
+def ptxas_seconds(configs: int) -> float:
+    """About how long the ptxas path takes for ``configs`` configurations."""
+    return PTXAS_FIRST_SECONDS + configs * PTXAS_SECONDS_PER_CONFIG if configs else 0.0
+
+
+def config_label(cfg: dict) -> str:
+    """A configuration in words: ``fa2 D=64 float32, CUDA cores, 64 x 32`` (``, causal`` when it is)."""
+    engine = "CUDA cores" if cfg.get("precision") in (None, "ieee") else f"tensor cores ({cfg['precision']})"
+    return (f"{cfg['algorithm']} D={cfg['head_dim']} {cfg['dtype']}, {engine}, {cfg['block_m']} x {cfg['block_n']}"
+            + (", causal" if cfg["causal"] else ""))
+
+
 def profile(configs, cc=(9, 0), source=None, progress=None) -> list[dict]:
     """Rows of resource use and occupancy for ``configs``.
 
     ``source``: ``"driver"`` (needs a GPU), ``"ptxas"`` (needs none), or ``None``:
-    the driver when a GPU is present, else ptxas.
+    the driver when a GPU is present, else ptxas. ``progress``: called with a line per
+    configuration done (:func:`config_label`, its registers and occupancy, its seconds).
     """
+    import time
+
     from numba_flash._world import gpu_present
 
     source = source or ("driver" if gpu_present() else "ptxas")
@@ -96,9 +118,12 @@ def profile(configs, cc=(9, 0), source=None, progress=None) -> list[dict]:
     rows = []
     configs = list(configs)
     for n, cfg in enumerate(configs, 1):
+        started = time.perf_counter()
+        row = measure(cfg, cc)
+        rows.append(row)
         if progress:
-            progress(f"[{n}/{len(configs)}] {cfg}")
-        rows.append(measure(cfg, cc))
+            progress(f"[{n}/{len(configs)}] {config_label(cfg)}: {row['regs']} registers, {row['smem_bytes']} B shared, "
+                     f"occupancy {row['occupancy']:.1%} ({time.perf_counter() - started:.1f} s)")
     return rows
 
 
