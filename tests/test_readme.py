@@ -22,7 +22,7 @@ def test_readme_opens_with_two_commands():
         assert len(command.strip().splitlines()) == 1, "one line to copy and paste"
         assert command.startswith("python3 -m venv .venv && . .venv/bin/activate && pip install -e ")
     assert main_job.strip().endswith("&& numba-flash compare")
-    assert tests.strip().endswith("&& python -m pytest -q")
+    assert tests.strip().endswith("&& python -m pytest -q -n auto")
     assert README.index("```bash") < README.index("## ")  # they open the README
 
 
@@ -32,8 +32,8 @@ def test_test_command_is_what_ci_runs():
     readme_cmd = BLOCKS[1][1].strip()
     install = re.search(r'pip install -e "[^"]*"', readme_cmd).group(0)
     assert re.search(rf"^{re.escape(install)}$", ci, re.M), f"{install} not in .ci/run"
-    assert re.search(r"^python -m pytest -q$", ci, re.M)
-    assert ci.strip().splitlines()[-1] == "python -m pytest -q"
+    assert re.search(r"^python -m pytest -q -n auto$", ci, re.M)
+    assert ci.strip().splitlines()[-1] == "python -m pytest -q -n auto"
 
 
 def test_numpy_example_runs_without_a_gpu():
