@@ -1,19 +1,22 @@
 """The float64 oracle: attention with the whole score matrix S materialised.
 
 :func:`attention` is the forward pass, :func:`attention_backward` its exact gradients
-(the backward kernels' oracle). Written without :mod:`numba_flash.online` on purpose (a
-plain softmax over the masked rows of S, not a running one), so that it can check the
-online algebra as well as the kernels. Slow and memory-hungry (``O(B H Nq Nk)``): it is
-for tests and small problems.
+(the backward kernels' oracle), both with every mask and score modification of API.md
+section 2c (window, softcap, ALiBi, ``mask_mod``, ``score_mod``). Written without
+:mod:`numba_flash.online` on purpose (a plain softmax over the masked rows of S, not a running
+one), so that it can check the online algebra as well as the kernels. Slow and memory-hungry
+(``O(B H Nq Nk)``): it is for tests and small problems.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from numba_flash.masking import mask_spec
+from numba_flash.masking import MaskSpec, mask_spec
 
 __all__ = ["attention", "attention_backward"]
 
@@ -66,7 +69,20 @@ def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
         )
 
 
-def attention(q, k, v, causal: bool = False, scale: float | None = None):
+def attention(
+    q,
+    k,
+    v,
+    causal: bool = False,
+    scale: float | None = None,
+    *,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    mask_mod=None,
+    score_mod=None,
+    mod_args=(),
+):
     """Exact softmax attention in float64, returning ``(o, lse)``.
 
     Parameters
@@ -92,12 +108,47 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
     scale : float, optional
         Multiplies ``q @ k^T``; defaults to ``1 / sqrt(D)``.
 
+    The masks and score modifications of API.md section 2c, keyword-only:
+
+    window_size : (int, int)
+        ``(left, right)``: query ``i`` sees key ``j`` iff
+        ``i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right`` (bottom-right aligned; ``-1``
+        unbounded on that side; ``causal=True`` is ``right = 0``, and with a window the two
+        intersect: :class:`numba_flash.masking.MaskSpec`).
+    softcap : float
+        ``> 0``: each scaled score ``s`` becomes ``softcap * tanh(s / softcap)``; 0: off.
+    alibi_slopes : array_like, shape (H,) or (B, H), optional
+        The score of query ``i``, key ``j`` gains ``-slope * |i + (Nk - Nq) - j|`` (the slope
+        of its batch and query head). Float32 in the kernels; any real dtype here.
+    mask_mod : callable, optional
+        ``mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool``, True: visible (FlexAttention's
+        signature; ``h`` is the query head).
+    score_mod : callable, optional
+        ``score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> float``; ``score`` is the scaled
+        score after softcap and ALiBi.
+    mod_args : tuple of arrays
+        Passed as trailing arguments to both mods, read-only (NumPy views that refuse writes;
+        GPU arrays and tensors are copied to the host first).
+
+    Each score is, in this order: ``scale q.k``, softcap, + ALiBi bias, ``score_mod``, then
+    the masks (causal, window, ``mask_mod``): a key is seen when every mask given says so.
+
+    The mods are plain Python functions (a numba device function is called through its
+    ``py_func``). Each is first called once with broadcast int64 NumPy index arrays (``b``
+    of shape (B, 1, 1, 1), ``h`` (1, H, 1, 1), ``q_idx`` (1, 1, Nq, 1), ``kv_idx``
+    (1, 1, 1, Nk); ``score`` (B, H, Nq, Nk) float64): a mod written with ``+``, ``<``, ``&``,
+    ``np.where`` or indexing into ``mod_args`` works on arrays and costs one call. If that
+    call raises (``if``/``and``/``max``/``math.*`` on an array), or its result is not of a
+    shape that broadcasts to (B, H, Nq, Nk) (a bool or number for ``mask_mod``, a number for
+    ``score_mod``), the mod is called elementwise with Python ``int`` indices and a Python
+    ``float`` score, one call per (b, h, q_idx, kv_idx) (``score_mod``: per visible one).
+
     Returns
     -------
     o : ndarray float64, shape (B, H, Nq, D)
-        ``softmax(scale q k^T, masked) @ v``; 0 for a row that sees no key (also Nk = 0).
+        ``softmax(scores, masked) @ v``; 0 for a row that sees no key (also Nk = 0).
     lse : ndarray float64, shape (B, H, Nq)
-        Natural-log logsumexp of each row's seen scaled scores; ``-inf`` when none.
+        Natural-log logsumexp of each row's seen (modified) scores; ``-inf`` when none.
 
     A score of ``-inf`` masks its key (it contributes nothing, even a NaN value); NaN
     in ``q``/``k`` makes the rows whose scores it reaches NaN, NaN in ``v[.., j, d]`` makes
@@ -107,8 +158,11 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
     k = to_numpy(k, "k")
     v = to_numpy(v, "v")
     _check_shapes(q, k, v)
+    mods = _modifications(
+        q.shape, causal, window_size, softcap, alibi_slopes, mask_mod, score_mod, mod_args
+    )
     batch, heads, n_q, head_dim = q.shape
-    kv_heads, n_k = k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
     group = heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
@@ -119,33 +173,57 @@ def attention(q, k, v, causal: bool = False, scale: float | None = None):
     v5 = v[:, :, None]
 
     with np.errstate(invalid="ignore", over="ignore"):
-        s = (q5 @ k5.swapaxes(-1, -2)) * scale  # (B, Hkv, group, Nq, Nk), materialised
-        mask = mask_spec(causal)
-        if not mask.is_full:
-            s = np.where(mask.matrix(n_q, n_k), s, -np.inf)
+        s, _ = _scores(q5, k5, scale, mods, gradient=False)  # (B, Hkv, group, Nq, Nk)
         o, lse = _masked_softmax_times_v(s, v5)
     return o.reshape(batch, heads, n_q, head_dim), lse.reshape(batch, heads, n_q)
 
 
-def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = None):
+def attention_backward(
+    do,
+    q,
+    k,
+    v,
+    causal: bool = False,
+    scale: float | None = None,
+    *,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
+    mask_mod=None,
+    score_mod=None,
+    mod_args=(),
+    score_mod_grad=None,
+):
     """Exact gradients of :func:`attention`'s ``o`` in float64, returning ``(dq, dk, dv)``.
 
     ``dq, dk, dv`` are the gradients of ``sum(do * o)`` with respect to ``q, k, v``, where
-    ``o = attention(q, k, v, causal, scale)[0]``; the arguments are as there, and ``do``
+    ``o = attention(q, k, v, causal, scale, ...)[0]``; the arguments are as there, and ``do``
     (the incoming gradient of ``o``) has ``q``'s shape (B, H, Nq, D) and is converted the
-    same way. With S = scale Q K^T (masked entries -inf) and P = softmax(S) row by row::
+    same way. With X = scale Q K^T, S = f(X) the modified scores (masked entries -inf) and
+    P = softmax(S) row by row::
 
         dV  = P^T dO
         dP  = dO V^T
         D_i = rowsum(P_i * dP_i)       (= rowsum(dO_i * O_i), FlashAttention-2's D)
         dS  = P * (dP - D)
-        dQ  = scale dS K
-        dK  = scale dS^T Q
+        dX  = dS * f'(X)
+        dQ  = scale dX K
+        dK  = scale dX^T Q
+
+    ``f'`` is the chain of the modifications: softcap's ``1 - tanh(x / softcap)^2``, ALiBi's 1
+    (a constant bias), and ``score_mod_grad`` at ``score_mod``'s input; masks contribute
+    nothing (their entries have ``P = 0`` and get ``dX = 0`` exactly).
+
+    score_mod_grad : callable, optional
+        ``score_mod_grad(score, b, h, q_idx, kv_idx, *mod_args) -> float``, d score_mod /
+        d score, called as ``score_mod`` is (vectorised first, else elementwise). Required
+        with ``score_mod`` (``ValueError`` naming it otherwise); only with it.
 
     Grouped-query attention: ``dk`` and ``dv`` of kv head ``g`` sum the contributions of
     its query heads ``g * group .. (g + 1) * group - 1``. A row that sees no key (causal
-    with Nq > Nk, or Nk = 0) has ``dq = 0`` and adds exactly nothing to ``dk``/``dv``
-    (no NaN, whatever its ``do``); masked keys get exactly zero weight.
+    with Nq > Nk, a window or mask that hides every key, or Nk = 0) has ``dq = 0`` and adds
+    exactly nothing to ``dk``/``dv`` (no NaN, whatever its ``do``); masked keys get exactly
+    zero weight.
 
     Returns
     -------
@@ -159,8 +237,20 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
     _check_shapes(q, k, v)
     if do.shape != q.shape:
         raise ValueError(f"do must have the shape of q {q.shape}, got {do.shape}")
+    mods = _modifications(
+        q.shape, causal, window_size, softcap, alibi_slopes, mask_mod, score_mod, mod_args
+    )
+    if score_mod is not None and score_mod_grad is None:
+        raise ValueError(
+            "score_mod_grad is required with score_mod: the backward needs d score_mod / d score, "
+            "a function with score_mod's signature"
+        )
+    if score_mod_grad is not None:
+        if score_mod is None:
+            raise ValueError("score_mod_grad was given without score_mod")
+        mods = replace(mods, score_mod_grad=_callable(score_mod_grad, "score_mod_grad"))
     batch, heads, n_q, head_dim = q.shape
-    kv_heads, n_k = k.shape[1], k.shape[2]
+    kv_heads = k.shape[1]
     group = heads // kv_heads
     scale = 1.0 / math.sqrt(head_dim) if scale is None else float(scale)
 
@@ -171,19 +261,177 @@ def attention_backward(do, q, k, v, causal: bool = False, scale: float | None = 
     v5 = v[:, :, None]
 
     with np.errstate(invalid="ignore", over="ignore"):
-        s = (q5 @ k5.swapaxes(-1, -2)) * scale  # (B, Hkv, group, Nq, Nk)
-        mask = mask_spec(causal)
-        if not mask.is_full:
-            s = np.where(mask.matrix(n_q, n_k), s, -np.inf)
+        s, chain = _scores(q5, k5, scale, mods, gradient=True)  # (B, Hkv, group, Nq, Nk)
         p, unmasked = _masked_softmax(s)
         dv = (p.swapaxes(-1, -2) @ do5).sum(axis=2)  # dV = P^T dO, summed over the group
         dp = do5 @ v5.swapaxes(-1, -2)  # dP = dO V^T
         # dS = P * (dP - D); masked entries exactly 0 even where dP is not finite
         d_row = np.where(unmasked, p * dp, 0.0).sum(axis=-1, keepdims=True)
         ds = np.where(unmasked, p * (dp - d_row), 0.0)
-        dq = scale * (ds @ k5)  # dQ = scale dS K
-        dk = scale * (ds.swapaxes(-1, -2) @ q5).sum(axis=2)  # dK = scale dS^T Q, over the group
+        if chain is not None:  # dX = dS * f'(X), masked entries still exactly 0
+            ds = np.where(unmasked, ds * chain, 0.0)
+        dq = scale * (ds @ k5)  # dQ = scale dX K
+        dk = scale * (ds.swapaxes(-1, -2) @ q5).sum(axis=2)  # dK = scale dX^T Q, over the group
     return dq.reshape(batch, heads, n_q, head_dim), dk, dv
+
+
+# --------------------------------------------------------------------------- masks and mods
+
+
+@dataclass(frozen=True)
+class _Modifications:
+    """Section 2c's arguments, checked: the window (with causal) as a MaskSpec, the rest as the
+    oracle uses them (slopes float64 (B or 1, H), mods unwrapped, mod_args read-only NumPy)."""
+
+    window: MaskSpec
+    softcap: float
+    slopes: np.ndarray | None
+    mask_mod: object
+    score_mod: object
+    mod_args: tuple
+    score_mod_grad: object = None
+
+
+def _modifications(q_shape, causal, window_size, softcap, alibi_slopes, mask_mod, score_mod, mod_args):
+    """Check section 2c's arguments (ValueError / TypeError naming the argument)."""
+    batch, heads = q_shape[:2]
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    try:
+        window = mask_spec(causal, tuple(window_size))
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"window_size={tuple(window_size)!r}: {err}") from None
+
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    softcap = float(softcap)
+    if not (math.isfinite(softcap) and softcap >= 0.0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap}")
+
+    slopes = None
+    if alibi_slopes is not None:
+        slopes = to_numpy(alibi_slopes, "alibi_slopes")
+        if slopes.shape not in ((heads,), (batch, heads)):
+            raise ValueError(
+                f"alibi_slopes must have shape (H,) = ({heads},) or (B, H) = ({batch}, {heads}), "
+                f"got {slopes.shape}"
+            )
+        slopes = slopes.reshape(-1, heads)
+
+    if not isinstance(mod_args, tuple):
+        raise TypeError(f"mod_args must be a tuple of arrays, got {type(mod_args).__name__}")
+    mod_args = tuple(_read_only(arg, f"mod_args[{i}]") for i, arg in enumerate(mod_args))
+    return _Modifications(
+        window=window,
+        softcap=softcap,
+        slopes=slopes,
+        mask_mod=None if mask_mod is None else _callable(mask_mod, "mask_mod"),
+        score_mod=None if score_mod is None else _callable(score_mod, "score_mod"),
+        mod_args=mod_args,
+    )
+
+
+def _callable(fn, name: str):
+    """``fn`` as a Python callable: a numba device function (on a GPU not callable from the
+    host) by its ``py_func``; TypeError naming ``name`` for anything not callable."""
+    if not callable(fn):
+        raise TypeError(f"{name} must be a callable, got {type(fn).__name__}")
+    py_func = getattr(fn, "py_func", None)
+    return py_func if callable(py_func) else fn
+
+
+def _read_only(x, name: str) -> np.ndarray:
+    """An array of ``mod_args`` as a read-only NumPy view, its dtype kept (GPU arrays and
+    tensors copied to the host as :func:`to_numpy` does, without the float64 conversion)."""
+    if all(callable(getattr(x, attr, None)) for attr in ("detach", "cpu", "numpy")):
+        x = x.detach().cpu().numpy()
+    elif hasattr(x, "__cuda_array_interface__"):
+        fetch = getattr(x, "get", None) or getattr(x, "copy_to_host", None)
+        if callable(fetch):
+            x = fetch()
+    if not isinstance(x, np.ndarray):
+        raise TypeError(f"{name} must be an array (mod_args is a tuple of arrays), got {type(x).__name__}")
+    view = x.view()
+    view.flags.writeable = False
+    return view
+
+
+def _scores(q5, k5, scale, mods: _Modifications, gradient: bool):
+    """``(S, f'(X))`` in the grouped layout (B, Hkv, group, Nq, Nk): the scores after scale,
+    softcap, ALiBi and ``score_mod``, with the masked entries ``-inf``; and, when ``gradient``,
+    ``dS/dX`` of the unmasked entries (X = scale Q K^T), None when it is 1 everywhere."""
+    batch, kv_heads, group, n_q, _ = q5.shape
+    heads, n_k = kv_heads * group, k5.shape[-2]
+    shape = (batch, heads, n_q, n_k)  # h = g * group + r: a reshape of the grouped layout
+    x = ((q5 @ k5.swapaxes(-1, -2)) * scale).reshape(shape)
+    chain = None
+    if mods.softcap > 0.0:  # s -> c tanh(s / c); d/ds = 1 - tanh(s / c)^2
+        t = np.tanh(x / mods.softcap)
+        s = mods.softcap * t
+        if gradient:
+            chain = 1.0 - t * t
+    else:
+        s = x
+    grid = _index_grid(batch, heads, n_q, n_k)
+    if mods.slopes is not None:  # - slope |i + (Nk - Nq) - j|: a constant, d/ds = 1
+        _, _, q_idx, kv_idx = grid
+        slope = mods.slopes[:, :, None, None]  # (B or 1, H, 1, 1)
+        s = s - slope * np.abs(q_idx + (n_k - n_q) - kv_idx)
+
+    visible = np.broadcast_to(mods.window.matrix(n_q, n_k), shape)
+    if mods.mask_mod is not None:
+        visible = visible & _evaluate(mods.mask_mod, "mask_mod", grid, None, mods.mod_args, shape, visible)
+    if mods.score_mod is not None:
+        score = s.view()
+        score.flags.writeable = False  # a mod that writes into it runs elementwise instead
+        s = _evaluate(mods.score_mod, "score_mod", grid, score, mods.mod_args, shape, visible)
+        if gradient:
+            grad = _evaluate(mods.score_mod_grad, "score_mod_grad", grid, score, mods.mod_args, shape, visible)
+            chain = grad if chain is None else chain * grad
+    s = np.where(visible, s, -np.inf)
+    five = (batch, kv_heads, group, n_q, n_k)
+    return s.reshape(five), None if chain is None else np.broadcast_to(chain, shape).reshape(five)
+
+
+def _index_grid(batch, heads, n_q, n_k):
+    """Read-only int64 ``(b, h, q_idx, kv_idx)`` shaped to broadcast to (B, H, Nq, Nk)."""
+    grid = (
+        np.arange(batch).reshape(batch, 1, 1, 1),
+        np.arange(heads).reshape(1, heads, 1, 1),
+        np.arange(n_q).reshape(1, 1, n_q, 1),
+        np.arange(n_k).reshape(1, 1, 1, n_k),
+    )
+    for a in grid:
+        a.flags.writeable = False
+    return grid
+
+
+def _evaluate(mod, name, grid, score, mod_args, shape, visible):
+    """A mod over the whole (B, H, Nq, Nk) grid: one call on broadcast arrays when the mod is
+    vectorisable, else one call per element (for a score mod, per visible element; the others
+    are masked anyway and left 0). ``score`` None: a mask mod (bool result)."""
+    is_mask = score is None
+    head = () if is_mask else (score,)
+    kinds = "biu" if is_mask else "iuf"  # bool/int for a mask, int/float for a score
+    with np.errstate(all="ignore"):
+        try:
+            out = np.asarray(mod(*head, *grid, *mod_args))
+            if out.dtype.kind in kinds:
+                out = np.broadcast_to(out, shape)
+                return out.astype(bool) if is_mask else out.astype(np.float64)
+        except Exception:  # noqa: BLE001 -- not vectorisable: the elementwise loop below
+            pass
+        out = np.zeros(shape, dtype=bool if is_mask else np.float64)
+        b, h, q_idx, kv_idx = np.nonzero(np.ones(shape, dtype=bool) if is_mask else visible)
+        for e in zip(b.tolist(), h.tolist(), q_idx.tolist(), kv_idx.tolist()):
+            result = mod(*e, *mod_args) if is_mask else mod(float(score[e]), *e, *mod_args)
+            try:
+                out[e] = bool(result) if is_mask else float(result)
+            except (TypeError, ValueError):
+                want = "a bool" if is_mask else "a real number"
+                got = type(result).__name__
+                raise TypeError(f"{name} must return {want}, got {got} at (b, h, q_idx, kv_idx) = {e}") from None
+    return out
 
 
 def _masked_softmax(s: np.ndarray):
