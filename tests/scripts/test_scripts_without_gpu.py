@@ -26,6 +26,7 @@ RUNS = {
     "decode_bench.py": [],
     "decode_sweep.py": [],
     "first_call.py": [],
+    "flash_attn_grid.py": [],
     "hbm_read_ceiling.py": [],
     "ncu_traffic.py": ["--out", "{tmp}/ncu"],
     "online_softmax_demo.py": None,
