@@ -2,7 +2,9 @@
 
 :func:`attention` is the forward pass, :func:`attention_backward` its exact gradients
 (the backward kernels' oracle), both with every mask and score modification of API.md
-section 2c (window, softcap, ALiBi, ``mask_mod``, ``score_mod``). Written without
+section 2c (window, softcap, ALiBi, ``mask_mod``, ``score_mod``). :func:`attention_varlen`, its
+backward and :func:`decode` (API.md 2d-2e: packed variable-length batches, contiguous or paged KV
+caches with appended keys) run them one sequence at a time. Written without
 :mod:`numba_flash.online` on purpose (a plain softmax over the masked rows of S, not a running
 one), so that it can check the online algebra as well as the kernels. Slow and memory-hungry
 (``O(B H Nq Nk)``): it is for tests and small problems.
@@ -12,13 +14,14 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 from dataclasses import dataclass, replace
 
 import numpy as np
 
 from numba_flash.masking import MaskSpec, mask_spec
 
-__all__ = ["attention", "attention_backward"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_backward_varlen", "decode"]
 
 
 def to_numpy(x, name: str) -> np.ndarray:
@@ -30,43 +33,44 @@ def to_numpy(x, name: str) -> np.ndarray:
     methods) with ``detach().cpu()``, in float64 so that bfloat16 converts too. NumPy arrays of
     ml_dtypes' types (bfloat16, as ``numba_flash.attention`` takes them) are real numbers too.
     """
-    # A torch tensor first: a CUDA tensor also has __cuda_array_interface__ (one that
-    # requires grad raises on it), but neither get() nor copy_to_host().
-    if all(callable(getattr(x, attr, None)) for attr in ("detach", "cpu", "numpy", "double")):
-        x = x.detach().cpu().double().numpy()
-    elif hasattr(x, "__cuda_array_interface__"):
-        fetch = getattr(x, "get", None) or getattr(x, "copy_to_host", None)
-        if callable(fetch):
-            x = fetch()
-    arr = np.asarray(x)
+    arr = np.asarray(_on_host(x, double=True))
     if arr.dtype.kind not in "biuf" and arr.dtype.type.__module__ != "ml_dtypes":
         raise TypeError(f"{name} must hold real numbers, got dtype {arr.dtype}")
     return arr.astype(np.float64, copy=False)
 
 
+def _on_host(x, double: bool = False):
+    """``x`` fetched to the host when it is a GPU array or a PyTorch tensor (in float64 when
+    ``double``), else ``x`` itself."""
+    # A torch tensor first: a CUDA tensor also has __cuda_array_interface__ (one that
+    # requires grad raises on it), but neither get() nor copy_to_host().
+    if all(callable(getattr(x, attr, None)) for attr in ("detach", "cpu", "numpy", "double")):
+        x = x.detach().cpu()
+        return (x.double() if double else x).numpy()
+    if hasattr(x, "__cuda_array_interface__"):
+        fetch = getattr(x, "get", None) or getattr(x, "copy_to_host", None)
+        if callable(fetch):
+            return fetch()
+    return x
+
+
 def _check_shapes(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
-    """ValueError naming the argument unless q (B,H,Nq,D), k = v (B,Hkv,Nk,D), H % Hkv == 0."""
+    """ValueError naming the argument unless q (B,H,Nq,D), k (B,Hkv,Nk,D), v (B,Hkv,Nk,Dv),
+    H % Hkv == 0, D >= 1 and Dv >= 1."""
     for name, arr, layout in (
         ("q", q, "(batch, heads, seq_q, head_dim)"),
         ("k", k, "(batch, kv_heads, seq_k, head_dim)"),
-        ("v", v, "(batch, kv_heads, seq_k, head_dim)"),
+        ("v", v, "(batch, kv_heads, seq_k, v_head_dim)"),
     ):
         if arr.ndim != 4:
             raise ValueError(f"{name} must be 4-D with shape {layout}, got shape {arr.shape}")
-    batch, heads, _, head_dim = q.shape
-    if k.shape[0] != batch:
-        raise ValueError(f"k must have q's batch size {batch}, got shape {k.shape}")
-    if k.shape[3] != head_dim:
-        raise ValueError(f"k must have q's head_dim {head_dim}, got shape {k.shape}")
-    if head_dim < 1:
-        raise ValueError(f"q must have head_dim >= 1, got shape {q.shape}")
-    if v.shape != k.shape:
-        raise ValueError(f"v must have the shape of k {k.shape}, got {v.shape}")
-    kv_heads = k.shape[1]
-    if kv_heads < 1 or heads % kv_heads != 0:
+    if k.shape[0] != q.shape[0]:
+        raise ValueError(f"k must have q's batch size {q.shape[0]}, got shape {k.shape}")
+    if v.shape[:3:2] != k.shape[:3:2]:
         raise ValueError(
-            f"k has {kv_heads} kv heads; q's {heads} heads must be a positive multiple of it"
+            f"v must have the shape of k {k.shape} but for its head_dim (batch and seq_k equal), got {v.shape}"
         )
+    _check_heads(q.shape[1::2], k.shape[1::2], v.shape[1::2], ("q", "k", "v"))
 
 
 def attention(
@@ -88,8 +92,10 @@ def attention(
     Parameters
     ----------
     q : array_like, shape (B, H, Nq, D)
-    k, v : array_like, shape (B, Hkv, Nk, D), with ``H % Hkv == 0``
-        Query head ``h`` reads kv head ``h // (H // Hkv)`` (grouped-query attention).
+    k : array_like, shape (B, Hkv, Nk, D), with ``H % Hkv == 0``
+    v : array_like, shape (B, Hkv, Nk, Dv)
+        Query head ``h`` reads kv head ``h // (H // Hkv)`` (grouped-query attention). Any head
+        dims ``D, Dv >= 1`` (API.md 2e; ``Dv`` may differ from ``D``).
         Anything ``np.asarray`` converts works, as do CuPy arrays and PyTorch tensors
         (copied to the host). Inputs are never modified.
     causal : bool
@@ -145,7 +151,7 @@ def attention(
 
     Returns
     -------
-    o : ndarray float64, shape (B, H, Nq, D)
+    o : ndarray float64, shape (B, H, Nq, Dv)
         ``softmax(scores, masked) @ v``; 0 for a row that sees no key (also Nk = 0).
     lse : ndarray float64, shape (B, H, Nq)
         Natural-log logsumexp of each row's seen (modified) scores; ``-inf`` when none.
@@ -175,7 +181,7 @@ def attention(
     with np.errstate(invalid="ignore", over="ignore"):
         s, _ = _scores(q5, k5, scale, mods, gradient=False)  # (B, Hkv, group, Nq, Nk)
         o, lse = _masked_softmax_times_v(s, v5)
-    return o.reshape(batch, heads, n_q, head_dim), lse.reshape(batch, heads, n_q)
+    return o.reshape(batch, heads, n_q, v.shape[3]), lse.reshape(batch, heads, n_q)
 
 
 def attention_backward(
@@ -198,7 +204,7 @@ def attention_backward(
 
     ``dq, dk, dv`` are the gradients of ``sum(do * o)`` with respect to ``q, k, v``, where
     ``o = attention(q, k, v, causal, scale, ...)[0]``; the arguments are as there, and ``do``
-    (the incoming gradient of ``o``) has ``q``'s shape (B, H, Nq, D) and is converted the
+    (the incoming gradient of ``o``) has ``o``'s shape (B, H, Nq, Dv) and is converted the
     same way. With X = scale Q K^T, S = f(X) the modified scores (masked entries -inf) and
     P = softmax(S) row by row::
 
@@ -228,15 +234,19 @@ def attention_backward(
     Returns
     -------
     dq : ndarray float64, shape (B, H, Nq, D)
-    dk, dv : ndarray float64, shape (B, Hkv, Nk, D)
+    dk : ndarray float64, shape (B, Hkv, Nk, D)
+    dv : ndarray float64, shape (B, Hkv, Nk, Dv)
     """
     do = to_numpy(do, "do")
     q = to_numpy(q, "q")
     k = to_numpy(k, "k")
     v = to_numpy(v, "v")
     _check_shapes(q, k, v)
-    if do.shape != q.shape:
-        raise ValueError(f"do must have the shape of q {q.shape}, got {do.shape}")
+    if do.shape != q.shape[:3] + v.shape[3:]:
+        raise ValueError(
+            f"do must have the shape of q {q.shape} with v's head_dim (o's shape "
+            f"{q.shape[:3] + v.shape[3:]}), got {do.shape}"
+        )
     mods = _modifications(
         q.shape, causal, window_size, softcap, alibi_slopes, mask_mod, score_mod, mod_args
     )
@@ -256,7 +266,7 @@ def attention_backward(
 
     # The forward's grouped layout: (B, Hkv, group, N, D), k and v broadcast over group.
     q5 = q.reshape(batch, kv_heads, group, n_q, head_dim)
-    do5 = do.reshape(batch, kv_heads, group, n_q, head_dim)
+    do5 = do.reshape(batch, kv_heads, group, n_q, v.shape[3])
     k5 = k[:, :, None]
     v5 = v[:, :, None]
 
@@ -273,6 +283,385 @@ def attention_backward(
         dq = scale * (ds @ k5)  # dQ = scale dX K
         dk = scale * (ds.swapaxes(-1, -2) @ q5).sum(axis=2)  # dK = scale dX^T Q, over the group
     return dq.reshape(batch, heads, n_q, head_dim), dk, dv
+
+
+# --------------------------------------------------------------------------- variable lengths
+
+
+def attention_varlen(
+    q,
+    k,
+    v,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
+):
+    """Attention over a packed batch of sequences of their own lengths (API.md 2d), ``(o, lse)``.
+
+    FlashAttention's ``flash_attn_varlen_func`` semantics: the sequences of a batch of ``B`` are
+    stored one after the other, sequence ``b`` being rows ``cu_seqlens_q[b]:cu_seqlens_q[b+1]``
+    of ``q`` and ``cu_seqlens_k[b]:cu_seqlens_k[b+1]`` of ``k`` and ``v``; it attends only to
+    its own keys, exactly as :func:`attention` on that sequence alone (one call per sequence,
+    no padding), so ``causal``, ``window_size`` and ALiBi are aligned bottom-right per
+    sequence (``offset = Nk_b - Nq_b``).
+
+    Parameters
+    ----------
+    q : array_like, shape (total_q, H, D)
+    k : array_like, shape (total_k, Hkv, D), with ``H % Hkv == 0``
+    v : array_like, shape (total_k, Hkv, Dv)
+    cu_seqlens_q, cu_seqlens_k : integer array_like, shape (B + 1,)
+        Prefix sums of the lengths (int32 in the kernels; any integer dtype here): start at 0,
+        never decrease, end at ``total_q`` / ``total_k``. Lengths 0 and 1 are allowed (a
+        sequence with no keys gives ``o = 0``, ``lse = -inf``; one with no queries, nothing).
+    max_seqlen_q, max_seqlen_k : int
+        At least the longest length (the kernels size their grid by them); larger is allowed.
+    causal, scale, window_size, softcap :
+        As in :func:`attention`, per sequence.
+    alibi_slopes : array_like, shape (H,) or (B, H), optional
+        Row ``b`` for sequence ``b``.
+
+    Returns
+    -------
+    o : ndarray float64, shape (total_q, H, Dv)
+    lse : ndarray float64, shape (H, total_q)
+        FlashAttention's varlen layout (heads first).
+    """
+    q, k, v = _packed(q, k, v)
+    _modifications((0, q.shape[1]), causal, window_size, softcap, None, None, None, ())  # checks them
+    spans = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, len(q), len(k))
+    slopes = _sequence_slopes(alibi_slopes, len(spans), q.shape[1])
+    o = np.zeros(q.shape[:2] + v.shape[2:])
+    lse = np.full(q.shape[1::-1], -np.inf)
+    for b, (rows, keys) in enumerate(spans):
+        o_b, lse_b = attention(
+            _unpacked(q[rows]), _unpacked(k[keys]), _unpacked(v[keys]), causal, scale,
+            window_size=window_size, softcap=softcap, alibi_slopes=slopes[b],
+        )
+        o[rows] = _packed_rows(o_b)
+        lse[:, rows] = lse_b[0]
+    return o, lse
+
+
+def attention_backward_varlen(
+    do,
+    q,
+    k,
+    v,
+    o,
+    lse,
+    cu_seqlens_q,
+    cu_seqlens_k,
+    max_seqlen_q,
+    max_seqlen_k,
+    *,
+    causal: bool = False,
+    scale: float | None = None,
+    window_size=(-1, -1),
+    softcap: float = 0.0,
+    alibi_slopes=None,
+):
+    """Exact gradients of :func:`attention_varlen`'s ``o`` in float64, ``(dq, dk, dv)``.
+
+    :func:`attention_backward` on each sequence alone, packed as the inputs are: ``dq`` has
+    ``q``'s shape (total_q, H, D), ``dk`` ``k``'s (total_k, Hkv, D), ``dv`` ``v``'s
+    (total_k, Hkv, Dv). ``do`` is the incoming gradient of ``o``, shape (total_q, H, Dv).
+    ``o`` (total_q, H, Dv) and ``lse`` (H, total_q), what :func:`attention_varlen` returned
+    (the kernels' inputs), are checked for shape only: the oracle recomputes the softmax from
+    ``q``, ``k``, ``v``. The other arguments are :func:`attention_varlen`'s.
+    """
+    q, k, v = _packed(q, k, v)
+    do = to_numpy(do, "do")
+    o_shape = q.shape[:2] + v.shape[2:]
+    for name, arr, shape in (("do", do, o_shape), ("o", to_numpy(o, "o"), o_shape),
+                             ("lse", to_numpy(lse, "lse"), q.shape[1::-1])):
+        if arr.shape != shape:
+            raise ValueError(f"{name} must have shape {shape} (total_q, H, Dv / H, total_q), got {arr.shape}")
+    _modifications((0, q.shape[1]), causal, window_size, softcap, None, None, None, ())  # checks them
+    spans = _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, len(q), len(k))
+    slopes = _sequence_slopes(alibi_slopes, len(spans), q.shape[1])
+    dq, dk, dv = np.zeros(q.shape), np.zeros(k.shape), np.zeros(v.shape)
+    for b, (rows, keys) in enumerate(spans):
+        dq_b, dk_b, dv_b = attention_backward(
+            _unpacked(do[rows]), _unpacked(q[rows]), _unpacked(k[keys]), _unpacked(v[keys]), causal, scale,
+            window_size=window_size, softcap=softcap, alibi_slopes=slopes[b],
+        )
+        dq[rows], dk[keys], dv[keys] = _packed_rows(dq_b), _packed_rows(dk_b), _packed_rows(dv_b)
+    return dq, dk, dv
+
+
+def _packed(q, k, v):
+    """q (total_q, H, D), k (total_k, Hkv, D), v (total_k, Hkv, Dv) as float64, checked as
+    :func:`attention` checks its inputs (ValueError naming the argument)."""
+    q, k, v = to_numpy(q, "q"), to_numpy(k, "k"), to_numpy(v, "v")
+    for name, arr, layout in (
+        ("q", q, "(total_q, heads, head_dim)"),
+        ("k", k, "(total_k, kv_heads, head_dim)"),
+        ("v", v, "(total_k, kv_heads, v_head_dim)"),
+    ):
+        if arr.ndim != 3:
+            raise ValueError(f"{name} must be 3-D with shape {layout} (packed sequences), got shape {arr.shape}")
+    _check_heads(q.shape[1:], k.shape[1:], v.shape[1:], ("q", "k", "v"))
+    if v.shape[0] != k.shape[0]:
+        raise ValueError(f"v must have k's total_k = {k.shape[0]} rows, got shape {v.shape}")
+    return q, k, v
+
+
+def _check_heads(q_heads, k_heads, v_heads, names) -> None:
+    """ValueError naming the argument unless the (heads, head_dim) pairs are q (H, D),
+    k (Hkv, D), v (Hkv, Dv) with H % Hkv == 0, D >= 1, Dv >= 1."""
+    q, k, v = names
+    (heads, head_dim), (kv_heads, k_dim), (v_heads, v_dim) = q_heads, k_heads, v_heads
+    if head_dim < 1 or v_dim < 1:
+        raise ValueError(f"{q if head_dim < 1 else v} must have head_dim >= 1")
+    if k_dim != head_dim:
+        raise ValueError(f"{k} must have {q}'s head_dim {head_dim}, got {k_dim}")
+    if v_heads != kv_heads:
+        raise ValueError(f"{v} must have {k}'s {kv_heads} kv heads, got {v_heads}")
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise ValueError(f"{k} has {kv_heads} kv heads; {q}'s {heads} heads must be a positive multiple of it")
+
+
+def _unpacked(x: np.ndarray) -> np.ndarray:
+    """Rows (N, heads, dim) of one sequence as :func:`attention`'s (1, heads, N, dim) view."""
+    return x.transpose(1, 0, 2)[None]
+
+
+def _packed_rows(x: np.ndarray) -> np.ndarray:
+    """The inverse of :func:`_unpacked`: (1, heads, N, dim) as rows (N, heads, dim)."""
+    return x[0].transpose(1, 0, 2)
+
+
+def _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int):
+    """``[(rows, keys)]``: sequence ``b``'s slices of the packed queries and keys, the prefix
+    sums and maxima checked (TypeError / ValueError naming the argument)."""
+    bounds = []
+    for name, cu, max_name, max_len, total, rows in (
+        ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, total_q, "q's total_q"),
+        ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, total_k, "k's total_k"),
+    ):
+        cu = _integers(cu, name)
+        if cu.ndim != 1 or cu.size < 1:
+            raise ValueError(f"{name} must be 1-D of length B + 1 >= 1 (prefix sums), got shape {cu.shape}")
+        if cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
+            raise ValueError(
+                f"{name} must start at 0, never decrease and end at {rows} = {total}; got {cu.tolist()}"
+            )
+        longest = int(np.diff(cu).max(initial=0))
+        max_len = _count(max_len, max_name)
+        if max_len < longest:
+            raise ValueError(f"{max_name} = {max_len} is below the longest sequence in {name} ({longest})")
+        bounds.append(cu.tolist())
+    (cu_q, cu_k) = bounds
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"cu_seqlens_k must have cu_seqlens_q's length B + 1 = {len(cu_q)}, got {len(cu_k)}"
+        )
+    return [(slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])) for b in range(len(cu_q) - 1)]
+
+
+def _sequence_slopes(alibi_slopes, batch: int, heads: int) -> list:
+    """Each sequence's ALiBi slopes (H,), or None each: ``alibi_slopes`` (H,) or (B, H)."""
+    if alibi_slopes is None:
+        return [None] * batch
+    slopes = _modifications((batch, heads), False, (-1, -1), 0.0, alibi_slopes, None, None, ()).slopes
+    return [slopes[b if len(slopes) > 1 else 0] for b in range(batch)]
+
+
+def _integers(x, name: str) -> np.ndarray:
+    """An integer array-like as an int64 NumPy array (TypeError naming ``name`` otherwise)."""
+    arr = np.asarray(_on_host(x))
+    if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+        raise TypeError(f"{name} must hold integers (int32), got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def _count(n, name: str) -> int:
+    """A non-negative Python int (TypeError / ValueError naming ``name``)."""
+    if isinstance(n, (bool, np.bool_)):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        n = operator.index(n)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(n).__name__}") from None
+    if n < 0:
+        raise ValueError(f"{name} must be >= 0, got {n}")
+    return int(n)
+
+
+# --------------------------------------------------------------------------- KV caches
+
+
+def decode(
+    q,
+    k_cache,
+    v_cache,
+    *,
+    cache_seqlens=None,
+    block_table=None,
+    k_new=None,
+    v_new=None,
+    causal: bool = False,
+    scale: float | None = None,
+):
+    """Attention of a few queries per sequence to a KV cache (API.md 2b, 2e), ``(o, lse)``.
+
+    ``numba_flash.decode``'s semantics, sequence by sequence through :func:`attention`:
+    sequence ``b``'s keys are its first ``cache_seqlens[b]`` cached keys, then ``k_new[b]``
+    (``v`` likewise); ``causal=True`` aligns its ``Nq`` queries to the end of them (query ``i``
+    sees key ``j`` iff ``j <= cache_seqlens[b] + Nnew - Nq + i``).
+
+    Parameters
+    ----------
+    q : array_like, shape (B, H, Nq, D)
+    k_cache, v_cache : array_like
+        Contiguous (``block_table=None``): ``(B, Hkv, Nmax, D)`` and ``(B, Hkv, Nmax, Dv)``.
+        Paged: ``(num_blocks, page_size, Hkv, D)`` and ``(num_blocks, page_size, Hkv, Dv)``
+        (FlashAttention's layout; the kernels take ``page_size`` a multiple of 16, the oracle
+        any ``page_size >= 1``). ``H % Hkv == 0``.
+    cache_seqlens : integer array_like, shape (B,), optional
+        Valid cached keys per sequence; default: the whole cache (``Nmax``, or
+        ``max_blocks * page_size`` when paged). As ``numba_flash.decode`` does, values are
+        clamped to ``[0, Nmax]`` for a contiguous cache (negative ones to 0 when paged); keys at
+        or past it are never read.
+    block_table : integer array_like, shape (B, max_blocks), optional
+        Sequence ``b``'s key ``j`` lives in page ``block_table[b, j // page_size]``, row
+        ``j % page_size``. Only the entries of pages a sequence uses are read (the rest may hold
+        anything, e.g. -1).
+    k_new, v_new : array_like, shape (B, Hkv, Nnew, D) and (B, Hkv, Nnew, Dv), optional
+        Keys and values appended at positions ``cache_seqlens[b] .. cache_seqlens[b] + Nnew - 1``
+        before attending. The kernel writes them into the cache in place (the caller then
+        advances ``cache_seqlens``); this oracle computes on a copy and modifies none of its
+        inputs.
+    causal, scale :
+        As in :func:`attention` (``scale`` defaults to ``1 / sqrt(D)``).
+
+    ``ValueError`` naming the argument for: a block index outside ``[0, num_blocks)`` among the
+    pages a sequence uses; ``cache_seqlens[b] + Nnew`` past the cache (``Nmax``, or the table's
+    ``max_blocks * page_size``; with ``k_new`` and no ``cache_seqlens`` the cache is full); and,
+    when paged with ``k_new``, an appended key written to a page row that another key (of this
+    or another sequence) also uses, where the in-place write would change what is read.
+
+    Returns
+    -------
+    o : ndarray float64, shape (B, H, Nq, Dv)
+    lse : ndarray float64, shape (B, H, Nq)
+    """
+    q = to_numpy(q, "q")
+    k_cache, v_cache = to_numpy(k_cache, "k_cache"), to_numpy(v_cache, "v_cache")
+    for name, arr in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if arr.ndim != 4:
+            raise ValueError(f"{name} must be 4-D, got shape {arr.shape}")
+    if v_cache.shape[:3] != k_cache.shape[:3]:
+        raise ValueError(
+            f"v_cache must have the shape of k_cache {k_cache.shape} but for its head_dim, got {v_cache.shape}"
+        )
+    batch = q.shape[0]
+    if block_table is None:
+        if k_cache.shape[0] != batch:
+            raise ValueError(f"k_cache must have q's batch size {batch} (B, Hkv, Nmax, D), got shape {k_cache.shape}")
+        kv_heads, capacity = k_cache.shape[1], k_cache.shape[2]
+        table, page_size = None, None
+    else:
+        table = _integers(block_table, "block_table")
+        if table.ndim != 2 or table.shape[0] != batch:
+            raise ValueError(f"block_table must have shape (B, max_blocks) with B = {batch}, got {table.shape}")
+        page_size, kv_heads = k_cache.shape[1], k_cache.shape[2]
+        if page_size < 1:
+            raise ValueError(f"k_cache must have page_size >= 1 (num_blocks, page_size, Hkv, D), got {k_cache.shape}")
+        capacity = table.shape[1] * page_size
+
+    _check_heads(q.shape[1::2], (kv_heads, k_cache.shape[3]), (kv_heads, v_cache.shape[3]),
+                 ("q", "k_cache", "v_cache"))
+
+    n_new = 0
+    if (k_new is None) != (v_new is None):
+        raise ValueError(f"{'v_new' if v_new is None else 'k_new'} is missing: k_new and v_new go together")
+    if k_new is not None:
+        k_new, v_new = to_numpy(k_new, "k_new"), to_numpy(v_new, "v_new")
+        for name, arr, like in (("k_new", k_new, k_cache), ("v_new", v_new, v_cache)):
+            if arr.ndim != 4 or arr.shape[:2] != (batch, kv_heads) or arr.shape[3] != like.shape[3]:
+                raise ValueError(
+                    f"{name} must have shape (B, Hkv, Nnew, {like.shape[3]}) with B = {batch}, Hkv = {kv_heads}, "
+                    f"got {arr.shape}"
+                )
+        if k_new.shape[2] != v_new.shape[2]:
+            raise ValueError(f"v_new must have k_new's Nnew = {k_new.shape[2]}, got shape {v_new.shape}")
+        n_new = k_new.shape[2]
+
+    if cache_seqlens is None:
+        lengths = np.full(batch, capacity, dtype=np.int64)
+    else:
+        lengths = _integers(cache_seqlens, "cache_seqlens")
+        if lengths.shape != (batch,):
+            raise ValueError(f"cache_seqlens must have shape ({batch},), got {lengths.shape}")
+        lengths = np.clip(lengths, 0, capacity if table is None else None)
+    total = lengths + n_new
+    over = np.flatnonzero(total > capacity)
+    if over.size:
+        b = int(over[0])
+        where = "k_cache's Nmax" if table is None else "block_table's max_blocks * page_size"
+        hint = " (cache_seqlens=None: the cache is full)" if cache_seqlens is None else ""
+        raise ValueError(
+            f"cache_seqlens[{b}] + Nnew = {lengths[b]} + {n_new} is past {where} = {capacity}{hint}"
+        )
+    if table is not None:
+        _check_pages(table, total, lengths, page_size, k_cache.shape[0])
+
+    o = np.zeros(q.shape[:3] + v_cache.shape[3:])
+    lse = np.full(q.shape[:3], -np.inf)
+    for b in range(batch):
+        keys, values = (_cached(cache, b, int(lengths[b]), table, page_size) for cache in (k_cache, v_cache))
+        if n_new:
+            keys = np.concatenate([keys, k_new[b]], axis=1)
+            values = np.concatenate([values, v_new[b]], axis=1)
+        o[b], lse[b] = (x[0] for x in attention(q[b : b + 1], keys[None], values[None], causal, scale))
+    return o, lse
+
+
+def _cached(cache: np.ndarray, b: int, length: int, table, page_size) -> np.ndarray:
+    """Sequence ``b``'s first ``length`` cached rows as (Hkv, length, dim), gathered (a copy)
+    from its pages when ``table`` is given."""
+    if table is None:
+        return cache[b, :, :length]
+    pages = table[b, : -(-length // page_size)]
+    return cache[pages].reshape(-1, *cache.shape[2:])[:length].transpose(1, 0, 2)
+
+
+def _check_pages(table: np.ndarray, total: np.ndarray, lengths: np.ndarray, page_size: int, num_blocks: int):
+    """ValueError naming ``block_table`` for a used page outside ``[0, num_blocks)``, or a page
+    row that an appended key is written to and another key also uses."""
+    slots, written = [], []
+    for b, (n, cached) in enumerate(zip(total.tolist(), lengths.tolist())):
+        used = table[b, : -(-n // page_size)]
+        bad = np.flatnonzero((used < 0) | (used >= num_blocks))
+        if bad.size:
+            j = int(bad[0])
+            raise ValueError(
+                f"block_table[{b}, {j}] = {used[j]} is not a page of k_cache (num_blocks = {num_blocks}); "
+                f"sequence {b} uses its first {used.size} entries"
+            )
+        positions = np.arange(n)
+        slots.append(used[positions // page_size] * page_size + positions % page_size)
+        written.append(positions >= cached)
+    if not slots:
+        return
+    slots, written = np.concatenate(slots), np.concatenate(written)
+    shared, counts = np.unique(slots, return_counts=True)
+    clash = np.intersect1d(shared[counts > 1], slots[written])
+    if clash.size:
+        page, row = divmod(int(clash[0]), page_size)
+        raise ValueError(
+            f"block_table: an appended key (k_new) is written to page {page} row {row}, which another key "
+            "also uses; the in-place append would change what is read"
+        )
 
 
 # --------------------------------------------------------------------------- masks and mods
@@ -343,12 +732,7 @@ def _callable(fn, name: str):
 def _read_only(x, name: str) -> np.ndarray:
     """An array of ``mod_args`` as a read-only NumPy view, its dtype kept (GPU arrays and
     tensors copied to the host as :func:`to_numpy` does, without the float64 conversion)."""
-    if all(callable(getattr(x, attr, None)) for attr in ("detach", "cpu", "numpy")):
-        x = x.detach().cpu().numpy()
-    elif hasattr(x, "__cuda_array_interface__"):
-        fetch = getattr(x, "get", None) or getattr(x, "copy_to_host", None)
-        if callable(fetch):
-            x = fetch()
+    x = _on_host(x)
     if not isinstance(x, np.ndarray):
         raise TypeError(f"{name} must be an array (mod_args is a tuple of arrays), got {type(x).__name__}")
     view = x.view()
