@@ -11,7 +11,7 @@ from __future__ import annotations
 import hypothesis.extra.numpy as hnp
 import numpy as np
 import pytest
-from helpers import examples
+from helpers import central_differences, examples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -25,28 +25,10 @@ ATOL = 1e-7
 
 
 def finite_difference_gradients(do, q, k, v, causal, scale):
-    """``(dq, dk, dv)`` of ``sum(do * attention(q, k, v)[0])`` by central differences,
-    one element at a time."""
-
-    def f(q, k, v):
-        o, _ = reference.attention(q, k, v, causal=causal, scale=scale)
-        return float(np.sum(do * o))
-
-    grads = []
-    for which in range(3):
-        args = [q.copy(), k.copy(), v.copy()]
-        x = args[which]
-        grad = np.zeros_like(x)
-        for idx in np.ndindex(x.shape):
-            saved = x[idx]
-            x[idx] = saved + STEP
-            up = f(*args)
-            x[idx] = saved - STEP
-            down = f(*args)
-            x[idx] = saved
-            grad[idx] = (up - down) / (2 * STEP)
-        grads.append(grad)
-    return tuple(grads)
+    """``(dq, dk, dv)`` of ``sum(do * attention(q, k, v)[0])`` by central differences."""
+    return central_differences(
+        lambda q, k, v: float(np.sum(do * reference.attention(q, k, v, causal=causal, scale=scale)[0])), q, k, v,
+        step=STEP)
 
 
 @st.composite

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 import pytest
-from helpers import examples
+from helpers import central_differences, examples
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
@@ -108,24 +108,8 @@ def naive_attention(q, k, v, *, causal=False, window=(-1, -1), softcap=0.0, slop
 
 def finite_difference_gradients(do, q, k, v, **kwargs):
     """``(dq, dk, dv)`` of ``sum(do * attention(q, k, v, **kwargs)[0])``, central differences."""
-
-    def f(*args):
-        return float(np.sum(do * reference.attention(*args, **kwargs)[0]))
-
-    grads = []
-    for which in range(3):
-        args = [q.copy(), k.copy(), v.copy()]
-        x, grad = args[which], np.zeros(args[which].shape)
-        for idx in np.ndindex(x.shape):
-            saved = x[idx]
-            x[idx] = saved + STEP
-            up = f(*args)
-            x[idx] = saved - STEP
-            down = f(*args)
-            x[idx] = saved
-            grad[idx] = (up - down) / (2 * STEP)
-        grads.append(grad)
-    return grads
+    return central_differences(lambda *args: float(np.sum(do * reference.attention(*args, **kwargs)[0])), q, k, v,
+                               step=STEP)
 
 
 def assert_same(got, want, exact=False):
