@@ -110,7 +110,7 @@ def _signature(args) -> tuple:
     return tuple(sig)
 
 
-_KERNELS: dict = {}  # (dispatcher id, device id, argument kinds) -> (dispatcher, cuda.core kernel, smem allowed)
+_KERNELS: dict = {}  # (dispatcher id, device id, argument kinds) -> (dispatcher, cuda.core kernel, smem allowed, numba function)
 
 
 def _current_device_id() -> int:
@@ -197,8 +197,21 @@ def compiled_kernel(dispatcher, args, shared_mem_bytes: int = 0, device_id: int 
             cufunc = _load_or_compile(dispatcher, _signature(args), device_id)
             opt_in_shared_memory(cufunc, shared_mem_bytes, device_id)
         allowed = max(shared_mem_bytes, 0 if hit is None or hit[0] is not dispatcher else hit[2])
-        hit = _KERNELS[key] = (dispatcher, cufunc.kernel, allowed)
+        hit = _KERNELS[key] = (dispatcher, cufunc.kernel, allowed, cufunc)
     return hit[1]
+
+
+def loaded_function(dispatcher, device_id: int | None = None):
+    """numba's loaded function (``.attrs``: registers, shared and local bytes; ``.handle``) of
+    the specialisation of ``dispatcher`` this process launched last on ``device_id`` (``None``:
+    any device), compiled here or loaded from the compilation cache; ``None`` when it launched
+    none. For the resource reports of a kernel whose dispatcher compiled nothing (its
+    ``overloads`` are empty when the cache had it)."""
+    found = None
+    for key, hit in _KERNELS.items():
+        if hit[0] is dispatcher and (device_id is None or key[1] == device_id):
+            found = hit[3]
+    return found
 
 
 @functools.lru_cache(maxsize=256)

@@ -172,3 +172,23 @@ def test_cache_command_counts_and_clears(cache_dir, monkeypatch, capsys):
     assert "removed 1 stale" in capsys.readouterr().out and len(compile_cache.entries()) == 2
     assert main(["cache", "clear"]) == 0
     assert "removed 2" in capsys.readouterr().out and compile_cache.entries() == []
+
+
+def test_resources_of_a_kernel_the_cache_supplied(monkeypatch):
+    """A dispatcher whose kernel came from the cache compiled nothing (no overloads): its
+    registers, shared and local bytes and occupancy come from the function this process loaded
+    and launched (the harness reports them for every compare/ablate row on a GPU)."""
+    from numba_flash._cuda import cuda
+    from numba_flash.research.profiling.resources import compiled_resources
+
+    dispatcher = types.SimpleNamespace(overloads={})
+    loaded = types.SimpleNamespace(attrs=types.SimpleNamespace(regs=96, shared=1024, local=0), handle="h")
+    context = types.SimpleNamespace(get_active_blocks_per_multiprocessor=lambda f, threads, smem: 4 if f is loaded else 0,
+                                    device=types.SimpleNamespace(MAX_THREADS_PER_MULTIPROCESSOR=2048))
+    monkeypatch.setattr(cuda, "current_context", lambda: context, raising=False)
+    monkeypatch.setattr(launch, "_KERNELS", {})
+    with pytest.raises(ValueError, match="launch it first"):
+        compiled_resources(dispatcher, 128)
+    launch._KERNELS[(id(dispatcher), 0, "float32")] = (dispatcher, "cuda.core kernel", 0, loaded)
+    res = compiled_resources(dispatcher, 128)
+    assert (res.regs, res.smem_bytes, res.local_bytes, res.blocks_per_sm, res.warps_per_sm) == (96, 1024, 0, 4, 16)

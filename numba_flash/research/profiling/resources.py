@@ -25,16 +25,23 @@ class KernelResources:
 
 def compiled_resources(kernel, threads: int, dynamic_smem: int = 0) -> KernelResources:
     """Resources on this GPU of a compiled kernel (what ``dispatcher.compile(sig)``
-    returns), or of a dispatcher's most recently compiled signature, launched with
-    ``dynamic_smem`` bytes of dynamic shared memory (counted in ``smem_bytes``)."""
+    returns), or of a dispatcher's most recently compiled signature, or, when its dispatcher
+    compiled nothing because the compilation cache had it, of the function this process loaded
+    and launched (``launch.loaded_function``); launched with ``dynamic_smem`` bytes of dynamic
+    shared memory (counted in ``smem_bytes``)."""
     from numba_flash._cuda import cuda
+    from numba_flash.launch import loaded_function
 
-    compiled = kernel if hasattr(kernel, "regs_per_thread") else list(kernel.overloads.values())[-1]
-    regs = compiled.regs_per_thread
-    smem = compiled.shared_mem_per_block + dynamic_smem
-    local = compiled.local_mem_per_thread
+    if hasattr(kernel, "regs_per_thread"):
+        cufunc = kernel._codelibrary.get_cufunc()
+    elif kernel.overloads:
+        cufunc = list(kernel.overloads.values())[-1]._codelibrary.get_cufunc()
+    else:
+        cufunc = loaded_function(kernel)
+        if cufunc is None:
+            raise ValueError("the kernel was neither compiled nor launched in this process: launch it first")
+    regs, smem, local = cufunc.attrs.regs, cufunc.attrs.shared + dynamic_smem, cufunc.attrs.local
     ctx = cuda.current_context()
-    cufunc = compiled._codelibrary.get_cufunc()
     if dynamic_smem:
         from numba_flash.launch import opt_in_shared_memory
 
