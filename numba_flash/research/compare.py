@@ -139,22 +139,11 @@ def simulated_seconds(p: dict, algorithms=ALGORITHMS, backward: bool = False) ->
 
 
 def backward_seconds(problem) -> float:
-    """About how long the simulator takes for ``attention_backward`` of a checked problem
-    (``simulator.estimate_backward_seconds``), at the regime and tiles that call picks."""
-    from numba_flash import tile_table
-    from numba_flash.backward import backward_regime
-    from numba_flash.kernels.tc_ops import kernel_head_dim
-    from numba_flash.simulator import estimate_backward_seconds
+    """About how long the simulator takes for ``attention_backward`` of a checked problem, at the
+    regime and tiles that call picks (``backward.simulated_seconds``)."""
+    from numba_flash.backward import simulated_seconds
 
-    regime = backward_regime(None, problem.dtype)
-    if regime == "ieee":
-        dim = problem.head_dim
-        block_m = block_n = tile_table.backward_block(dim)
-    else:
-        dim = kernel_head_dim(regime, problem.head_dim)
-        block_m, block_n = tile_table.backward_tc_tiles(dim, regime)
-    return estimate_backward_seconds(regime, problem.batch, problem.heads, problem.n_q, problem.n_k, dim,
-                                     block_m, block_n, problem.causal)
+    return simulated_seconds(problem)
 
 
 # The table's lines: a label and its cells, templates over a row (and its traffic in MB). A line

@@ -167,3 +167,23 @@ def test_a_call_that_takes_minutes_is_announced_before_it_runs(monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error", SimulatorSlowWarning)
         api.attention(q[:, :1, :32], q[:, :1, :32], q[:, :1, :32], precision="ieee")  # seconds: no warning
+
+
+def test_a_backward_that_takes_minutes_is_announced_before_it_runs(monkeypatch):
+    """As the forward's: before the kernels (stubbed out here), at the caller's line, with the
+    backward's own estimate; a small backward runs without a word."""
+    import numba_flash.backward as backward
+    from numba_flash.simulator import SimulatorSlowWarning
+
+    ran = []
+    monkeypatch.setattr(backward, "_run_tc", lambda *a, **k: ran.append(1))
+    q = np.zeros((1, 4, 1024, 64), np.float16)
+    lse = np.zeros((1, 4, 1024), np.float32)
+    with pytest.warns(SimulatorSlowWarning, match=r"backward .* about [\d.]+ (minutes|hours)") as record:
+        backward.attention_backward(q, q, q, q, q, lse)
+    assert ran and record[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", SimulatorSlowWarning)
+        small = (slice(None), slice(0, 1), slice(0, 16))
+        backward.attention_backward(q[small], q[small], q[small], q[small], q[small], lse[small])
+    assert len(ran) == 2
