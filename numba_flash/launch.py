@@ -194,7 +194,10 @@ def compiled_kernel(dispatcher, args, shared_mem_bytes: int = 0, device_id: int 
     hit = _KERNELS.get(key)
     if hit is None or hit[0] is not dispatcher or hit[2] < shared_mem_bytes:
         with _on_numba_device(device_id):
-            cufunc = _load_or_compile(dispatcher, _signature(args), device_id)
+            if hit is not None and hit[0] is dispatcher:  # loaded already: only a larger opt-in
+                cufunc = hit[3]
+            else:
+                cufunc = _load_or_compile(dispatcher, _signature(args), device_id)
             opt_in_shared_memory(cufunc, shared_mem_bytes, device_id)
         allowed = max(shared_mem_bytes, 0 if hit is None or hit[0] is not dispatcher else hit[2])
         hit = _KERNELS[key] = (dispatcher, cufunc.kernel, allowed, cufunc)

@@ -141,3 +141,13 @@ def test_numba_launch_passes_dynamic_shared_memory():
     out = np.zeros(1, np.float32)
     L.numba_launch(_dynamic_sum, (1,), (16,), None, (x, out), shared_mem_bytes=16 * 4)
     assert out[0] == x.sum()
+
+
+def test_a_larger_opt_in_reuses_the_loaded_kernel(fake_gpu):
+    """A second launch asking for more dynamic shared memory opts the kernel already loaded in
+    further: nothing is compiled (or read from the compilation cache and loaded) again."""
+    record, dispatcher = fake_gpu
+    for nbytes in (60 * 1024, 100 * 1024, 80 * 1024):
+        L.launch(dispatcher, (1,), (32,), 0, _args(), shared_mem_bytes=nbytes, device_id=0)
+    assert len(dispatcher.compiles) == 1
+    assert record.attributes == [(60 * 1024, "handle@0", 0), (100 * 1024, "handle@0", 0)]
