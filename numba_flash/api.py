@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import functools
 import math
-import sys
-import warnings
 from dataclasses import dataclass, replace
 from typing import NamedTuple
 
@@ -357,28 +355,11 @@ def simulated_seconds(call: LaunchConfig) -> float:
 
 def _warn_if_slow(call: LaunchConfig) -> None:
     """Say so before a simulated call that will take minutes (no GPU here)."""
-    from numba_flash.simulator import SLOW_SECONDS, SimulatorSlowWarning, format_seconds
+    from numba_flash.simulator import warn_if_slow
 
-    seconds = simulated_seconds(call)
-    if seconds < SLOW_SECONDS:
-        return
     B, H, Nq, D = call.q_shape
-    warnings.warn(
-        SimulatorSlowWarning(
-            f"no GPU: this {call.algorithm.upper().replace('FA', 'FA-')} call (B={B} H={H} Nq={Nq} Nk={call.n_k} D={D}) runs in "
-            f"Numba's CUDA simulator and will take about {format_seconds(seconds)}; problems of a few dozen "
-            "rows take seconds there"
-        ),
-        stacklevel=_caller_stacklevel(),
-    )
-
-
-def _caller_stacklevel() -> int:
-    """The ``stacklevel`` that points a warning at the first frame outside this module."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and frame.f_globals.get("__name__") == __name__:
-        frame, level = frame.f_back, level + 1
-    return level
+    warn_if_slow(f"{call.algorithm.upper().replace('FA', 'FA-')} call (B={B} H={H} Nq={Nq} Nk={call.n_k} D={D})",
+                 simulated_seconds(call))
 
 
 def _widen(x, kind):

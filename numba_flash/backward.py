@@ -102,8 +102,10 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
                 g[...] = 0
             return dq, dk, dv
         regime = backward_regime(precision, problem.dtype)
-        if simulated():
-            _warn_if_slow(problem, regime, tiles)
+        if simulated():  # (before minutes of simulated kernels: say so, as attention does)
+            from numba_flash.simulator import warn_if_slow
+
+            warn_if_slow(f"backward (B={B} H={H} Nq={Nq} Nk={Nk} D={D})", simulated_seconds(problem, regime, tiles))
         if regime == "ieee":
             _run(ctx, problem, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv)
         else:
@@ -127,26 +129,6 @@ def simulated_seconds(problem, regime: str | None = None, tiles=None) -> float:
         block_m, block_n = tile_table.backward_tc_tiles(dim, regime) if tiles is None else tiles
     return estimate_backward_seconds(regime, problem.batch, problem.heads, problem.n_q, problem.n_k, dim,
                                      block_m, block_n, problem.causal)
-
-
-def _warn_if_slow(problem, regime: str, tiles) -> None:
-    """Say so before a simulated backward that will take minutes (no GPU here), as ``attention``
-    does for the forward."""
-    import sys
-    import warnings
-
-    from numba_flash.simulator import SLOW_SECONDS, SimulatorSlowWarning, format_seconds
-
-    seconds = simulated_seconds(problem, regime, tiles)
-    if seconds < SLOW_SECONDS:
-        return
-    level, frame = 1, sys._getframe(0)  # (level 1: this frame, as warnings counts)
-    while frame is not None and frame.f_globals.get("__name__") == __name__:  # the caller's line
-        frame, level = frame.f_back, level + 1
-    warnings.warn(SimulatorSlowWarning(
-        f"no GPU: this backward (B={problem.batch} H={problem.heads} Nq={problem.n_q} Nk={problem.n_k} "
-        f"D={problem.head_dim}) runs in Numba's CUDA simulator and will take about {format_seconds(seconds)}; "
-        "problems of a few dozen rows take seconds there"), stacklevel=level)
 
 
 def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:

@@ -247,6 +247,22 @@ BACKWARD_SECONDS_PER_PAIR = {"ieee": 0.054, "f16": 0.024, "bf16": 0.024, "tf32x3
 BACKWARD_SECONDS_PER_MAC = {"ieee": 4.8e-6, "f16": 3.6e-6, "bf16": 3.6e-6, "tf32x3": 1.5e-5}
 
 
+def warn_if_slow(what: str, seconds: float) -> None:
+    """:class:`SimulatorSlowWarning` before a simulated call of ``seconds`` (``what``: the call and
+    its shapes) when that is :data:`SLOW_SECONDS` or more, pointed at the first frame outside
+    numba_flash (the caller's line)."""
+    if seconds < SLOW_SECONDS:
+        return
+    import sys
+
+    level, frame = 1, sys._getframe(0)  # (level 1: this frame, as warnings counts)
+    while frame is not None and str(frame.f_globals.get("__name__", "")).split(".")[0] == "numba_flash":
+        frame, level = frame.f_back, level + 1
+    warnings.warn(SimulatorSlowWarning(
+        f"no GPU: this {what} runs in Numba's CUDA simulator and will take about {format_seconds(seconds)}; "
+        "problems of a few dozen rows take seconds there"), stacklevel=level)
+
+
 def format_seconds(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f} s"

@@ -36,8 +36,6 @@ torch = require_module("torch", "numba_flash.torch")  # the real PyTorch (absolu
 
 __all__ = ["attention", "decode"]
 
-_OPS = None  # the registered operators (torch.ops.numba_flash), made at import
-
 
 def _check_tensors(**arrays) -> None:
     for name, x in arrays.items():
@@ -72,7 +70,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int32, device=q.device)
     o, lse = _OPS.decode(q, k_cache, v_cache, cache_seqlens, bool(causal), None if scale is None else float(scale),
-                           None if num_splits is None else int(num_splits))
+                         None if num_splits is None else int(num_splits))
     return (o, lse) if return_lse else o
 
 
@@ -133,4 +131,4 @@ def _register():
     return torch.ops.numba_flash
 
 
-_OPS = _register()
+_OPS = _register()  # torch.ops.numba_flash, registered at import (outside any torch.compile trace)
