@@ -144,25 +144,32 @@ def read_entry(path: pathlib.Path) -> tuple[dict, bytes] | None:
     return header, cubin
 
 
+def write_atomically(path: pathlib.Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a reader sees the old file or the whole new one: a
+    temporary file in the same folder (``.tmp-*``), renamed into place. ``OSError`` when the
+    folder cannot be written (no temporary file is left behind)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=path.suffix)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
 def write_entry(path: pathlib.Path, header: dict, cubin: bytes) -> bool:
-    """Store ``cubin`` with ``header`` at ``path`` atomically (a temporary file in the same
-    folder, renamed into place). False when the folder cannot be written (the cache is then
-    only skipped: compiling never fails for it)."""
+    """Store ``cubin`` with ``header`` at ``path`` atomically (:func:`write_atomically`). False
+    when the folder cannot be written (the cache is then only skipped: compiling never fails
+    for it)."""
     header = dict(header, cubin_bytes=len(cubin), created=time.time())
     blob = json.dumps(header, sort_keys=True).encode()
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=_SUFFIX)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(_MAGIC + struct.pack("<I", len(blob)) + blob + cubin)
-            os.replace(tmp, path)
-        except BaseException:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-            raise
+        write_atomically(path, _MAGIC + struct.pack("<I", len(blob)) + blob + cubin)
     except OSError:
         return False
     return True

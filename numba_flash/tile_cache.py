@@ -6,7 +6,8 @@ stores the fastest (block_m, block_n) per (GPU, algorithm, head_dim, dtype, caus
 reads it here when the caller leaves ``block_m`` / ``block_n`` as ``None``, and falls
 back to ``tile_table.forward_tiles`` without an entry.
 
-Layering: this module sits below ``api`` (it imports only ``kernels.tiles`` and, lazily,
+Layering: this module sits below ``api`` (it imports only ``kernels.tiles``, ``compile_cache`` (the
+cache folder, atomic writes) and, lazily,
 numba.cuda for a device's name); ``tuning`` sits above ``api``. So the API never imports
 the autotuner, and there is no import circle.
 
@@ -19,10 +20,9 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import pathlib
-import tempfile
 
+from numba_flash.compile_cache import cache_root, write_atomically
 from numba_flash.kernels.tiles import check_tiles
 
 # Bumped when the kernels' tile layout changes: a choice timed on other kernels is stale
@@ -31,8 +31,6 @@ LAYOUT_VERSION = 2
 
 
 def cache_path() -> pathlib.Path:
-    from numba_flash.compile_cache import cache_root
-
     return cache_root() / "tiles.json"
 
 
@@ -91,10 +89,6 @@ def save(algorithm, head_dim, dtype, causal, tiles, tflops, device_id: int | Non
     device_id = current_device_id() if device_id is None else device_id
     data = dict(load())
     data[key(gpu_name(device_id), algorithm, head_dim, dtype, causal)] = {"tiles": list(tiles), "tflops": round(tflops, 2)}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write(json.dumps(data, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps(data, indent=1, sort_keys=True).encode())
     load.cache_clear()
     return path
