@@ -134,8 +134,8 @@ def forward(
     ``variant``: a point of the FA-1 -> FA-2 ablation space (``kernels.forward.Variant``, or a
     dict of its fields: loop_order, grid, rescale, warp_partition, o_load); it overrides
     ``algorithm`` (``FA1`` and ``FA2`` are its named points). It runs on the engine the call's
-    regime picks (the same loop nests, ``kernels.forward``); split_k, a CUDA-core warp partition,
-    needs ``precision="ieee"`` for 16-bit inputs or tf32.
+    regime picks (the same loop nests, ``kernels.forward``); split_k on tensor cores needs
+    ``block_n >= 32`` (two groups of key warps, 16 keys each at least; without tiles it gets them).
 
     ``kv_tile_order``: a permutation of ``range(ceil(Nk / block_n))``; the kernel walks
     the K/V tiles in that order (both algorithms) -- the seed's chunk-order invariance,
@@ -192,17 +192,20 @@ def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, bloc
     if variant is not None:  # the loop order decides which kernel family's defaults apply
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
     checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision)
-    if variant is not None and variant.warp_partition == "split_k" and block_m is None and block_n is None:
+    split_k = variant is not None and variant.warp_partition == "split_k"
+    if split_k and checked.regime == "ieee" and block_m is None and block_n is None:
         from numba_flash.tile_table import comparison_tiles  # (the ablation's tiles: FA-2's own default
         # at D <= 64, 128 x 64, gives split_k's static tiles 107 KiB)
         block_m, block_n = comparison_tiles(checked.q_shape[3])
     call = configure(checked, block_m, block_n)  # (the tiles' checks before num_splits', as always)
+    if split_k and checked.regime != "ieee" and block_n is None and call.block_n < 32:
+        call = configure(checked, call.block_m, 32)  # (the simulator's 16-key tiles: 16 keys per key-warp group)
     call = replace(call, num_splits=check_num_splits(num_splits, algorithm))
     if call.regime != "ieee":
         from numba_flash.kernels.forward import check_tensor_core_variant
 
-        check_tensor_core_variant(variant)
-    if variant is not None and variant.warp_partition == "split_k":
+        check_tensor_core_variant(variant, call.block_n)
+    elif variant is not None and variant.warp_partition == "split_k":
         from numba_flash.kernels.forward import SPLIT_K_GROUPS
 
         half = call.block_n // SPLIT_K_GROUPS

@@ -22,6 +22,7 @@ import functools
 from dataclasses import dataclass
 
 from numba_flash import switches
+from numba_flash.arch import SM_REGISTERS, SMEM_OPTIN_LIMIT
 from numba_flash.kernels.tiles import ROWS_PER_THREAD, register_cap
 from numba_flash.tile_table import forward_rows_per_thread
 
@@ -157,19 +158,29 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
             variant = None  # a named point: its own factory
     ragged, split_out = bool(ragged) and algorithm == "fa2", bool(split_out) and algorithm == "fa2"
     if regime != "ieee":
+        from numba_flash.kernels.forward import SPLIT_K_GROUPS, check_tensor_core_variant, tc_split_k_smem_bytes
         from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout, tc_register_cap
 
+        check_tensor_core_variant(variant, block_n)
         d = kernel_head_dim(regime, head_dim)
         stages = int(kv_stages) if algorithm == "fa2" else 1
         warps = int(key_warps) if algorithm == "fa2" else 1
         mode = switches.tf32x3_presplit() if regime == "tf32x3" else None
         split = {} if mode is None else {"presplit_mode": mode}
-        layout = tc_layout(regime, d, block_m, block_n, stages, key_warps=warps, **split)
         cap = tc_register_cap(regime, d, block_m, block_n, switches.tc_maxreg())
-        from numba_flash.kernels.forward import check_tensor_core_variant
-
-        check_tensor_core_variant(variant)
-        return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, layout.smem_bytes,
+        if variant is not None and variant.warp_partition == "split_k":  # groups of key warps, no pre-split
+            layout = tc_layout(regime, d, block_m, block_n, 1, presplit="", key_warps=SPLIT_K_GROUPS)
+            smem = tc_split_k_smem_bytes(variant.loop_order, layout)
+            if smem > SMEM_OPTIN_LIMIT:
+                raise ValueError(f"split_k with block_m={block_m}, block_n={block_n} at head_dim={d} needs {smem} bytes "
+                                 f"of shared memory on tensor cores, more than the {SMEM_OPTIN_LIMIT} a block can have")
+            if layout.threads * 255 > SM_REGISTERS:  # two groups: up to 16 warps a block, which must fit an SM
+                cap = min(cap or 255, SM_REGISTERS // layout.threads // 8 * 8)
+            mode = None
+        else:
+            layout = tc_layout(regime, d, block_m, block_n, stages, key_warps=warps, **split)
+            smem = layout.smem_bytes
+        return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, smem,
                           cap, ragged and (variant is None or variant.loop_order == "q_outer"), split_out,
                           variant=variant, kv_stages=stages, key_warps=warps,
                           presplit=None if mode is None else layout.presplit)

@@ -98,18 +98,20 @@ def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, 
 
 
 def _variant_cases(xp):
-    """Every point of the ablation space (kernels.forward), float32 and float16, causal or not,
-    on two awkward shapes, D 40."""
+    """Every point of the ablation space (kernels.forward), float32 and float16 on CUDA cores and
+    float16 on tensor cores (the "-tc" cases: the mma engine, split_k as key warps), causal or
+    not, on two awkward shapes, D 40."""
     from numba_flash.research.ablation import all_variants
 
     cases = []
     for variant in all_variants():
-        for dtype in ("float32", "float16"):
+        for dtype, precision, label in (("float32", "ieee", "float32"), ("float16", "ieee", "float16"),
+                                        ("float16", None, "float16-tc")):
             for causal in (False, True):
                 for n_q, n_k in ((17, 33), (33, 17)):
-                    name = f"variant-{variant.name}-{dtype}-{'causal' if causal else 'full'}-D40-Nq{n_q}-Nk{n_k}"
+                    name = f"variant-{variant.name}-{label}-{'causal' if causal else 'full'}-D40-Nq{n_q}-Nk{n_k}"
                     spec = dict(algorithm="fa2", dtype=dtype, causal=causal, head_dim=40, n_q=n_q, n_k=n_k,
-                                block_m=None, block_n=None, precision="ieee", num_splits=1, variant=variant)
+                                block_m=None, block_n=None, precision=precision, num_splits=1, variant=variant)
                     cases.append((name, _case(spec, xp)))
     return cases
 

@@ -27,7 +27,10 @@ FA-1 and FA-2 are two named points (:data:`FA1`, :data:`FA2`): ``fa1.fa1_kernel`
 cores) are this skeleton at those points. Each loop nest is written once, against an engine
 (``engines``: the tile steps S, masking, row max, P~ = exp2(S - m), P~ V on FFMA micro-tiles or
 ``mma.sync``) and a pipeline (``pipeline``: how K_j, V_j, Q_i are copied and the barriers), so
-every variant runs on both engines (split_k on CUDA cores only).
+every variant runs on both engines. On tensor cores split_k's groups are key warps (``mma_engine``
+with ``key_warps = SPLIT_K_GROUPS``: each warp of a group holds 16 query rows and multiplies its
+group's keys of every K/V tile); their states are merged by the same ``merge_groups`` as on CUDA
+cores, through shared memory.
 
 Arguments (every variant): ``q (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``; ``o`` out (q's dtype;
 ``(S*B,H,Nq,D)`` for split partials); ``lse`` out ``(S*B,H,Nq) float32``; ``o_hbm (B,H,Nq,D)
@@ -93,18 +96,30 @@ FA1 = Variant("kv_outer", "heads", "every_step", "split_q", "at_update")
 FA2 = Variant("q_outer", "heads_x_qtiles", "deferred", "split_q", "at_update")
 
 
-def runs_on_tensor_cores(variant) -> bool:
-    """Has the tensor-core engine a form of ``variant``? Not of split_k (each group of warps on its
-    part of every K/V tile, their states merged through shared memory): a CUDA-core warp
-    partition; on tensor cores only decode's key warps split a tile's keys."""
-    return variant is None or variant.warp_partition != "split_k"
+def check_tensor_core_variant(variant, block_n: int) -> None:
+    """``ValueError`` for a variant the tensor-core engine cannot run with ``block_n`` keys per
+    tile: split_k gives each group's warps ``block_n / SPLIT_K_GROUPS`` keys, which the m16n8k16
+    products take 16 at a time."""
+    if variant is not None and variant.warp_partition == "split_k" and block_n // SPLIT_K_GROUPS < 16:
+        raise ValueError(f"split_k on tensor cores gives each of its {SPLIT_K_GROUPS} warp groups block_n / "
+                         f"{SPLIT_K_GROUPS} keys, at least 16: block_n={block_n} is too small (32 or more)")
 
 
-def check_tensor_core_variant(variant) -> None:
-    """``ValueError`` for a variant the tensor-core engine has no form of (:func:`runs_on_tensor_cores`)."""
-    if not runs_on_tensor_cores(variant):
-        raise ValueError("split_k runs on CUDA cores (precision='ieee'); on tensor cores the keys of a tile are "
-                         "split between warps only by decode's key warps")
+def tc_split_k_merge_floats(loop_order: str, layout) -> tuple[int, int]:
+    """split_k on tensor cores: where the groups' states go for the merge, as (first float32 of
+    the dynamic shared memory, floats). Q-outer merges once, after the walk: over the tiles.
+    K/V-outer merges at every step while K_j, V_j are still in use: after the tiles."""
+    groups, warps = SPLIT_K_GROUPS, layout.block_m // 16
+    state = 2 * (2 + layout.padded_dim // 4)  # a thread's m, l and O~ of its two rows (engines.mma_engine)
+    floats = (groups - 1) * 32 * warps * state
+    base = 0 if loop_order == "q_outer" else -(-layout.smem_bytes // 16) * 4
+    return base, floats
+
+
+def tc_split_k_smem_bytes(loop_order: str, layout) -> int:
+    """Dynamic shared memory of a split_k kernel on tensor cores: its tiles, and the merge's states."""
+    base, floats = tc_split_k_merge_floats(loop_order, layout)
+    return max(layout.smem_bytes, 4 * (base + floats))
 
 
 @kernel_factory
@@ -134,7 +149,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
     TENSOR_CORES = isinstance(tiles, TensorCores)
     if TENSOR_CORES:
         KW, STAGES = int(tiles.key_warps), int(tiles.kv_stages)
-        check_tensor_core_variant(variant)
+        check_tensor_core_variant(variant, BN)
         if PERMUTED:
             raise ValueError("the tensor-core engine walks the K/V tiles in order (its copies run ahead of the walk)")
         if KW < 1 or BN % KW or BN // KW < 16:
@@ -143,12 +158,20 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
             raise ValueError(f"key_warps={KW} needs a ring (kv_stages > 1) and block_m = 16")
         if (KV_OUTER or variant != FA2) and (STAGES > 1 or KW > 1):
             raise ValueError("a ring of K/V tiles and key warps are FA-2's (kv_stages = key_warps = 1 elsewhere)")
-        E = mma_engine(tiles.kind, D, BM, BN, tiles.row_walk, tiles.presplit, KW)
+        presplit = tiles.presplit
+        KEY_WARP_MERGE = KW > 1  # decode's key warps merge themselves (engines.key_warp_merge)
+        KG = 1
+        if SPLIT_K:  # the groups are key warps; no pre-split operands (each group reads its own keys)
+            KW = KG = SPLIT_K_GROUPS
+            presplit = ""
+        E = mma_engine(tiles.kind, D, BM, BN, tiles.row_walk, presplit, KW)
         pipe = cp_async(E, BN, STAGES)
         L = E.copies.layout
-        KG, BNG, NT = 1, BN // KW, L.threads
+        NT = L.threads // KG  # threads of one group
         CAST_OUT = True  # O, l, m of kv_outer in float32 HBM; o in the input type
-        merge_key_warps = key_warp_merge(E, BN, STAGES, F32_OUT) if KW > 1 else None
+        merge_key_warps = key_warp_merge(E, BN, STAGES, F32_OUT) if KEY_WARP_MERGE else None
+        group_of_thread = E.ops.key_warp if SPLIT_K else E.group
+        MERGE_BASE, _ = tc_split_k_merge_floats(variant.loop_order, L)
         Q_ELEMS, KV_ELEMS = L.q_elems, L.kv_elems
         SPLIT_BASE = Q_ELEMS + 2 * KV_ELEMS
         K_SPLIT, V_SPLIT = L.k_split_elems, L.v_split_elems
@@ -156,7 +179,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         MMA_SCRATCH = mma.scratch_floats(L.threads)
         DYNAMIC = True
     else:
-        KW = 1
+        KW, KEY_WARP_MERGE = 1, False
         CAST_OUT = bool(cast_out)
         KG = SPLIT_K_GROUPS if SPLIT_K else 1  # groups of warps splitting each K/V tile
         BNG = BN // KG  # keys of a K/V tile per group
@@ -166,6 +189,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         pipe = synchronous(E)
         L = E.layout
         NT = L.threads  # threads of one group
+        group_of_thread = E.group
         Q_FLOATS, K_FLOATS, V_FLOATS, P_FLOATS = L.q_floats, L.k_floats, L.v_floats, L.p_floats
         K_ALL, V_ALL, P_ALL = KG * K_FLOATS, KG * V_FLOATS, KG * P_FLOATS  # shared sizes: compile-time constants
         # split_q above 48 KiB: the tiles are views of one dynamic buffer, Q_i | K_j | V_j | P~
@@ -176,13 +200,16 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         v_tile = shared_tile(Q_FLOATS + K_FLOATS, V_FLOATS)
         p_tile = shared_tile(Q_FLOATS + K_FLOATS + V_FLOATS, P_FLOATS)
     SKIPS_TILES = pipe.SYNCHRONOUS  # a walk may skip tiles only where no copy runs ahead of it
-    RING, OPERAND_ELEMS = pipe.RING, pipe.OPERAND_ELEMS  # a ring: the products read the stage's tiles
+    # a ring (or tensor-core split_k): the products read this stage's tiles, this group's keys of them
+    SLICED, OPERAND_ELEMS = pipe.SLICED, pipe.OPERAND_ELEMS
     TM, OUT = E.rows_per_thread, E.out_cols
     S_SHAPE, ACC_SHAPE, QF_SHAPE, QF_SMALL_SHAPE, KV_LOADS = E.s_shape, E.acc_shape, E.qf_shape, E.qf_small_shape, E.kv_reg
     SCRATCH = scratch_floats(TM, NT * KG)
     O_REGS = TM if O_WITH_Q else 1  # rows of the O_i read early (o_load="with_q")
     STATE = TM * (2 + OUT)  # one thread's (m, l, O) of its rows, for the merge of split_k
     MERGE_FLOATS = (KG - 1) * NT * STATE  # groups 1.. write their states, group 0 merges them
+    if TENSOR_CORES and SPLIT_K and MERGE_FLOATS != tc_split_k_merge_floats(variant.loop_order, L)[1]:
+        raise AssertionError("tc_split_k_merge_floats disagrees with the engine's state")  # (the host sizes the launch)
     if not TENSOR_CORES:
         # split_k: Q_i and the groups' P~ in one buffer, which the merge reuses once they are read
         # (within the 48 KiB of static shared memory: D=64 64x32 46.6 KB, D=128 32x16 37.6 KB)
@@ -196,9 +223,10 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         """split_k: the (m, l, O~) of every group's thread in this thread's position merged into
         group 0's (``online.merge`` in log2 units: m = max, each side rescaled by exp2(m_g - m),
         then added; an empty side, m = -inf, weighs 0). Groups 1.. write their states into
-        ``merge_s`` (which aliases Q_i and P~: hence the first barrier); after the second, group 0
-        reads them. All threads must call."""
-        grp = E.group()
+        ``merge_s`` (which aliases Q_i and P~ -- on tensor cores every tile for q_outer; for
+        kv_outer it lies after K_j, V_j, still in use -- hence the first barrier); after the
+        second, group 0 reads them. All threads must call."""
+        grp = group_of_thread()
         cuda.syncthreads()  # everyone is done with Q_i and P~
         if grp > 0:
             base = ((grp - 1) * NT + cuda.threadIdx.x % NT) * STATE
@@ -237,7 +265,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         split_k: this thread's group walks its keys of every K/V tile (``k_s``, ``v_s``, ``p_s``:
         its part), and the groups' states are merged at the end."""
         row0 = i_tile * BM
-        lead = E.group() == 0  # split_k: the group that holds the merged state (else everyone)
+        lead = group_of_thread() == 0  # split_k: the group that holds the merged state (else everyone)
         key0 = E.first_key()  # this thread's first key of every K/V tile (split_k, key warps)
         if pipe.Q_BEFORE_RANGE:  # Line 4: load Q_i into shared memory (synchronous copies: first)
             pipe.load_q(q, b, h, row0, n_q, q_scale, q_s, lead)
@@ -272,7 +300,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
             pipe.before_scores(k, v, b, hk, col0, step, end - first, n_k, smem, k_s, v_s, k_split, kv_reg)  # Line 7
             if jj == first:
                 E.q_frags(q_s, qf, qf_small)
-            if RING:  # this stage's K_j (this warp's keys of it)
+            if SLICED:  # this stage's K_j (this warp's keys of it)
                 k_op = smem[pipe.k_offset(step) : pipe.k_offset(step) + OPERAND_ELEMS]
             else:
                 k_op = pipe.k_operand(smem, k_s, k_split, step)
@@ -294,7 +322,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                 for i in range(TM):
                     E.rescale_row(acc, i, l_run[i])  # diag(l) O_i
                 pipe.before_pv(k, v, b, hk, col0, step, end - first, n_k, smem, k_s, v_s, v_split)
-                if RING:
+                if SLICED:
                     v_op = smem[pipe.v_offset(step) : pipe.v_offset(step) + OPERAND_ELEMS]
                 else:
                     v_op = pipe.v_operand(smem, v_s, v_split, step)
@@ -307,7 +335,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                 for i in range(TM):
                     l_run[i] += row_sums[i]
                 pipe.before_pv(k, v, b, hk, col0, step, end - first, n_k, smem, k_s, v_s, v_split)
-                if RING:
+                if SLICED:
                     v_op = smem[pipe.v_offset(step) : pipe.v_offset(step) + OPERAND_ELEMS]
                 else:
                     v_op = pipe.v_operand(smem, v_s, v_split, step)
@@ -321,7 +349,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                 for i in range(TM):
                     E.rescale_row(acc, i, l_run[i])  # back to O~ = diag(l) O for the merge
             merge_groups(m, l_run, acc, merge_s)
-        if KW > 1:  # the key warps' states merged, and Lines 12-15
+        if KEY_WARP_MERGE:  # the key warps' states merged, and Lines 12-15
             merge_key_warps(o, lse, ob, h, row0, n_q, m, l_run, acc)
             return
         for i in range(TM):
@@ -342,7 +370,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                       tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg, o_old, merge_s):
         """FA-1 lines 2-16 for Q tiles ``i_first ..`` of one (batch, head): the K/V tiles outside,
         the state O, l, m of every row in global memory between steps."""
-        lead = E.group() == 0  # split_k: the group that holds the merged state (else everyone)
+        lead = group_of_thread() == 0  # split_k: the group that holds the merged state (else everyone)
         first_of_row = E.first_of_row()
         key0 = E.first_key()
         # Line 2: O = 0, l = 0, m = -inf in HBM (each thread, the elements it will own).
@@ -390,7 +418,10 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                                     o_old[i, c] = o_hbm[b, h, row, d]
                 cuda.syncthreads()  # Q_i (and K_j, V_j) in shared memory
                 E.q_frags(q_s, qf, qf_small)
-                k_op = pipe.k_operand(smem, k_s, k_split, 0)
+                if SLICED:  # this group's keys of K_j
+                    k_op = smem[pipe.k_offset(0) : pipe.k_offset(0) + OPERAND_ELEMS]
+                else:
+                    k_op = pipe.k_operand(smem, k_s, k_split, 0)
                 E.score_tile(qf, qf_small, q_s, k_op, s, mscratch)  # Line 9: S_ij = Q_i K_j^T
                 E.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
                 first_row_last_key = mask.last_visible_key(row0, n_q, n_k, CAUSAL)
@@ -412,7 +443,10 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                             m[i] = m_hbm[b, h, row]
                 cuda.syncthreads()  # P~_ij of every row is in shared memory; every thread read l_i, m_i
                 E.zero(acc)
-                v_op = pipe.v_operand(smem, v_s, v_split, 0)
+                if SLICED:
+                    v_op = smem[pipe.v_offset(0) : pipe.v_offset(0) + OPERAND_ELEMS]
+                else:
+                    v_op = pipe.v_operand(smem, v_s, v_split, 0)
                 E.pv_tile(s, p_s, v_op, acc, colg, last_keys, masked, mscratch)  # acc = P~_ij V_j
                 if SPLIT_K:  # the groups' (m~, l~, P~V) over their keys, merged: the whole tile's
                     merge_groups(tile_max, row_sums, acc, merge_s)
@@ -503,6 +537,9 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
             v_split = smem[SPLIT_BASE + K_SPLIT : SPLIT_BASE + K_SPLIT + V_SPLIT]  # k_s, v_s stage the copies)
             p_s = q_s  # (P~ stays in registers)
             merge_s = q_s  # (not used)
+            if SPLIT_K:  # the groups' states, float32, over the tiles (q_outer) or after them (kv_outer)
+                merge_all = cuda.shared.array(0, float32, SMEM_ALIGN)
+                merge_s = merge_all[MERGE_BASE:]
             mscratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
         else:
             grp = E.group()

@@ -21,7 +21,8 @@ Q-outer walk (FA-2 lines 4-11), tile ``step`` of ``n_steps`` at key ``col0``:
   ``k_operand(smem, k_s, k_split, step)`` and ``v_operand(smem, v_s, v_split, step)``: the
   shared-memory tiles the products read at ``step``; a ring (``RING``) instead gives their
   offsets in the dynamic buffer, ``k_offset(step)`` and ``v_offset(step)``, ``OPERAND_ELEMS``
-  long (numba's device functions return only arrays they were given, not new views).
+  long (numba's device functions return only arrays they were given, not new views); so do key
+  warps (``SLICED``: each warp's part of the one K_j, V_j).
 K/V-outer walk (FA-1 lines 5-8):
   ``kv_tile(k, v, b, hk, col0, n_k, smem, k_s, v_s, k_split, v_split, kv_reg)``,
   ``q_tile(q, b, h, row0, n_q, q_scale, q_s, lead)``, ``finish()``.
@@ -101,7 +102,7 @@ def synchronous(engine) -> ModuleType:
         if lead:
             engine.load_q(q, b, h, row0, n_q, q_scale, q_s)  # FA-1 line 8: load Q_i
 
-    return _policy("synchronous", SYNCHRONOUS=True, Q_BEFORE_RANGE=True, RING=False, OPERAND_ELEMS=1,
+    return _policy("synchronous", SYNCHRONOUS=True, Q_BEFORE_RANGE=True, RING=False, SLICED=False, OPERAND_ELEMS=1,
                    k_offset=_zero_offset, v_offset=_zero_offset, load_q=load_q, start=start, before_scores=before_scores, before_pv=before_pv,
                    k_operand=k_operand, v_operand=v_operand, kv_tile=kv_tile, q_tile=q_tile, finish=_nothing)
 
@@ -119,6 +120,9 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
     SPLIT_K, SPLIT_V = ops.presplit_k, ops.presplit_v  # tf32x3 (tc_ops.presplit_operands)
     if STAGES > 1 and (SPLIT_K or SPLIT_V or L.presplit):
         raise ValueError("a ring of K/V tiles (kv_stages > 1) takes no pre-split operands")
+    KEY_WARPS = L.key_warps  # > 1: each warp multiplies its part of every tile (the nest slices it)
+    if KEY_WARPS > 1 and (SPLIT_K or SPLIT_V or L.presplit):
+        raise ValueError("key warps take no pre-split operands")
     commit, wait_one, wait_all = mma.cp_async_commit, mma.cp_async_wait_one, mma.cp_async_wait_all
     wait_ring = mma.cp_async_wait_group(max(STAGES - 2, 0))  # tile j's group: STAGES - 2 committed after it
 
@@ -258,9 +262,20 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
     def load_q(q, b, h, row0, n_q, q_scale, q_s, lead):
         engine.load_q(q, b, h, row0, n_q, q_scale, q_s)  # FA-2 line 4 (committed with the first K/V copies)
 
-    if STAGES == 1:
+    if STAGES == 1 and KEY_WARPS > 1:  # this warp's keys of the one K_j, V_j
+
+        @device_jit
+        def k_offset(step):
+            return Q_ELEMS + engine.first_key() * STRIDE
+
+        @device_jit
+        def v_offset(step):
+            return Q_ELEMS + KV_ELEMS + engine.first_key() * STRIDE
+
+    elif STAGES == 1:
         k_offset = v_offset = _zero_offset
-    return _policy(f"cp_async_s{STAGES}", SYNCHRONOUS=False, Q_BEFORE_RANGE=False, RING=STAGES > 1,
+    return _policy(f"cp_async_s{STAGES}_w{KEY_WARPS}", SYNCHRONOUS=False, Q_BEFORE_RANGE=False, RING=STAGES > 1,
+                   SLICED=STAGES > 1 or KEY_WARPS > 1,
                    OPERAND_ELEMS=WARP_KV_ELEMS, k_offset=k_offset, v_offset=v_offset, STAGES=STAGES, load_q=load_q, start=start, before_scores=before_scores,
                    before_pv=before_pv, k_operand=k_operand, v_operand=v_operand, kv_tile=kv_tile, q_tile=q_tile,
                    finish=wait_all)

@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from numba_flash.kernels.forward import (FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, WARP_PARTITIONS, Variant,
-                                         runs_on_tensor_cores)
+from numba_flash.kernels.forward import (FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, SPLIT_K_GROUPS,
+                                         WARP_PARTITIONS, Variant)
 from numba_flash.problem import TENSOR_CORE_KIND
 from numba_flash.research.report import markdown_table, shape_label
 
@@ -86,10 +86,6 @@ def ablate(args, progress=None):
     # dtypes (or --precision tf32 / tf32x3): the same loop nests (kernels.forward) on either.
     regime = p["precision"] or TENSOR_CORE_KIND.get(p["dtype"], "ieee")
     args.precision = "ieee" if regime == "ieee" else p["precision"]  # (None: the 16-bit dtype's kind)
-    skipped = []
-    if regime != "ieee":  # split_k is a CUDA-core partition (on tensor cores: decode's key warps)
-        skipped = [v for v in variants if not runs_on_tensor_cores(v)]
-        variants = [v for v in variants if runs_on_tensor_cores(v)]
     if args.block_m is None or args.block_n is None:  # one tile choice for every variant (tile_table)
         from numba_flash.api import choose_tiles
         from numba_flash.tile_table import comparison_tiles, forward_tc_tiles
@@ -100,13 +96,12 @@ def ablate(args, progress=None):
             from numba_flash.kernels.tc_ops import kernel_head_dim
 
             bm, bn = forward_tc_tiles(regime, kernel_head_dim(regime, p["head_dim"]))
+            if any(v.warp_partition == "split_k" for v in variants):  # each key-warp group: >= 16 keys
+                bn = max(bn, 16 * SPLIT_K_GROUPS)
         args.block_m, args.block_n = choose_tiles(regime, "fa1", p["head_dim"], p["dtype"], p["causal"],
                                                   bm if args.block_m is None else args.block_m,
                                                   bn if args.block_n is None else args.block_n)
     problem, notes = setup(args, say, algorithms=tuple("fa1" if v.loop_order == "kv_outer" else "fa2" for v in variants))
-    if skipped:
-        notes.append(f"tensor cores ({regime}): {len(skipped)} split_k variants not built (a CUDA-core warp partition); "
-                     f"the path starts at FA-1 with split-Q warps")
     rows = []
     for n, variant in enumerate(variants, 1):
         started = time.perf_counter()
@@ -177,8 +172,8 @@ def plot_waterfall(rows, path: str) -> str:
     ax.set_ylabel("log2 gain (" + ("time" if timed else "modelled traffic") + ")")
     r = rows[0]
     engine = r.get("regime") or "CUDA cores"
-    ax.set_title(f"FA-1 -> FA-2, one factor at a time: {shape_label(r)} {r['dtype']}{' causal' if r['causal'] else ''}, "
-                 f"{engine}", fontsize=9)
+    ax.set_title(f"FA-1 -> FA-2, one factor at a time: {shape_label(r)} {r['dtype']}{' causal' if r['causal'] else ''},\n"
+                 f"{engine}", fontsize=9)  # (two lines: the tensor-core engine's name is long)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -96,7 +96,7 @@ def _parser() -> argparse.ArgumentParser:
                           "forward's FLOPs")
     abl.add_argument("--precision", choices=["default", "ieee", "tf32", "tf32x3"], default="default",
                      help="the engine of every variant: default = CUDA cores for float32, tensor cores for 16-bit "
-                          "dtypes; ieee = CUDA cores; tf32/tf32x3 = float32 on tensor cores (split_k: CUDA cores only)")
+                          "dtypes; ieee = CUDA cores; tf32/tf32x3 = float32 on tensor cores")
     abl.add_argument("--variants", nargs="+", metavar="V",
                      help="fa1, fa2 or loop_order-grid-rescale[-warp_partition[-o_load]] (default: all 24)")
     abl.add_argument("--plot", metavar="DIR", help="write the FA-1 -> FA-2 waterfall (PNG) here")

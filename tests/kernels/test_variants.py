@@ -82,8 +82,9 @@ def test_variant_errors():
     q, k, v = random_qkv(rng, 1, 1, 1, 4, 4, 8, "float32")
     with pytest.raises(TypeError, match="variant"):
         forward(q, k, v, variant="fa1")
-    with pytest.raises(ValueError, match="split_k runs on CUDA cores"):
-        forward(q, k, v, variant=Variant("q_outer", "heads", "deferred", "split_k"), precision="tf32x3")
+    with pytest.raises(ValueError, match="split_k on tensor cores .* block_n=16"):  # 8 keys a key-warp group
+        forward(q, k, v, variant=Variant("q_outer", "heads", "deferred", "split_k"), precision="tf32x3", block_m=16,
+                block_n=16)
     with pytest.raises(ValueError, match="CUDA-core"):  # the tensor-core copies run ahead of the walk
         forward(*(x.astype(np.float16) for x in (q, k, v)), variant=FA1, kv_tile_order=[0])
     with pytest.raises(ValueError, match="fa1"):  # kv_outer variants do not split their K/V walk
@@ -131,20 +132,20 @@ def test_each_variant_has_its_launch_specification():
     assert kernel_spec("fa1", 64, "float32", 64, 32, variant=FA2).variant is None  # a named point: fa2's own
 
 
-TENSOR_CORE_VARIANTS = [v for v in ALL_VARIANTS if v.warp_partition == "split_q"]
-
-
-@pytest.mark.parametrize("variant", TENSOR_CORE_VARIANTS, ids=lambda v: v.name)
+@pytest.mark.parametrize("variant", ALL_VARIANTS, ids=lambda v: v.name)
 def test_every_variant_runs_on_tensor_cores(variant):
-    """The same loop nests on the mma engine (``kernels.engines``): every split-Q point of the
-    space is attention in float16 (FlashAttention's rule: at most twice a plain float16
-    implementation's error against float64), causal, GQA, lengths no tile divides, and a row
-    that sees no key (Nq > Nk, causal: o = 0, lse = -inf)."""
+    """The same loop nests on the mma engine (``kernels.engines``): every point of the space is
+    attention in float16 (FlashAttention's rule: at most twice a plain float16 implementation's
+    error against float64), causal, GQA, lengths no tile divides, and a row that sees no key
+    (Nq > Nk, causal: o = 0, lse = -inf). split_k's two groups of key warps take 16 keys each
+    of a 32-key tile: two K/V tiles, the second with 5 keys (its second group sees none)."""
     rng = np.random.default_rng(11)
-    q, k, v = random_qkv(rng, 1, 2, 1, 21, 18, 16, "float16")
+    split_k = variant.warp_partition == "split_k"
+    n_q, n_k, block_n = (40, 37, 32) if split_k else (21, 18, 16)
+    q, k, v = random_qkv(rng, 1, 2, 1, n_q, n_k, 16, "float16")
     o = poisoned(np, q.shape, np.float16)
     lse = poisoned(np, q.shape[:3], np.float32)
-    forward(q, k, v, causal=True, block_m=16, block_n=16, out=o, lse_out=lse, variant=variant, num_splits=1)
+    forward(q, k, v, causal=True, block_m=16, block_n=block_n, out=o, lse_out=lse, variant=variant, num_splits=1)
     ref_o, ref_lse = reference.attention(q, k, v, causal=True)
     plain = plain_fp16_attention(q, k, v, causal=True)
     assert not np.isnan(o).any() and not np.isnan(lse).any()
@@ -153,3 +154,24 @@ def test_every_variant_runs_on_tensor_cores(variant):
     seen = np.isfinite(ref_lse)
     np.testing.assert_array_equal(np.isfinite(lse), seen)
     np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "tf32x3"])
+@pytest.mark.parametrize("loop_order", LOOP_ORDERS)
+def test_split_k_on_tensor_cores_with_two_warps_a_group(kind, loop_order):
+    """split_k on tensor cores with 32-row Q tiles (two warps in each key-warp group, the merge
+    of the groups over 64 threads each) and 64-key tiles: bfloat16, and float32 in split
+    precision (whose pre-split operands split_k does without), GQA, not causal, head dim 24
+    (padded to the products' 32)."""
+    rng = np.random.default_rng(12)
+    import ml_dtypes
+
+    dtype, precision = (ml_dtypes.bfloat16, None) if kind == "bf16" else (np.float32, "tf32x3")
+    q, k, v = random_qkv(rng, 1, 2, 1, 37, 70, 24, dtype)
+    variant = Variant(loop_order, "heads_x_qtiles", "deferred", "split_k")
+    o, lse = forward(q, k, v, block_m=32, block_n=64, variant=variant, precision=precision)
+    ref_o, ref_lse = reference.attention(q, k, v)
+    as64 = (lambda x: np.asarray(x, np.float64))
+    bound = 2e-2 if kind == "bf16" else 1e-5
+    assert rel_err(as64(o), ref_o) < bound
+    np.testing.assert_allclose(lse, ref_lse, rtol=1e-3 if kind == "bf16" else 1e-5)

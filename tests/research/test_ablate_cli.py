@@ -39,18 +39,19 @@ def test_table_and_waterfall(capsys, tmp_path):
 
 
 def test_float16_runs_the_space_on_tensor_cores(capsys):
-    """--dtype float16: the same loop nests on the mma engine; split_k (a CUDA-core partition) is
-    not built there, so the path starts at FA-1 with split-Q warps."""
+    """--dtype float16: the whole space on the mma engine, split_k's groups as key warps (the
+    simulator's one-warp tiles widened to 32 keys so that each group has 16)."""
     assert main(["ablate", "--variants", "fa1", "--dtype", "float16", "--seq", "20", "--head-dim", "16",
                  "--json"]) == 0
     out = capsys.readouterr()
     rows = json.loads(out.out)
     names = [r["variant"] for r in rows]
-    assert all(p.name in names for p in PATH if p.warp_partition == "split_q")
-    assert not any(r["warp_partition"] == "split_k" for r in rows)
+    assert all(p.name in names for p in PATH)
+    assert any(r["warp_partition"] == "split_k" for r in rows)
     for r in rows:
         assert "tensor cores" in r["regime"] and r["rel_err"] < 2e-3
-    assert "split_k variants not built" in out.err and "warp_partition" not in out.err.split("one factor at a time")[1]
+        assert (r["block_m"], r["block_n"]) == (16, 32)
+    assert "not built" not in out.err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -127,14 +127,16 @@ def test_split_kv_cases_run_in_the_simulator(sanitize):
 
 
 def test_variant_cases_run_in_the_simulator(sanitize):
-    """The ablation variants' cases check their own results (one of them, in the simulator)."""
+    """The ablation variants' cases check their own results (two of them, in the simulator: one
+    on CUDA cores, split_k on tensor cores)."""
     from numba_flash._world import simulated
 
     if not simulated():
         pytest.skip("the script's child runs them on the GPU")
     cases = dict(sanitize.build_cases(("ieee",), "default", xp=np, variants=True))
-    assert len(cases) == 24 * 8
+    assert len(cases) == 24 * 12  # float32, float16 on CUDA cores, float16 on tensor cores; causal or not; 2 shapes
     cases["variant-q_outer-heads_x_qtiles-every_step-split_q-at_update-float32-causal-D40-Nq17-Nk33"]()
+    cases["variant-kv_outer-heads-deferred-split_k-at_update-float16-tc-causal-D40-Nq33-Nk17"]()
 
 
 def test_backward_cases_check_their_gradients(sanitize, monkeypatch):
