@@ -10,7 +10,7 @@ alternate within a round so that a drift of the machine hits both. One line per 
 best median over the rounds and the ratio (this tree's time / base's: above 1.02 fails the refactor's "nothing slower" rule).
 The cases are the benchmarks' headline configurations: forward at B4 H16 N4096 (both loop orders,
 float16, bfloat16, float32 on CUDA cores and tf32x3, D 64 and 128, causal and not), the backward
-at the same shape, and decode (B1 H32 Hkv8 1M keys; B64 x 4096 keys). Needs a GPU, CuPy.
+at the same shape (FA-2 with atomics and deterministic, D 64 and 128, causal; FA-1 at D 64), and decode (B1 H32 Hkv8 1M keys; B64 x 4096 keys). Needs a GPU, CuPy.
 """
 
 from __future__ import annotations
@@ -28,6 +28,8 @@ CASES = (
     + [("fwd", "fa2", "float32", p, d, c) for p in (None, "tf32x3") for d in (64, 128) for c in (False, True)]
     + [("fwd", "fa1", dt, p, 64, c) for dt, p in (("float16", None), ("float32", None)) for c in (False, True)]
     + [("bwd", "fa2", dt, None, d, True) for dt in ("float16", "float32") for d in (64, 128)]
+    + [("bwd", "fa2det", dt, None, d, True) for dt in ("float16", "float32") for d in (64, 128)]
+    + [("bwd", "fa1", dt, None, 64, False) for dt in ("float16", "float32")]
     + [("dec", "fa2", "float16", None, 128, n) for n in ("1M", "64x4096")]
 )
 
@@ -61,7 +63,7 @@ def child(cases, repeats) -> None:
                 fn = lambda: numba_flash.decode(q, k, v)  # noqa: E731
             else:
                 q, k, v = (rand((B, H, N, d), dtype) for _ in range(3))
-                opts = dict(causal=extra, algorithm=alg)
+                opts = dict(causal=extra, algorithm="fa2" if kind == "bwd" else alg)
                 if precision:
                     opts["precision"] = precision
                 if kind == "fwd":
@@ -69,7 +71,8 @@ def child(cases, repeats) -> None:
                 else:
                     o, lse = numba_flash.attention(q, k, v, return_lse=True, **opts)
                     do = rand(o.shape, dtype)
-                    fn = lambda: numba_flash.attention_backward(do, q, k, v, o, lse, causal=extra)  # noqa: E731
+                    how = dict(algorithm="fa1" if alg == "fa1" else "fa2", deterministic=alg == "fa2det")
+                    fn = lambda: numba_flash.attention_backward(do, q, k, v, o, lse, causal=extra, **how)  # noqa: E731
             fn()
             cp.cuda.Device().synchronize()
             ms = median_ms(fn, warmup=3, repeats=repeats)

@@ -26,6 +26,13 @@ Tensor cores (``precision``, API.md section 2a):
 - ``engines``: the forward's engine interface over ``tile_ops`` and ``tc_ops``; ``pipeline``:
   the copy policies; ``forward``: FA-1's and FA-2's loop nests, once, over both.
 - ``tc_fa1``, ``tc_fa2``: the skeleton at FA-1's and FA-2's points on tensor cores.
+
+The backward (FlashAttention Alg. 4, FlashAttention-2 Alg. 2):
+
+- ``backward``: its two loop nests, once each (dK/dV with K/V outside; the deterministic dQ
+  with Q outside), over a backward engine;
+- ``bwd``, ``tc_bwd``: the engines on CUDA cores and tensor cores, their layouts, and the named
+  points the host launches; ``combine``: split-KV's merge of partial results.
 """
 
 from numba_flash.kernels.fa1 import fa1_kernel

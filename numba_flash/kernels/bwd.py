@@ -1,6 +1,8 @@
-"""Attention backward on CUDA cores: FlashAttention Algorithm 4 and FlashAttention-2 Algorithm 2.
+"""The backward on CUDA cores: the engines of ``kernels.backward``'s two loop nests
+(:func:`ffma_bwd_engine`, :func:`ffma_dq_engine`), their shared-memory layouts, and the named
+points the host launches (:func:`bwd_kernel`, :func:`bwd_dq_kernel`, :func:`rowdot_kernel`).
 
-Both papers' backward passes walk the K/V tiles in the outer loop and the Q tiles in the inner
+FlashAttention's Algorithm 4 and FlashAttention-2's Algorithm 2 walk the K/V tiles in the outer loop and the Q tiles in the inner
 one, recomputing P from the forward's statistics instead of storing it; they differ in where the
 work goes and how dQ is summed:
 
@@ -56,11 +58,10 @@ import functools
 import math
 from dataclasses import dataclass
 
-from numba_flash._cuda import cuda, float32, int32
+from numba_flash._cuda import cuda, float32
 
-from numba_flash.kernels.jit import LN2, LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit, shared_tile
+from numba_flash.kernels.jit import LN2, LOG2E, NEG_INF, device_jit, kernel_factory, kernel_jit, shared_tile
 from numba_flash.kernels import mask
-from numba_flash.kernels.block_info import batch_and_head, tile_of_block
 from numba_flash.kernels.tile_ops import at, tile_ops
 from numba_flash.kernels.tiles import VEC, tile_layout
 
@@ -150,9 +151,9 @@ def bwd_ops(head_dim: int, block: int):
     QS, PS = L.q_stride, L.p_stride
 
     @device_jit
-    def load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, read_dvec):
+    def load_row_stats(lse, dvec, b, h, row0, n_q, stats, read_dvec):
         """L_i in log2 units (+inf for rows that see no key and rows past Nq, so that their P is
-        0) and, when ``read_dvec``, D_i (0 past Nq)."""
+        0) into ``stats[:B]`` and, when ``read_dvec``, D_i (0 past Nq) into ``stats[B:]``."""
         for r in range(cuda.threadIdx.x, B, NT):
             row = row0 + r
             l2 = float32(POS_INF)
@@ -163,23 +164,24 @@ def bwd_ops(head_dim: int, block: int):
                     l2 = x * float32(LOG2E)
                 if read_dvec:
                     dd = dvec[b, h, row]
-            lse_s[r] = l2
+            stats[r] = l2
             if read_dvec:
-                dvec_s[r] = dd
+                stats[B + r] = dd
 
     @device_jit
-    def rowdot_tile(do_s, o_s, dvec_s):
-        """D_i = rowsum(dO_i * O_i) of the tile's rows from shared memory (FA-1 line 19; the
-        padded columns and the rows past Nq are 0)."""
+    def rowdot_tile(do_s, o_s, stats, base):
+        """D_i = rowsum(dO_i * O_i) of the tile's rows from shared memory into ``stats[base + B:]``
+        (FA-1 line 19; the padded columns and the rows past Nq are 0)."""
         for r in range(cuda.threadIdx.x, B, NT):
             acc = float32(0.0)
             for d in range(D):
                 acc += do_s[at(r * QS + d)] * o_s[at(r * QS + d)]
-            dvec_s[r] = acc
+            stats[base + B + r] = acc
 
     def make_probs(key_rows, write_p):
         """P = exp2(S - L) and dS = P * (dP - D) of this thread's micro-tile, into shared memory
-        (``p_s``, ``ds_s``: the layout's P~ form, row stride PS). ``key_rows``: the micro-tile is
+        (``p_s``, ``ds_s``: the layout's P~ form, row stride PS); L and D from ``stats[base:]``
+        and ``stats[base + B:]``. ``key_rows``: the micro-tile is
         transposed (rows keys, columns queries: L and D per column, and ``bounds[i]`` is the
         first query that sees key row i); else rows are queries (``bounds[i]``: the last key
         query row i sees). ``masked`` (block-uniform): test every entry against ``bounds``,
@@ -189,18 +191,18 @@ def bwd_ops(head_dim: int, block: int):
         N_STATS = TN if key_rows else TM  # L and D of each column (key rows) or row (query rows)
 
         @device_jit
-        def probs(s, dp, lse_s, dvec_s, masked, bounds, col0, p_s, ds_s):
+        def probs(s, dp, stats, base, masked, bounds, col0, p_s, ds_s):
             tx = ops.thread_col()
             l2 = cuda.local.array(N_STATS, float32)
             dd = cuda.local.array(N_STATS, float32)
             if key_rows:  # per column (query), read once
                 for j in range(TN):
-                    l2[j] = lse_s[tx + TX * j]
-                    dd[j] = dvec_s[tx + TX * j]
+                    l2[j] = stats[base + tx + TX * j]
+                    dd[j] = stats[base + B + tx + TX * j]
             else:
                 for i in range(TM):
-                    l2[i] = lse_s[ops.thread_row(i)]
-                    dd[i] = dvec_s[ops.thread_row(i)]
+                    l2[i] = stats[base + ops.thread_row(i)]
+                    dd[i] = stats[base + B + ops.thread_row(i)]
             for i in range(TM):
                 r = ops.thread_row(i)
                 for j in range(TN):
@@ -251,9 +253,115 @@ def bwd_ops(head_dim: int, block: int):
     return ns
 
 
-@kernel_factory
+@functools.lru_cache(maxsize=None)
+def ffma_bwd_engine(order: str, head_dim: int, block: int):
+    """The CUDA-core backward engine (``kernels.backward``'s interface) of the K/V kernel of
+    ``order``: square ``block x block`` micro-tiled steps, float32 tiles in the dynamic shared
+    memory of :func:`bwd_layout` (Q_i | dO_i | K_j | V_j | (O_i) | P^T | dS^T | L_i | D_i),
+    synchronous copies, Q_i scaled into log2 units as it is loaded."""
+    from types import ModuleType
+
+    D, B = head_dim, block
+    FA1 = order == "fa1"
+    bops = bwd_ops(D, B)
+    ops = bops.tile
+    lay = bwd_layout(order, D, B)
+    TM, TN, ACC = lay.tiles.rows_per_thread, lay.tiles.cols_per_thread, VEC * lay.tiles.dim_groups
+    ROWS, PROBS = lay.row_tile, lay.prob_tile
+    DQ_PARTS = dq_parts(lay)
+    DQ_COLS = ACC // DQ_PARTS
+    one = float32(1.0)
+
+    @device_jit
+    def load_kv(k, v, b, hk, col0, n_k, k_s, v_s):
+        ops.load_rows(k, b, hk, col0, n_k, one, k_s)
+        ops.load_rows(v, b, hk, col0, n_k, one, v_s)
+
+    @device_jit
+    def step_inputs(q, do, o, lse, dvec, b, h, row0, n_q, q_scale, q_s, do_s, o_s, stats):
+        ops.load_rows(q, b, h, row0, n_q, q_scale, q_s)  # Q_i times scale log2(e): S in log2 units
+        ops.load_rows(do, b, h, row0, n_q, one, do_s)
+        bops.load_row_stats(lse, dvec, b, h, row0, n_q, stats, not FA1)
+        if FA1:
+            ops.load_rows(o, b, h, row0, n_q, one, o_s)
+
+    @device_jit
+    def nothing():
+        pass
+
+    @device_jit
+    def no_frags(k_s, v_s, kf, vf):
+        pass
+
+    @device_jit
+    def scores_t(af, a_s, b_s, out, scratch):
+        ops.score_tile(a_s, b_s, out)
+
+    @device_jit
+    def probs_t(s, dp, stats, base, q_scale, masked, first_q, row0, pt_s, ds_s):
+        bops.probs_key_rows(s, dp, stats, base, masked, first_q, row0, pt_s, ds_s)
+
+    @device_jit
+    def dv_update(s, pt_s, do_s, acc, scratch):
+        ops.ab_tile(pt_s, do_s, acc)
+
+    @device_jit
+    def dk_update(dp, ds_s, q_s, acc, scratch):
+        ops.ab_tile(ds_s, q_s, acc)  # (scale: at the end)
+
+    @device_jit
+    def dq_update(dp, ds_s, k_s, dq, b, h, row0, n_q, scale, dq_acc, scratch):
+        for part in range(DQ_PARTS):  # (D > 64: half the head dim at a time, for registers)
+            for i in range(TM):
+                for c in range(DQ_COLS):
+                    dq_acc[i, c] = float32(0.0)
+            if DQ_PARTS == 1:
+                ops.atb_tile(ds_s, k_s, dq_acc)  # dS_ij K_j
+            else:
+                ops.atb_half_tile(ds_s, k_s, dq_acc, part)
+            for i in range(TM):
+                row = row0 + ops.block_row(i)
+                if row < n_q:
+                    for g in range(DQ_COLS // VEC):
+                        for u in range(VEC):
+                            d = ops.out_col(part * (DQ_COLS // VEC) + g, u)
+                            if d < D:
+                                x = dq_acc[i, VEC * g + u] * scale
+                                if FA1:  # Alg. 4 line 21: dQ_i += dS_ij K_j, read and written back (this block only)
+                                    dq[b, h, row, d] += x
+                                else:  # FA-2 line 15: other K/V tiles' blocks add to dQ_i too
+                                    cuda.atomic.add(dq, (b, h, row, d), x)
+
+    @device_jit
+    def dk_factor(scale):
+        return float32(LN2)  # dK_j = scale dS^T Q_i = ln 2 dS^T (Q_i scale log2 e)
+
+    row = shared_tile
+    q_tile = row(lay.offset("q"), ROWS)
+    do_tile = row(lay.offset("do"), ROWS)
+    o_tile = row(lay.offset("o") if FA1 else 0, ROWS)
+    engine = ModuleType(f"numba_flash.kernels.ffma_bwd_engine_{order}_d{D}_b{B}")
+    for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=nothing, read_stats=nothing,
+                           write_stats=nothing, commit=nothing, wait_all=nothing, kv_frags=no_frags,
+                           rowdot=bops.rowdot_tile, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update,
+                           dk_update=dk_update, dq_update=dq_update, key_bounds=bops.key_bounds, zero=ops.zero,
+                           write_grad=bops.write_rows, dk_factor=dk_factor).items():
+        setattr(engine, name, func)
+    engine.layout, engine.ELEM = lay, float32
+    engine.PREFETCH, engine.PAIRED, engine.P_IN_SMEM, engine.STATS_STATIC = False, False, True, 0
+    engine.s_shape, engine.acc_shape, engine.dq_shape = (TM, TN), (TM, ACC), (TM, DQ_COLS)
+    engine.af_shape, engine.nxt_shape, engine.first_q_rows, engine.scratch_floats = (1, 1), (1, 1), TM, 1
+    engine.k_tile, engine.v_tile = row(lay.offset("k"), ROWS), row(lay.offset("v"), ROWS)
+    engine.q_tiles, engine.do_tiles, engine.o_tiles = (q_tile, q_tile), (do_tile, do_tile), (o_tile, o_tile)
+    engine.q_pair = engine.do_pair = engine.o_pair = None
+    engine.p_tile, engine.ds_tile = row(lay.offset("p"), PROBS), row(lay.offset("ds"), PROBS)
+    engine.stats_tile = row(lay.offset("lse"), 2 * B)
+    return engine
+
+
 def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: bool = True):
-    """The dK/dV (and dQ) kernel of one loop order (memoised).
+    """The CUDA-core dK/dV (and dQ) kernel of one loop order: ``kernels.backward.kv_kernel`` on
+    :func:`ffma_bwd_engine` (memoised there).
 
     Launch: ``"fa1"``: ``grid = (B * Hkv,)``; ``"fa2"``: ``grid = (ceil(Nk / block) * B * Hkv,)``;
     ``block = (bwd_layout(order, head_dim, block).threads,)``, dynamic shared memory
@@ -263,183 +371,96 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
     float32``, zeroed before the launch and accumulated into (atomically for ``"fa2"``;
     untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D)`` out, ``scale`` (float32).
     """
-    if order not in ("fa1", "fa2"):
-        raise ValueError(f"order must be 'fa1' or 'fa2'; got {order!r}")
+    from numba_flash.kernels.backward import kv_kernel
+    from numba_flash.kernels.engines import CudaCores
+
+    return kv_kernel(order, CudaCores(int(head_dim), int(block), int(block)), bool(causal), bool(compute_dq))
+
+
+@functools.lru_cache(maxsize=None)
+def ffma_dq_engine(head_dim: int, block: int):
+    """The CUDA-core engine of the deterministic dQ kernel (``kernels.backward.dq_kernel``'s
+    interface): S = Q_i K_j^T with queries as the micro-tile rows (the forward's orientation),
+    dS through shared memory, synchronous copies; dynamic shared memory Q_i | dO_i | K_j | V_j |
+    dS | L_i | D_i (:func:`bwd_layout` ``"dq"``)."""
+    from types import ModuleType
+
     D, B = head_dim, block
-    FA1, CAUSAL, DQ = order == "fa1", bool(causal), bool(compute_dq)
     bops = bwd_ops(D, B)
     ops = bops.tile
-    lay = bwd_layout(order, D, B)
+    lay = bwd_layout("dq", D, B)
     TM, TN, ACC = lay.tiles.rows_per_thread, lay.tiles.cols_per_thread, VEC * lay.tiles.dim_groups
     ROWS, PROBS = lay.row_tile, lay.prob_tile
-    DQ_PARTS = dq_parts(lay)
-    DQ_COLS = ACC // DQ_PARTS
-    # the tiles of the dynamic shared memory (jit.shared_tile: views that keep 16-byte alignment)
-    Q_TILE, DO_TILE, K_TILE, V_TILE = (shared_tile(lay.offset(x), ROWS) for x in ("q", "do", "k", "v"))
-    O_TILE = shared_tile(lay.offset("o") if FA1 else 0, ROWS)
-    P_TILE, DS_TILE = (shared_tile(lay.offset(x), PROBS) for x in ("p", "ds"))
-    LSE_TILE, DVEC_TILE = (shared_tile(lay.offset(x), B) for x in ("lse", "dvec"))
+    one = float32(1.0)
 
     @device_jit
-    def kv_step(q, do, o, lse, dvec, dq, b, h, row0, col0, n_q, n_k, q_scale, scale, q_s, do_s, k_s, v_s, o_s, pt_s,
-                dst_s, lse_s, dvec_s, s, dp, first_q, dk_acc, dv_acc, dq_acc):
-        """One (Q_i, K_j) step of the inner loop (Alg. 4 lines 9-22, FA-2 Alg. 2 lines 8-16)."""
-        one = float32(1.0)
-        cuda.syncthreads()  # everyone is done with the previous Q_i, dO_i, P^T, dS^T
-        # Line 9: Q_i (times scale log2(e): S in log2 units), dO_i, L_i (FA-2: D_i; Alg. 4: O_i)
-        ops.load_rows(q, b, h, row0, n_q, q_scale, q_s)
+    def start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, n_walk, q_s, do_s, k_s, v_s, stats, l2, dd):
+        ops.load_rows(q, b, h, row0, n_q, q_scale, q_s)  # Q_i in log2 units
         ops.load_rows(do, b, h, row0, n_q, one, do_s)
-        bops.load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, not FA1)
-        if FA1:
-            ops.load_rows(o, b, h, row0, n_q, one, o_s)
-            cuda.syncthreads()  # dO_i, O_i are in shared memory
-            bops.rowdot_tile(do_s, o_s, dvec_s)  # Alg. 4 line 19: D_i = rowsum(dO_i * O_i)
-        cuda.syncthreads()  # Q_i, dO_i, L_i, D_i are in shared memory
-        ops.score_tile(k_s, q_s, s)  # FA-2 line 10 (Alg. 4 before line 13): S_ij^T = K_j Q_i^T
-        ops.score_tile(v_s, do_s, dp)  # Alg. 4 line 17, FA-2 line 13: dP_ij^T = V_j dO_i^T
-        masked = ops.tile_needs_mask(col0, mask.last_visible_key(row0, n_q, n_k, CAUSAL))
-        # Alg. 4 lines 13, 20 (FA-2 lines 11, 14): P^T = exp(S^T - L_i), dS^T = P^T * (dP^T - D_i)
-        bops.probs_key_rows(s, dp, lse_s, dvec_s, masked, first_q, row0, pt_s, dst_s)
-        cuda.syncthreads()  # P^T, dS^T of every entry are in shared memory
-        ops.ab_tile(pt_s, do_s, dv_acc)  # Alg. 4 line 16, FA-2 line 12: dV_j += P_ij^T dO_i
-        ops.ab_tile(dst_s, q_s, dk_acc)  # Alg. 4 line 22, FA-2 line 16: dK_j += dS_ij^T Q_i (scale: at the end)
-        if DQ:
-            for part in range(DQ_PARTS):  # (D > 64: half the head dim at a time, for registers)
-                for i in range(TM):
-                    for c in range(DQ_COLS):
-                        dq_acc[i, c] = float32(0.0)
-                if DQ_PARTS == 1:
-                    ops.atb_tile(dst_s, k_s, dq_acc)  # dS_ij K_j
-                else:
-                    ops.atb_half_tile(dst_s, k_s, dq_acc, part)
-                for i in range(TM):
-                    row = row0 + ops.block_row(i)
-                    if row < n_q:
-                        for g in range(DQ_COLS // VEC):
-                            for u in range(VEC):
-                                d = ops.out_col(part * (DQ_COLS // VEC) + g, u)
-                                if d < D:
-                                    x = dq_acc[i, VEC * g + u] * scale
-                                    if FA1:  # Alg. 4 line 21: dQ_i += dS_ij K_j, read and written back (this block only)
-                                        dq[b, h, row, d] += x
-                                    else:  # FA-2 line 15: other K/V tiles' blocks add to dQ_i too
-                                        cuda.atomic.add(dq, (b, h, row, d), x)
+        bops.load_row_stats(lse, dvec, b, h, row0, n_q, stats, True)
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale):
-        n_heads, n_q = q.shape[1], q.shape[2]
-        n_kv_heads, n_k = k.shape[1], k.shape[2]
-        group = n_heads // n_kv_heads
-        n_kv_tiles = (n_k + B - 1) // B
-        n_q_tiles = (n_q + B - 1) // B
-        # FA-1: one block per (batch, KV head), walking every K/V tile (line 5); FA-2: one per
-        # (K/V tile, batch, KV head), line 5's loop is the grid
-        j_first, j_end, bh = tile_of_block(cuda.blockIdx.x, n_kv_tiles, not FA1, False)
-        b, hk = batch_and_head(bh, n_kv_heads)
-        q_scale = scale * float32(LOG2E)
+    @device_jit
+    def before_scores(k, v, b, hk, col0, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof):
+        cuda.syncthreads()  # everyone is done with the previous K_j, V_j, dS
+        ops.load_rows(k, b, hk, col0, n_k, one, k0_s)
+        ops.load_rows(v, b, hk, col0, n_k, one, v_s)
+        cuda.syncthreads()  # (and Q_i, dO_i, L_i, D_i before the first step)
 
-        smem = cuda.shared.array(0, float32, SMEM_ALIGN)  # dynamic: Q_i | dO_i | K_j | V_j | (O_i) | P^T | dS^T | L_i | D_i
-        q_s, do_s, k_s, v_s = Q_TILE(smem), DO_TILE(smem), K_TILE(smem), V_TILE(smem)
-        o_s = O_TILE(smem)  # (FA-1 only; FA-2: an alias of Q_i, never touched)
-        pt_s, dst_s = P_TILE(smem), DS_TILE(smem)
-        lse_s, dvec_s = LSE_TILE(smem), DVEC_TILE(smem)
-        s = cuda.local.array((TM, TN), float32)
-        dp = cuda.local.array((TM, TN), float32)
-        dk_acc = cuda.local.array((TM, ACC), float32)
-        dv_acc = cuda.local.array((TM, ACC), float32)
-        dq_acc = cuda.local.array((TM, DQ_COLS), float32)
-        first_q = cuda.local.array(TM, int32)
-        one = float32(1.0)
+    @device_jit
+    def scores(af, a_s, b_s, out, scratch):
+        ops.score_tile(a_s, b_s, out)
 
-        for j in range(j_first, j_end):  # line 5: for 1 <= j <= Tc
-            col0 = j * B
-            cuda.syncthreads()  # everyone is done with the previous K_j, V_j
-            ops.load_rows(k, b, hk, col0, n_k, one, k_s)  # line 6: K_j, V_j to shared memory
-            ops.load_rows(v, b, hk, col0, n_k, one, v_s)
-            ops.zero(dk_acc)  # line 7: dK_j = 0, dV_j = 0 on chip (registers)
-            ops.zero(dv_acc)
-            bops.key_bounds(col0, n_q, n_k, CAUSAL, first_q)
-            # Causal: the Q tiles before the one holding the first query that sees key col0 see
-            # none of this tile's keys (bottom-right: query i sees key col0 iff i >= col0 - (Nk - Nq)).
-            i_first = mask.first_q_tile(col0, n_q, n_k, B, CAUSAL)
-            for g in range(group):  # the query heads of this KV head (GQA): dK_j, dV_j sum over them
-                h = hk * group + g
-                for i in range(i_first, n_q_tiles):  # line 8: for 1 <= i <= Tr
-                    kv_step(q, do, o, lse, dvec, dq, b, h, i * B, col0, n_q, n_k, q_scale, scale, q_s, do_s, k_s, v_s,
-                            o_s, pt_s, dst_s, lse_s, dvec_s, s, dp, first_q, dk_acc, dv_acc, dq_acc)
-            # Line 24 (FA-2 line 18): write dK_j (= ln 2 dS^T (Q scale log2 e)), dV_j
-            bops.write_rows(dk, b, hk, col0, n_k, dk_acc, float32(LN2))
-            bops.write_rows(dv, b, hk, col0, n_k, dv_acc, one)
+    @device_jit
+    def after_scores(v, b, hk, col0, j, n_walk, n_k, v_s):
+        pass
 
-    return attention_bwd
+    @device_jit
+    def dscores(s, dp, stats, l2, dd, q_scale, masked, last_keys, col0, ds_s):
+        bops.dscores_query_rows(s, dp, stats, 0, masked, last_keys, col0, ds_s, ds_s)
+
+    @device_jit
+    def dq_step(dp, ds_s, k_s, acc, scratch):
+        ops.ab_tile(ds_s, k_s, acc)
+
+    @device_jit
+    def write_dq(dq, b, h, row0, n_q, acc, scale):
+        bops.write_rows(dq, b, h, row0, n_q, acc, scale)
+
+    @device_jit
+    def nothing():
+        pass
+
+    @device_jit
+    def no_row_stats(lse, dvec, b, h, row0, n_q, l2, dd):
+        pass  # (L_i, D_i go to shared memory with Q_i: start)
+
+    engine = ModuleType(f"numba_flash.kernels.ffma_dq_engine_d{D}_b{B}")
+    for name, func in dict(row_stats=no_row_stats, start=start, before_scores=before_scores, scores=scores, after_scores=after_scores,
+                           dscores=dscores, dq_step=dq_step, write_dq=write_dq, row_last_keys=ops.row_last_keys,
+                           zero=ops.zero, wait_all=nothing).items():
+        setattr(engine, name, func)
+    engine.layout, engine.ELEM, engine.DOUBLE_K, engine.DS_IN_SMEM = lay, float32, False, True
+    engine.s_shape, engine.acc_shape, engine.af_shape, engine.stat_rows, engine.scratch_floats = (TM, TN), (TM, ACC), (1, 1), TM, 1
+    k_tile = shared_tile(lay.offset("k"), ROWS)
+    engine.q_tile, engine.do_tile = shared_tile(lay.offset("q"), ROWS), shared_tile(lay.offset("do"), ROWS)
+    engine.k_tiles, engine.v_tile = (k_tile, k_tile), shared_tile(lay.offset("v"), ROWS)
+    engine.ds_tile, engine.stats_tile = shared_tile(lay.offset("ds"), PROBS), shared_tile(lay.offset("lse"), 2 * B)
+    return engine
 
 
-@kernel_factory
 def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
-    """dQ without atomics (``deterministic=True``): one block per (Q tile, batch, head) walks the
-    K/V tiles it sees, recomputing P and dS (S = Q_i K_j^T with queries as the micro-tile rows,
-    the forward's orientation), and sums dQ_i = scale sum_j dS_ij K_j in registers.
+    """dQ without atomics (``deterministic=True``) on CUDA cores: ``kernels.backward.dq_kernel``
+    on :func:`ffma_dq_engine` (memoised there).
 
     Launch: ``grid = (ceil(Nq / block) * B * H,)``, ``block = (bwd_layout("dq", ...).threads,)``,
     dynamic shared memory ``bwd_layout("dq", head_dim, block).smem_bytes``. Arguments: ``q, do
     (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``, ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D)`` out
     (any float dtype), ``scale`` (float32).
     """
-    D, B = head_dim, block
-    CAUSAL = bool(causal)
-    bops = bwd_ops(D, B)
-    ops = bops.tile
-    lay = bwd_layout("dq", D, B)
-    TM, TN, ACC = lay.tiles.rows_per_thread, lay.tiles.cols_per_thread, VEC * lay.tiles.dim_groups
-    ROWS, PROBS = lay.row_tile, lay.prob_tile
-    Q_TILE, DO_TILE, K_TILE, V_TILE = (shared_tile(lay.offset(x), ROWS) for x in ("q", "do", "k", "v"))
-    DS_TILE = shared_tile(lay.offset("ds"), PROBS)
-    LSE_TILE, DVEC_TILE = (shared_tile(lay.offset(x), B) for x in ("lse", "dvec"))
+    from numba_flash.kernels.backward import dq_kernel
+    from numba_flash.kernels.engines import CudaCores
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale):
-        n_heads, n_q = q.shape[1], q.shape[2]
-        n_k = k.shape[2]
-        group = n_heads // k.shape[1]
-        n_q_tiles = (n_q + B - 1) // B
-        i_tile, _, bh = tile_of_block(cuda.blockIdx.x, n_q_tiles, True, CAUSAL)  # causal: the longest walks first
-        b, h = batch_and_head(bh, n_heads)
-        hk = h // group
-        row0 = i_tile * B
-        one = float32(1.0)
-
-        smem = cuda.shared.array(0, float32, SMEM_ALIGN)  # dynamic: Q_i | dO_i | K_j | V_j | dS | L_i | D_i
-        q_s, do_s, k_s, v_s = Q_TILE(smem), DO_TILE(smem), K_TILE(smem), V_TILE(smem)
-        ds_s = DS_TILE(smem)
-        lse_s, dvec_s = LSE_TILE(smem), DVEC_TILE(smem)
-        s = cuda.local.array((TM, TN), float32)
-        dp = cuda.local.array((TM, TN), float32)
-        dq_acc = cuda.local.array((TM, ACC), float32)
-        last_keys = cuda.local.array(TM, int32)
-
-        ops.load_rows(q, b, h, row0, n_q, scale * float32(LOG2E), q_s)  # Q_i in log2 units, dO_i, L_i, D_i
-        ops.load_rows(do, b, h, row0, n_q, one, do_s)
-        bops.load_row_stats(lse, dvec, b, h, row0, n_q, lse_s, dvec_s, True)
-        ops.zero(dq_acc)
-        ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
-        first_row_last_key = mask.last_visible_key(row0, n_q, n_k, CAUSAL)
-        last_key = mask.last_visible_key(min(row0 + B, n_q) - 1, n_q, n_k, CAUSAL)
-        n_walk = mask.kv_tiles_seen(last_key, (n_k + B - 1) // B, B)
-        for j in range(n_walk):  # the K/V tiles this Q tile sees
-            col0 = j * B
-            cuda.syncthreads()  # everyone is done with the previous K_j, V_j, dS
-            ops.load_rows(k, b, hk, col0, n_k, one, k_s)
-            ops.load_rows(v, b, hk, col0, n_k, one, v_s)
-            cuda.syncthreads()  # (and Q_i, dO_i, L_i, D_i before the first step)
-            ops.score_tile(q_s, k_s, s)  # S_ij = Q_i K_j^T (FA-2 line 10)
-            ops.score_tile(do_s, v_s, dp)  # dP_ij = dO_i V_j^T (line 13)
-            masked = ops.tile_needs_mask(col0, first_row_last_key)
-            bops.dscores_query_rows(s, dp, lse_s, dvec_s, masked, last_keys, col0, ds_s, ds_s)  # lines 11, 14
-            cuda.syncthreads()  # dS_ij is in shared memory
-            ops.ab_tile(ds_s, k_s, dq_acc)  # line 15: dQ_i += dS_ij K_j (scale at the end), on chip
-        bops.write_rows(dq, b, h, row0, n_q, dq_acc, scale)
-
-    return attention_bwd_dq
+    return dq_kernel(CudaCores(int(head_dim), int(block), int(block)), bool(causal))
 
 
 @kernel_factory

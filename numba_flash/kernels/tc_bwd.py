@@ -2,8 +2,10 @@
 Algorithm 2 and FlashAttention's Algorithm 4, on the forward's primitives (``mma``, ``tc_ops``).
 Also float32 inputs in split precision (kind ``"tf32x3"``, see the end of this docstring).
 
-The loop nests are those of the CUDA-core backward (``kernels.bwd``): K/V tiles outside, Q tiles
-inside, P recomputed from the forward's logsumexp. What changes is where each product lives.
+The loop nests are ``kernels.backward``'s, shared with the CUDA-core engine (``kernels.bwd``): K/V
+tiles outside, Q tiles inside, P recomputed from the forward's logsumexp; this module is their
+tensor-core engines (:func:`mma_bwd_engine`, :func:`mma_dq_engine`) and named points
+(:func:`tc_bwd_kernel`, :func:`tc_bwd_dq_kernel`). What changes is where each product lives.
 
 **Orientation.** A block of the K/V kernels has ``block_n / 16`` warps; warp ``w`` owns keys
 ``16 w .. 16 w + 15`` of K_j (lane ``(g, t)``: keys ``g`` and ``g + 8``) and computes the
@@ -70,12 +72,11 @@ import functools
 import math
 from dataclasses import dataclass
 
-from numba_flash._cuda import cuda, float32, int32
+from numba_flash._cuda import cuda, float32
 from numba_flash.arch import SMEM_OPTIN_LIMIT
 from numba_flash.kernels import mma
-from numba_flash.kernels.jit import LOG2E, NEG_INF, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit, shared_tile, shared_tile_pair
+from numba_flash.kernels.jit import LOG2E, NEG_INF, device_jit, shared_tile, shared_tile_pair
 from numba_flash.kernels import mask
-from numba_flash.kernels.block_info import batch_and_head, tile_of_block
 from numba_flash.kernels.tc_ops import tc_ops
 
 KINDS = ("f16", "bf16", "tf32x3")  # 16-bit inputs, or float32 with split-precision TF32 products
@@ -347,25 +348,19 @@ def _row_loader(head_dim: int, rows: int, threads: int, elem_bytes: int = 2):
     return load
 
 
-@kernel_factory
-def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, causal: bool,
-                  compute_dq: bool = True, vector_red: bool = True):
-    """The dK/dV (and dQ) kernel of one loop order on tensor cores (memoised).
+@functools.lru_cache(maxsize=None)
+def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: int, vector_red: bool = True):
+    """The tensor-core backward engine (``kernels.backward``'s interface) of the K/V kernel of
+    ``order``: warps of 16 keys computing the transposed scores (module doc), Q_i, dO_i (O_i)
+    double-buffered by ``cp.async``, L and D of two steps in a static float32 array, P^T and dS^T
+    in registers, dQ through dS^T in shared memory. ``vector_red``: FA-2's dQ atomics as
+    ``red.global.add.v2.f32`` (sm_90 and later; else two float32 atomics: :func:`vector_reductions`)."""
+    from types import ModuleType
 
-    Launch: ``"fa2"``: ``grid = (ceil(Nk / block_n) * B * Hkv,)``; ``"fa1"``: ``grid = (B * Hkv,)``;
-    ``block = (layout.threads,)``, dynamic shared memory ``layout.smem_bytes`` (``layout =
-    tc_bwd_layout(order, kind, head_dim, block_m, block_n)``). Arguments: ``q, o, do (B,H,Nq,D)``
-    and ``k, v (B,Hkv,Nk,D)`` as uint16 bit patterns (D = ``head_dim``, rows 16-byte aligned),
-    ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq) float32`` (D_i; read by ``"fa2"``; FA-1 computes
-    it from O_i), ``dq (B,H,Nq,D) float32`` zeroed and accumulated into (untouched when not
-    ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` uint16 bit patterns out (``D' <= D`` columns
-    written), ``scale`` (float32). ``vector_red``: FA-2's dQ atomics as ``red.global.add.v2.f32``
-    (sm_90 and later; else two float32 atomics: :func:`vector_reductions`).
-    """
     if order not in ("fa1", "fa2"):
         raise ValueError(f"order must be 'fa1' or 'fa2'; got {order!r}")
     lay = tc_bwd_layout(order, kind, head_dim, block_m, block_n)
-    FA1, CAUSAL, DQ, VECTOR_RED = order == "fa1", bool(causal), bool(compute_dq), bool(vector_red)
+    FA1, VECTOR_RED = order == "fa1", bool(vector_red)
     D, BM, BN = head_dim, block_m, block_n
     # The forward's tile ops with the roles swapped: their "Q tile" rows are keys (one warp per
     # 16: warp_row0, thread_row), their "K/V tile" rows queries, so pv_tile(P^T, dO_i) is
@@ -383,9 +378,6 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     if SIXTEEN:
         MMA, PACK = mma.MMA_16[kind], mma.PACK_16[kind]
     BITS, VALUE = _bits(kind), _value(kind)
-    K_TILE, V_TILE, Q0_TILE, Q1_TILE, DO0_TILE, DO1_TILE, DS_TILE = (
-        shared_tile(lay.offset(n), lay.elems(n)) for n in ("k", "v", "q0", "q1", "do0", "do1", "ds"))
-    O0_TILE, O1_TILE = (shared_tile(lay.offset(n), lay.elems(n)) for n in (("o0", "o1") if FA1 else ("q0", "q1")))
     STATS = lay.stat_floats
     MMA_SCRATCH = mma.scratch_floats(NT)
     load_kv_rows, load_q_rows = _row_loader(D, BN, NT, lay.elem_bytes), _row_loader(D, BM, NT, lay.elem_bytes)
@@ -394,11 +386,11 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     CHUNKS_PER_WARP = -(-(DT // 2) // SPLIT)
 
     @device_jit
-    def key_bounds(col0, n_q, n_k, first_q):
+    def key_bounds(col0, n_q, n_k, causal, first_q):
         """The first query each of this lane's keys (rows g, g + 8 of its warp) is visible to
         (bottom-right causal: key j is seen by query i iff i >= j - (Nk - Nq)); past Nk: none."""
         for i in range(2):
-            first_q[i] = mask.first_visible_query(col0 + ops.thread_row(i), n_q, n_k, CAUSAL)
+            first_q[i] = mask.first_visible_query(col0 + ops.thread_row(i), n_q, n_k, causal)
 
     @device_jit
     def read_stats(lse, dvec, b, h, row0, n_q, nxt):
@@ -446,7 +438,7 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
             load_q_rows(o, b, h, row0, n_q, o_s)
 
     @device_jit
-    def probs_t(s, dp, stats, base, q_scale, masked, first_q, row0):
+    def probs_t(s, dp, stats, base, q_scale, masked, first_q, row0, pt_s, ds_s):
         """In place: S^T -> P^T = exp2(S^T scale log2 e - L) (FA-2 line 11, Alg. 4 line 13),
         dP^T -> dS^T = P^T (dP^T - D) (FA-2 line 14, Alg. 4 line 20); L and D of each column
         (query) from shared memory; hidden entries P = dS = 0."""
@@ -611,125 +603,94 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     Q_PAIR, DO_PAIR = (shared_tile_pair(lay.offset(a), lay.offset(b), lay.elems(a)) for a, b in (("q0", "q1"), ("do0", "do1")))
     O_PAIR = shared_tile_pair(lay.offset("o0"), lay.offset("o1"), lay.elems("o0")) if FA1 else Q_PAIR
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def tc_attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale):
-        n_heads, n_q = q.shape[1], q.shape[2]
-        n_kv_heads, n_k = k.shape[1], k.shape[2]
-        group = n_heads // n_kv_heads
-        n_kv_tiles = (n_k + BN - 1) // BN
-        n_q_tiles = (n_q + BM - 1) // BM
-        # FA-1: one block per (batch, KV head), walking every K/V tile (line 5); FA-2: one per
-        # (K/V tile, batch, KV head), line 5's loop is the grid
-        j_first, j_end, bh = tile_of_block(cuda.blockIdx.x, n_kv_tiles, not FA1, False)
-        b, hk = batch_and_head(bh, n_kv_heads)
-        q_scale = scale * float32(LOG2E)
+    @device_jit
+    def load_kv(k, v, b, hk, col0, n_k, k_s, v_s):
+        load_kv_rows(k, b, hk, col0, n_k, k_s)
+        load_kv_rows(v, b, hk, col0, n_k, v_s)
 
-        smem = cuda.shared.array(0, ELEM, SMEM_ALIGN)  # K_j | V_j | Q_i x2 | dO_i x2 | (O_i x2) | dS^T
-        k_s, v_s, ds_s = K_TILE(smem), V_TILE(smem), DS_TILE(smem)
-        q0_s, q1_s, do0_s, do1_s = Q0_TILE(smem), Q1_TILE(smem), DO0_TILE(smem), DO1_TILE(smem)
-        o0_s, o1_s = O0_TILE(smem), O1_TILE(smem)  # (FA-1 only; FA-2: aliases of Q_i, never touched)
-        stats = cuda.shared.array(STATS, float32)  # per buffer: L_i (block_m) | D_i (block_m)
-        scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
+    @device_jit
+    def step_inputs(q, do, o, lse, dvec, b, h, row0, n_q, q_scale, q_s, do_s, o_s, stats):
+        pass  # (prefetching: load_step, read_stats, write_stats)
 
-        kf = cuda.local.array((AF_ROWS, 4), mma.uint32)  # K_j's A fragments of this warp's keys
-        vf = cuda.local.array((AF_ROWS, 4), mma.uint32)
-        s = cuda.local.array((NQ, 4), float32)  # S^T, then P^T
-        dp = cuda.local.array((NQ, 4), float32)  # dP^T, then dS^T
-        dk_acc = cuda.local.array((DT, 4), float32)
-        dv_acc = cuda.local.array((DT, 4), float32)
-        first_q = cuda.local.array(2, int32)
-        nxt = cuda.local.array((SR, 2), float32)
+    @device_jit
+    def kv_frags(k_s, v_s, kf, vf):
+        load_frags(k_s, kf)
+        load_frags(v_s, vf)
 
-        for j in range(j_first, j_end):  # line 5: for 1 <= j <= Tc
-            col0 = j * BN
-            # Causal: Q tiles before the one holding the first query that sees key col0 see none
-            # of this tile's keys (bottom-right: query i sees key col0 iff i >= col0 - (Nk - Nq)).
-            i_first = mask.first_q_tile(col0, n_q, n_k, BM, CAUSAL)
-            n_i = max(0, n_q_tiles - i_first)
-            n_steps = group * n_i  # (query head, Q tile) steps, one flat loop (GQA: dK_j, dV_j sum over heads)
-            cuda.syncthreads()  # (FA-1) everyone is done with the previous K_j, V_j, buffers, L, D
-            load_kv_rows(k, b, hk, col0, n_k, k_s)  # line 6: K_j, V_j to shared memory
-            load_kv_rows(v, b, hk, col0, n_k, v_s)
-            if n_steps > 0:  # the first step's Q_i, dO_i, L_i, D_i
-                load_step(q, do, o, b, hk * group, i_first * BM, n_q, q0_s, do0_s, o0_s)
-                read_stats(lse, dvec, b, hk * group, i_first * BM, n_q, nxt)
-                write_stats(stats, 0, nxt)
-            ops.commit()
-            for dt in range(DT):  # line 7: dK_j = 0, dV_j = 0 on chip (registers)
-                for e in range(4):
-                    dk_acc[dt, e] = float32(0.0)
-                    dv_acc[dt, e] = float32(0.0)
-            key_bounds(col0, n_q, n_k, first_q)
-            h = hk * group  # this step's query head and Q tile (counters: no division in the loop)
-            i = i_first
-            for st in range(n_steps):  # line 8: for 1 <= i <= Tr (and the query heads of this KV head)
-                buf = st & 1
-                row0 = i * BM
-                if SIXTEEN:
-                    q_s = q0_s if buf == 0 else q1_s
-                    do_s = do0_s if buf == 0 else do1_s
-                    o_s = o0_s if buf == 0 else o1_s
-                else:
-                    q_s = Q_PAIR(smem, buf)
-                    do_s = DO_PAIR(smem, buf)
-                    o_s = O_PAIR(smem, buf)
-                base = buf * 2 * BM
-                i_next = i + 1  # the next step: the next Q tile, or the first of the next query head
-                h_next = h
-                if i_next == n_q_tiles:
-                    i_next = i_first
-                    h_next = h + 1
-                ops.wait_all()  # this thread's copies of Q_i, dO_i (and K_j, V_j) have landed
-                cuda.syncthreads()  # ... and everyone's, with L_i, D_i; everyone is done with the other buffers and dS^T
-                if st == 0:
-                    load_frags(k_s, kf)
-                    load_frags(v_s, vf)
-                if st + 1 < n_steps:  # the next step's tiles into the other buffers, in flight during this step
-                    load_step(q, do, o, b, h_next, i_next * BM, n_q, q1_s if buf == 0 else q0_s,
-                              do1_s if buf == 0 else do0_s, o1_s if buf == 0 else o0_s)
-                    ops.commit()
-                    read_stats(lse, dvec, b, h_next, i_next * BM, n_q, nxt)
-                if FA1:
-                    rowdot(do_s, o_s, stats, base)  # Alg. 4 line 19
-                    cuda.syncthreads()  # D_i is in shared memory
-                scores_t(kf, k_s, q_s, s, scratch)  # FA-2 line 10: S_ij^T = K_j Q_i^T
-                scores_t(vf, v_s, do_s, dp, scratch)  # FA-2 line 13 (Alg. 4 line 17): dP_ij^T = V_j dO_i^T
-                masked = mask.tile_needs_mask(col0, BN, mask.last_visible_key(row0, n_q, n_k, CAUSAL))
-                probs_t(s, dp, stats, base, q_scale, masked, first_q, row0)  # lines 11, 14
-                ops.pv_tile(s, do_s, dv_acc, scratch)  # FA-2 line 12 (Alg. 4 line 16): dV_j += P_ij^T dO_i
-                ops.pv_tile(dp, q_s, dk_acc, scratch)  # FA-2 line 16 (Alg. 4 line 22): dK_j += dS_ij^T Q_i
-                if DQ:
-                    STORE_DS_T(dp, ds_s)
-                    cuda.syncthreads()  # dS^T of every warp is in shared memory
-                    DQ_TILE(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch)  # FA-2 line 15 (Alg. 4 line 21)
-                if st + 1 < n_steps:
-                    write_stats(stats, 2 * BM - base, nxt)  # the other buffer: read after the next top barrier
-                h = h_next
-                i = i_next
-            ops.wait_all()  # no copy outlives the block (a tile with no step: K_j, V_j's)
-            # Line 24 (FA-2 line 18): write dK_j = scale dS^T Q, dV_j
-            write_grad(dk, b, hk, col0, n_k, dk_acc, scale)
-            write_grad(dv, b, hk, col0, n_k, dv_acc, float32(1.0))
+    @device_jit
+    def dv_update(s, pt_s, do_s, acc, scratch):
+        ops.pv_tile(s, do_s, acc, scratch)  # P^T never leaves the registers
 
-    return tc_attention_bwd
+    @device_jit
+    def dk_update(dp, ds_s, q_s, acc, scratch):
+        ops.pv_tile(dp, q_s, acc, scratch)
+
+    @device_jit
+    def dq_update(dp, ds_s, k_s, dq, b, h, row0, n_q, scale, dq_acc, scratch):
+        STORE_DS_T(dp, ds_s)
+        cuda.syncthreads()  # dS^T of every warp is in shared memory
+        DQ_TILE(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch)
+
+    @device_jit
+    def dk_factor(scale):
+        return scale  # dK_j = scale dS^T Q_i (Q_i unscaled)
+
+    engine = ModuleType(f"numba_flash.kernels.mma_bwd_engine_{order}_{kind}_d{D}_m{BM}_n{BN}")
+    for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=load_step, read_stats=read_stats,
+                           write_stats=write_stats, commit=ops.commit, wait_all=ops.wait_all, kv_frags=kv_frags,
+                           rowdot=rowdot, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update, dk_update=dk_update,
+                           dq_update=dq_update, key_bounds=key_bounds, zero=ops.zero, write_grad=write_grad,
+                           dk_factor=dk_factor).items():
+        setattr(engine, name, func)
+    engine.layout, engine.ELEM = lay, ELEM
+    engine.PREFETCH, engine.PAIRED, engine.P_IN_SMEM, engine.STATS_STATIC = True, not SIXTEEN, False, STATS
+    engine.s_shape, engine.acc_shape, engine.dq_shape = (NQ, 4), (DT, 4), (1, 1)
+    engine.af_shape, engine.nxt_shape, engine.first_q_rows, engine.scratch_floats = (AF_ROWS, 4), (SR, 2), 2, MMA_SCRATCH
+    tile = {n: shared_tile(lay.offset(n), lay.elems(n)) for n, _ in lay.tiles()}
+    engine.k_tile, engine.v_tile = tile["k"], tile["v"]
+    engine.q_tiles, engine.do_tiles = (tile["q0"], tile["q1"]), (tile["do0"], tile["do1"])
+    engine.o_tiles = (tile["o0"], tile["o1"]) if FA1 else engine.q_tiles
+    engine.p_tile = engine.ds_tile = tile["ds"]  # (P^T stays in registers)
+    engine.stats_tile = tile["ds"]  # (L, D: the static array)
+    engine.q_pair, engine.do_pair = Q_PAIR, DO_PAIR
+    engine.o_pair = O_PAIR
+    return engine
 
 
-@kernel_factory
-def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool):
-    """dQ without atomics on tensor cores (``deterministic=True``; memoised): one block per
-    (Q tile, batch, head), warps of 16 query rows (the forward's orientation), walks the K/V
-    tiles it sees: S = Q_i K_j^T, dP = dO_i V_j^T (A = Q_i, dO_i fragments, in registers when
-    D <= 64), P and dS in registers with L and D of the lane's two rows, dQ_i += dS K_j (dS as
-    the A operand straight from the accumulators, the forward's P~V), float32 in registers for
-    the whole walk. K_j is double-buffered (read by the first product and the last).
+def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, causal: bool,
+                  compute_dq: bool = True, vector_red: bool = True):
+    """The dK/dV (and dQ) kernel of one loop order on tensor cores: ``kernels.backward.kv_kernel``
+    on :func:`mma_bwd_engine` (memoised there).
 
-    Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (layout.threads,)``, dynamic
-    shared memory ``layout.smem_bytes``. Arguments: ``q, do (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``
-    uint16 bit patterns, ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D) float32`` out,
-    ``scale`` (float32).
+    Launch: ``"fa2"``: ``grid = (ceil(Nk / block_n) * B * Hkv,)``; ``"fa1"``: ``grid = (B * Hkv,)``;
+    ``block = (layout.threads,)``, dynamic shared memory ``layout.smem_bytes`` (``layout =
+    tc_bwd_layout(order, kind, head_dim, block_m, block_n)``). Arguments: ``q, o, do (B,H,Nq,D)``
+    and ``k, v (B,Hkv,Nk,D)`` as uint16 bit patterns (D = ``head_dim``, rows 16-byte aligned),
+    ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq) float32`` (D_i; read by ``"fa2"``; FA-1 computes
+    it from O_i), ``dq (B,H,Nq,D) float32`` zeroed and accumulated into (untouched when not
+    ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` uint16 bit patterns out (``D' <= D`` columns
+    written), ``scale`` (float32). ``vector_red``: FA-2's dQ atomics as ``red.global.add.v2.f32``
+    (sm_90 and later; else two float32 atomics: :func:`vector_reductions`).
     """
+    from numba_flash.kernels.backward import kv_kernel
+    from numba_flash.kernels.engines import TensorCores
+
+    return kv_kernel(order, TensorCores(kind, int(head_dim), int(block_m), int(block_n)), bool(causal),
+                     bool(compute_dq), bool(vector_red))
+
+
+@functools.lru_cache(maxsize=None)
+def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
+    """The tensor-core engine of the deterministic dQ kernel (``kernels.backward.dq_kernel``'s
+    interface): warps of 16 query rows (the forward's orientation); S = Q_i K_j^T, dP = dO_i V_j^T
+    with A = Q_i, dO_i fragments (in registers when D <= 64); P and dS in registers with L and D
+    of the lane's two rows; dQ_i += dS K_j with dS the A operand straight from the accumulators
+    (the forward's P~ V), float32 in registers for the whole walk. K_j is double-buffered (read by
+    the first product and the last): K_{j+1} is in flight during step j, V_{j+1} from the end of
+    its products."""
+    from types import ModuleType
+
     lay = tc_bwd_layout("dq", kind, head_dim, block_m, block_n)
-    CAUSAL = bool(causal)
     D, BM, BN = head_dim, block_m, block_n
     ops = _tile_ops(kind, D, BM, BN)
     ELEM = mma.uint16 if kind in HALF_KINDS else float32
@@ -737,35 +698,9 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
     A_REGS = lay.a_in_regs
     AF_ROWS = KT if A_REGS else 1
     load_frags, scores = _products(kind, D, BM, BN, A_REGS)
-    Q_TILE, DO_TILE, K0_TILE, K1_TILE, V_TILE = (shared_tile(lay.offset(n), lay.elems(n)) for n in ("q", "do", "k0", "k1", "v"))
-    MMA_SCRATCH = mma.scratch_floats(lay.threads)
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def tc_attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale):
-        n_heads, n_q = q.shape[1], q.shape[2]
-        n_k = k.shape[2]
-        group = n_heads // k.shape[1]
-        n_q_tiles = (n_q + BM - 1) // BM
-        n_kv_tiles = (n_k + BN - 1) // BN
-        i_tile, _, bh = tile_of_block(cuda.blockIdx.x, n_q_tiles, True, CAUSAL)  # causal: the longest walks first
-        b, h = batch_and_head(bh, n_heads)
-        hk = h // group
-        row0 = i_tile * BM
-        q_scale = scale * float32(LOG2E)
-
-        smem = cuda.shared.array(0, ELEM, SMEM_ALIGN)  # Q_i | dO_i | K_j x2 | V_j
-        q_s, do_s, k0_s, k1_s, v_s = Q_TILE(smem), DO_TILE(smem), K0_TILE(smem), K1_TILE(smem), V_TILE(smem)
-        scratch = cuda.shared.array(MMA_SCRATCH, float32)  # simulated mma only
-
-        qf = cuda.local.array((AF_ROWS, 4), mma.uint32)
-        dof = cuda.local.array((AF_ROWS, 4), mma.uint32)
-        s = cuda.local.array((NS, 4), float32)  # S, then P
-        dp = cuda.local.array((NS, 4), float32)  # dP, then dS
-        acc = cuda.local.array((DT, 4), float32)  # dQ_i
-        l2 = cuda.local.array(2, float32)
-        dd = cuda.local.array(2, float32)
-        last_keys = cuda.local.array(2, int32)
-
+    @device_jit
+    def row_stats(lse, dvec, b, h, row0, n_q, l2, dd):
         for i in range(2):  # L, D of this lane's rows g, g + 8 (L = +inf: P = 0)
             row = row0 + ops.thread_row(i)
             l2[i] = float32(POS_INF)
@@ -775,48 +710,53 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
                 if x != NEG_INF:
                     l2[i] = x * float32(LOG2E)
                 dd[i] = dvec[b, h, row]
-        ops.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
-        first_row_last_key = mask.last_visible_key(row0, n_q, n_k, CAUSAL)
-        last_key = mask.last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL)
-        n_walk = mask.kv_tiles_seen(last_key, n_kv_tiles, BN)  # the K/V tiles this Q tile sees
 
+    @device_jit
+    def start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, n_walk, q_s, do_s, k_s, v_s, stats, l2, dd):
         ops.load_q_tile(q, b, h, row0, n_q, q_s)
         ops.load_q_tile(do, b, h, row0, n_q, do_s)
         if n_walk > 0:
-            ops.load_kv_tile(k, b, hk, 0, n_k, k0_s)
+            ops.load_kv_tile(k, b, hk, 0, n_k, k_s)
             ops.load_kv_tile(v, b, hk, 0, n_k, v_s)
         ops.commit()
-        ops.zero(acc)
-        for j in range(n_walk):
-            col0 = j * BN
-            k_s = k0_s if (j & 1) == 0 else k1_s
-            ops.wait_all()  # K_j, V_j (and Q_i, dO_i) have landed
-            cuda.syncthreads()  # ... for everyone; everyone is done with K_{j-1}
-            if j == 0:
-                load_frags(q_s, qf)
-                load_frags(do_s, dof)
-            if j + 1 < n_walk:  # K_{j+1} into the other buffer, in flight during this step
-                if (j & 1) == 0:
-                    ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k1_s)
-                else:
-                    ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k0_s)
-                ops.commit()
-            scores(qf, q_s, k_s, s, scratch)  # FA-2 line 10: S_ij = Q_i K_j^T
-            scores(dof, do_s, v_s, dp, scratch)  # line 13: dP_ij = dO_i V_j^T
-            cuda.syncthreads()  # everyone is done reading V_j
-            if j + 1 < n_walk:
-                ops.load_kv_tile(v, b, hk, col0 + BN, n_k, v_s)  # V_{j+1}, in flight during dS and dQ
-                ops.commit()
-            masked = ops.tile_needs_mask(col0, first_row_last_key)
-            for nt in range(NS):  # lines 11, 14: P = exp2(S scale log2 e - L), dS = P (dP - D)
-                for e in range(4):
-                    p = math.exp2(s[nt, e] * q_scale - l2[e >> 1])
-                    ds = p * (dp[nt, e] - dd[e >> 1])
-                    if masked and mask.key_hidden(col0 + ops.col_of(nt, e), last_keys[e >> 1]):
-                        ds = float32(0.0)
-                    dp[nt, e] = ds
-            ops.pv_tile(dp, k_s, acc, scratch)  # line 15: dQ_i += dS_ij K_j, on chip
-        ops.wait_all()  # no copy outlives the block
+
+    @device_jit
+    def before_scores(k, v, b, hk, col0, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof):
+        ops.wait_all()  # K_j, V_j (and Q_i, dO_i) have landed
+        cuda.syncthreads()  # ... for everyone; everyone is done with K_{j-1}
+        if j == 0:
+            load_frags(q_s, qf)
+            load_frags(do_s, dof)
+        if j + 1 < n_walk:  # K_{j+1} into the other buffer, in flight during this step
+            if (j & 1) == 0:
+                ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k1_s)
+            else:
+                ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k0_s)
+            ops.commit()
+
+    @device_jit
+    def after_scores(v, b, hk, col0, j, n_walk, n_k, v_s):
+        cuda.syncthreads()  # everyone is done reading V_j
+        if j + 1 < n_walk:
+            ops.load_kv_tile(v, b, hk, col0 + BN, n_k, v_s)  # V_{j+1}, in flight during dS and dQ
+            ops.commit()
+
+    @device_jit
+    def dscores(s, dp, stats, l2, dd, q_scale, masked, last_keys, col0, ds_s):
+        for nt in range(NS):  # P = exp2(S scale log2 e - L), dS = P (dP - D), in place
+            for e in range(4):
+                p = math.exp2(s[nt, e] * q_scale - l2[e >> 1])
+                ds = p * (dp[nt, e] - dd[e >> 1])
+                if masked and mask.key_hidden(col0 + ops.col_of(nt, e), last_keys[e >> 1]):
+                    ds = float32(0.0)
+                dp[nt, e] = ds
+
+    @device_jit
+    def dq_step(dp, ds_s, k_s, acc, scratch):
+        ops.pv_tile(dp, k_s, acc, scratch)
+
+    @device_jit
+    def write_dq(dq, b, h, row0, n_q, acc, scale):
         t2 = 2 * ops.lane_t()
         for i in range(2):
             row = row0 + ops.thread_row(i)
@@ -827,4 +767,30 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
                         if d < D:
                             dq[b, h, row, d] = acc[dt, 2 * i + e] * scale
 
-    return tc_attention_bwd_dq
+    engine = ModuleType(f"numba_flash.kernels.mma_dq_engine_{kind}_d{D}_m{BM}_n{BN}")
+    for name, func in dict(row_stats=row_stats, start=start, before_scores=before_scores, scores=scores,
+                           after_scores=after_scores, dscores=dscores, dq_step=dq_step, write_dq=write_dq,
+                           row_last_keys=ops.row_last_keys, zero=ops.zero, wait_all=ops.wait_all).items():
+        setattr(engine, name, func)
+    engine.layout, engine.ELEM, engine.DOUBLE_K, engine.DS_IN_SMEM = lay, ELEM, True, False
+    engine.s_shape, engine.acc_shape, engine.af_shape = (NS, 4), (DT, 4), (AF_ROWS, 4)
+    engine.stat_rows, engine.scratch_floats = 2, mma.scratch_floats(lay.threads)
+    tile = {n: shared_tile(lay.offset(n), lay.elems(n)) for n, _ in lay.tiles()}
+    engine.q_tile, engine.do_tile, engine.k_tiles, engine.v_tile = tile["q"], tile["do"], (tile["k0"], tile["k1"]), tile["v"]
+    engine.ds_tile = engine.stats_tile = tile["q"]  # (dS, L and D stay in registers)
+    return engine
+
+
+def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool):
+    """dQ without atomics on tensor cores (``deterministic=True``): ``kernels.backward.dq_kernel``
+    on :func:`mma_dq_engine` (memoised there).
+
+    Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (layout.threads,)``, dynamic
+    shared memory ``layout.smem_bytes``. Arguments: ``q, do (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``
+    uint16 bit patterns, ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D) float32`` out,
+    ``scale`` (float32).
+    """
+    from numba_flash.kernels.backward import dq_kernel
+    from numba_flash.kernels.engines import TensorCores
+
+    return dq_kernel(TensorCores(kind, int(head_dim), int(block_m), int(block_n)), bool(causal))
