@@ -43,9 +43,10 @@ class KernelSpec:
     ragged: bool = False  # FA-2: reads a valid key count per batch (``decode``'s cache_seqlens)
     split_out: bool = False  # FA-2: writes float32 partials for the combine (num_splits > 1)
     permuted: bool = False  # CUDA cores: walks the K/V tiles in a given order (``kv_tile_order``)
-    variant: object = None  # CUDA cores: a point of the ablation space (``kernels.forward.Variant``), not a named one
+    variant: object = None  # a point of the ablation space (``kernels.forward.Variant``), not a named one
     kv_stages: int = 1  # tensor-core FA-2: K/V tiles in shared memory at once (``tc_fa2_kernel``; decode's knob)
-    key_warps: int = 1  # tensor-core FA-2 with a ring: warps per 16 rows, splitting each tile's keys (decode's knob)
+    key_warps: int = 1  # tensor-core FA-2 with a ring: warps per 16 rows, splitting each tile's keys (decode's knob;
+    # split_k's two key-warp groups are the variant's, not this field's)
     rows_per_thread: int = ROWS_PER_THREAD  # CUDA cores: the forward's micro-tile height (``tile_table.forward_rows_per_thread``)
     maxreg: int | None = None  # CUDA cores: NUMBA_FLASH_FFMA_MAXREG when set (``tiles.register_cap``'s override)
     presplit: str | None = None  # tf32x3: NUMBA_FLASH_TF32X3_PRESPLIT's layout when set (``tc_ops.tc_layout``'s presplit)
@@ -144,7 +145,7 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
     checks them). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
     rounded up to its copy width. ``ragged`` and ``split_out`` (FA-2 only): a valid key count
     per batch, and float32 partial outputs for the split-KV combine. ``permuted`` and
-    ``variant`` (CUDA cores): a given K/V tile order, and a point of the ablation space
+    ``variant``: a given K/V tile order (CUDA cores), and a point of the ablation space
     (``algorithm`` then names its loop order's family: fa1 for kv_outer, fa2 for q_outer).
     ``kv_stages`` and ``key_warps`` (tensor-core FA-2 only, else 1): the K/V ring of
     ``tc_fa2_kernel`` and its warps per 16 rows. ``rows_per_thread`` (CUDA cores): the

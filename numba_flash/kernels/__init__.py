@@ -1,4 +1,4 @@
-"""The two forward kernels and what they share.
+"""The kernels (device code) and what they share: the forward, the backward, split-KV's combine.
 
 - ``tile_ops``: device functions both kernels call (tile loads, S = Q K^T for one
   tile as register micro-tiles, masking, row max, P~ = exp(S - m) and its row sums,
@@ -32,7 +32,9 @@ The backward (FlashAttention Alg. 4, FlashAttention-2 Alg. 2):
 - ``backward``: its two loop nests, once each (dK/dV with K/V outside; the deterministic dQ
   with Q outside), over a backward engine;
 - ``bwd``, ``tc_bwd``: the engines on CUDA cores and tensor cores, their layouts, and the named
-  points the host launches; ``combine``: split-KV's merge of partial results.
+  points the host launches.
+
+``combine``: split-KV's merge of the forward's partial results (``online.merge`` on the device).
 """
 
 from numba_flash.kernels.fa1 import fa1_kernel

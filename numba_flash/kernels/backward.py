@@ -43,13 +43,14 @@ nxt)``, ``write_stats(stats, base, nxt)``, ``commit()``, ``wait_all()``
 factor)``, ``dk_factor(scale)``
     the first query each of this thread's keys is visible to; the accumulators; the output.
 
-Constants: ``layout``, ``ELEM`` (the shared element type), ``PREFETCH``, ``PAIRED`` (tf32x3: the
+Constants: ``order``, ``block_m``, ``block_n``, ``layout``, ``ELEM`` (the shared element type), ``PREFETCH``, ``PAIRED`` (tf32x3: the
 double buffers selected on the offset, ``jit.shared_tile_pair``), ``P_IN_SMEM``, ``STATS_STATIC``
 (floats of a static L/D array; 0: ``stats_tile`` of the dynamic buffer), the register arrays'
 shapes (``s_shape``, ``acc_shape``, ``dq_shape``, ``af_shape``, ``nxt_shape``, ``first_q_rows``),
 ``scratch_floats``, and the tile views ``k_tile``, ``v_tile``, ``q_tiles``, ``do_tiles``,
 ``o_tiles`` (each a pair: the two buffers, one view twice when not prefetching), ``p_tile``,
-``ds_tile``, ``stats_tile``.
+``ds_tile``, ``stats_tile``; with ``PAIRED``, ``q_pair``, ``do_pair``, ``o_pair``
+(``jit.shared_tile_pair``: a buffer's view selected on its offset).
 """
 
 from __future__ import annotations
@@ -58,29 +59,16 @@ from numba_flash._cuda import cuda, float32, int32
 
 from numba_flash.kernels import mask, mma
 from numba_flash.kernels.block_info import batch_and_head, tile_of_block
-from numba_flash.kernels.engines import CudaCores, TensorCores
 from numba_flash.kernels.jit import LOG2E, SMEM_ALIGN, kernel_factory, kernel_jit
 
 ORDERS = ("fa1", "fa2")
 
 
-def backward_engine(order: str, tiles, vector_red: bool):
-    """The engine module of ``tiles`` (``engines.CudaCores`` with block_m = block_n, or
-    ``engines.TensorCores``) for the K/V kernel of ``order``."""
-    if isinstance(tiles, TensorCores):
-        from numba_flash.kernels.tc_bwd import mma_bwd_engine
-
-        return mma_bwd_engine(order, tiles.kind, tiles.head_dim, tiles.block_m, tiles.block_n, bool(vector_red))
-    if not isinstance(tiles, CudaCores) or tiles.block_m != tiles.block_n:
-        raise ValueError(f"tiles must be engines.CudaCores with block_m == block_n, or engines.TensorCores; got {tiles!r}")
-    from numba_flash.kernels.bwd import ffma_bwd_engine
-
-    return ffma_bwd_engine(order, tiles.head_dim, tiles.block_m)
-
-
 @kernel_factory
-def kv_kernel(order: str, tiles, causal: bool, compute_dq: bool = True, vector_red: bool = False):
-    """The dK/dV (and dQ) kernel of one loop order on the engine of ``tiles`` (memoised).
+def kv_kernel(order: str, engine, causal: bool, compute_dq: bool = True):
+    """The dK/dV (and dQ) kernel of one loop order on ``engine`` (memoised; the engine module's
+    name says all it was made of, and is the kernel's identity in the compilation cache):
+    ``bwd.ffma_bwd_engine(order, ...)`` or ``tc_bwd.mma_bwd_engine(order, ...)``.
 
     Launch: ``"fa1"``: ``grid = (B * Hkv,)``; ``"fa2"``: ``grid = (ceil(Nk / block_n) * B * Hkv,)``;
     ``block = (layout.threads,)``, dynamic shared memory ``layout.smem_bytes`` (the engine's
@@ -88,13 +76,15 @@ def kv_kernel(order: str, tiles, causal: bool, compute_dq: bool = True, vector_r
     ``k, v (B,Hkv,Nk,D)`` (the engine's element type), ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq)
     float32`` (D_i; read by ``"fa2"``, FA-1 computes it), ``dq (B,H,Nq,D) float32`` zeroed and
     accumulated into (untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` out, ``scale``
-    (float32). ``vector_red`` (tensor cores): FA-2's dQ atomics as ``red.global.add.v2.f32``.
+    (float32).
     """
     if order not in ORDERS:
         raise ValueError(f"order must be 'fa1' or 'fa2'; got {order!r}")
-    E = backward_engine(order, tiles, vector_red)
+    if engine.order != order:
+        raise ValueError(f"the engine was made for the {engine.order!r} kernel, not {order!r}")
+    E = engine
     FA1, CAUSAL, DQ = order == "fa1", bool(causal), bool(compute_dq)
-    BM, BN = tiles.block_m, tiles.block_n
+    BM, BN = E.block_m, E.block_n
     PREFETCH, PAIRED, P_IN_SMEM, STATS_STATIC = E.PREFETCH, E.PAIRED, E.P_IN_SMEM, E.STATS_STATIC
     ELEM = E.ELEM
     S_SHAPE, ACC_SHAPE, DQ_SHAPE, AF_SHAPE, NXT_SHAPE = E.s_shape, E.acc_shape, E.dq_shape, E.af_shape, E.nxt_shape
@@ -212,22 +202,10 @@ def kv_kernel(order: str, tiles, causal: bool, compute_dq: bool = True, vector_r
     return attention_bwd
 
 
-def dq_engine(tiles):
-    """The engine module of ``tiles`` for the deterministic dQ kernel (:func:`dq_kernel`)."""
-    if isinstance(tiles, TensorCores):
-        from numba_flash.kernels.tc_bwd import mma_dq_engine
-
-        return mma_dq_engine(tiles.kind, tiles.head_dim, tiles.block_m, tiles.block_n)
-    if not isinstance(tiles, CudaCores) or tiles.block_m != tiles.block_n:
-        raise ValueError(f"tiles must be engines.CudaCores with block_m == block_n, or engines.TensorCores; got {tiles!r}")
-    from numba_flash.kernels.bwd import ffma_dq_engine
-
-    return ffma_dq_engine(tiles.head_dim, tiles.block_m)
-
-
 @kernel_factory
-def dq_kernel(tiles, causal: bool):
-    """dQ without atomics (``deterministic=True``) on the engine of ``tiles`` (memoised): one
+def dq_kernel(engine, causal: bool):
+    """dQ without atomics (``deterministic=True``) on ``engine`` (``bwd.ffma_dq_engine``,
+    ``tc_bwd.mma_dq_engine``; memoised): one
     block per (Q tile, batch, head) walks the K/V tiles it sees -- the forward's loop order, Q
     outside, K/V inside -- recomputing S = Q_i K_j^T, dP = dO_i V_j^T, P and dS with queries as
     the rows (FA-2 Alg. 2 lines 10-14), and sums dQ_i = scale sum_j dS_ij K_j on chip (line 15)
@@ -249,8 +227,8 @@ def dq_kernel(tiles, causal: bool):
     ``dq_step(dp, ds_s, k_s, acc, scratch)``: dQ_i += dS K_j.
     ``write_dq(dq, b, h, row0, n_q, acc, scale)``, ``row_last_keys``, ``zero``, ``wait_all``.
 
-    Constants: ``layout``, ``ELEM``, ``DOUBLE_K`` (K_j double-buffered: read by the first product
-    and the last), ``DS_IN_SMEM``, ``STATS_IN_SMEM``, shapes ``s_shape``, ``acc_shape``,
+    Constants: ``block_m``, ``block_n``, ``layout``, ``ELEM``, ``DOUBLE_K`` (K_j double-buffered: read by the first product
+    and the last), ``DS_IN_SMEM``, shapes ``s_shape``, ``acc_shape``,
     ``af_shape``, ``stat_rows``, ``scratch_floats``, views ``q_tile``, ``do_tile``, ``k_tiles``
     (two), ``v_tile``, ``ds_tile``, ``stats_tile``.
 
@@ -258,9 +236,9 @@ def dq_kernel(tiles, causal: bool):
     shared memory ``layout.smem_bytes``. Arguments: ``q, do (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``,
     ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D)`` out, ``scale`` (float32).
     """
-    E = dq_engine(tiles)
+    E = engine
     CAUSAL = bool(causal)
-    BM, BN = tiles.block_m, tiles.block_n
+    BM, BN = E.block_m, E.block_n
     ELEM, DOUBLE_K, DS_IN_SMEM = E.ELEM, E.DOUBLE_K, E.DS_IN_SMEM
     S_SHAPE, ACC_SHAPE, AF_SHAPE, STAT_ROWS, SCRATCH = E.s_shape, E.acc_shape, E.af_shape, E.stat_rows, E.scratch_floats
     Q_TILE, DO_TILE, V_TILE, DS_TILE, STATS_TILE = E.q_tile, E.do_tile, E.v_tile, E.ds_tile, E.stats_tile

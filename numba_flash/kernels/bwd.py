@@ -2,20 +2,9 @@
 (:func:`ffma_bwd_engine`, :func:`ffma_dq_engine`), their shared-memory layouts, and the named
 points the host launches (:func:`bwd_kernel`, :func:`bwd_dq_kernel`, :func:`rowdot_kernel`).
 
-FlashAttention's Algorithm 4 and FlashAttention-2's Algorithm 2 walk the K/V tiles in the outer loop and the Q tiles in the inner
-one, recomputing P from the forward's statistics instead of storing it; they differ in where the
-work goes and how dQ is summed:
-
-- ``"fa1"`` (FlashAttention, Algorithm 4): one block per (batch, KV head) walks every K/V tile
-  (line 5) and, inside, every Q tile (line 8); D_i = rowsum(dO_i * O_i) is computed in the inner
-  loop (line 19) and dQ_i is read, updated and written back in global memory at every step
-  (line 21): no race, the block is alone on its head.
-- ``"fa2"`` (FlashAttention-2, Algorithm 2): D is computed once by a first kernel (line 4,
-  :func:`rowdot_kernel`); one block per (K/V tile, batch, KV head) -- the K/V tiles are spread
-  over the GPU -- and dQ_i is accumulated with float32 atomics (line 15). ``deterministic``: the
-  K/V-tile kernel skips dQ, and :func:`bwd_dq_kernel` computes it Q tile by Q tile (outer loop
-  over Q, inner over K/V: the forward's order) with no atomics, so results are bitwise
-  reproducible.
+The loop nests, the two loop orders and how each sums dQ are ``kernels.backward``'s (its module
+doc); FA-2's D_i comes from :func:`rowdot_kernel` (line 4). What this module decides is where each
+product of a step lives on CUDA cores.
 
 The tile steps are the forward's (``tile_ops``, layout ``tiles.TileLayout`` of a square
 ``block x block`` tile): every product is a register micro-tile, each thread owning 4 rows x
@@ -28,8 +17,8 @@ product             tile_ops primitive         rows of a thread's micro-tile
 S^T = K_j Q_i^T     ``score_tile(k_s, q_s)``   keys (the K/V kernels); queries (dQ kernel:
 dP^T = V_j dO_i^T   ``score_tile(v_s, do_s)``  S = Q_i K_j^T, dP = dO_i V_j^T)
 dV_j += P^T dO_i    ``ab_tile(pt_s, do_s)``    keys: dV_j in registers for the whole Q walk
-dK_j += dS^T Q_i    ``ab_tile(dst_s, q_s)``    keys: dK_j in registers for the whole Q walk
-dQ_i += dS K_j      ``atb_tile(dst_s, k_s)``   queries, then atomics (FA-2) or a read-modify-
+dK_j += dS^T Q_i    ``ab_tile(ds_s, q_s)``     keys: dK_j in registers for the whole Q walk
+dQ_i += dS K_j      ``atb_tile(ds_s, k_s)``    queries, then atomics (FA-2) or a read-modify-
                                                write (FA-1); the dQ kernel: ``ab_tile(ds_s,
                                                k_s)``, dQ_i in registers for the whole K/V walk
 ==================  =========================  ============================================
@@ -253,6 +242,11 @@ def bwd_ops(head_dim: int, block: int):
     return ns
 
 
+@device_jit
+def _nothing():
+    pass  # (synchronous copies: nothing to commit or wait for)
+
+
 @functools.lru_cache(maxsize=None)
 def ffma_bwd_engine(order: str, head_dim: int, block: int):
     """The CUDA-core backward engine (``kernels.backward``'s interface) of the K/V kernel of
@@ -286,7 +280,15 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
             ops.load_rows(o, b, h, row0, n_q, one, o_s)
 
     @device_jit
-    def nothing():
+    def no_load_step(q, do, o, b, h, row0, n_q, q_s, do_s, o_s):
+        pass  # (synchronous: step_inputs)
+
+    @device_jit
+    def no_read_stats(lse, dvec, b, h, row0, n_q, nxt):
+        pass
+
+    @device_jit
+    def no_write_stats(stats, base, nxt):
         pass
 
     @device_jit
@@ -341,13 +343,13 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
     do_tile = row(lay.offset("do"), ROWS)
     o_tile = row(lay.offset("o") if FA1 else 0, ROWS)
     engine = ModuleType(f"numba_flash.kernels.ffma_bwd_engine_{order}_d{D}_b{B}")
-    for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=nothing, read_stats=nothing,
-                           write_stats=nothing, commit=nothing, wait_all=nothing, kv_frags=no_frags,
+    for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=no_load_step, read_stats=no_read_stats,
+                           write_stats=no_write_stats, commit=_nothing, wait_all=_nothing, kv_frags=no_frags,
                            rowdot=bops.rowdot_tile, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update,
                            dk_update=dk_update, dq_update=dq_update, key_bounds=bops.key_bounds, zero=ops.zero,
                            write_grad=bops.write_rows, dk_factor=dk_factor).items():
         setattr(engine, name, func)
-    engine.layout, engine.ELEM = lay, float32
+    engine.order, engine.block_m, engine.block_n, engine.layout, engine.ELEM = order, B, B, lay, float32
     engine.PREFETCH, engine.PAIRED, engine.P_IN_SMEM, engine.STATS_STATIC = False, False, True, 0
     engine.s_shape, engine.acc_shape, engine.dq_shape = (TM, TN), (TM, ACC), (TM, DQ_COLS)
     engine.af_shape, engine.nxt_shape, engine.first_q_rows, engine.scratch_floats = (1, 1), (1, 1), TM, 1
@@ -372,9 +374,8 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
     untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D)`` out, ``scale`` (float32).
     """
     from numba_flash.kernels.backward import kv_kernel
-    from numba_flash.kernels.engines import CudaCores
 
-    return kv_kernel(order, CudaCores(int(head_dim), int(block), int(block)), bool(causal), bool(compute_dq))
+    return kv_kernel(order, ffma_bwd_engine(order, int(head_dim), int(block)), bool(causal), bool(compute_dq))
 
 
 @functools.lru_cache(maxsize=None)
@@ -427,19 +428,16 @@ def ffma_dq_engine(head_dim: int, block: int):
         bops.write_rows(dq, b, h, row0, n_q, acc, scale)
 
     @device_jit
-    def nothing():
-        pass
-
-    @device_jit
     def no_row_stats(lse, dvec, b, h, row0, n_q, l2, dd):
         pass  # (L_i, D_i go to shared memory with Q_i: start)
 
     engine = ModuleType(f"numba_flash.kernels.ffma_dq_engine_d{D}_b{B}")
     for name, func in dict(row_stats=no_row_stats, start=start, before_scores=before_scores, scores=scores, after_scores=after_scores,
                            dscores=dscores, dq_step=dq_step, write_dq=write_dq, row_last_keys=ops.row_last_keys,
-                           zero=ops.zero, wait_all=nothing).items():
+                           zero=ops.zero, wait_all=_nothing).items():
         setattr(engine, name, func)
-    engine.layout, engine.ELEM, engine.DOUBLE_K, engine.DS_IN_SMEM = lay, float32, False, True
+    engine.block_m, engine.block_n, engine.layout, engine.ELEM = B, B, lay, float32
+    engine.DOUBLE_K, engine.DS_IN_SMEM = False, True
     engine.s_shape, engine.acc_shape, engine.af_shape, engine.stat_rows, engine.scratch_floats = (TM, TN), (TM, ACC), (1, 1), TM, 1
     k_tile = shared_tile(lay.offset("k"), ROWS)
     engine.q_tile, engine.do_tile = shared_tile(lay.offset("q"), ROWS), shared_tile(lay.offset("do"), ROWS)
@@ -458,9 +456,8 @@ def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
     (any float dtype), ``scale`` (float32).
     """
     from numba_flash.kernels.backward import dq_kernel
-    from numba_flash.kernels.engines import CudaCores
 
-    return dq_kernel(CudaCores(int(head_dim), int(block), int(block)), bool(causal))
+    return dq_kernel(ffma_dq_engine(int(head_dim), int(block)), bool(causal))
 
 
 @kernel_factory

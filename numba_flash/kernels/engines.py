@@ -30,8 +30,9 @@ The engine interface (every function device code; arguments an engine does not n
 ``store_out(o, b, h, row, d, x)``
     one element of the output in its dtype (mma: 16-bit outputs as bit patterns).
 ``group()``, ``first_key()``
-    which group of warps this thread is in and the first key of each K/V tile it multiplies
-    (split_k's groups on CUDA cores, decode's key warps on tensor cores; 0 and 0 otherwise).
+    which group of warps whose states the nest merges this thread is in (split_k's groups: warp
+    groups on CUDA cores, key warps on tensor cores; 0 otherwise), and the first key of each K/V
+    tile it multiplies (split_k's groups and decode's key warps; 0 otherwise).
 
 Constants: ``rows_per_thread``, ``out_cols``, the shapes of the register arrays (``s_shape``,
 ``acc_shape``, ``qf_shape``, ``qf_small_shape``, ``kv_reg``), and ``layout`` (the engine's own).
@@ -141,10 +142,13 @@ def ffma_engine(head_dim: int, block_m: int, block_n: int, groups: int = 1,
 
 @functools.lru_cache(maxsize=None)
 def mma_engine(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None, presplit=None,
-               key_warps: int = 1) -> ModuleType:
+               key_warps: int = 1, nest_merges: bool = False) -> ModuleType:
     """Tensor cores: ``tc_ops``'s ``mma.sync`` tiles of ``kind``. ``key_warps`` > 1: the block's
     warps split each K/V tile's keys (``block_n / key_warps`` each); the products then run on one
-    warp's part (``ops``) and the copies on the whole tile (``copies``, also the engine's ``load_q``)."""
+    warp's part (``ops``) and the copies on the whole tile (``copies``, also the engine's ``load_q``).
+    ``nest_merges``: the key warps are the loop nest's groups (split_k), whose states the nest
+    merges (``group()`` is the key warp); else they merge themselves (:func:`key_warp_merge`,
+    decode's ring), and ``group()`` is 0."""
     KW = int(key_warps)
     ops = tc_ops(kind, head_dim, block_m, block_n // KW, row_walk, presplit, key_warps=KW)
     copies = ops if KW == 1 else tc_ops(kind, head_dim, block_m, block_n, row_walk, presplit, key_warps=KW)
@@ -181,9 +185,13 @@ def mma_engine(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=No
 
     BNW = block_n // KW
 
+    NEST_MERGES = bool(nest_merges)
+
     @device_jit
     def group():
-        return 0  # (the key warps merge their states themselves: ``key_warp_merge``)
+        if NEST_MERGES:  # split_k: this thread's group is its key warp
+            return ops.key_warp()
+        return 0  # (decode's key warps merge their states themselves: ``key_warp_merge``)
 
     @device_jit
     def first_key():
@@ -192,7 +200,8 @@ def mma_engine(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=No
             return ops.key_warp() * BNW
         return 0
 
-    engine = _engine(f"numba_flash.kernels.mma_engine_{kind}_d{head_dim}_m{block_m}_n{block_n}_w{KW}", ops, dict(
+    engine = _engine(f"numba_flash.kernels.mma_engine_{kind}_d{head_dim}_m{block_m}_n{block_n}_w{KW}"
+                     + ("_groups" if NEST_MERGES else ""), ops, dict(
         load_q=load_q, q_frags=ops.load_q_frags, exp_scores=exp_scores, pv_tile=pv_tile, first_of_row=first_of_row,
         out_col=out_col, acc_row=acc_row, acc_col=acc_col, group=group, first_key=first_key),
         layout=L, rows_per_thread=TM, out_cols=2 * L.out_tiles, s_shape=(L.score_tiles, 4),

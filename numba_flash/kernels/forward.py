@@ -136,8 +136,9 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
 
     Launch: ``grid = (n_blocks,)`` with ``n_blocks = B * H`` (``grid="heads"``) or
     ``ceil(Nq / block_m) * B * H`` (``"heads_x_qtiles"``), times ``n_splits`` for ``q_outer``;
-    ``block = (threads,)`` (``variant_threads``, ``tc_layout(...).threads``); dynamic shared memory
-    (``variant_dynamic_smem_bytes``, ``tc_layout(...).smem_bytes``). Arguments: the module doc.
+    ``block = (threads,)``, dynamic shared memory: ``specs.kernel_spec``'s (CUDA cores:
+    ``variant_threads``, ``variant_dynamic_smem_bytes``; tensor cores: ``tc_layout(...)``'s, with
+    split_k's key warps and ``tc_split_k_smem_bytes``). Arguments: the module doc.
     """
     D, BM, BN = tiles.head_dim, tiles.block_m, tiles.block_n
     CAUSAL, PERMUTED, RAGGED, F32_OUT = bool(causal), bool(permuted), bool(ragged), bool(f32_out)
@@ -164,13 +165,12 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         if SPLIT_K:  # the groups are key warps; no pre-split operands (each group reads its own keys)
             KW = KG = SPLIT_K_GROUPS
             presplit = ""
-        E = mma_engine(tiles.kind, D, BM, BN, tiles.row_walk, presplit, KW)
+        E = mma_engine(tiles.kind, D, BM, BN, tiles.row_walk, presplit, KW, SPLIT_K)
         pipe = cp_async(E, BN, STAGES)
         L = E.copies.layout
         NT = L.threads // KG  # threads of one group
         CAST_OUT = True  # O, l, m of kv_outer in float32 HBM; o in the input type
         merge_key_warps = key_warp_merge(E, BN, STAGES, F32_OUT) if KEY_WARP_MERGE else None
-        group_of_thread = E.ops.key_warp if SPLIT_K else E.group
         MERGE_BASE, _ = tc_split_k_merge_floats(variant.loop_order, L)
         Q_ELEMS, KV_ELEMS = L.q_elems, L.kv_elems
         SPLIT_BASE = Q_ELEMS + 2 * KV_ELEMS
@@ -179,7 +179,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         MMA_SCRATCH = mma.scratch_floats(L.threads)
         DYNAMIC = True
     else:
-        KW, KEY_WARP_MERGE = 1, False
+        KEY_WARP_MERGE = False
         CAST_OUT = bool(cast_out)
         KG = SPLIT_K_GROUPS if SPLIT_K else 1  # groups of warps splitting each K/V tile
         BNG = BN // KG  # keys of a K/V tile per group
@@ -189,7 +189,6 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         pipe = synchronous(E)
         L = E.layout
         NT = L.threads  # threads of one group
-        group_of_thread = E.group
         Q_FLOATS, K_FLOATS, V_FLOATS, P_FLOATS = L.q_floats, L.k_floats, L.v_floats, L.p_floats
         K_ALL, V_ALL, P_ALL = KG * K_FLOATS, KG * V_FLOATS, KG * P_FLOATS  # shared sizes: compile-time constants
         # split_q above 48 KiB: the tiles are views of one dynamic buffer, Q_i | K_j | V_j | P~
@@ -226,7 +225,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         ``merge_s`` (which aliases Q_i and P~ -- on tensor cores every tile for q_outer; for
         kv_outer it lies after K_j, V_j, still in use -- hence the first barrier); after the
         second, group 0 reads them. All threads must call."""
-        grp = group_of_thread()
+        grp = E.group()
         cuda.syncthreads()  # everyone is done with Q_i and P~
         if grp > 0:
             base = ((grp - 1) * NT + cuda.threadIdx.x % NT) * STATE
@@ -265,7 +264,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         split_k: this thread's group walks its keys of every K/V tile (``k_s``, ``v_s``, ``p_s``:
         its part), and the groups' states are merged at the end."""
         row0 = i_tile * BM
-        lead = group_of_thread() == 0  # split_k: the group that holds the merged state (else everyone)
+        lead = E.group() == 0  # split_k: the group that holds the merged state (else everyone)
         key0 = E.first_key()  # this thread's first key of every K/V tile (split_k, key warps)
         if pipe.Q_BEFORE_RANGE:  # Line 4: load Q_i into shared memory (synchronous copies: first)
             pipe.load_q(q, b, h, row0, n_q, q_scale, q_s, lead)
@@ -370,7 +369,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                       tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg, o_old, merge_s):
         """FA-1 lines 2-16 for Q tiles ``i_first ..`` of one (batch, head): the K/V tiles outside,
         the state O, l, m of every row in global memory between steps."""
-        lead = group_of_thread() == 0  # split_k: the group that holds the merged state (else everyone)
+        lead = E.group() == 0  # split_k: the group that holds the merged state (else everyone)
         first_of_row = E.first_of_row()
         key0 = E.first_key()
         # Line 2: O = 0, l = 0, m = -inf in HBM (each thread, the elements it will own).

@@ -19,10 +19,10 @@ Q-outer walk (FA-2 lines 4-11), tile ``step`` of ``n_steps`` at key ``col0``:
   ``before_scores(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, k_split, kv_reg)``,
   ``before_pv(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, v_split)``, ``finish()``;
   ``k_operand(smem, k_s, k_split, step)`` and ``v_operand(smem, v_s, v_split, step)``: the
-  shared-memory tiles the products read at ``step``; a ring (``RING``) instead gives their
-  offsets in the dynamic buffer, ``k_offset(step)`` and ``v_offset(step)``, ``OPERAND_ELEMS``
-  long (numba's device functions return only arrays they were given, not new views); so do key
-  warps (``SLICED``: each warp's part of the one K_j, V_j).
+  shared-memory tiles the products read at ``step``; a ring, or key warps (``SLICED``: each
+  warp's part of a tile), instead give their offsets in the dynamic buffer, ``k_offset(step)``
+  and ``v_offset(step)``, ``OPERAND_ELEMS`` long (numba's device functions return only arrays
+  they were given, not new views).
 K/V-outer walk (FA-1 lines 5-8):
   ``kv_tile(k, v, b, hk, col0, n_k, smem, k_s, v_s, k_split, v_split, kv_reg)``,
   ``q_tile(q, b, h, row0, n_q, q_scale, q_s, lead)``, ``finish()``.
@@ -102,7 +102,7 @@ def synchronous(engine) -> ModuleType:
         if lead:
             engine.load_q(q, b, h, row0, n_q, q_scale, q_s)  # FA-1 line 8: load Q_i
 
-    return _policy("synchronous", SYNCHRONOUS=True, Q_BEFORE_RANGE=True, RING=False, SLICED=False, OPERAND_ELEMS=1,
+    return _policy("synchronous", SYNCHRONOUS=True, Q_BEFORE_RANGE=True, SLICED=False, OPERAND_ELEMS=1,
                    k_offset=_zero_offset, v_offset=_zero_offset, load_q=load_q, start=start, before_scores=before_scores, before_pv=before_pv,
                    k_operand=k_operand, v_operand=v_operand, kv_tile=kv_tile, q_tile=q_tile, finish=_nothing)
 
@@ -274,7 +274,7 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
 
     elif STAGES == 1:
         k_offset = v_offset = _zero_offset
-    return _policy(f"cp_async_s{STAGES}_w{KEY_WARPS}", SYNCHRONOUS=False, Q_BEFORE_RANGE=False, RING=STAGES > 1,
+    return _policy(f"cp_async_s{STAGES}_w{KEY_WARPS}", SYNCHRONOUS=False, Q_BEFORE_RANGE=False,
                    SLICED=STAGES > 1 or KEY_WARPS > 1,
                    OPERAND_ELEMS=WARP_KV_ELEMS, k_offset=k_offset, v_offset=v_offset, STAGES=STAGES, load_q=load_q, start=start, before_scores=before_scores,
                    before_pv=before_pv, k_operand=k_operand, v_operand=v_operand, kv_tile=kv_tile, q_tile=q_tile,

@@ -34,14 +34,10 @@ This is FlashAttention-2's choice (dV, dK from P^T, dS^T in registers; dQ throug
 and atomics). In dQ the warps take whole 16-query groups, or, when there are fewer groups than
 warps (``block_m < block_n``), split a group's 16-column chunks of D.
 
-**Kernels.** ``"fa2"`` (:func:`tc_bwd_kernel`): one block per (K/V tile, batch, KV head), D_i =
-rowsum(dO_i O_i) computed before by ``bwd.rowdot_kernel`` (on the 16-bit patterns), dQ by float32 atomics into a
-zeroed float32 buffer; ``compute_dq=False`` leaves dQ to :func:`tc_bwd_dq_kernel`
-(``deterministic=True``: one block per (Q tile, batch, head) walks the K/V tiles in the
-forward's orientation, S = Q_i K_j^T, dP = dO_i V_j^T, dQ_i += dS K_j with dS in registers,
-no atomics). ``"fa1"``: one block per (batch, KV head) walks every K/V tile (Alg. 4 line 5);
-D_i = rowsum(dO_i O_i) from O_i in shared memory inside the step (line 19), and dQ_i is read,
-updated and written back in global memory (line 21): the block is alone on its head.
+**Kernels.** The loop orders and how each sums dQ are ``kernels.backward``'s; here FA-2's dQ
+atomics are ``red.global.add.v2.f32`` pairs (sm_90), FA-1's D_i is computed from O_i in shared
+memory inside the step, and the deterministic dQ engine (:func:`mma_dq_engine`) works in the
+forward's orientation (S = Q_i K_j^T, dP = dO_i V_j^T, dQ_i += dS K_j with dS in registers).
 
 **Pipeline.** Q_i, dO_i (FA-1: O_i) are double-buffered: the copies of the next step (``cp.async``)
 are issued at the top of a step and land during its products; L and D of the next step are
@@ -635,14 +631,14 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     def dk_factor(scale):
         return scale  # dK_j = scale dS^T Q_i (Q_i unscaled)
 
-    engine = ModuleType(f"numba_flash.kernels.mma_bwd_engine_{order}_{kind}_d{D}_m{BM}_n{BN}")
+    engine = ModuleType(f"numba_flash.kernels.mma_bwd_engine_{order}_{kind}_d{D}_m{BM}_n{BN}_red{int(VECTOR_RED)}")
     for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=load_step, read_stats=read_stats,
                            write_stats=write_stats, commit=ops.commit, wait_all=ops.wait_all, kv_frags=kv_frags,
                            rowdot=rowdot, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update, dk_update=dk_update,
                            dq_update=dq_update, key_bounds=key_bounds, zero=ops.zero, write_grad=write_grad,
                            dk_factor=dk_factor).items():
         setattr(engine, name, func)
-    engine.layout, engine.ELEM = lay, ELEM
+    engine.order, engine.block_m, engine.block_n, engine.layout, engine.ELEM = order, BM, BN, lay, ELEM
     engine.PREFETCH, engine.PAIRED, engine.P_IN_SMEM, engine.STATS_STATIC = True, not SIXTEEN, False, STATS
     engine.s_shape, engine.acc_shape, engine.dq_shape = (NQ, 4), (DT, 4), (1, 1)
     engine.af_shape, engine.nxt_shape, engine.first_q_rows, engine.scratch_floats = (AF_ROWS, 4), (SR, 2), 2, MMA_SCRATCH
@@ -673,10 +669,9 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     (sm_90 and later; else two float32 atomics: :func:`vector_reductions`).
     """
     from numba_flash.kernels.backward import kv_kernel
-    from numba_flash.kernels.engines import TensorCores
 
-    return kv_kernel(order, TensorCores(kind, int(head_dim), int(block_m), int(block_n)), bool(causal),
-                     bool(compute_dq), bool(vector_red))
+    engine = mma_bwd_engine(order, kind, int(head_dim), int(block_m), int(block_n), bool(vector_red))
+    return kv_kernel(order, engine, bool(causal), bool(compute_dq))
 
 
 @functools.lru_cache(maxsize=None)
@@ -772,7 +767,8 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
                            after_scores=after_scores, dscores=dscores, dq_step=dq_step, write_dq=write_dq,
                            row_last_keys=ops.row_last_keys, zero=ops.zero, wait_all=ops.wait_all).items():
         setattr(engine, name, func)
-    engine.layout, engine.ELEM, engine.DOUBLE_K, engine.DS_IN_SMEM = lay, ELEM, True, False
+    engine.block_m, engine.block_n, engine.layout, engine.ELEM = BM, BN, lay, ELEM
+    engine.DOUBLE_K, engine.DS_IN_SMEM = True, False
     engine.s_shape, engine.acc_shape, engine.af_shape = (NS, 4), (DT, 4), (AF_ROWS, 4)
     engine.stat_rows, engine.scratch_floats = 2, mma.scratch_floats(lay.threads)
     tile = {n: shared_tile(lay.offset(n), lay.elems(n)) for n, _ in lay.tiles()}
@@ -791,6 +787,5 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
     ``scale`` (float32).
     """
     from numba_flash.kernels.backward import dq_kernel
-    from numba_flash.kernels.engines import TensorCores
 
-    return dq_kernel(TensorCores(kind, int(head_dim), int(block_m), int(block_n)), bool(causal))
+    return dq_kernel(mma_dq_engine(kind, int(head_dim), int(block_m), int(block_n)), bool(causal))

@@ -134,6 +134,17 @@ def _parser() -> argparse.ArgumentParser:
 
     add("demo", "the online-softmax worked example of the seed, step by step")
 
+    warm = add("warmup", "compile the common configurations into the compilation cache ahead of time (GPU)")
+    warm.add_argument("--dtype", nargs="+", default=["float16", "bfloat16", "float32"],
+                      choices=["float16", "bfloat16", "float32"], help="input dtypes")
+    warm.add_argument("--head-dim", nargs="+", type=positive_int, default=[64, 128], metavar="D", help="head dims")
+    warm.add_argument("--causal", choices=["both", "on", "off"], default="both", help="the causal kernels, the full ones, or both")
+    warm.add_argument("--algorithm", nargs="+", default=["fa2"], choices=["fa1", "fa2"], help="loop orders")
+    warm.add_argument("--backward", action="store_true", help="also attention_backward's kernels")
+    warm.add_argument("--decode", action="store_true", help="also decode's kernels (float16, bfloat16)")
+    warm.add_argument("--dry-run", action="store_true", help="print the cases and exit (no GPU needed)")
+    warm.add_argument("--json", action="store_true", help="print one JSON row per case (progress goes to stderr)")
+
     cache = add("cache", "the persistent compilation cache: what it holds, or empty it")
     cache.add_argument("action", choices=["info", "clear"], help="info: folder, entries, size; clear: delete the entries")
     cache.add_argument("--stale", action="store_true", help="clear only the entries this install cannot use (other sources)")
@@ -144,6 +155,8 @@ def main(argv=None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "cache":
         return _cache(args)
+    if args.command == "warmup":
+        return _warmup(args)
     if args.command == "occupancy":
         return _occupancy(args)
     choose_world()
@@ -183,6 +196,36 @@ def _cache(args) -> int:
     print(f"kernels:  {found['entries']} ({found['bytes'] / 2**20:.1f} MiB): {found['usable']} for these sources "
           f"({found['sources']}), {found['stale']} stale")
     return 0
+
+
+def _warmup(args) -> int:
+    """``numba-flash warmup``: the plan's calls on a GPU, one progress line each; exit 1 when a
+    case failed, 2 when this machine cannot run them (one line saying what is missing)."""
+    from numba_flash import compile_cache, needs
+    from numba_flash.warmup import plan, warmup
+
+    cases = plan(tuple(args.dtype), tuple(args.head_dim), {"both": (False, True), "on": (True,), "off": (False,)}[args.causal],
+                 tuple(args.algorithm), args.backward, args.decode)
+    if args.dry_run:
+        for case in cases:
+            print(case.label)
+        return 0
+    from numba_flash.warmup import needs_for
+
+    line = needs.unmet("numba-flash warmup", *needs_for(cases))
+    if line is not None:
+        print(f"{line}; --dry-run lists the cases", file=sys.stderr)
+        return 2
+    print(f"numba-flash warmup: {len(cases)} cases into {compile_cache.kernels_dir()}", file=sys.stderr, flush=True)
+    rows = warmup(cases, progress=lambda text: print(f"numba-flash warmup: {text}", file=sys.stderr, flush=True))
+    failed = [r for r in rows if "error" in r]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    found = compile_cache.info()
+    print(f"numba-flash warmup: {sum(r['new_kernels'] for r in rows)} kernels compiled and stored in "
+          f"{sum(r['seconds'] for r in rows):.0f} s; the cache holds {found['usable']} for these sources"
+          + (f"; {len(failed)} cases FAILED" if failed else ""), file=sys.stderr)
+    return 1 if failed else 0
 
 
 def unmet_needs(args, occupancy_source=None) -> str | None:

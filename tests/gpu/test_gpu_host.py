@@ -331,3 +331,27 @@ def test_strided_cupy_views_on_decode_and_backward(dtype):
                                           deterministic=True)
     for g, w in zip(got, want):
         assert _rel(g, w.astype(cp.float64)) < 1e-6
+
+
+def test_warmup_stores_what_a_later_process_loads(tmp_path):
+    """``numba-flash warmup`` in a fresh process compiles its cases' kernels into an empty cache
+    folder; run again, it finds every one of them there (nothing new) and takes less time."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, NUMBA_FLASH_CACHE_DIR=str(tmp_path))
+    argv = [sys.executable, "-m", "numba_flash", "warmup", "--dtype", "float16", "--head-dim", "64", "--causal", "on",
+            "--backward", "--decode", "--json"]
+    runs = []
+    for _ in range(2):
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=400, env=env)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs.append(json.loads(done.stdout))
+        print(done.stderr[-2000:])
+    first, second = runs
+    assert [r["case"] for r in first] == [r["case"] for r in second] and len(first) == 6
+    assert all(r["new_kernels"] >= 1 for r in first[:1]) and sum(r["new_kernels"] for r in first) >= 6
+    assert all(r["new_kernels"] == 0 for r in second)
+    assert sum(r["seconds"] for r in second) < sum(r["seconds"] for r in first) / 3
