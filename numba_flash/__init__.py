@@ -20,7 +20,7 @@ try:
     __version__ = _metadata.version("numba-flash")  # the installed distribution's version
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
-__all__ = ["attention", "attention_backward", "decode", "online", "reference", "__version__"]
+__all__ = ["attention", "attention_backward", "decode", "block_mask", "BlockMask", "online", "reference", "__version__"]
 
 
 def __getattr__(name):
@@ -32,6 +32,10 @@ def __getattr__(name):
         from numba_flash.backward import attention_backward as value
     elif name == "decode":
         from numba_flash.decoding import decode as value
+    elif name == "block_mask":
+        from numba_flash.tile_visibility import block_mask as value
+    elif name == "BlockMask":
+        from numba_flash.tile_visibility import BlockMask as value
     else:
         raise AttributeError(f"module 'numba_flash' has no attribute {name!r}")
     globals()[name] = value

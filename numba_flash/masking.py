@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MaskSpec", "FULL", "CAUSAL", "mask_spec"]
+__all__ = ["MaskSpec", "FULL", "CAUSAL", "mask_spec", "evaluate_mask_mod"]
 
 
 @dataclass(frozen=True)
@@ -168,3 +168,29 @@ CAUSAL = MaskSpec(-1, 0)
 def mask_spec(causal: bool = False, window=(-1, -1)) -> MaskSpec:
     """:meth:`MaskSpec.of`: the mask of the public ``causal`` flag (and a window)."""
     return MaskSpec.of(causal, window)
+
+
+def evaluate_mask_mod(mask_mod, grid, mod_args, shape) -> np.ndarray:
+    """A user ``mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool`` over an index grid: bool
+    ``shape``. ``grid``: four int64 arrays that broadcast to ``shape`` (read-only). One call on
+    the broadcast arrays when the function is vectorisable (returns a bool or integer array of
+    a broadcastable shape), else one call per element. ``TypeError`` naming the element when a
+    call returns something that is not a bool."""
+    with np.errstate(all="ignore"):
+        try:
+            out = np.asarray(mask_mod(*grid, *mod_args))
+            if out.dtype.kind in "biu":
+                return np.broadcast_to(out, shape).astype(bool)
+        except Exception:  # noqa: BLE001 -- not vectorisable: the elementwise loop below
+            pass
+        out = np.zeros(shape, dtype=bool)
+        full = [np.broadcast_to(a, shape) for a in grid]
+        for e in np.ndindex(*shape):
+            index = tuple(int(a[e]) for a in full)
+            result = mask_mod(*index, *mod_args)
+            try:
+                out[e] = bool(result)
+            except (TypeError, ValueError):
+                raise TypeError(f"mask_mod must return a bool, got {type(result).__name__} at (b, h, q_idx, kv_idx) = "
+                                f"{index}") from None
+    return out

@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from numba_flash.masking import MaskSpec, mask_spec
+from numba_flash.masking import MaskSpec, evaluate_mask_mod, mask_spec
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_backward_varlen", "decode"]
 
@@ -764,7 +764,7 @@ def _scores(q5, k5, scale, mods: _Modifications, gradient: bool):
 
     visible = np.broadcast_to(mods.window.matrix(n_q, n_k), shape)
     if mods.mask_mod is not None:
-        visible = visible & _evaluate(mods.mask_mod, "mask_mod", grid, None, mods.mod_args, shape, visible)
+        visible = visible & evaluate_mask_mod(mods.mask_mod, grid, mods.mod_args, shape)
     if mods.score_mod is not None:
         score = s.view()
         score.flags.writeable = False  # a mod that writes into it runs elementwise instead
@@ -791,30 +791,25 @@ def _index_grid(batch, heads, n_q, n_k):
 
 
 def _evaluate(mod, name, grid, score, mod_args, shape, visible):
-    """A mod over the whole (B, H, Nq, Nk) grid: one call on broadcast arrays when the mod is
-    vectorisable, else one call per element (for a score mod, per visible element; the others
-    are masked anyway and left 0). ``score`` None: a mask mod (bool result)."""
-    is_mask = score is None
-    head = () if is_mask else (score,)
-    kinds = "biu" if is_mask else "iuf"  # bool/int for a mask, int/float for a score
+    """A score mod (or its gradient) over the whole (B, H, Nq, Nk) grid: one call on broadcast
+    arrays when the mod is vectorisable, else one call per visible element (the others are
+    masked anyway and left 0). (``masking.evaluate_mask_mod`` is the mask mods'.)"""
     with np.errstate(all="ignore"):
         try:
-            out = np.asarray(mod(*head, *grid, *mod_args))
-            if out.dtype.kind in kinds:
-                out = np.broadcast_to(out, shape)
-                return out.astype(bool) if is_mask else out.astype(np.float64)
+            out = np.asarray(mod(score, *grid, *mod_args))
+            if out.dtype.kind in "iuf":
+                return np.broadcast_to(out, shape).astype(np.float64)
         except Exception:  # noqa: BLE001 -- not vectorisable: the elementwise loop below
             pass
-        out = np.zeros(shape, dtype=bool if is_mask else np.float64)
-        b, h, q_idx, kv_idx = np.nonzero(np.ones(shape, dtype=bool) if is_mask else visible)
+        out = np.zeros(shape, dtype=np.float64)
+        b, h, q_idx, kv_idx = np.nonzero(visible)
         for e in zip(b.tolist(), h.tolist(), q_idx.tolist(), kv_idx.tolist()):
-            result = mod(*e, *mod_args) if is_mask else mod(float(score[e]), *e, *mod_args)
+            result = mod(float(score[e]), *e, *mod_args)
             try:
-                out[e] = bool(result) if is_mask else float(result)
+                out[e] = float(result)
             except (TypeError, ValueError):
-                want = "a bool" if is_mask else "a real number"
-                got = type(result).__name__
-                raise TypeError(f"{name} must return {want}, got {got} at (b, h, q_idx, kv_idx) = {e}") from None
+                raise TypeError(f"{name} must return a real number, got {type(result).__name__} at "
+                                f"(b, h, q_idx, kv_idx) = {e}") from None
     return out
 
 

@@ -1,0 +1,188 @@
+"""Tile visibility of a mask: which (Q tile, K/V tile) pairs a kernel must visit (API.md 2c).
+
+A mask hides some (query, key) pairs; at tile granularity a pair of tiles is **hidden** (every
+entry masked: the kernel neither loads nor computes it), **full** (every entry visible: the
+kernel skips the elementwise mask) or **partial** (the kernel applies the mask entry by entry).
+:func:`block_mask` derives that table once per shape from the built-in masks (``causal``,
+``window_size``: ``masking.MaskSpec``) and a user ``mask_mod(b, h, q_idx, kv_idx, *mod_args)``
+(FlexAttention's ``create_block_mask``); :class:`BlockMask` holds it and gives both walks their
+lists: for each Q tile the K/V tiles it visits (the Q-outer walks: FA-2's forward, the
+deterministic dQ), and for each K/V tile the Q tiles (the K/V-outer walks: FA-1's forward, the
+backward's dK/dV), each split into partial and full tiles, in FlexAttention's layout
+(``kv_num_blocks``, ``kv_indices``, ``full_kv_num_blocks``, ``full_kv_indices``).
+
+The table is exact: a tile is full or hidden only when the mask says so for each of its entries
+(the mask is evaluated on every entry, tile row by tile row, on the host), and entries past
+``Nq`` or ``Nk`` (a last tile's padding) count as neither. ``B`` or ``H`` of 1 (or ``None``)
+stands for a mask that does not depend on the batch or the head.
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from numba_flash.masking import MaskSpec, evaluate_mask_mod, mask_spec
+
+__all__ = ["BlockMask", "block_mask", "HIDDEN", "PARTIAL", "FULL"]
+
+HIDDEN, PARTIAL, FULL = 0, 1, 2  # a tile pair's kind
+
+
+@dataclass(frozen=True, eq=False)
+class BlockMask:
+    """The kinds of every (batch, head, Q tile, K/V tile): int8 ``kinds`` of shape
+    ``(B, H, ceil(Nq / block_m), ceil(Nk / block_n))`` (B, H: 1 when the mask does not depend
+    on them), :data:`HIDDEN`, :data:`PARTIAL` or :data:`FULL`."""
+
+    kinds: np.ndarray = field(repr=False)
+    seq_lengths: tuple[int, int]  # (Nq, Nk)
+    block_m: int
+    block_n: int
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``(B, H, Nq, Nk)`` of the mask (B, H: 1 when broadcast)."""
+        return (*self.kinds.shape[:2], *self.seq_lengths)
+
+    def _lists(self, kind: int, axis: int):
+        """(counts, indices): per row of the ``axis`` view, how many tiles of ``kind`` and which,
+        in ascending order, padded with 0 (FlexAttention's layout)."""
+        kinds = self.kinds if axis == 3 else self.kinds.swapaxes(2, 3)
+        chosen = kinds == kind
+        counts = chosen.sum(axis=-1, dtype=np.int32)
+        # stable sort: chosen tiles first, in index order
+        order = np.argsort(~chosen, axis=-1, kind="stable").astype(np.int32)
+        width = chosen.shape[-1]
+        keep = np.arange(width) < counts[..., None]
+        return counts, np.where(keep, order, 0).astype(np.int32)
+
+    @property
+    def kv_num_blocks(self) -> np.ndarray:
+        """int32 ``(B, H, n_q_tiles)``: the partial K/V tiles of each Q tile."""
+        return self._lists(PARTIAL, 3)[0]
+
+    @property
+    def kv_indices(self) -> np.ndarray:
+        """int32 ``(B, H, n_q_tiles, n_kv_tiles)``: their indices, ascending, then 0s."""
+        return self._lists(PARTIAL, 3)[1]
+
+    @property
+    def full_kv_num_blocks(self) -> np.ndarray:
+        return self._lists(FULL, 3)[0]
+
+    @property
+    def full_kv_indices(self) -> np.ndarray:
+        return self._lists(FULL, 3)[1]
+
+    @property
+    def q_num_blocks(self) -> np.ndarray:
+        """int32 ``(B, H, n_kv_tiles)``: the partial Q tiles of each K/V tile (K/V-outer walks)."""
+        return self._lists(PARTIAL, 2)[0]
+
+    @property
+    def q_indices(self) -> np.ndarray:
+        return self._lists(PARTIAL, 2)[1]
+
+    @property
+    def full_q_num_blocks(self) -> np.ndarray:
+        return self._lists(FULL, 2)[0]
+
+    @property
+    def full_q_indices(self) -> np.ndarray:
+        return self._lists(FULL, 2)[1]
+
+    def sparsity(self) -> float:
+        """The fraction of tile pairs hidden (the work the kernels skip)."""
+        return float((self.kinds == HIDDEN).mean()) if self.kinds.size else 0.0
+
+    def to_dense(self) -> np.ndarray:
+        """The bool ``(B, H, Nq, Nk)`` visibility the tiles allow: every entry of a full or
+        partial tile (an upper bound of the mask; equal to it exactly on full tiles)."""
+        n_q, n_k = self.seq_lengths
+        visited = self.kinds != HIDDEN
+        dense = visited.repeat(self.block_m, axis=2).repeat(self.block_n, axis=3)
+        return dense[:, :, :n_q, :n_k]
+
+    def __repr__(self) -> str:
+        b, h, n_q, n_k = self.shape
+        return (f"BlockMask(B={b}, H={h}, Nq={n_q}, Nk={n_k}, block_m={self.block_m}, block_n={self.block_n}, "
+                f"sparsity={self.sparsity():.1%})")
+
+
+def _count(value, name: str, minimum: int) -> int:
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an int, got bool")
+    try:
+        value = operator.index(value)
+    except TypeError:
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return int(value)
+
+
+def block_mask(mask_mod=None, B=None, H=None, Nq=None, Nk=None, *, block_m: int = 128, block_n: int = 128,
+               causal: bool = False, window_size=(-1, -1), mod_args: tuple = ()) -> BlockMask:
+    """The :class:`BlockMask` of ``mask_mod`` (and ``causal``, ``window_size``: a key is visible
+    when every mask given says so, as API.md 2c orders them) for ``B`` x ``H`` x ``Nq`` queries x
+    ``Nk`` keys in ``block_m`` x ``block_n`` tiles. ``B`` or ``H`` ``None``: 1, the mask taken not
+    to depend on it. ``mask_mod`` ``None``: the built-in masks alone. Memoised per arguments when
+    ``mod_args`` is empty (arrays may change between calls; with them, derived afresh)."""
+    if mask_mod is not None and not callable(mask_mod):
+        raise TypeError(f"mask_mod must be a callable, got {type(mask_mod).__name__}")
+    if Nq is None or Nk is None:
+        raise TypeError("block_mask needs Nq and Nk (the query and key lengths)")
+    batch = 1 if B is None else _count(B, "B", 1)
+    heads = 1 if H is None else _count(H, "H", 1)
+    n_q, n_k = _count(Nq, "Nq", 0), _count(Nk, "Nk", 0)
+    bm, bn = _count(block_m, "block_m", 1), _count(block_n, "block_n", 1)
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    spec = mask_spec(bool(causal), tuple(window_size))
+    if not isinstance(mod_args, tuple):
+        raise TypeError(f"mod_args must be a tuple of arrays, got {type(mod_args).__name__}")
+    fn = getattr(mask_mod, "py_func", mask_mod)  # a numba device function: its Python source
+    if mod_args:
+        return _derive(fn, batch, heads, n_q, n_k, bm, bn, spec, mod_args)
+    return _derive_cached(fn, batch, heads, n_q, n_k, bm, bn, spec)
+
+
+@functools.lru_cache(maxsize=64)
+def _derive_cached(fn, batch, heads, n_q, n_k, bm, bn, spec: MaskSpec) -> BlockMask:
+    return _derive(fn, batch, heads, n_q, n_k, bm, bn, spec, ())
+
+
+def _derive(fn, batch, heads, n_q, n_k, bm, bn, spec: MaskSpec, mod_args) -> BlockMask:
+    """Evaluate the masks one Q tile's rows at a time (memory: B x H x block_m x Nk booleans)
+    and reduce each tile to its kind."""
+    n_qt, n_kt = -(-n_q // bm), -(-n_k // bn)
+    kinds = np.zeros((batch, heads, n_qt, n_kt), dtype=np.int8)
+    b_idx = np.arange(batch).reshape(batch, 1, 1, 1)
+    h_idx = np.arange(heads).reshape(1, heads, 1, 1)
+    kv_idx = np.arange(n_k).reshape(1, 1, 1, n_k)
+    for a in (b_idx, h_idx, kv_idx):
+        a.flags.writeable = False
+    pad = n_kt * bn - n_k
+    for t in range(n_qt):
+        rows = np.arange(t * bm, min(n_q, (t + 1) * bm))
+        q_idx = rows.reshape(1, 1, -1, 1)
+        q_idx.flags.writeable = False
+        shape = (batch, heads, rows.size, n_k)
+        seen = np.broadcast_to(spec.visible(q_idx, kv_idx, n_q, n_k), shape)
+        if fn is not None:
+            seen = seen & evaluate_mask_mod(fn, (b_idx, h_idx, q_idx, kv_idx), mod_args, shape)
+        if pad:  # the last K/V tile's columns past Nk: neither visible nor hidden entries
+            seen_any = np.concatenate([seen, np.zeros((*shape[:3], pad), bool)], axis=3)
+            seen_all = np.concatenate([seen, np.ones((*shape[:3], pad), bool)], axis=3)
+        else:
+            seen_any = seen_all = seen
+        tiles = (batch, heads, rows.size, n_kt, bn)
+        any_seen = seen_any.reshape(tiles).any(axis=(2, 4))
+        all_seen = seen_all.reshape(tiles).all(axis=(2, 4))
+        kinds[:, :, t] = np.where(all_seen, FULL, np.where(any_seen, PARTIAL, HIDDEN))
+    kinds.flags.writeable = False
+    return BlockMask(kinds, (n_q, n_k), bm, bn)
