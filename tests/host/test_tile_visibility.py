@@ -149,3 +149,57 @@ def test_empty_lengths():
     got = bm.block_mask(None, 2, 1, 0, 5, block_m=4, block_n=4, causal=True)
     assert got.kinds.shape == (2, 1, 0, 2) and got.sparsity() == 0.0 and got.to_dense().shape == (2, 1, 0, 5)
     assert bm.block_mask(None, None, None, 5, 0, block_m=4, block_n=4).kinds.shape == (1, 1, 2, 0)
+
+
+# ------------------------------------------------------------------ block-sparse walks (tiled)
+
+@settings(max_examples=examples(40), deadline=None)
+@given(masks(), st.sampled_from(["fa1", "fa2"]), st.integers(1, 4))
+def test_a_block_sparse_walk_is_the_elementwise_mask(case, algorithm, dim):
+    """Both loop nests (``numba_flash.tiled``) walking only the tiles a random mask's block mask
+    lists, masking only its partial tiles, give the float64 reference's attention with the
+    mask applied entry by entry (including rows that see no key: o = 0, lse = -inf)."""
+    from numba_flash import tiled
+
+    table, block_m, block_n, window, causal = case
+    b, h, n_q, n_k = table.shape
+    rng = np.random.default_rng(dim)
+    q = rng.standard_normal((b, h, n_q, dim))
+    k, v = (rng.standard_normal((b, 1, n_k, dim)) for _ in range(2))
+
+    def mod(bi, hi, qi, ki, t):
+        return t[bi, hi, qi, ki]
+
+    kw = dict(causal=causal, window_size=window, mask_mod=mod, mod_args=(table,))
+    walk = tiled.fa1_tiled if algorithm == "fa1" else tiled.fa2_tiled
+    table_of_tiles = bm.block_mask(mod, b, h, n_q, n_k, block_m=block_m, block_n=block_n, causal=causal,
+                                   window_size=window, mod_args=(table,))
+    o, lse = walk(q, k, v, block_m, block_n, block_mask=table_of_tiles, **kw)
+    want_o, want_lse = reference.attention(q, k, v, **kw)
+    np.testing.assert_allclose(o, want_o, rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(want_lse))
+    seen = np.isfinite(want_lse)
+    np.testing.assert_allclose(lse[seen], want_lse[seen], rtol=1e-12, atol=1e-12)
+
+
+def test_hidden_tiles_are_never_computed_and_a_wrong_table_shows(monkeypatch):
+    """FA-2's walk under a causal block mask makes one online update per listed tile (none for
+    hidden ones); a table that calls a partial tile full skips its mask, and the result moves --
+    the property above can fail."""
+    from numba_flash import online, tiled
+
+    rng = np.random.default_rng(1)
+    q, k, v = (rng.standard_normal((1, 1, 64, 4)) for _ in range(3))
+    causal_tiles = bm.block_mask(None, None, None, 64, 64, block_m=16, block_n=16, causal=True)
+    calls = []
+    real_update = online.update
+    monkeypatch.setattr(tiled, "update", lambda *a: calls.append(1) or real_update(*a))
+    o, _ = tiled.fa2_tiled(q, k, v, 16, 16, causal=True, block_mask=causal_tiles)
+    assert len(calls) == int((causal_tiles.kinds != bm.HIDDEN).sum()) == 10  # 4 diagonal + 6 below
+    np.testing.assert_allclose(o, reference.attention(q, k, v, causal=True)[0], rtol=1e-12, atol=1e-12)
+    wrong = bm.BlockMask(np.where(causal_tiles.kinds == bm.PARTIAL, bm.FULL, causal_tiles.kinds).astype(np.int8),
+                         (64, 64), 16, 16)
+    o_wrong, _ = tiled.fa2_tiled(q, k, v, 16, 16, causal=True, block_mask=wrong)
+    assert np.abs(o_wrong - o).max() > 1e-3
+    with pytest.raises(ValueError, match="block_mask is for"):
+        tiled.fa1_tiled(q, k, v, 16, 32, causal=True, block_mask=causal_tiles)
