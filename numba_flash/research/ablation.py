@@ -51,16 +51,20 @@ def parse_variant(text: str) -> Variant:
     return Variant(*parts)
 
 
-def barriers_per_kv_tile(variant: Variant, n_q: int, n_k: int, block_m: int, block_n: int, causal: bool) -> float:
+def barriers_per_kv_tile(variant: Variant, n_q: int, n_k: int, block_m: int, block_n: int, causal: bool,
+                         tensor_cores: bool = False) -> float:
     """Block-wide barriers per K/V tile a block visits, averaged over the blocks (the kernels'
-    ``cuda.syncthreads``): q_outer 3 per K/V tile (split_k: and one per Q tile, to merge at
-    the end, not counted); kv_outer 1 per K/V tile and 3 per Q tile it updates with it,
-    4 with split_k (the groups' states merged at every step)."""
+    ``cuda.syncthreads``, as ``kernels.forward`` and ``kernels.pipeline`` place them): q_outer 3
+    per K/V tile on CUDA cores (the synchronous copies: 2 around K_j, V_j's load, 1 after P~),
+    4 on tensor cores (the ``cp.async`` schedule: 2 around S, 2 around P~V); its split_k merge,
+    2 per Q tile at the end of the walk, is not counted. kv_outer: 1 per K/V tile, and per Q
+    tile it updates with it 3 (before Q_i's load, after it, after P~), 5 with split_k (the
+    groups' states merged through shared memory at every step: 2 more)."""
     if variant.loop_order == "q_outer":
-        return 3.0
+        return 4.0 if tensor_cores else 3.0
     from numba_flash.research.profiling.traffic import visible_tiles
 
-    per_pair = 4 if variant.warp_partition == "split_k" else 3
+    per_pair = 5 if variant.warp_partition == "split_k" else 3
     tiles = visible_tiles(n_q, n_k, block_m, block_n, causal)
     n_kv = -(-n_k // block_n)
     pairs = sum(n_tiles for _, n_tiles, _ in tiles)  # visited (Q tile, K/V tile) pairs of one head
@@ -112,7 +116,8 @@ def ablate(args, progress=None):
             **{key: getattr(variant, key) for key in SWITCHES},
             "variant": variant.name,
             **row,  # its blocks, threads and shared memory: the variant's launch specification
-            "barriers_per_kv_tile": barriers_per_kv_tile(variant, p["seq"], p["seq_k"], row["block_m"], row["block_n"], p["causal"]),
+            "barriers_per_kv_tile": barriers_per_kv_tile(variant, p["seq"], p["seq_k"], row["block_m"], row["block_n"],
+                                                         p["causal"], regime != "ieee"),
         }
         rows.append(row)
         say(f"[{n}/{len(variants)}] {variant.name}: done in {time.perf_counter() - started:.1f} s, relative error {row['rel_err']:.1e}")

@@ -68,11 +68,13 @@ def test_space_parsing_and_barriers():
     assert parse_variant("kv_outer-heads_x_qtiles-deferred") == Variant("kv_outer", "heads_x_qtiles", "deferred")
     with pytest.raises(ValueError, match="a variant is"):
         parse_variant("kv_outer")
-    # q_outer: 3 barriers per K/V tile; FA-1 at 4 Q tiles x 4 K/V tiles: 1 + 3 * 4 per K/V tile
+    # q_outer: 3 barriers per K/V tile (4 on tensor cores); FA-1 at 4 Q tiles x 4 K/V tiles: 1 + 3 * 4
+    # per K/V tile, either engine; split_k merges through shared memory at every step: 2 more per pair
     assert barriers_per_kv_tile(FA2, 32, 32, 8, 8, False) == 3
-    assert barriers_per_kv_tile(FA1, 32, 32, 8, 8, False) == 13
+    assert barriers_per_kv_tile(FA2, 32, 32, 8, 8, False, tensor_cores=True) == 4
+    assert barriers_per_kv_tile(FA1, 32, 32, 8, 8, False) == 13 == barriers_per_kv_tile(FA1, 32, 32, 8, 8, False, True)
     assert barriers_per_kv_tile(Variant("kv_outer", "heads_x_qtiles", "every_step"), 32, 32, 8, 8, False) == 4
-    assert barriers_per_kv_tile(Variant("kv_outer", "heads", "every_step", "split_k"), 32, 32, 8, 8, False) == 17
+    assert barriers_per_kv_tile(Variant("kv_outer", "heads", "every_step", "split_k"), 32, 32, 8, 8, False) == 21
 
 
 def test_ncu_needs_a_gpu(capsys):
