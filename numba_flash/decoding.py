@@ -30,7 +30,8 @@ from numba_flash.problem import describe
 from numba_flash.split_kv import check_num_splits
 
 
-def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False):
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False,
+           k_new=None, v_new=None):
     """Attention of ``Nq`` new queries per sequence to a KV cache.
 
     ``q``: ``(B, H, Nq, D)``, small ``Nq``; ``k_cache``, ``v_cache``: ``(B, Hkv, Nmax, D)``,
@@ -42,9 +43,19 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     :func:`numba_flash.attention` (``None``: heuristic). float16, bfloat16, float32; arrays as
     :func:`numba_flash.attention` takes them. Returns ``o`` (q's shape and dtype), or
     ``(o, lse)`` with ``return_lse=True`` (``lse`` float32 ``(B, H, Nq)``, natural log).
+
+    ``k_new``, ``v_new``: ``(B, Hkv, Nnew, D)``, the caches' dtype and library: appended before
+    attending -- written into ``k_cache``, ``v_cache`` in place at positions ``cache_seqlens[b] ..
+    cache_seqlens[b] + Nnew - 1`` -- and attended with them (the lengths are ``cache_seqlens +
+    Nnew``; ``causal`` aligns the queries to the end of them). ``cache_seqlens`` is read, not
+    advanced: the caller advances it. Raises before any write when a sequence would run past
+    ``Nmax`` (``cache_seqlens`` is then required). (The writes are one copy per sequence, apart
+    from the attention kernel; FlashAttention fuses them.)
     """
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
+    if k_new is not None or v_new is not None:
+        cache_seqlens = _append(k_cache, v_cache, k_new, v_new, cache_seqlens)
     key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits)
     plan = _DECODE_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check
@@ -88,6 +99,55 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
 
 
 _DECODE_PLANS = plans.PlanCache()  # decode's plans by signature (_decode_key)
+
+
+def _append(k_cache, v_cache, k_new, v_new, cache_seqlens):
+    """Write ``k_new``, ``v_new`` into the caches at each sequence's length (every check first,
+    nothing written when one fails); the lengths after, int32 ``(B,)`` in the caches' library."""
+    if k_new is None or v_new is None:
+        raise ValueError("k_new and v_new go together: give both or neither")
+    arrays = {name: as_cupy_view(x, name) for name, x in
+              (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new))}
+    kinds = {kind_of(x) for x in arrays.values()}
+    if len(kinds) != 1:
+        raise TypeError("k_new and v_new must be arrays of the caches' library")
+    kind = kinds.pop()
+    for name, x in arrays.items():
+        if len(x.shape) != 4:
+            raise ValueError(f"{name} must be 4-D (batch, kv_heads, seq, head_dim); got shape {tuple(x.shape)}")
+    n_new = int(arrays["k_new"].shape[2])
+    for new, cache in (("k_new", "k_cache"), ("v_new", "v_cache")):
+        a, c = arrays[new], arrays[cache]
+        want = (c.shape[0], c.shape[1], n_new, c.shape[3])
+        if tuple(a.shape) != tuple(want):
+            raise ValueError(f"{new} must have shape {tuple(int(n) for n in want)} (the {cache}'s batch, heads and "
+                             f"head dim, and k_new's Nnew); got {tuple(a.shape)}")
+        if dtype_name(a, kind) != dtype_name(c, kind):
+            raise TypeError(f"{new} must have {cache}'s dtype {dtype_name(c, kind)}; got {dtype_name(a, kind)}")
+    batch, n_max = int(arrays["k_cache"].shape[0]), int(arrays["k_cache"].shape[2])
+    if cache_seqlens is None:
+        raise ValueError("k_new needs cache_seqlens: without it every sequence fills the cache, and nothing fits after")
+    if isinstance(cache_seqlens, (list, tuple)):
+        lengths = np.asarray(cache_seqlens)
+    else:
+        view = as_cupy_view(cache_seqlens, "cache_seqlens")
+        lengths = np.asarray(view if kind_of(view) == "numpy" else _to_host(view, kind_of(view)))
+    if lengths.shape != (batch,) or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
+        raise ValueError(f"cache_seqlens must be {batch} integers; got shape {lengths.shape}, dtype {lengths.dtype}")
+    start = np.clip(lengths.astype(np.int64), 0, n_max)  # (decode clamps lengths to [0, Nmax])
+    over = np.flatnonzero(start + n_new > n_max)
+    if over.size:
+        b = int(over[0])
+        raise ValueError(f"cache_seqlens[{b}] = {int(start[b])} plus Nnew = {n_new} runs past the cache's "
+                         f"Nmax = {n_max}")
+    if n_new:
+        ctx = ArrayContext(kind, arrays["k_cache"])
+        with ctx.on_device():
+            for b, at in enumerate(start.tolist()):  # sequence b's new keys after its cached ones
+                arrays["k_cache"][b, :, at : at + n_new] = arrays["k_new"][b]
+                arrays["v_cache"][b, :, at : at + n_new] = arrays["v_new"][b]
+    after = np.ascontiguousarray((start + n_new).astype(np.int32))
+    return after if kind == "numpy" else _from_host(after, kind, ArrayContext(kind, arrays["k_cache"]))
 
 
 def _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits):

@@ -117,3 +117,42 @@ def test_decode_cupy_float32_and_list_lengths():
     for b, n in enumerate((5000, 1234)):
         ref = numba_flash.attention(q[b : b + 1], k[b : b + 1, :, :n], v[b : b + 1, :, :n], num_splits=1)
         assert float(cp.abs(o[b : b + 1] - ref).max()) < 1e-5
+
+
+@pytest.mark.parametrize("library, dtype", [("cupy", "float16"), ("torch", "bfloat16")])
+def test_decode_appends_new_keys_in_place(library, dtype):
+    """``decode(..., k_new=, v_new=)`` on the GPU (CuPy float16, torch bfloat16): the new keys
+    land in the caches at each sequence's length, the lengths are not advanced, and the result
+    is the reference's with the keys appended (float64, FlashAttention's 2x rule loosened to a
+    bound: 16-bit caches)."""
+    cp = pytest.importorskip("cupy")
+    import numpy as np
+
+    import numba_flash
+    from numba_flash import reference
+
+    rng = np.random.default_rng(23)
+    B, H, Hkv, D, n_max, n_new = 4, 8, 2, 128, 4096, 5
+    host = [rng.standard_normal(s).astype(np.float32) for s in
+            ((B, H, 1, D), (B, Hkv, n_max, D), (B, Hkv, n_max, D), (B, Hkv, n_new, D), (B, Hkv, n_new, D))]
+    lengths = np.array([4000, 0, 1, 2048], np.int32)
+    if library == "torch":
+        torch = pytest.importorskip("torch")
+        q, k_cache, v_cache, k_new, v_new = (torch.as_tensor(x, device="cuda").to(torch.bfloat16) for x in host)
+        seqlens = torch.as_tensor(lengths, device="cuda")
+        as_host = lambda x: x.float().cpu().numpy()  # noqa: E731
+    else:
+        q, k_cache, v_cache, k_new, v_new = (cp.asarray(x).astype(dtype) for x in host)
+        seqlens = cp.asarray(lengths)
+        as_host = lambda x: cp.asnumpy(x).astype(np.float32)  # noqa: E731
+    k_before, v_before = as_host(k_cache), as_host(v_cache)
+    o = numba_flash.decode(q, k_cache, v_cache, cache_seqlens=seqlens, k_new=k_new, v_new=v_new, causal=True)
+    want, _ = reference.decode(as_host(q), k_before, v_before, cache_seqlens=lengths, k_new=as_host(k_new),
+                               v_new=as_host(v_new), causal=True)
+    got = as_host(o)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
+    assert as_host(seqlens).tolist() == lengths.tolist()
+    k_after = as_host(k_cache)
+    for b, n in enumerate(lengths.tolist()):
+        np.testing.assert_array_equal(k_after[b, :, n:n + n_new], as_host(k_new)[b])
+        np.testing.assert_array_equal(k_after[b, :, :n], k_before[b, :, :n])

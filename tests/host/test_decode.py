@@ -298,3 +298,56 @@ def test_float32_decode_at_the_gpu_default_tiles(monkeypatch):
     finally:
         kernel_spec.cache_clear()
         plans.clear()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_appended_keys_are_written_in_place_and_attended(dtype, causal):
+    """``k_new``, ``v_new`` (API.md 2e): written into the caches at each sequence's length, the
+    rest of the caches untouched, the caller's lengths not advanced; the result is the
+    reference's decode with the keys appended (lengths 5, 0 and 17 of 24, 3 new keys, GQA)."""
+    rng = np.random.default_rng(21)
+    B, H, Hkv, Nq, D, n_max, n_new = 3, 4, 2, 2, 16, 24, 3
+    q = rng.standard_normal((B, H, Nq, D)).astype(dtype)
+    k_cache, v_cache = (rng.standard_normal((B, Hkv, n_max, D)).astype(dtype) for _ in range(2))
+    k_new, v_new = (rng.standard_normal((B, Hkv, n_new, D)).astype(dtype) for _ in range(2))
+    lengths = np.array([5, 0, 17], np.int32)
+    k_before, v_before, lengths_before = k_cache.copy(), v_cache.copy(), lengths.copy()
+    o, lse = numba_flash.decode(q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new, v_new=v_new, causal=causal,
+                                return_lse=True)
+    want_o, want_lse = reference.decode(q, k_before, v_before, cache_seqlens=lengths, k_new=k_new, v_new=v_new,
+                                        causal=causal)
+    assert rel_err(o, want_o) <= (2e-3 if dtype == "float16" else 1e-5)  # (float16: o's own rounding is ~5e-4)
+    np.testing.assert_allclose(lse, want_lse, rtol=1e-3, atol=1e-3)
+    np.testing.assert_array_equal(lengths, lengths_before)
+    for b, n in enumerate(lengths.tolist()):
+        np.testing.assert_array_equal(k_cache[b, :, n:n + n_new], k_new[b])
+        np.testing.assert_array_equal(v_cache[b, :, n:n + n_new], v_new[b])
+        untouched = np.ones(n_max, bool)
+        untouched[n:n + n_new] = False
+        np.testing.assert_array_equal(k_cache[b, :, untouched], k_before[b, :, untouched])
+        np.testing.assert_array_equal(v_cache[b, :, untouched], v_before[b, :, untouched])
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(k_new="both"), ValueError, "k_new and v_new go together"),
+    (dict(lengths=None), ValueError, "k_new needs cache_seqlens"),
+    (dict(lengths=np.array([2, 22], np.int32)), ValueError, r"cache_seqlens\[1\] = 22 plus Nnew = 3 runs past"),
+    (dict(shape=(2, 2, 3, 8)), ValueError, r"k_new must have shape \(2, 1, 3, 8\)"),
+    (dict(new_dtype="float64"), TypeError, "k_new must have k_cache's dtype float32"),
+    (dict(lengths=np.array([1.5, 2.0])), ValueError, "cache_seqlens must be 2 integers"),
+])
+def test_appending_checks_everything_before_writing(kwargs, error, match):
+    rng = np.random.default_rng(22)
+    q = rng.standard_normal((2, 2, 1, 8)).astype(np.float32)
+    k_cache, v_cache = (rng.standard_normal((2, 1, 24, 8)).astype(np.float32) for _ in range(2))
+    shape = kwargs.get("shape", (2, 1, 3, 8))
+    k_new = rng.standard_normal(shape).astype(kwargs.get("new_dtype", "float32"))
+    v_new = rng.standard_normal((2, 1, 3, 8)).astype(np.float32)
+    lengths = kwargs.get("lengths", np.array([2, 4], np.int32))
+    before = k_cache.copy(), v_cache.copy()
+    with pytest.raises(error, match=match):
+        numba_flash.decode(q, k_cache, v_cache, cache_seqlens=lengths, k_new=k_new,
+                           v_new=None if kwargs.get("k_new") == "both" else v_new)
+    np.testing.assert_array_equal(k_cache, before[0])
+    np.testing.assert_array_equal(v_cache, before[1])
