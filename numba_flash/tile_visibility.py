@@ -60,40 +60,23 @@ class BlockMask:
         keep = np.arange(width) < counts[..., None]
         return counts, np.where(keep, order, 0).astype(np.int32)
 
-    @property
-    def kv_num_blocks(self) -> np.ndarray:
-        """int32 ``(B, H, n_q_tiles)``: the partial K/V tiles of each Q tile."""
-        return self._lists(PARTIAL, 3)[0]
+    def walk(self, over: str = "q", full: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """``(counts, indices)`` of one walk's lists: ``over="q"``, each Q tile's K/V tiles
+        (int32 ``(B, H, n_q_tiles)`` and ``(B, H, n_q_tiles, n_kv_tiles)``); ``over="kv"``, each
+        K/V tile's Q tiles; ``full``: the full tiles, else the partial ones."""
+        if over not in ("q", "kv"):
+            raise ValueError(f"over must be 'q' (each Q tile's K/V tiles) or 'kv'; got {over!r}")
+        return self._lists(FULL if full else PARTIAL, 3 if over == "q" else 2)
 
-    @property
-    def kv_indices(self) -> np.ndarray:
-        """int32 ``(B, H, n_q_tiles, n_kv_tiles)``: their indices, ascending, then 0s."""
-        return self._lists(PARTIAL, 3)[1]
-
-    @property
-    def full_kv_num_blocks(self) -> np.ndarray:
-        return self._lists(FULL, 3)[0]
-
-    @property
-    def full_kv_indices(self) -> np.ndarray:
-        return self._lists(FULL, 3)[1]
-
-    @property
-    def q_num_blocks(self) -> np.ndarray:
-        """int32 ``(B, H, n_kv_tiles)``: the partial Q tiles of each K/V tile (K/V-outer walks)."""
-        return self._lists(PARTIAL, 2)[0]
-
-    @property
-    def q_indices(self) -> np.ndarray:
-        return self._lists(PARTIAL, 2)[1]
-
-    @property
-    def full_q_num_blocks(self) -> np.ndarray:
-        return self._lists(FULL, 2)[0]
-
-    @property
-    def full_q_indices(self) -> np.ndarray:
-        return self._lists(FULL, 2)[1]
+    # FlexAttention's names for the same lists
+    kv_num_blocks = property(lambda self: self.walk("q")[0], doc="int32 (B, H, n_q_tiles): each Q tile's partial K/V tiles")
+    kv_indices = property(lambda self: self.walk("q")[1], doc="their indices, ascending, then 0s")
+    full_kv_num_blocks = property(lambda self: self.walk("q", True)[0], doc="each Q tile's full K/V tiles")
+    full_kv_indices = property(lambda self: self.walk("q", True)[1])
+    q_num_blocks = property(lambda self: self.walk("kv")[0], doc="each K/V tile's partial Q tiles (K/V-outer walks)")
+    q_indices = property(lambda self: self.walk("kv")[1])
+    full_q_num_blocks = property(lambda self: self.walk("kv", True)[0])
+    full_q_indices = property(lambda self: self.walk("kv", True)[1])
 
     def sparsity(self) -> float:
         """The fraction of tile pairs hidden (the work the kernels skip)."""

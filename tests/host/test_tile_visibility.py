@@ -203,3 +203,13 @@ def test_hidden_tiles_are_never_computed_and_a_wrong_table_shows(monkeypatch):
     assert np.abs(o_wrong - o).max() > 1e-3
     with pytest.raises(ValueError, match="block_mask is for"):
         tiled.fa1_tiled(q, k, v, 16, 32, causal=True, block_mask=causal_tiles)
+
+
+def test_walk_names_its_lists():
+    got = bm.block_mask(None, None, None, 40, 40, block_m=8, block_n=8, causal=True)
+    counts, indices = got.walk("kv", full=True)
+    np.testing.assert_array_equal(counts, got.full_q_num_blocks)
+    np.testing.assert_array_equal(indices, got.full_q_indices)
+    assert counts[0, 0].tolist() == [4, 3, 2, 1, 0]  # K/V tile u is full for the Q tiles below it
+    with pytest.raises(ValueError, match="over must be"):
+        got.walk("rows")
