@@ -23,10 +23,11 @@ per-key bounds are Python ints.
 
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import numpy as np
+
+from numba_flash.checks import whole_number
 
 __all__ = ["MaskSpec", "FULL", "CAUSAL", "mask_spec", "evaluate_mask_mod"]
 
@@ -41,12 +42,7 @@ class MaskSpec:
     def __post_init__(self):
         for name in ("left", "right"):
             value = getattr(self, name)
-            if isinstance(value, bool):
-                raise TypeError(f"window {name} must be an int; got bool")
-            try:
-                value = operator.index(value)
-            except TypeError:
-                raise TypeError(f"window {name} must be an int; got {type(value).__name__}") from None
+            value = whole_number(value, f"window {name}", minimum=None)
             if value < -1:
                 raise ValueError(f"window {name} must be -1 (unbounded) or >= 0; got {value}")
             object.__setattr__(self, name, int(value))

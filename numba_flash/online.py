@@ -42,10 +42,11 @@ executable statement of the math, used by tests and docs, not the fast path.
 
 from __future__ import annotations
 
-import operator
 from typing import NamedTuple
 
 import numpy as np
+
+from numba_flash.checks import whole_number
 
 __all__ = ["SoftmaxState", "empty_state", "update", "merge", "finalize", "combine"]
 
@@ -108,19 +109,6 @@ def _as_state(st, name: str) -> SoftmaxState:
     return SoftmaxState(m, l, acc)
 
 
-def _nonnegative_int(x, name: str) -> int:
-    try:
-        n = operator.index(x)
-    except TypeError:
-        raise TypeError(f"{name} must be an integer, got {type(x).__name__}") from None
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    return n
-
-
-# --------------------------------------------------------------------------- the algebra
-
-
 def _exp_minus(x: np.ndarray, shift: np.ndarray) -> np.ndarray:
     """``exp(x - shift)`` elementwise, with ``exp(-inf - anything) = 0``.
 
@@ -140,8 +128,8 @@ def empty_state(rows: int, head_dim: int) -> SoftmaxState:
     It is the identity of :func:`merge` (on both sides) and finalizes to
     ``o = 0``, ``lse = -inf``.
     """
-    rows = _nonnegative_int(rows, "rows")
-    head_dim = _nonnegative_int(head_dim, "head_dim")
+    rows = whole_number(rows, "rows")
+    head_dim = whole_number(head_dim, "head_dim")
     return SoftmaxState(
         m=np.full(rows, _NEG_INF),
         l=np.zeros(rows),

@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import math
 import numbers
-import operator
 from dataclasses import dataclass, replace
 
 import numpy as np
 
+from numba_flash.checks import whole_number
 from numba_flash.masking import MaskSpec, evaluate_mask_mod, mask_spec
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_backward_varlen", "decode"]
@@ -455,7 +455,7 @@ def _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: 
                 f"{name} must start at 0, never decrease and end at {rows} = {total}; got {cu.tolist()}"
             )
         longest = int(np.diff(cu).max(initial=0))
-        max_len = _count(max_len, max_name)
+        max_len = whole_number(max_len, max_name)
         if max_len < longest:
             raise ValueError(f"{max_name} = {max_len} is below the longest sequence in {name} ({longest})")
         bounds.append(cu.tolist())
@@ -481,19 +481,6 @@ def _integers(x, name: str) -> np.ndarray:
     if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
         raise TypeError(f"{name} must hold integers (int32), got dtype {arr.dtype}")
     return arr.astype(np.int64)
-
-
-def _count(n, name: str) -> int:
-    """A non-negative Python int (TypeError / ValueError naming ``name``)."""
-    if isinstance(n, (bool, np.bool_)):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        n = operator.index(n)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(n).__name__}") from None
-    if n < 0:
-        raise ValueError(f"{name} must be >= 0, got {n}")
-    return int(n)
 
 
 # --------------------------------------------------------------------------- KV caches

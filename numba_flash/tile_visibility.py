@@ -20,11 +20,11 @@ stands for a mask that does not depend on the batch or the head.
 from __future__ import annotations
 
 import functools
-import operator
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from numba_flash.checks import whole_number
 from numba_flash.masking import MaskSpec, evaluate_mask_mod, mask_spec
 
 __all__ = ["BlockMask", "block_mask", "HIDDEN", "PARTIAL", "FULL"]
@@ -42,6 +42,7 @@ class BlockMask:
     seq_lengths: tuple[int, int]  # (Nq, Nk)
     block_m: int
     block_n: int
+    _made: dict = field(default_factory=dict, init=False, repr=False)  # the walks' lists, made once each
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
@@ -50,7 +51,12 @@ class BlockMask:
 
     def _lists(self, kind: int, axis: int):
         """(counts, indices): per row of the ``axis`` view, how many tiles of ``kind`` and which,
-        in ascending order, padded with 0 (FlexAttention's layout)."""
+        in ascending order, padded with 0 (FlexAttention's layout). Made once, read-only."""
+        if (kind, axis) not in self._made:
+            self._made[kind, axis] = self._make_lists(kind, axis)
+        return self._made[kind, axis]
+
+    def _make_lists(self, kind: int, axis: int):
         kinds = self.kinds if axis == 3 else self.kinds.swapaxes(2, 3)
         chosen = kinds == kind
         counts = chosen.sum(axis=-1, dtype=np.int32)
@@ -58,7 +64,9 @@ class BlockMask:
         order = np.argsort(~chosen, axis=-1, kind="stable").astype(np.int32)
         width = chosen.shape[-1]
         keep = np.arange(width) < counts[..., None]
-        return counts, np.where(keep, order, 0).astype(np.int32)
+        indices = np.where(keep, order, 0).astype(np.int32)
+        counts.flags.writeable = indices.flags.writeable = False
+        return counts, indices
 
     def walk(self, over: str = "q", full: bool = False) -> tuple[np.ndarray, np.ndarray]:
         """``(counts, indices)`` of one walk's lists: ``over="q"``, each Q tile's K/V tiles
@@ -96,18 +104,6 @@ class BlockMask:
                 f"sparsity={self.sparsity():.1%})")
 
 
-def _count(value, name: str, minimum: int) -> int:
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        value = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return int(value)
-
-
 def block_mask(mask_mod=None, B=None, H=None, Nq=None, Nk=None, *, block_m: int = 128, block_n: int = 128,
                causal: bool = False, window_size=(-1, -1), mod_args: tuple = ()) -> BlockMask:
     """The :class:`BlockMask` of ``mask_mod`` (and ``causal``, ``window_size``: a key is visible
@@ -119,10 +115,10 @@ def block_mask(mask_mod=None, B=None, H=None, Nq=None, Nk=None, *, block_m: int 
         raise TypeError(f"mask_mod must be a callable, got {type(mask_mod).__name__}")
     if Nq is None or Nk is None:
         raise TypeError("block_mask needs Nq and Nk (the query and key lengths)")
-    batch = 1 if B is None else _count(B, "B", 1)
-    heads = 1 if H is None else _count(H, "H", 1)
-    n_q, n_k = _count(Nq, "Nq", 0), _count(Nk, "Nk", 0)
-    bm, bn = _count(block_m, "block_m", 1), _count(block_n, "block_n", 1)
+    batch = 1 if B is None else whole_number(B, "B", 1)
+    heads = 1 if H is None else whole_number(H, "H", 1)
+    n_q, n_k = whole_number(Nq, "Nq", 0), whole_number(Nk, "Nk", 0)
+    bm, bn = whole_number(block_m, "block_m", 1), whole_number(block_n, "block_n", 1)
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
         raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
     spec = mask_spec(bool(causal), tuple(window_size))
