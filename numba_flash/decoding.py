@@ -127,27 +127,23 @@ def _append(k_cache, v_cache, k_new, v_new, cache_seqlens):
     batch, n_max = int(arrays["k_cache"].shape[0]), int(arrays["k_cache"].shape[2])
     if cache_seqlens is None:
         raise ValueError("k_new needs cache_seqlens: without it every sequence fills the cache, and nothing fits after")
-    if isinstance(cache_seqlens, (list, tuple)):
-        lengths = np.asarray(cache_seqlens)
-    else:
-        view = as_cupy_view(cache_seqlens, "cache_seqlens")
-        lengths = np.asarray(view if kind_of(view) == "numpy" else _to_host(view, kind_of(view)))
-    if lengths.shape != (batch,) or (lengths.size and not np.issubdtype(lengths.dtype, np.integer)):
-        raise ValueError(f"cache_seqlens must be {batch} integers; got shape {lengths.shape}, dtype {lengths.dtype}")
-    start = np.clip(lengths.astype(np.int64), 0, n_max)  # (decode clamps lengths to [0, Nmax])
+    ctx = ArrayContext(kind, arrays["k_cache"])
+    with ctx.on_device():
+        lengths = _check_seqlens(cache_seqlens, batch, kind, ctx)  # (decode's own checks and conversion)
+    host = np.asarray(lengths if kind == "numpy" else _to_host(lengths, kind))
+    start = np.clip(host.astype(np.int64), 0, n_max)  # (decode clamps lengths to [0, Nmax])
     over = np.flatnonzero(start + n_new > n_max)
     if over.size:
         b = int(over[0])
         raise ValueError(f"cache_seqlens[{b}] = {int(start[b])} plus Nnew = {n_new} runs past the cache's "
                          f"Nmax = {n_max}")
     if n_new:
-        ctx = ArrayContext(kind, arrays["k_cache"])
         with ctx.on_device():
             for b, at in enumerate(start.tolist()):  # sequence b's new keys after its cached ones
                 arrays["k_cache"][b, :, at : at + n_new] = arrays["k_new"][b]
                 arrays["v_cache"][b, :, at : at + n_new] = arrays["v_new"][b]
     after = np.ascontiguousarray((start + n_new).astype(np.int32))
-    return after if kind == "numpy" else _from_host(after, kind, ArrayContext(kind, arrays["k_cache"]))
+    return after if kind == "numpy" else _from_host(after, kind, ctx)
 
 
 def _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits):

@@ -335,7 +335,8 @@ def test_appended_keys_are_written_in_place_and_attended(dtype, causal):
     (dict(lengths=np.array([2, 22], np.int32)), ValueError, r"cache_seqlens\[1\] = 22 plus Nnew = 3 runs past"),
     (dict(shape=(2, 2, 3, 8)), ValueError, r"k_new must have shape \(2, 1, 3, 8\)"),
     (dict(new_dtype="float64"), TypeError, "k_new must have k_cache's dtype float32"),
-    (dict(lengths=np.array([1.5, 2.0])), ValueError, "cache_seqlens must be 2 integers"),
+    (dict(lengths=np.array([1.5, 2.0])), TypeError, "cache_seqlens must hold integers"),  # (decode's contract)
+    (dict(lengths=np.array([1, 2, 3], np.int32)), ValueError, r"cache_seqlens must have shape \(2,\)"),
 ])
 def test_appending_checks_everything_before_writing(kwargs, error, match):
     rng = np.random.default_rng(22)
