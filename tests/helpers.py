@@ -249,3 +249,28 @@ def central_differences(f, *arrays, step: float = FD_STEP) -> tuple:
             grad[idx] = (up - down) / (2 * step)
         grads.append(grad)
     return tuple(grads)
+
+
+SCRIPTS = __import__("pathlib").Path(__file__).resolve().parents[1] / "scripts"
+
+
+def load_script(filename: str, module_name: str | None = None):
+    """``scripts/<filename>`` imported as a module, registered in ``sys.modules`` (dataclasses
+    look their module up while the file runs)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location(module_name or f"{filename[:-3]}_script", SCRIPTS / filename)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def script_module(filename: str, module_name: str | None = None):
+    """:func:`load_script` for a module-scoped fixture: yields the module, then unregisters it."""
+    import sys
+
+    module = load_script(filename, module_name)
+    yield module
+    sys.modules.pop(module.__name__, None)

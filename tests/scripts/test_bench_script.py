@@ -7,25 +7,16 @@ on synthetic result rows whose expected ratios are worked out by hand.
 from __future__ import annotations
 
 import csv
-import importlib.util
-import sys
-from pathlib import Path
 
 import pytest
+from helpers import script_module
 
 from numba_flash._world import simulated
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "bench.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from script_module("bench.py", "bench_script")
 
 
 def plan_for(bench, *argv, sdpa=None):

@@ -5,7 +5,6 @@ run by numba_flash.decode in the simulator (row, JSON keys, error), and the GPU-
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import math
 import subprocess
@@ -15,6 +14,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import script_module
 
 from numba_flash._world import simulated
 
@@ -25,12 +25,7 @@ JSON_KEYS = {"batch", "heads", "kv_heads", "q_len", "head_dim", "dtype", "cache_
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("decode_bench_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from script_module("decode_bench.py", "decode_bench_script")
 
 
 # --------------------------------------------------------------------- arguments, plan

@@ -5,25 +5,19 @@ same configuration, so that its timings stand for the library's kernels."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
-
-import pytest
 
 import fake_gpu
+import pytest
+from helpers import load_script
+
 import numba_flash
 from numba_flash import plans
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "decode_sweep.py"
 
 
 @pytest.fixture(scope="module")
 def sweep():
-    spec = importlib.util.spec_from_file_location("decode_sweep_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("decode_sweep.py", "decode_sweep_script")
 
 
 def test_candidates_parse(sweep):
@@ -49,7 +43,11 @@ def test_a_candidate_launches_what_decode_launches(sweep, monkeypatch, cache):
         k, v = (fake_gpu.cupy_array((1, 8, cache, 128), "float16") for _ in range(2))
         seqlens = fake_gpu.cupy_array((1,), "int32")
         library = fake_gpu.launches(record, lambda: numba_flash.decode(q, k, v, cache_seqlens=seqlens, return_lse=True))
-        from numba_flash.tile_table import DECODE_BLOCK_N, DECODE_KEY_WARP_STAGES, DECODE_KEY_WARPS
+        from numba_flash.tile_table import (
+            DECODE_BLOCK_N,
+            DECODE_KEY_WARP_STAGES,
+            DECODE_KEY_WARPS,
+        )
 
         c = sweep.Candidate(DECODE_BLOCK_N, "walk", None, DECODE_KEY_WARP_STAGES, DECODE_KEY_WARPS, q, k, v, seqlens,
                             128**-0.5)

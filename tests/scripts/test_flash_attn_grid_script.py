@@ -4,7 +4,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import subprocess
@@ -13,18 +12,14 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import script_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "flash_attn_grid.py"
 
 
 @pytest.fixture(scope="module")
 def grid():
-    spec = importlib.util.spec_from_file_location("flash_attn_grid_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from script_module("flash_attn_grid.py", "flash_attn_grid_script")
 
 
 # FlashAttention tests/test_flash_attn.py at 0251105a, counted by hand from its decorators:

@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import pathlib
 
 import pytest
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "ncu_traffic.py"
+from helpers import load_script
 
 
 @pytest.fixture(scope="module")
 def ncu():
-    spec = importlib.util.spec_from_file_location("ncu_traffic", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("ncu_traffic.py", "ncu_traffic")
 
 
 def _csv(kernels):

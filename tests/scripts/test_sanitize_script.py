@@ -3,24 +3,14 @@ errors fail, host API errors do not), its case list, and a few cases run in the 
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-import sys
-
 import numpy as np
 import pytest
-
-SCRIPT = pathlib.Path(__file__).resolve().parents[2] / "scripts" / "sanitize.py"
+from helpers import script_module
 
 
 @pytest.fixture(scope="module")
 def sanitize():
-    spec = importlib.util.spec_from_file_location("sanitize_script", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    yield module
-    sys.modules.pop(spec.name, None)
+    yield from script_module("sanitize.py", "sanitize_script")
 
 
 DONE = "SANITIZE-CHILD-DONE 200 cases, 0 failed, 95 s"

@@ -4,12 +4,11 @@ measurements are stubbed out, and what they need is said to be here."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
-import sys
 
 import pytest
+from helpers import load_script
 
 from numba_flash import needs
 
@@ -17,11 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"verdict_{name[:-3]}", ROOT / "scripts" / name)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the file runs
-    spec.loader.exec_module(module)
-    return module
+    return load_script(name, f"verdict_{name[:-3]}")
 
 
 @pytest.fixture
