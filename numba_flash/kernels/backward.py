@@ -65,10 +65,10 @@ ORDERS = ("fa1", "fa2")
 
 
 @kernel_factory
-def kv_kernel(order: str, engine, causal: bool, compute_dq: bool = True):
-    """The dK/dV (and dQ) kernel of one loop order on ``engine`` (memoised; the engine module's
-    name says all it was made of, and is the kernel's identity in the compilation cache):
-    ``bwd.ffma_bwd_engine(order, ...)`` or ``tc_bwd.mma_bwd_engine(order, ...)``.
+def kv_kernel(engine, causal: bool, compute_dq: bool = True):
+    """The dK/dV (and dQ) kernel on ``engine``, of the loop order it was made for (memoised; the
+    engine module's name says all it was made of, and is the kernel's identity in the
+    compilation cache): ``bwd.ffma_bwd_engine(order, ...)`` or ``tc_bwd.mma_bwd_engine(order, ...)``.
 
     Launch: ``"fa1"``: ``grid = (B * Hkv,)``; ``"fa2"``: ``grid = (ceil(Nk / block_n) * B * Hkv,)``;
     ``block = (layout.threads,)``, dynamic shared memory ``layout.smem_bytes`` (the engine's
@@ -78,12 +78,10 @@ def kv_kernel(order: str, engine, causal: bool, compute_dq: bool = True):
     accumulated into (untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` out, ``scale``
     (float32).
     """
-    if order not in ORDERS:
-        raise ValueError(f"order must be 'fa1' or 'fa2'; got {order!r}")
-    if engine.order != order:
-        raise ValueError(f"the engine was made for the {engine.order!r} kernel, not {order!r}")
     E = engine
-    FA1, CAUSAL, DQ = order == "fa1", bool(causal), bool(compute_dq)
+    if E.order not in ORDERS:
+        raise ValueError(f"the engine's order must be 'fa1' or 'fa2'; got {E.order!r}")
+    FA1, CAUSAL, DQ = E.order == "fa1", bool(causal), bool(compute_dq)
     BM, BN = E.block_m, E.block_n
     PREFETCH, PAIRED, P_IN_SMEM, STATS_STATIC = E.PREFETCH, E.PAIRED, E.P_IN_SMEM, E.STATS_STATIC
     ELEM = E.ELEM

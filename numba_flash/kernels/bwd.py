@@ -375,7 +375,7 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
     """
     from numba_flash.kernels.backward import kv_kernel
 
-    return kv_kernel(order, ffma_bwd_engine(order, int(head_dim), int(block)), bool(causal), bool(compute_dq))
+    return kv_kernel(ffma_bwd_engine(order, int(head_dim), int(block)), bool(causal), bool(compute_dq))
 
 
 @functools.lru_cache(maxsize=None)

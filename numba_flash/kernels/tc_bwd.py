@@ -671,7 +671,7 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     from numba_flash.kernels.backward import kv_kernel
 
     engine = mma_bwd_engine(order, kind, int(head_dim), int(block_m), int(block_n), bool(vector_red))
-    return kv_kernel(order, engine, bool(causal), bool(compute_dq))
+    return kv_kernel(engine, bool(causal), bool(compute_dq))
 
 
 @functools.lru_cache(maxsize=None)
