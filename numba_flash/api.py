@@ -198,8 +198,12 @@ def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, bloc
         # at D <= 64, 128 x 64, gives split_k's static tiles 107 KiB)
         block_m, block_n = comparison_tiles(checked.q_shape[3])
     call = configure(checked, block_m, block_n)  # (the tiles' checks before num_splits', as always)
-    if split_k and checked.regime != "ieee" and block_n is None and call.block_n < 32:
-        call = configure(checked, call.block_m, 32)  # (the simulator's 16-key tiles: 16 keys per key-warp group)
+    if split_k and checked.regime != "ieee" and block_n is None:
+        from numba_flash.kernels.forward import tensor_core_min_block_n
+
+        fewest = tensor_core_min_block_n(variant)  # (the simulator's 16-key tiles are too few)
+        if call.block_n < fewest:
+            call = configure(checked, call.block_m, fewest)
     call = replace(call, num_splits=check_num_splits(num_splits, algorithm))
     if call.regime != "ieee":
         from numba_flash.kernels.forward import check_tensor_core_variant

@@ -96,11 +96,17 @@ FA1 = Variant("kv_outer", "heads", "every_step", "split_q", "at_update")
 FA2 = Variant("q_outer", "heads_x_qtiles", "deferred", "split_q", "at_update")
 
 
+def tensor_core_min_block_n(variant) -> int:
+    """The fewest keys per K/V tile the tensor-core engine runs ``variant`` with: 16 (one
+    m16n8k16 step), times the groups for split_k (each group's warps take ``block_n /
+    SPLIT_K_GROUPS`` keys)."""
+    return 16 * (SPLIT_K_GROUPS if variant is not None and variant.warp_partition == "split_k" else 1)
+
+
 def check_tensor_core_variant(variant, block_n: int) -> None:
     """``ValueError`` for a variant the tensor-core engine cannot run with ``block_n`` keys per
-    tile: split_k gives each group's warps ``block_n / SPLIT_K_GROUPS`` keys, which the m16n8k16
-    products take 16 at a time."""
-    if variant is not None and variant.warp_partition == "split_k" and block_n // SPLIT_K_GROUPS < 16:
+    tile (:func:`tensor_core_min_block_n`)."""
+    if variant is not None and variant.warp_partition == "split_k" and block_n < tensor_core_min_block_n(variant):
         raise ValueError(f"split_k on tensor cores gives each of its {SPLIT_K_GROUPS} warp groups block_n / "
                          f"{SPLIT_K_GROUPS} keys, at least 16: block_n={block_n} is too small (32 or more)")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 import itertools
 import math
 
-from numba_flash.kernels.forward import (FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, SPLIT_K_GROUPS,
-                                         WARP_PARTITIONS, Variant)
+from numba_flash.kernels.forward import (FA1, FA2, GRIDS, LOOP_ORDERS, O_LOADS, RESCALES, WARP_PARTITIONS, Variant,
+                                         tensor_core_min_block_n)
 from numba_flash.problem import TENSOR_CORE_KIND
 from numba_flash.research.report import markdown_table, shape_label
 
@@ -100,8 +100,7 @@ def ablate(args, progress=None):
             from numba_flash.kernels.tc_ops import kernel_head_dim
 
             bm, bn = forward_tc_tiles(regime, kernel_head_dim(regime, p["head_dim"]))
-            if any(v.warp_partition == "split_k" for v in variants):  # each key-warp group: >= 16 keys
-                bn = max(bn, 16 * SPLIT_K_GROUPS)
+            bn = max([bn] + [tensor_core_min_block_n(v) for v in variants])  # (split_k: 16 keys a group)
         args.block_m, args.block_n = choose_tiles(regime, "fa1", p["head_dim"], p["dtype"], p["causal"],
                                                   bm if args.block_m is None else args.block_m,
                                                   bn if args.block_n is None else args.block_n)
