@@ -23,6 +23,7 @@ from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtyp
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
+from numba_flash.kernels.mask import window_of
 from numba_flash.arch import STATIC_SMEM_LIMIT
 from numba_flash.kernels.tiles import check_tiles, threads_per_block, tile_layout
 from numba_flash.launch import device_array
@@ -51,6 +52,7 @@ def attention(
     return_lse=False,
     precision=None,
     num_splits=None,
+    window_size=(-1, -1),
 ):
     """Scaled dot-product attention, forward pass, by FlashAttention-1 or -2.
 
@@ -80,6 +82,11 @@ def attention(
         1 0
         1 1
 
+    ``window_size=(left, right)`` (FlashAttention's sliding window, API.md section 2c): query
+    ``i`` sees key ``j`` iff ``i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right``; ``-1``
+    leaves that side unbounded; with ``causal=True`` the intersection (``right`` at most 0).
+    K/V tiles outside every row's window of a Q tile are never loaded.
+
     ``algorithm``: ``"fa2"`` (default; FlashAttention-2 Algorithm 1) or ``"fa1"``
     (FlashAttention Algorithm 1). Both compute the same function.
     ``block_m`` / ``block_n``: Q-tile and K/V-tile rows (``None``: tuned default);
@@ -107,7 +114,7 @@ def attention(
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     o, lse = forward(
         q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n,
-        precision=precision, num_splits=num_splits,
+        precision=precision, num_splits=num_splits, window_size=window_size,
     )
     return (o, lse) if return_lse else o
 
@@ -128,6 +135,7 @@ def forward(
     precision=None,
     num_splits=None,
     variant=None,
+    window_size=(-1, -1),
 ):
     """:func:`attention` with the research knobs; always returns ``(o, lse)``.
 
@@ -144,14 +152,15 @@ def forward(
     """
     key = None
     if kv_tile_order is None and variant is None:
-        key = _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits)
+        key = _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits,
+                           window_size)
     plan = _FORWARD_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check
         # CAI / DLPack objects: CuPy views (the caller's buffers, no copy)
         q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
         out, lse_out = (None if x is None else as_cupy_view(x, name) for x, name in ((out, "out"), (lse_out, "lse_out")))
         ctx, call = _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision,
-                                  num_splits, variant)
+                                  num_splits, variant, window_size)
         if key is not None:
             tuned = call.regime == "ieee" and (block_m is None or block_n is None)  # tiles from the autotune cache
             tile_entries = tile_cache.load() if tuned else None
@@ -171,7 +180,7 @@ def forward(
 _FORWARD_PLANS = plans.PlanCache()  # forward's plans by signature (_forward_key)
 
 
-def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits):
+def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, window_size):
     """The signature of a forward call (``numba_flash.plans``): everything its checks and its
     launches depend on but pointers; ``None`` when it has none (NumPy, CAI or DLPack objects)."""
     try:
@@ -180,18 +189,23 @@ def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block
         return None
     if None in arrays:
         return None
+    window = plans.pair_key(window_size)
+    if window is None:  # not a pair: the checks say so
+        return None
     return (arrays, out is None, lse_out is None, plans.value_key(causal), plans.value_key(scale),
             plans.value_key(algorithm), plans.value_key(block_m), plans.value_key(block_n),
-            plans.value_key(precision), plans.value_key(num_splits))
+            plans.value_key(precision), plans.value_key(num_splits), window)
 
 
-def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, variant):
+def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, variant,
+                  window_size=(-1, -1)):
     """Every check of a forward call that does not depend on pointers or ``kv_tile_order``:
     its array context and launch configuration (:func:`problem.describe`, :func:`configure`)."""
     variant = _check_variant(variant, precision)
     if variant is not None:  # the loop order decides which kernel family's defaults apply
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
-    checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision)
+    checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision,
+                       window_size=window_size)
     split_k = variant is not None and variant.warp_partition == "split_k"
     if split_k and checked.regime == "ieee" and block_m is None and block_n is None:
         from numba_flash.tile_table import comparison_tiles  # (the ablation's tiles: FA-2's own default
@@ -274,7 +288,7 @@ def run(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order=None, seql
     the combine) when ``call.num_splits`` or its heuristic says so. ``seqlens``: valid keys
     per batch (``decode``); ``rows_per_query``: query rows packed per position (``decode``)."""
     B, H, Nq, D = call.q_shape
-    spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, call.regime,
+    spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
                        key_warps=call.key_warps)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, ctx.device_id)
@@ -306,7 +320,7 @@ def plan_run(builder: plans.PlanBuilder, call: LaunchConfig, q, k, v, o, lse, se
     B, H, Nq, D = call.q_shape
     if call.regime == "ieee" and call.dtype == "bfloat16":
         return False
-    spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, call.regime,
+    spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
                        key_warps=call.key_warps)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, builder.ctx.device_id)
@@ -354,7 +368,7 @@ def simulated_seconds(call: LaunchConfig) -> float:
 
     B, H, Nq, D = call.q_shape
     bm, bn = call.block_m, call.block_n
-    spec = kernel_spec(call.algorithm, D, call.dtype, bm, bn, call.causal, call.regime)
+    spec = kernel_spec(call.algorithm, D, call.dtype, bm, bn, call.window, call.regime)
     padded = tile_layout(D, bm, bn).padded_dim if call.regime == "ieee" else spec.head_dim
     return estimate_seconds(call.algorithm, B, H, Nq, call.n_k, D, bm, bn, call.causal,
                             spec.threads, padded, call.regime != "ieee")
@@ -483,12 +497,12 @@ def _check_order(kv_tile_order, n_k: int, block_n: int):
     return order.astype(np.int32)
 
 
-def kernel_for(algorithm, head_dim, block_m, block_n, causal, dtype, permuted=False, ragged=False):
+def kernel_for(algorithm, head_dim, block_m, block_n, window, dtype, permuted=False, ragged=False):
     """The compiled-kernel dispatcher ``attention`` launches for this configuration."""
     if algorithm == "fa2":
-        return KERNEL_FACTORIES["fa2"](head_dim, block_m, block_n, bool(causal), bool(permuted), bool(ragged))
+        return KERNEL_FACTORIES["fa2"](head_dim, block_m, block_n, window_of(window), bool(permuted), bool(ragged))
     return KERNEL_FACTORIES["fa1"](
-        head_dim, block_m, block_n, bool(causal), bool(permuted), casts_output(dtype)
+        head_dim, block_m, block_n, window_of(window), bool(permuted), casts_output(dtype)
     )
 
 
@@ -537,7 +551,7 @@ def _plan_cuda_cores(builder: plans.PlanBuilder, call: LaunchConfig, q, k, v, o,
 def _cuda_core_spec(call: LaunchConfig, permuted: bool, ragged: bool):
     """The launch specification of a call's CUDA-core kernel (named point or variant)."""
     D = call.q_shape[3]
-    return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, "ieee",
+    return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, "ieee",
                        ragged=ragged, permuted=permuted, variant=call.variant)
 
 

@@ -55,11 +55,12 @@ def backward_regime(precision, dtype: str) -> str:
     raise ValueError(f"the backward's precision must be None, 'ieee' or 'tf32x3'; got {precision!r}")
 
 
-def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False):
+def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False,
+                       window_size=(-1, -1)):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` for the upstream gradient ``do``.
 
     ``o`` and ``lse`` are what ``attention(q, k, v, causal=causal, scale=scale,
-    return_lse=True)`` returned. Shapes and dtypes: ``do`` and ``o`` like ``q``; ``lse``
+    window_size=window_size, return_lse=True)`` returned. Shapes and dtypes: ``do`` and ``o`` like ``q``; ``lse``
     float32 ``(B, H, Nq)``; the gradients have the shapes and dtypes of ``q``, ``k``, ``v``.
     GQA: dk and dv of a KV head sum over its query heads. Rows that see no key give zero
     gradients. ``algorithm``: ``"fa2"`` (FlashAttention-2 Algorithm 2; dQ summed by float32
@@ -67,11 +68,12 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
     (FlashAttention Algorithm 4; deterministic by construction). float16 and bfloat16 run on
     tensor cores, float32 on CUDA cores (:func:`gradients` chooses otherwise).
     """
-    return gradients(do, q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic)
+    return gradients(do, q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic,
+                     window_size=window_size)
 
 
 def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,
-              tiles=None):
+              tiles=None, window_size=(-1, -1)):
     """:func:`attention_backward` with the regime chosen by ``precision`` (:func:`backward_regime`):
     ``None`` (the public default: tensor cores for float16 and bfloat16, tf32x3 for float32), ``"ieee"`` (CUDA
     cores for any dtype: the research baseline, and the kernels the tests compare against) or
@@ -87,7 +89,7 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
     # attention's checks (the forward's regime is not this one: backward_regime below decides)
-    problem = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", precision="ieee")
+    problem = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", precision="ieee", window_size=window_size)
     kind = problem.kind
     B, H, Nq, D = problem.q_shape
     Hkv, Nk = int(k.shape[1]), problem.n_k
@@ -155,13 +157,13 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
     else:
         grid = (B * Hkv,)
     layout = bwd_layout(algorithm, D, block)
-    kernel = bwd_kernel(algorithm, D, block, problem.causal, not deterministic or algorithm == "fa1")
+    kernel = bwd_kernel(algorithm, D, block, problem.window, not deterministic or algorithm == "fa1")
     numba_launch(kernel, grid, layout.threads, stream,
                  dev(("in", q), ("in", k), ("in", v), ("in", o), ("in", do), ("in", lse), ("in", dvec),
                      ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale), shared_mem_bytes=layout.smem_bytes)
     if deterministic and algorithm == "fa2":
         dq_layout = bwd_layout("dq", D, block)
-        numba_launch(bwd_dq_kernel(D, block, problem.causal), (-(-Nq // block) * B * H,), dq_layout.threads, stream,
+        numba_launch(bwd_dq_kernel(D, block, problem.window), (-(-Nq // block) * B * H,), dq_layout.threads, stream,
                      dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale),
                      shared_mem_bytes=dq_layout.smem_bytes)
     dev.copy_back()
@@ -215,7 +217,7 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
             grid = (B * Hkv,)
         layout = tc_bwd_layout(algorithm, kind, dim, block_m, block_n)
         cc = None if simulated() else cuda_device_capability()
-        kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, problem.causal, not deterministic or algorithm == "fa1",
+        kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, problem.window, not deterministic or algorithm == "fa1",
                                vector_reductions(cc))
         numba_launch(kernel, grid, layout.threads, stream,
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
@@ -223,7 +225,7 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
         if deterministic and algorithm == "fa2":
             dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind)
             dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
-            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.causal), (-(-Nq // dq_m) * B * H,),
+            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window), (-(-Nq // dq_m) * B * H,),
                          dq_layout.threads, stream,
                          dev(("in", kq), ("in", kk), ("in", kv), ("in", kdo), ("in", lse_b), ("in", dvec_b), ("out", dq_b),
                              scale), shared_mem_bytes=dq_layout.smem_bytes)

@@ -31,7 +31,7 @@ from numba_flash.split_kv import check_num_splits
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False,
-           k_new=None, v_new=None):
+           k_new=None, v_new=None, window_size=(-1, -1)):
     """Attention of ``Nq`` new queries per sequence to a KV cache.
 
     ``q``: ``(B, H, Nq, D)``, small ``Nq``; ``k_cache``, ``v_cache``: ``(B, Hkv, Nmax, D)``,
@@ -39,7 +39,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     values are clamped to ``[0, Nmax]``; any integer array-like is accepted and converted to
     int32 in the inputs' library); keys at positions ``>= cache_seqlens[b]`` are never read,
     and a sequence of length 0 gives ``o = 0``, ``lse = -inf``. ``causal=True``: query ``i`` of
-    ``Nq`` sees keys ``j <= cache_seqlens[b] - Nq + i``. ``num_splits``: as in
+    ``Nq`` sees keys ``j <= cache_seqlens[b] - Nq + i``; ``window_size=(left, right)``: a sliding
+    window aligned the same way (query ``i`` sees ``cache_seqlens[b] - Nq + i - left <= j <=
+    cache_seqlens[b] - Nq + i + right``; -1: unbounded; with ``causal`` the intersection; the
+    pages of K/V before the window are never read). ``num_splits``: as in
     :func:`numba_flash.attention` (``None``: heuristic). float16, bfloat16, float32; arrays as
     :func:`numba_flash.attention` takes them. Returns ``o`` (q's shape and dtype), or
     ``(o, lse)`` with ``return_lse=True`` (``lse`` float32 ``(B, H, Nq)``, natural log).
@@ -56,7 +59,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     if k_new is not None or v_new is not None:
         cache_seqlens = _append(k_cache, v_cache, k_new, v_new, cache_seqlens)
-    key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits)
+    key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size)
     plan = _DECODE_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check
         q, k_cache, v_cache = (as_cupy_view(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
@@ -77,7 +80,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         # Every check of attention (shapes, dtypes, scale, tiles), on the packed problem.
         packed = _pack(q, kind, group)
         call = api.configure(describe(packed, k_cache, v_cache, causal=causal, scale=scale, algorithm="fa2",
-                                      names=("q", "k_cache", "v_cache")), block_m, block_n)
+                                      names=("q", "k_cache", "v_cache"), window_size=window_size), block_m, block_n)
         kv_stages, key_warps = decode_pipeline(block_m, block_n) if call.regime != "ieee" else (1, 1)
         call = replace(call, kv_stages=kv_stages, key_warps=key_warps, num_splits=check_num_splits(num_splits, "fa2"))
         ctx = ArrayContext(kind, q)
@@ -146,17 +149,18 @@ def _append(k_cache, v_cache, k_new, v_new, cache_seqlens):
     return after if kind == "numpy" else _from_host(after, kind, ctx)
 
 
-def _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits):
+def _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size):
     """The signature of a decode call (``numba_flash.plans``); ``None`` when it has none
     (NumPy, CAI or DLPack objects, lengths given as a list)."""
     try:
         arrays = tuple(array_signature(x) for x in (q, k_cache, v_cache, cache_seqlens) if x is not None)
     except (AttributeError, RuntimeError):  # not an array of a known library: the checks say so
         return None
-    if None in arrays:
+    window = plans.pair_key(window_size)
+    if None in arrays or window is None:
         return None
     return (arrays, cache_seqlens is None, plans.value_key(causal), plans.value_key(scale),
-            plans.value_key(num_splits))
+            plans.value_key(num_splits), window)
 
 
 def _plan_decode(ctx, call: api.LaunchConfig, q, packed, k_cache, v_cache, seqlens, group: int, tile_entries):

@@ -35,6 +35,7 @@ class LaunchConfig:
     n_k = property(lambda self: self.problem.n_k)
     dtype = property(lambda self: self.problem.dtype)
     causal = property(lambda self: self.problem.causal)
+    window = property(lambda self: self.problem.window)
     scale = property(lambda self: self.problem.scale)
     algorithm = property(lambda self: self.problem.algorithm)
     regime = property(lambda self: self.problem.regime)

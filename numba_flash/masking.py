@@ -12,9 +12,9 @@ rows); they give ``o = 0``, ``lse = -inf``.
 
 Everything on the host that needs the mask asks this module: the float64 references
 (``reference``, ``tiled``), the CuPy baseline, the traffic model, the ring schedule's work
-count and its verification. The kernels have their own device-side copy (``kernels``); the
-public functions take ``causal`` only today (:meth:`MaskSpec.of`), the window form is here so
-that a sliding window is added in one place.
+count and its verification. The kernels have their own device-side copy (``kernels.mask``,
+compiled for the window ``(left, right)``); the public functions take ``causal`` and
+``window_size``, checked by :func:`window_spec`.
 
 :meth:`MaskSpec.visible` uses only ``+``, ``<=`` and ``&`` on its index arguments, so it works
 on Python ints, NumPy arrays and CuPy arrays alike (broadcasting as they do); the per-row and
@@ -29,7 +29,7 @@ import numpy as np
 
 from numba_flash.checks import whole_number
 
-__all__ = ["MaskSpec", "FULL", "CAUSAL", "mask_spec", "evaluate_mask_mod"]
+__all__ = ["MaskSpec", "FULL", "CAUSAL", "mask_spec", "window_spec", "evaluate_mask_mod"]
 
 
 @dataclass(frozen=True)
@@ -164,6 +164,18 @@ CAUSAL = MaskSpec(-1, 0)
 def mask_spec(causal: bool = False, window=(-1, -1)) -> MaskSpec:
     """:meth:`MaskSpec.of`: the mask of the public ``causal`` flag (and a window)."""
     return MaskSpec.of(causal, window)
+
+
+def window_spec(causal=False, window_size=(-1, -1)) -> MaskSpec:
+    """The mask of a public call's ``causal`` and ``window_size`` (API.md section 2c), checked:
+    ``TypeError`` unless ``window_size`` is a pair of ints, ``ValueError`` for a side below -1,
+    each naming ``window_size``."""
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    try:
+        return mask_spec(causal, tuple(window_size))
+    except (TypeError, ValueError) as err:
+        raise type(err)(f"window_size={tuple(window_size)!r}: {err}") from None
 
 
 def evaluate_mask_mod(mask_mod, grid, mod_args, shape) -> np.ndarray:

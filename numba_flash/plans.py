@@ -90,6 +90,19 @@ def value_key(x) -> tuple:
     return type(x), x
 
 
+def pair_key(x) -> tuple | None:
+    """A pair argument (``window_size``) as part of a plan key; ``None`` when it is not a tuple
+    or list of two hashable values (the call's checks then say what is wrong)."""
+    if not isinstance(x, (tuple, list)) or len(x) != 2:
+        return None
+    key = (type(x),) + tuple(value_key(e) for e in x)
+    try:
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 class CallPlan(NamedTuple):
     """What a call of one signature launches (built by :class:`PlanBuilder`).
 

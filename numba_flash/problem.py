@@ -22,7 +22,7 @@ import numpy as np
 from numba_flash.arrays import device_id_of, dtype_name, kind_of
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.tile_table import MAX_HEAD_DIM
-from numba_flash.masking import MaskSpec, mask_spec
+from numba_flash.masking import MaskSpec, window_spec
 
 __all__ = ["ALGORITHMS", "DTYPES", "TENSOR_CORE_KIND", "Problem", "describe", "regime"]
 
@@ -66,8 +66,13 @@ class Problem:
 
     @property
     def causal(self) -> bool:
-        """The public ``causal`` flag (the only mask the kernels take today)."""
+        """Exactly the public ``causal=True`` mask (no window beside it)."""
         return self.mask.is_causal
+
+    @property
+    def window(self) -> tuple[int, int]:
+        """The mask as the kernels take it: ``(left, right)`` (``kernels.mask``)."""
+        return self.mask.window
 
     @property
     def tensor_cores(self) -> bool:
@@ -92,9 +97,10 @@ def regime(precision, dtype: str) -> str:
     raise ValueError(f"precision must be one of None, 'ieee', 'tf32', 'tf32x3'; got {precision!r}")
 
 
-def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=None, names=("q", "k", "v")) -> Problem:
+def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=None, names=("q", "k", "v"),
+             window_size=(-1, -1)) -> Problem:
     """The checked :class:`Problem` of ``attention(q, k, v, causal=..., scale=..., algorithm=...,
-    precision=...)``; raises before anything runs, with a message naming the argument as the
+    precision=..., window_size=...)``; raises before anything runs, with a message naming the argument as the
     caller's signature spells it (``names``: ``decode``'s are ``q``, ``k_cache``, ``v_cache``)."""
     nq, nk, nv = names
     kinds = [kind_of(x, name) for x, name in zip((q, k, v), names)]
@@ -136,6 +142,6 @@ def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=No
         raise ValueError(f"scale must be finite and below {FLOAT32_MAX / LOG2E:.3g} in magnitude; got {scale}")
     return Problem(
         kind=kind, batch=B, heads=H, kv_heads=Hkv, n_q=Nq, n_k=Nk, head_dim=D, dtype=dtypes[0], scale=float(scale),
-        mask=mask_spec(bool(causal)), algorithm=algorithm, regime=regime(precision, dtypes[0]),
+        mask=window_spec(bool(causal), window_size), algorithm=algorithm, regime=regime(precision, dtypes[0]),
         device_id=device_id_of(q, kind),
     )

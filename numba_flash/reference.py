@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from numba_flash.checks import whole_number
-from numba_flash.masking import MaskSpec, evaluate_mask_mod, mask_spec
+from numba_flash.masking import MaskSpec, evaluate_mask_mod, window_spec
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_backward_varlen", "decode"]
 
@@ -497,6 +497,7 @@ def decode(
     v_new=None,
     causal: bool = False,
     scale: float | None = None,
+    window_size=(-1, -1),
 ):
     """Attention of a few queries per sequence to a KV cache (API.md 2b, 2e), ``(o, lse)``.
 
@@ -527,8 +528,9 @@ def decode(
         before attending. The kernel writes them into the cache in place (the caller then
         advances ``cache_seqlens``); this oracle computes on a copy and modifies none of its
         inputs.
-    causal, scale :
-        As in :func:`attention` (``scale`` defaults to ``1 / sqrt(D)``).
+    causal, scale, window_size :
+        As in :func:`attention` (``scale`` defaults to ``1 / sqrt(D)``; the window bottom-right
+        aligned to each sequence's keys, as ``causal``).
 
     ``ValueError`` naming the argument for: a block index outside ``[0, num_blocks)`` among the
     pages a sequence uses; ``cache_seqlens[b] + Nnew`` past the cache (``Nmax``, or the table's
@@ -609,7 +611,8 @@ def decode(
         if n_new:
             keys = np.concatenate([keys, k_new[b]], axis=1)
             values = np.concatenate([values, v_new[b]], axis=1)
-        o[b], lse[b] = (x[0] for x in attention(q[b : b + 1], keys[None], values[None], causal, scale))
+        o[b], lse[b] = (x[0] for x in attention(q[b : b + 1], keys[None], values[None], causal, scale,
+                                                window_size=window_size))
     return o, lse
 
 
@@ -671,12 +674,7 @@ class _Modifications:
 def _modifications(q_shape, causal, window_size, softcap, alibi_slopes, mask_mod, score_mod, mod_args):
     """Check section 2c's arguments (ValueError / TypeError naming the argument)."""
     batch, heads = q_shape[:2]
-    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
-        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
-    try:
-        window = mask_spec(causal, tuple(window_size))
-    except (TypeError, ValueError) as err:
-        raise type(err)(f"window_size={tuple(window_size)!r}: {err}") from None
+    window = window_spec(causal, window_size)
 
     if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
         raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")

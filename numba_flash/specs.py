@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from numba_flash import switches
 from numba_flash.arch import SM_REGISTERS, SMEM_OPTIN_LIMIT
+from numba_flash.kernels.mask import CAUSAL, window_of
 from numba_flash.kernels.tiles import ROWS_PER_THREAD, register_cap
 from numba_flash.tile_table import forward_rows_per_thread
 
@@ -35,7 +36,7 @@ class KernelSpec:
     dtype: str  # the dtype the kernel reads (bfloat16 inputs of the CUDA-core kernels: float32)
     block_m: int
     block_n: int
-    causal: bool
+    window: tuple  # the mask, (left, right) (``kernels.mask``): a compile-time constant of the kernel
     threads: int
     static_smem: int  # bytes of static shared memory (the CUDA-core tiles up to 48 KiB)
     dynamic_smem: int  # bytes of dynamic shared memory per block (the tensor-core tiles; CUDA-core above 48 KiB)
@@ -50,6 +51,11 @@ class KernelSpec:
     rows_per_thread: int = ROWS_PER_THREAD  # CUDA cores: the forward's micro-tile height (``tile_table.forward_rows_per_thread``)
     maxreg: int | None = None  # CUDA cores: NUMBA_FLASH_FFMA_MAXREG when set (``tiles.register_cap``'s override)
     presplit: str | None = None  # tf32x3: NUMBA_FLASH_TF32X3_PRESPLIT's layout when set (``tc_ops.tc_layout``'s presplit)
+
+    @property
+    def causal(self) -> bool:
+        """Exactly the causal mask."""
+        return self.window == CAUSAL
 
     @property
     def kv_outer(self) -> bool:
@@ -94,7 +100,7 @@ class KernelSpec:
             point = self.variant if self.variant is not None else (FA1 if self.algorithm == "fa1" else FA2)
             tiles = TensorCores(self.regime, self.head_dim, self.block_m, self.block_n, None, self.presplit,
                                 self.kv_stages, self.key_warps)
-            return forward_kernel(point, tiles, self.causal, False, self.ragged, cast_out=self.kv_outer,
+            return forward_kernel(point, tiles, self.window, False, self.ragged, cast_out=self.kv_outer,
                                   f32_out=self.split_out, max_registers=self.register_cap)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
@@ -104,16 +110,16 @@ class KernelSpec:
             from numba_flash.kernels.forward import forward_kernel
 
             tiles = CudaCores(self.head_dim, self.block_m, self.block_n, self.rows_per_thread)
-            return forward_kernel(self.variant, tiles, self.causal, self.permuted, self.ragged,
+            return forward_kernel(self.variant, tiles, self.window, self.permuted, self.ragged,
                                   self.kv_outer and casts_output(self.dtype), max_registers=self.register_cap)
         rows = {} if self.rows_per_thread == ROWS_PER_THREAD else {"rows_per_thread": self.rows_per_thread}
         if self.maxreg is not None:
             rows["maxreg"] = self.maxreg
         if self.algorithm == "fa2":
-            return KERNEL_FACTORIES["fa2"](self.head_dim, self.block_m, self.block_n, self.causal, self.permuted, self.ragged,
+            return KERNEL_FACTORIES["fa2"](self.head_dim, self.block_m, self.block_n, self.window, self.permuted, self.ragged,
                                            **rows)
         return KERNEL_FACTORIES["fa1"](
-            self.head_dim, self.block_m, self.block_n, self.causal, self.permuted, casts_output(self.dtype), **rows
+            self.head_dim, self.block_m, self.block_n, self.window, self.permuted, casts_output(self.dtype), **rows
         )
 
     def signature(self):
@@ -138,11 +144,12 @@ class KernelSpec:
 
 
 @functools.lru_cache(maxsize=1024)
-def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regime="ieee", ragged=False,
+def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regime="ieee", ragged=False,
                 split_out=False, permuted=False, variant=None, kv_stages=1, key_warps=1,
                 rows_per_thread=None) -> KernelSpec:
     """The launch specification of one configuration (tiles as the caller gives them; ``api``
-    checks them). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
+    checks them). ``window``: the mask's ``(left, right)`` (``kernels.mask``; a bool: the
+    public ``causal``). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
     rounded up to its copy width. ``ragged`` and ``split_out`` (FA-2 only): a valid key count
     per batch, and float32 partial outputs for the split-KV combine. ``permuted`` and
     ``variant``: a given K/V tile order (CUDA cores), and a point of the ablation space
@@ -151,6 +158,7 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
     ``tc_fa2_kernel`` and its warps per 16 rows. ``rows_per_thread`` (CUDA cores): the
     micro-tile height; ``None``: ``tile_table.forward_rows_per_thread``'s for the tiles (read once
     per configuration: this is memoised)."""
+    window = window_of(window)
     if variant is not None:
         from numba_flash.kernels.forward import FA1, FA2
 
@@ -181,7 +189,7 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
         else:
             layout = tc_layout(regime, d, block_m, block_n, stages, key_warps=warps, **split)
             smem = layout.smem_bytes
-        return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, bool(causal), layout.threads, 0, smem,
+        return KernelSpec(algorithm, regime, d, dtype, block_m, block_n, window, layout.threads, 0, smem,
                           cap, ragged and (variant is None or variant.loop_order == "q_outer"), split_out,
                           variant=variant, kv_stages=stages, key_warps=warps,
                           presplit=None if mode is None else layout.presplit)
@@ -201,7 +209,7 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, causal=False, regi
         ragged = ragged and variant.loop_order == "q_outer"
     maxreg = switches.ffma_maxreg()
     return KernelSpec(
-        algorithm, "ieee", head_dim, dtype, block_m, block_n, bool(causal), threads, smem - dynamic, dynamic,
+        algorithm, "ieee", head_dim, dtype, block_m, block_n, window, threads, smem - dynamic, dynamic,
         register_cap(head_dim, rows, maxreg), ragged, split_out, bool(permuted), variant, rows_per_thread=rows,
         maxreg=maxreg,
     )

@@ -177,7 +177,7 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     seqlens, n_splits, rows_per_query = walk
     B, H, Nq, D = call.q_shape
     partial = n_splits > 1  # o, lse: float32 partials of the kernel's head dim
-    spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, call.regime,
+    spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, split_out=partial, variant=call.variant, kv_stages=call.kv_stages,
                        key_warps=call.key_warps)
     sixteen = spec.regime in TENSOR_CORE_KIND.values()
@@ -254,7 +254,7 @@ def plan_in_place(builder, call: LaunchConfig, q, k, v, o, lse, seqlens, n_split
 def _in_place_spec(call: LaunchConfig, ragged: bool, n_splits: int):
     """The launch specification of the call's tensor-core kernel (float32 partials when split)."""
     D = call.q_shape[3]
-    return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.causal, call.regime,
+    return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=ragged, split_out=n_splits > 1, variant=call.variant, kv_stages=call.kv_stages,
                        key_warps=call.key_warps)
 

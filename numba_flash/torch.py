@@ -14,9 +14,9 @@ break), and ``attention``'s gradient is registered with the operator
 The operators, in the ``numba_flash`` namespace (``torch.ops.numba_flash.*``):
 
 ==========================  ===============================================================
-``attention_forward``       ``(q, k, v, causal, scale, algorithm) -> (o, lse)``
-``attention_backward``      ``(do, q, k, v, o, lse, causal, scale, algorithm) -> (dq, dk, dv)``
-``decode``                  ``(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits)
+``attention_forward``       ``(q, k, v, causal, scale, algorithm, window_size) -> (o, lse)``
+``attention_backward``      ``(do, q, k, v, o, lse, causal, scale, algorithm, window_size) -> (dq, dk, dv)``
+``decode``                  ``(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size)
                             -> (o, lse)``
 ==========================  ===============================================================
 
@@ -46,11 +46,20 @@ def _check_tensors(**arrays) -> None:
             )
 
 
-def attention(q, k, v, causal=False, scale=None, algorithm="fa2"):
+def _window(causal, window_size) -> list:
+    """``window_size`` checked as ``numba_flash.attention`` checks it, as the operators take it."""
+    from numba_flash.masking import window_spec
+
+    window_spec(bool(causal), window_size)
+    return [int(window_size[0]), int(window_size[1])]
+
+
+def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-1, -1)):
     """Differentiable attention over torch CUDA tensors, returning ``o``.
 
-    Shapes, dtypes, the causal mask (bottom-right aligned), ``scale`` (default ``1 / sqrt(D)``)
-    and ``algorithm`` (``"fa1"`` or ``"fa2"``) are those of :func:`numba_flash.attention`:
+    Shapes, dtypes, the causal mask and ``window_size`` (bottom-right aligned), ``scale``
+    (default ``1 / sqrt(D)``) and ``algorithm`` (``"fa1"`` or ``"fa2"``) are those of
+    :func:`numba_flash.attention`:
     q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with ``H % Hkv == 0``; ``o`` has q's shape and
     dtype. The forward saves q, k, v, o and the logsumexp; the backward runs
     :func:`numba_flash.attention_backward` with the same ``algorithm`` and gives gradients
@@ -58,11 +67,13 @@ def attention(q, k, v, causal=False, scale=None, algorithm="fa2"):
     no key give zero gradients).
     """
     _check_tensors(q=q, k=k, v=v)
-    o, _ = _OPS.attention_forward(q, k, v, bool(causal), None if scale is None else float(scale), str(algorithm))
+    o, _ = _OPS.attention_forward(q, k, v, bool(causal), None if scale is None else float(scale), str(algorithm),
+                                  _window(causal, window_size))
     return o
 
 
-def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False):
+def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False,
+           window_size=(-1, -1)):
     """:func:`numba_flash.decode` on torch CUDA tensors as a custom operator (no gradient):
     ``o``, or ``(o, lse)`` with ``return_lse``. ``cache_seqlens``: ``None``, an int32 tensor
     ``(B,)`` on q's device, or a list of ints (made such a tensor)."""
@@ -70,7 +81,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int32, device=q.device)
     o, lse = _OPS.decode(q, k_cache, v_cache, cache_seqlens, bool(causal), None if scale is None else float(scale),
-                         None if num_splits is None else int(num_splits))
+                         None if num_splits is None else int(num_splits), _window(causal, window_size))
     return (o, lse) if return_lse else o
 
 
@@ -79,53 +90,56 @@ def _register():
     from torch.library import custom_op
 
     @custom_op("numba_flash::attention_forward", mutates_args=(),
-               schema="(Tensor q, Tensor k, Tensor v, bool causal, float? scale, str algorithm) -> (Tensor, Tensor)")
-    def attention_forward(q, k, v, causal, scale, algorithm):
+               schema="(Tensor q, Tensor k, Tensor v, bool causal, float? scale, str algorithm, int[] window_size) "
+                      "-> (Tensor, Tensor)")
+    def attention_forward(q, k, v, causal, scale, algorithm, window_size):
         from numba_flash.api import forward
 
-        return forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm)
+        return forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm, window_size=tuple(window_size))
 
     @attention_forward.register_fake
-    def _(q, k, v, causal, scale, algorithm):
+    def _(q, k, v, causal, scale, algorithm, window_size):
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @custom_op("numba_flash::attention_backward", mutates_args=(),
                schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float? scale, "
-                      "str algorithm) -> (Tensor, Tensor, Tensor)")
-    def attention_backward(do, q, k, v, o, lse, causal, scale, algorithm):
+                      "str algorithm, int[] window_size) -> (Tensor, Tensor, Tensor)")
+    def attention_backward(do, q, k, v, o, lse, causal, scale, algorithm, window_size):
         from numba_flash.backward import attention_backward as gradients
 
-        return gradients(do.contiguous(), q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm)
+        return gradients(do.contiguous(), q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm,
+                         window_size=tuple(window_size))
 
     @attention_backward.register_fake
-    def _(do, q, k, v, o, lse, causal, scale, algorithm):
+    def _(do, q, k, v, o, lse, causal, scale, algorithm, window_size):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # (contiguous, as the kernels write them)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale, algorithm = inputs
+        q, k, v, causal, scale, algorithm, window_size = inputs
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.algorithm = causal, scale, algorithm
+        ctx.causal, ctx.scale, ctx.algorithm, ctx.window_size = causal, scale, algorithm, window_size
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.numba_flash.attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.algorithm)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = torch.ops.numba_flash.attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.algorithm,
+                                                              ctx.window_size)
+        return dq, dk, dv, None, None, None, None
 
     attention_forward.register_autograd(backward, setup_context=setup_context)
 
     @custom_op("numba_flash::decode", mutates_args=(),
                schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, bool causal, float? scale, "
-                      "int? num_splits) -> (Tensor, Tensor)")
-    def decode_op(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits):
+                      "int? num_splits, int[] window_size) -> (Tensor, Tensor)")
+    def decode_op(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size):
         from numba_flash.decoding import decode as run
 
         return run(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=causal, scale=scale, num_splits=num_splits,
-                   return_lse=True)
+                   return_lse=True, window_size=tuple(window_size))
 
     @decode_op.register_fake
-    def _(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits):
+    def _(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size):
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     return torch.ops.numba_flash

@@ -90,6 +90,24 @@ def rel_err(got, ref) -> float:
     return float(np.linalg.norm(got - ref) / denom) if denom > 0 else float(np.linalg.norm(got))
 
 
+def mask_of(causal):
+    """A test's mask argument as a ``masking.MaskSpec``: the public ``causal`` flag (a bool), a
+    window ``(left, right)``, or a ``MaskSpec``."""
+    from numba_flash.masking import MaskSpec, mask_spec
+
+    if isinstance(causal, MaskSpec):
+        return causal
+    if isinstance(causal, tuple):
+        return MaskSpec(*causal)
+    return mask_spec(bool(causal))
+
+
+def visible_matrix(causal, n_q, n_k):
+    """The (n_q, n_k) visibility of :func:`mask_of`'s mask; ``None`` for no mask."""
+    spec = mask_of(causal)
+    return None if spec.is_full else spec.matrix(n_q, n_k)
+
+
 def score_rounding_bound(q, k, scale=None, causal=False):
     """Per query row, how far float32 rounding alone can move the scores (natural-log units).
 
@@ -108,9 +126,9 @@ def score_rounding_bound(q, k, scale=None, causal=False):
     k = np.repeat(k, H // k.shape[1], axis=1)
     scale = 1 / np.sqrt(D) if scale is None else scale
     mag = abs(scale) * np.einsum("bhid,bhjd->bhij", np.abs(q), np.abs(k))
-    if causal:
-        i, j = np.arange(Nq)[:, None], np.arange(Nk)[None, :]
-        mag = np.where(j <= i + (Nk - Nq), mag, 0.0)
+    seen = visible_matrix(causal, Nq, Nk)
+    if seen is not None:
+        mag = np.where(seen, mag, 0.0)
     return (D + 4) * FLOAT32_UNIT_ROUNDOFF * mag.max(axis=-1, initial=0.0)
 
 
@@ -129,9 +147,9 @@ def output_rounding_bound(q, k, v, ref_o, scale=None, causal=False):
     v = np.repeat(v, H // v.shape[1], axis=1)
     delta = score_rounding_bound(q, k, scale, causal)
     spread = np.abs(v[:, :, None, :, :] - np.asarray(ref_o, np.float64)[:, :, :, None, :])  # (B,H,Nq,Nk,D)
-    if causal:
-        i, j = np.arange(Nq)[:, None], np.arange(Nk)[None, :]
-        spread = np.where((j <= i + (Nk - Nq))[None, None, :, :, None], spread, 0.0)
+    seen = visible_matrix(causal, Nq, Nk)
+    if seen is not None:
+        spread = np.where(seen[None, None, :, :, None], spread, 0.0)
     return np.expm1(2 * delta)[..., None] * spread.max(axis=3, initial=0.0)
 
 
@@ -167,9 +185,9 @@ def plain_fp16_attention(q, k, v, causal=False, scale=None, dtype=np.float16):
     k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
     scale = 1 / np.sqrt(D) if scale is None else scale
     s = (np.einsum("bhid,bhjd->bhij", q.astype(np.float32), k.astype(np.float32)) * scale).astype(dtype)
-    if causal:
-        i, j = np.arange(Nq)[:, None], np.arange(Nk)[None, :]
-        s = np.where(j <= i + (Nk - Nq), s, np.asarray(-np.inf, dtype))
+    seen = visible_matrix(causal, Nq, Nk)
+    if seen is not None:
+        s = np.where(seen, s, np.asarray(-np.inf, dtype))
     m = s.max(axis=-1, keepdims=True)
     m = np.where(np.isfinite(m), m, np.asarray(0, dtype))
     p = np.exp(s - m).astype(dtype)
@@ -191,11 +209,13 @@ def run_poisoned(xp, q, k, v, **kw):
 
 
 def check_against_reference(q, k, v, o, lse, causal, scale=None, oracle=None):
-    """``o`` and ``lse`` against the float64 reference (or another float64 ``oracle``'s pair)."""
+    """``o`` and ``lse`` against the float64 reference (or another float64 ``oracle``'s pair);
+    ``causal``: the mask, as :func:`mask_of` takes it."""
     from numba_flash import reference
 
     if oracle is None:
-        ref_o, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), causal=causal, scale=scale)
+        ref_o, ref_lse = reference.attention(to_numpy(q), to_numpy(k), to_numpy(v), scale=scale,
+                                             window_size=mask_of(causal).window)
     else:
         ref_o, ref_lse = oracle
     o_np = to_numpy(o)

@@ -58,6 +58,7 @@ from __future__ import annotations
 from numba_flash._cuda import cuda, float32, int32
 
 from numba_flash.kernels import mask, mma
+from numba_flash.kernels.mask import window_of
 from numba_flash.kernels.block_info import batch_and_head, tile_of_block
 from numba_flash.kernels.jit import LOG2E, SMEM_ALIGN, kernel_factory, kernel_jit
 
@@ -65,10 +66,11 @@ ORDERS = ("fa1", "fa2")
 
 
 @kernel_factory
-def kv_kernel(engine, causal: bool, compute_dq: bool = True):
+def kv_kernel(engine, window, compute_dq: bool = True):
     """The dK/dV (and dQ) kernel on ``engine``, of the loop order it was made for (memoised; the
     engine module's name says all it was made of, and is the kernel's identity in the
     compilation cache): ``bwd.ffma_bwd_engine(order, ...)`` or ``tc_bwd.mma_bwd_engine(order, ...)``.
+    ``window``: the mask's ``(left, right)`` of ``kernels.mask`` (a bool: the public ``causal``).
 
     Launch: ``"fa1"``: ``grid = (B * Hkv,)``; ``"fa2"``: ``grid = (ceil(Nk / block_n) * B * Hkv,)``;
     ``block = (layout.threads,)``, dynamic shared memory ``layout.smem_bytes`` (the engine's
@@ -81,7 +83,7 @@ def kv_kernel(engine, causal: bool, compute_dq: bool = True):
     E = engine
     if E.order not in ORDERS:
         raise ValueError(f"the engine's order must be 'fa1' or 'fa2'; got {E.order!r}")
-    FA1, CAUSAL, DQ = E.order == "fa1", bool(causal), bool(compute_dq)
+    FA1, WINDOW, DQ = E.order == "fa1", window_of(window), bool(compute_dq)
     BM, BN = E.block_m, E.block_n
     PREFETCH, PAIRED, P_IN_SMEM, STATS_STATIC = E.PREFETCH, E.PAIRED, E.P_IN_SMEM, E.STATS_STATIC
     ELEM = E.ELEM
@@ -122,15 +124,18 @@ def kv_kernel(engine, causal: bool, compute_dq: bool = True):
         dk_acc = cuda.local.array(ACC_SHAPE, float32)
         dv_acc = cuda.local.array(ACC_SHAPE, float32)
         dq_acc = cuda.local.array(DQ_SHAPE, float32)
-        first_q = cuda.local.array(FIRST_Q, int32)
+        first_q = cuda.local.array(FIRST_Q, int32)  # the queries [first, last] that see each key row
+        last_q = cuda.local.array(FIRST_Q, int32)  # (a left edge only)
         nxt = cuda.local.array(NXT_SHAPE, float32)  # the next step's L, D (prefetching engines)
 
         for j in range(j_first, j_end):  # line 5: for 1 <= j <= Tc
             col0 = j * BN
-            # Causal: Q tiles before the one holding the first query that sees key col0 see none
-            # of this tile's keys (bottom-right: query i sees key col0 iff i >= col0 - (Nk - Nq)).
-            i_first = mask.first_q_tile(col0, n_q, n_k, BM, CAUSAL)
-            n_steps = group * max(0, n_q_tiles - i_first)  # (query head, Q tile) steps
+            # Causal, a window: Q tiles before the one holding the first query that sees key col0,
+            # and (a left edge) after the one holding the last query that sees the tile's last
+            # key, see none of this tile's keys (kernels.mask).
+            i_first = mask.first_q_tile(col0, n_q, n_k, BM, WINDOW)
+            i_end = mask.q_tiles_end(min(col0 + BN, n_k) - 1, n_q, n_k, BM, n_q_tiles, WINDOW)
+            n_steps = group * max(0, i_end - i_first)  # (query head, Q tile) steps
             cuda.syncthreads()  # everyone is done with the previous K_j, V_j (buffers, L, D)
             E.load_kv(k, v, b, hk, col0, n_k, k_s, v_s)  # line 6: K_j, V_j to shared memory
             if PREFETCH:  # the first step's Q_i, dO_i (O_i), L_i, D_i, in flight with K_j, V_j
@@ -141,7 +146,7 @@ def kv_kernel(engine, causal: bool, compute_dq: bool = True):
                 E.commit()
             E.zero(dk_acc)  # line 7: dK_j = 0, dV_j = 0 on chip (registers)
             E.zero(dv_acc)
-            E.key_bounds(col0, n_q, n_k, CAUSAL, first_q)
+            E.key_bounds(col0, n_q, n_k, WINDOW, first_q, last_q)
             h = hk * group  # this step's query head and Q tile (counters: no division in the loop)
             i = i_first
             for st in range(n_steps):  # line 8: for 1 <= i <= Tr (and the query heads of this KV head)
@@ -156,7 +161,7 @@ def kv_kernel(engine, causal: bool, compute_dq: bool = True):
                 base = buf * 2 * BM
                 i_next = i + 1  # the next step: the next Q tile, or the first of the next query head
                 h_next = h
-                if i_next == n_q_tiles:
+                if i_next == i_end:
                     i_next = i_first
                     h_next = h + 1
                 if PREFETCH:
@@ -179,9 +184,10 @@ def kv_kernel(engine, causal: bool, compute_dq: bool = True):
                     cuda.syncthreads()  # D_i is in shared memory
                 E.scores_t(kf, k_s, q_s, s, scratch)  # FA-2 line 10 (Alg. 4 before line 13): S_ij^T = K_j Q_i^T
                 E.scores_t(vf, v_s, do_s, dp, scratch)  # FA-2 line 13 (Alg. 4 line 17): dP_ij^T = V_j dO_i^T
-                masked = mask.tile_needs_mask(col0, BN, mask.last_visible_key(row0, n_q, n_k, CAUSAL))
+                masked = mask.tile_needs_mask(col0, BN, mask.last_visible_key(row0, n_q, n_k, WINDOW),
+                                               mask.first_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, WINDOW), WINDOW)
                 # FA-2 lines 11, 14 (Alg. 4 lines 13, 20): P^T = exp(S^T - L_i), dS^T = P^T * (dP^T - D_i)
-                E.probs_t(s, dp, stats, base, q_scale, masked, first_q, row0, pt_s, ds_s)
+                E.probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, WINDOW, row0, pt_s, ds_s)
                 if P_IN_SMEM:
                     cuda.syncthreads()  # P^T, dS^T of every entry are in shared memory
                 E.dv_update(s, pt_s, do_s, dv_acc, scratch)  # FA-2 line 12 (Alg. 4 line 16): dV_j += P_ij^T dO_i
@@ -201,7 +207,7 @@ def kv_kernel(engine, causal: bool, compute_dq: bool = True):
 
 
 @kernel_factory
-def dq_kernel(engine, causal: bool):
+def dq_kernel(engine, window):
     """dQ without atomics (``deterministic=True``) on ``engine`` (``bwd.ffma_dq_engine``,
     ``tc_bwd.mma_dq_engine``; memoised): one
     block per (Q tile, batch, head) walks the K/V tiles it sees -- the forward's loop order, Q
@@ -213,17 +219,18 @@ def dq_kernel(engine, causal: bool):
 
     ``row_stats(lse, dvec, b, h, row0, n_q, l2, dd)``
         L and D of this thread's rows into registers (engines that keep them there).
-    ``start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, n_walk, q_s, do_s, k_s, v_s,
-    stats, l2, dd)``
+    ``start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, col_first, n_walk, q_s, do_s,
+    k_s, v_s, stats, l2, dd)``
         Q_i, dO_i (an engine with L_i, D_i in shared memory: them too), and a prefetching
         engine's first K_j, V_j.
     ``before_scores(k, v, b, hk, col0, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof)``
-        K_j, V_j in shared memory and visible (a prefetching engine: K_{j+1} issued).
+        K_j, V_j in shared memory and visible (a prefetching engine: K_{j+1} issued); ``j`` counts
+        the walk's steps from 0, ``col0`` is the tile's first key.
     ``scores(af, a_s, b_s, out, scratch)``: S = Q_i K_j^T, dP = dO_i V_j^T.
     ``after_scores(v, b, hk, col0, j, n_walk, n_k, v_s)``: a prefetching engine issues V_{j+1}.
-    ``dscores(s, dp, stats, l2, dd, q_scale, masked, last_keys, col0, ds_s)``: dS = P (dP - D).
+    ``dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, col0, ds_s)``: dS = P (dP - D).
     ``dq_step(dp, ds_s, k_s, acc, scratch)``: dQ_i += dS K_j.
-    ``write_dq(dq, b, h, row0, n_q, acc, scale)``, ``row_last_keys``, ``zero``, ``wait_all``.
+    ``write_dq(dq, b, h, row0, n_q, acc, scale)``, ``row_key_bounds``, ``zero``, ``wait_all``.
 
     Constants: ``block_m``, ``block_n``, ``layout``, ``ELEM``, ``DOUBLE_K`` (K_j double-buffered: read by the first product
     and the last), ``DS_IN_SMEM``, shapes ``s_shape``, ``acc_shape``,
@@ -235,7 +242,7 @@ def dq_kernel(engine, causal: bool):
     ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D)`` out, ``scale`` (float32).
     """
     E = engine
-    CAUSAL = bool(causal)
+    WINDOW = window_of(window)
     BM, BN = E.block_m, E.block_n
     ELEM, DOUBLE_K, DS_IN_SMEM = E.ELEM, E.DOUBLE_K, E.DS_IN_SMEM
     S_SHAPE, ACC_SHAPE, AF_SHAPE, STAT_ROWS, SCRATCH = E.s_shape, E.acc_shape, E.af_shape, E.stat_rows, E.scratch_floats
@@ -249,7 +256,7 @@ def dq_kernel(engine, causal: bool):
         group = n_heads // k.shape[1]
         n_q_tiles = (n_q + BM - 1) // BM
         n_kv_tiles = (n_k + BN - 1) // BN
-        i_tile, _, bh = tile_of_block(cuda.blockIdx.x, n_q_tiles, True, CAUSAL)  # causal: the longest walks first
+        i_tile, _, bh = tile_of_block(cuda.blockIdx.x, n_q_tiles, True, WINDOW[1] >= 0)  # causal: the longest walks first
         b, h = batch_and_head(bh, n_heads)
         hk = h // group
         row0 = i_tile * BM
@@ -267,18 +274,23 @@ def dq_kernel(engine, causal: bool):
         acc = cuda.local.array(ACC_SHAPE, float32)  # dQ_i
         l2 = cuda.local.array(STAT_ROWS, float32)  # L, D of this thread's rows (engines that keep them in registers)
         dd = cuda.local.array(STAT_ROWS, float32)
+        first_keys = cuda.local.array(STAT_ROWS, int32)  # each row's visible keys [first, last] (first: a left edge only)
         last_keys = cuda.local.array(STAT_ROWS, int32)
 
         E.row_stats(lse, dvec, b, h, row0, n_q, l2, dd)  # (engines that keep L_i, D_i in registers)
-        E.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
-        first_row_last_key = mask.last_visible_key(row0, n_q, n_k, CAUSAL)
-        last_key = mask.last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL)
-        n_walk = mask.kv_tiles_seen(last_key, n_kv_tiles, BN)  # the K/V tiles this Q tile sees
+        E.row_key_bounds(row0, n_q, n_k, WINDOW, first_keys, last_keys, 1)
+        row_last = min(row0 + BM, n_q) - 1
+        first_row_last_key = mask.last_visible_key(row0, n_q, n_k, WINDOW)
+        last_row_first_key = mask.first_visible_key(row_last, n_q, n_k, WINDOW)
+        # the K/V tiles this Q tile sees: n_walk of them from j_first
+        j_first, n_walk = mask.kv_tile_range(mask.first_visible_key(row0, n_q, n_k, WINDOW),
+                                              mask.last_visible_key(row_last, n_q, n_k, WINDOW), n_kv_tiles, BN, WINDOW)
         # Q_i (the CUDA-core engine: in log2 units), dO_i, L_i, D_i
-        E.start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, n_walk, q_s, do_s, k0_s, v_s, stats, l2, dd)
+        E.start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, j_first * BN, n_walk, q_s, do_s, k0_s, v_s,
+                stats, l2, dd)
         E.zero(acc)
         for j in range(n_walk):  # FA-2 Alg. 2 line 6 in the forward's order: the K/V tiles this Q tile sees
-            col0 = j * BN
+            col0 = (j_first + j) * BN
             if DOUBLE_K:
                 k_s = k0_s if (j & 1) == 0 else k1_s
             else:
@@ -287,8 +299,8 @@ def dq_kernel(engine, causal: bool):
             E.scores(qf, q_s, k_s, s, scratch)  # line 10: S_ij = Q_i K_j^T
             E.scores(dof, do_s, v_s, dp, scratch)  # line 13: dP_ij = dO_i V_j^T
             E.after_scores(v, b, hk, col0, j, n_walk, n_k, v_s)
-            masked = mask.tile_needs_mask(col0, BN, first_row_last_key)
-            E.dscores(s, dp, stats, l2, dd, q_scale, masked, last_keys, col0, ds_s)  # lines 11, 14: P, dS = P (dP - D)
+            masked = mask.tile_needs_mask(col0, BN, first_row_last_key, last_row_first_key, WINDOW)
+            E.dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, WINDOW, col0, ds_s)  # lines 11, 14: P, dS = P (dP - D)
             if DS_IN_SMEM:
                 cuda.syncthreads()  # dS_ij is in shared memory
             E.dq_step(dp, ds_s, k_s, acc, scratch)  # line 15: dQ_i += dS_ij K_j (scale at the end), on chip

@@ -53,6 +53,7 @@ from numba_flash.kernels.jit import LN2, LOG2E, NEG_INF, device_jit, kernel_fact
 from numba_flash.kernels import mask
 from numba_flash.kernels.tile_ops import at, tile_ops
 from numba_flash.kernels.tiles import VEC, tile_layout
+from numba_flash.kernels.mask import window_of
 
 POS_INF = math.inf  # L_i of a row that sees no key: P = exp2(S - inf) = 0
 ROWDOT_THREADS = 128
@@ -171,16 +172,17 @@ def bwd_ops(head_dim: int, block: int):
         """P = exp2(S - L) and dS = P * (dP - D) of this thread's micro-tile, into shared memory
         (``p_s``, ``ds_s``: the layout's P~ form, row stride PS); L and D from ``stats[base:]``
         and ``stats[base + B:]``. ``key_rows``: the micro-tile is
-        transposed (rows keys, columns queries: L and D per column, and ``bounds[i]`` is the
-        first query that sees key row i); else rows are queries (``bounds[i]``: the last key
-        query row i sees). ``masked`` (block-uniform): test every entry against ``bounds``,
+        transposed (rows keys, columns queries: L and D per column, and ``[lo[i], hi[i]]`` are
+        the queries that see key row i); else rows are queries (``[lo[i], hi[i]]``: the keys
+        query row i sees; ``lo`` is read only with the ``window``'s left edge). ``masked``
+        (block-uniform): test every entry against them,
         ``col0``: the absolute index of column 0. A hidden entry gets P = dS = 0 (not 0 times
         a dP that a NaN in a hidden V row could make NaN)."""
 
         N_STATS = TN if key_rows else TM  # L and D of each column (key rows) or row (query rows)
 
         @device_jit
-        def probs(s, dp, stats, base, masked, bounds, col0, p_s, ds_s):
+        def probs(s, dp, stats, base, masked, lo, hi, window, col0, p_s, ds_s):
             tx = ops.thread_col()
             l2 = cuda.local.array(N_STATS, float32)
             dd = cuda.local.array(N_STATS, float32)
@@ -200,7 +202,10 @@ def bwd_ops(head_dim: int, block: int):
                     p = math.exp2(s[i, j] - l2[stat])  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
                     ds = p * (dp[i, j] - dd[stat])  # FA-2 line 14 (Alg. 4 line 20)
                     if masked:
-                        hidden = mask.query_hidden(col0 + c, bounds[i]) if key_rows else mask.key_hidden(col0 + c, bounds[i])
+                        if key_rows:
+                            hidden = mask.query_hidden(col0 + c, lo[i], hi[i], window)
+                        else:
+                            hidden = mask.key_hidden(col0 + c, lo[i], hi[i], window)
                         if hidden:
                             p = float32(0.0)
                             ds = float32(0.0)
@@ -214,11 +219,14 @@ def bwd_ops(head_dim: int, block: int):
     dscores_query_rows = make_probs(False, False)
 
     @device_jit
-    def key_bounds(col0, n_q, n_k, causal, first_q):
-        """The first query each of this thread's key rows is visible to (bottom-right causal:
-        key j is seen by query i iff i >= j - (Nk - Nq)); keys past Nk: none."""
+    def key_bounds(col0, n_q, n_k, window, first_q, last_q):
+        """The queries ``[first_q[i], last_q[i]]`` that see each of this thread's key rows
+        (``kernels.mask``; keys past Nk: none; ``last_q``: with a left edge only)."""
         for i in range(TM):
-            first_q[i] = mask.first_visible_query(col0 + ops.thread_row(i), n_q, n_k, causal)
+            key = col0 + ops.thread_row(i)
+            first_q[i] = mask.first_visible_query(key, n_q, n_k, window)
+            if window[0] >= 0:
+                last_q[i] = mask.last_visible_query(key, n_q, n_k, window)
 
     @device_jit
     def write_rows(x, b, h, row0, n_valid, acc, factor):
@@ -300,8 +308,8 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
         ops.score_tile(a_s, b_s, out)
 
     @device_jit
-    def probs_t(s, dp, stats, base, q_scale, masked, first_q, row0, pt_s, ds_s):
-        bops.probs_key_rows(s, dp, stats, base, masked, first_q, row0, pt_s, ds_s)
+    def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, row0, pt_s, ds_s):
+        bops.probs_key_rows(s, dp, stats, base, masked, first_q, last_q, window, row0, pt_s, ds_s)
 
     @device_jit
     def dv_update(s, pt_s, do_s, acc, scratch):
@@ -361,7 +369,7 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
     return engine
 
 
-def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: bool = True):
+def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool = True):
     """The CUDA-core dK/dV (and dQ) kernel of one loop order: ``kernels.backward.kv_kernel`` on
     :func:`ffma_bwd_engine` (memoised there).
 
@@ -375,7 +383,7 @@ def bwd_kernel(order: str, head_dim: int, block: int, causal: bool, compute_dq: 
     """
     from numba_flash.kernels.backward import kv_kernel
 
-    return kv_kernel(ffma_bwd_engine(order, int(head_dim), int(block)), bool(causal), bool(compute_dq))
+    return kv_kernel(ffma_bwd_engine(order, int(head_dim), int(block)), window_of(window), bool(compute_dq))
 
 
 @functools.lru_cache(maxsize=None)
@@ -395,7 +403,8 @@ def ffma_dq_engine(head_dim: int, block: int):
     one = float32(1.0)
 
     @device_jit
-    def start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, n_walk, q_s, do_s, k_s, v_s, stats, l2, dd):
+    def start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, col_first, n_walk, q_s, do_s, k_s, v_s, stats,
+              l2, dd):
         ops.load_rows(q, b, h, row0, n_q, q_scale, q_s)  # Q_i in log2 units
         ops.load_rows(do, b, h, row0, n_q, one, do_s)
         bops.load_row_stats(lse, dvec, b, h, row0, n_q, stats, True)
@@ -416,8 +425,8 @@ def ffma_dq_engine(head_dim: int, block: int):
         pass
 
     @device_jit
-    def dscores(s, dp, stats, l2, dd, q_scale, masked, last_keys, col0, ds_s):
-        bops.dscores_query_rows(s, dp, stats, 0, masked, last_keys, col0, ds_s, ds_s)
+    def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, col0, ds_s):
+        bops.dscores_query_rows(s, dp, stats, 0, masked, first_keys, last_keys, window, col0, ds_s, ds_s)
 
     @device_jit
     def dq_step(dp, ds_s, k_s, acc, scratch):
@@ -433,7 +442,7 @@ def ffma_dq_engine(head_dim: int, block: int):
 
     engine = ModuleType(f"numba_flash.kernels.ffma_dq_engine_d{D}_b{B}")
     for name, func in dict(row_stats=no_row_stats, start=start, before_scores=before_scores, scores=scores, after_scores=after_scores,
-                           dscores=dscores, dq_step=dq_step, write_dq=write_dq, row_last_keys=ops.row_last_keys,
+                           dscores=dscores, dq_step=dq_step, write_dq=write_dq, row_key_bounds=ops.row_key_bounds,
                            zero=ops.zero, wait_all=_nothing).items():
         setattr(engine, name, func)
     engine.block_m, engine.block_n, engine.layout, engine.ELEM = B, B, lay, float32
@@ -446,7 +455,7 @@ def ffma_dq_engine(head_dim: int, block: int):
     return engine
 
 
-def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
+def bwd_dq_kernel(head_dim: int, block: int, window):
     """dQ without atomics (``deterministic=True``) on CUDA cores: ``kernels.backward.dq_kernel``
     on :func:`ffma_dq_engine` (memoised there).
 
@@ -457,7 +466,7 @@ def bwd_dq_kernel(head_dim: int, block: int, causal: bool):
     """
     from numba_flash.kernels.backward import dq_kernel
 
-    return dq_kernel(ffma_dq_engine(int(head_dim), int(block)), bool(causal))
+    return dq_kernel(ffma_dq_engine(int(head_dim), int(block)), window_of(window))
 
 
 @kernel_factory

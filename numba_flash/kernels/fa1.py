@@ -18,6 +18,7 @@ from __future__ import annotations
 from numba_flash.kernels.engines import CudaCores
 from numba_flash.kernels.forward import FA1, forward_kernel
 from numba_flash.kernels.tiles import ROWS_PER_THREAD, register_cap
+from numba_flash.kernels.mask import window_of
 
 
 def casts_output(dtype: str) -> bool:
@@ -26,7 +27,7 @@ def casts_output(dtype: str) -> bool:
     return dtype != "float32"
 
 
-def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, cast_out: bool = False,
+def fa1_kernel(head_dim: int, block_m: int, block_n: int, window, permuted: bool = False, cast_out: bool = False,
                rows_per_thread: int = ROWS_PER_THREAD, maxreg: int | None = None):
     """The FA-1 kernel: ``kernels.forward`` at its named point :data:`~numba_flash.kernels.forward.FA1`
     (K/V outer, one block per (batch, head), O normalised at every step, O_i read at the update).
@@ -36,5 +37,5 @@ def fa1_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     initialised by the kernel, line 2; with ``cast_out`` O is cast into ``o`` at the end).
     """
     rows = int(rows_per_thread)
-    return forward_kernel(FA1, CudaCores(head_dim, block_m, block_n, rows), bool(causal), bool(permuted), False,
+    return forward_kernel(FA1, CudaCores(head_dim, block_m, block_n, rows), window_of(window), bool(permuted), False,
                           bool(cast_out), max_registers=register_cap(head_dim, rows, maxreg))

@@ -18,9 +18,10 @@ from __future__ import annotations
 from numba_flash.kernels.engines import CudaCores
 from numba_flash.kernels.forward import FA2, forward_kernel
 from numba_flash.kernels.tiles import ROWS_PER_THREAD, register_cap
+from numba_flash.kernels.mask import window_of
 
 
-def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted: bool = False, ragged: bool = False,
+def fa2_kernel(head_dim: int, block_m: int, block_n: int, window, permuted: bool = False, ragged: bool = False,
                rows_per_thread: int = ROWS_PER_THREAD, maxreg: int | None = None):
     """The FA-2 kernel: ``kernels.forward`` at its named point :data:`~numba_flash.kernels.forward.FA2`
     (Q outer, one block per Q tile, the rescale deferred to the end).
@@ -30,5 +31,5 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, causal: bool, permuted
     and ``lse (S*B,H,Nq)`` for ``S = n_splits`` (``block_info``); ``seqlens`` read when ``ragged``.
     """
     rows = int(rows_per_thread)
-    return forward_kernel(FA2, CudaCores(head_dim, block_m, block_n, rows), bool(causal), bool(permuted),
+    return forward_kernel(FA2, CudaCores(head_dim, block_m, block_n, rows), window_of(window), bool(permuted),
                           bool(ragged), max_registers=register_cap(head_dim, rows, maxreg))

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from numba_flash._cuda import cuda, float32, int32
 
 from numba_flash.kernels import mask, mma, softmax
+from numba_flash.kernels.mask import window_of
 from numba_flash.kernels.block_info import batch_and_head, split_of_block, split_tiles, tile_of_block, valid_keys
 from numba_flash.kernels.engines import CudaCores, TensorCores, ffma_engine, key_warp_merge, mma_engine
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit, shared_tile
@@ -129,11 +130,12 @@ def tc_split_k_smem_bytes(loop_order: str, layout) -> int:
 
 
 @kernel_factory
-def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False, ragged: bool = False,
+def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragged: bool = False,
                    cast_out: bool = False, f32_out: bool = False, max_registers: int | None = None):
     """The forward kernel at ``variant`` on the engine of ``tiles`` (memoised).
 
-    ``tiles``: ``engines.CudaCores`` (FFMA micro-tiles, synchronous copies) or
+    ``window``: the mask's ``(left, right)`` of ``kernels.mask`` (a compile-time constant; a bool:
+    the public ``causal``). ``tiles``: ``engines.CudaCores`` (FFMA micro-tiles, synchronous copies) or
     ``engines.TensorCores`` (``mma.sync``, ``cp.async`` copies: ``pipeline.cp_async``).
     ``cast_out`` (kv_outer): O lives in ``o_hbm`` (float32) and is cast into ``o`` at the end
     (always so on tensor cores); ``f32_out`` (tensor cores, q_outer): ``o`` is float32 (split
@@ -147,7 +149,8 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
     split_k's key warps and ``tc_split_k_smem_bytes``). Arguments: the module doc.
     """
     D, BM, BN = tiles.head_dim, tiles.block_m, tiles.block_n
-    CAUSAL, PERMUTED, RAGGED, F32_OUT = bool(causal), bool(permuted), bool(ragged), bool(f32_out)
+    WINDOW = window_of(window)
+    PERMUTED, RAGGED, F32_OUT = bool(permuted), bool(ragged), bool(f32_out)
     KV_OUTER = variant.loop_order == "kv_outer"
     PER_TILE = variant.grid == "heads_x_qtiles"
     EVERY_STEP = variant.rescale == "every_step"
@@ -265,7 +268,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
     @device_jit
     def walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob, n_q, n_k,
                     n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s, acc,
-                    tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg, merge_s):
+                    tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s):
         """FA-2 lines 4-15 for Q tile ``i_tile``: its whole K/V walk with O~, l, m on chip.
         split_k: this thread's group walks its keys of every K/V tile (``k_s``, ``v_s``, ``p_s``:
         its part), and the groups' states are merged at the end."""
@@ -274,15 +277,23 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         key0 = E.first_key()  # this thread's first key of every K/V tile (split_k, key warps)
         if pipe.Q_BEFORE_RANGE:  # Line 4: load Q_i into shared memory (synchronous copies: first)
             pipe.load_q(q, b, h, row0, n_q, q_scale, q_s, lead)
-        E.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, rows_per_query)
-        # The last key any row of this Q tile sees: tiles after it are fully masked.
-        tile_last_key = mask.packed_last_visible_key(min(row0 + BM, n_q) - 1, rows_per_query, n_q, n_k, CAUSAL)
-        first_row_last_key = mask.packed_last_visible_key(row0, rows_per_query, n_q, n_k, CAUSAL)
-        # The K/V tiles to walk: in order, up to the last one any row of this Q tile sees
-        # (causal: the rest are masked for every row, section 3.1.1); or all, permuted;
-        # of them, this split's range.
-        n_visible = n_kv_tiles if PERMUTED else mask.kv_tiles_seen(tile_last_key, n_kv_tiles, BN)
+        E.row_key_bounds(row0, n_q, n_k, WINDOW, first_keys, last_keys, rows_per_query)
+        # The keys any row of this Q tile sees: [its first row's first, its last row's last];
+        # tiles outside are masked for every row.
+        row_last = min(row0 + BM, n_q) - 1
+        tile_first_key = mask.packed_first_visible_key(row0, rows_per_query, n_q, n_k, WINDOW)
+        tile_last_key = mask.packed_last_visible_key(row_last, rows_per_query, n_q, n_k, WINDOW)
+        first_row_last_key = mask.packed_last_visible_key(row0, rows_per_query, n_q, n_k, WINDOW)
+        last_row_first_key = mask.packed_first_visible_key(row_last, rows_per_query, n_q, n_k, WINDOW)
+        # The K/V tiles to walk: in order, those any row of this Q tile sees (causal, a window:
+        # the rest are masked for every row, section 3.1.1); or all, permuted; of them, this
+        # split's range.
+        tile0, n_visible = 0, n_kv_tiles
+        if not PERMUTED:
+            tile0, n_visible = mask.kv_tile_range(tile_first_key, tile_last_key, n_kv_tiles, BN, WINDOW)
         first, end = split_tiles(n_visible, n_splits, split)
+        first += tile0
+        end += tile0
         if not pipe.Q_BEFORE_RANGE:  # Line 4: Q_i, issued with the first K/V copies (one commit group)
             pipe.load_q(q, b, h, row0, n_q, q_scale, q_s, lead)
         # The pipeline's first K/V copies.
@@ -298,8 +309,8 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
             j = kv_order[jj] if PERMUTED else jj
             col0 = j * BN
             if SKIPS_TILES:
-                if col0 > tile_last_key:
-                    continue  # permuted order, causal: every score of this tile is masked
+                if mask.tile_hidden(col0, BN, tile_first_key, tile_last_key, WINDOW):
+                    continue  # permuted order, a mask: every score of this tile is masked
             step = jj - first
             colg = col0 + key0  # this thread's keys of the tile
             pipe.before_scores(k, v, b, hk, col0, step, end - first, n_k, smem, k_s, v_s, k_split, kv_reg)  # Line 7
@@ -310,8 +321,8 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
             else:
                 k_op = pipe.k_operand(smem, k_s, k_split, step)
             E.score_tile(qf, qf_small, q_s, k_op, s, mscratch)  # Line 8: S_i^(j) = Q_i K_j^T
-            masked = E.tile_needs_mask(colg, first_row_last_key)
-            E.scale_mask(s, q_scale, colg, last_keys, masked)
+            masked = E.tile_needs_mask(colg, first_row_last_key, last_row_first_key, WINDOW)
+            E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S_i^(j))).
             E.row_max(s, tile_max, rscratch)
             # Lines 9-10: m, l and O~ rescaled where the max moved (every_step: O is kept
@@ -372,7 +383,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
     @device_jit
     def walk_kv_tiles(i_first, i_end, q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, b, h, hk, n_q, n_k,
                       n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s, acc,
-                      tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg, o_old, merge_s):
+                      tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, o_old, merge_s):
         """FA-1 lines 2-16 for Q tiles ``i_first ..`` of one (batch, head): the K/V tiles outside,
         the state O, l, m of every row in global memory between steps."""
         lead = E.group() == 0  # split_k: the group that holds the merged state (else everyone)
@@ -392,23 +403,26 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                         m_hbm[b, h, row] = float32(NEG_INF)
 
         # One Q tile per block (heads_x_qtiles): the K/V tiles it sees, as FA-2 walks them
-        # (causal: those past its last visible key are masked for every row of it).
-        own_last_key = mask.last_visible_key(min(i_first * BM + BM, n_q) - 1, n_q, n_k, CAUSAL)
-        n_kv_walk = n_kv_tiles
+        # (causal, a window: the others are masked for every row of it).
+        own_first_key = mask.first_visible_key(i_first * BM, n_q, n_k, WINDOW)
+        own_last_key = mask.last_visible_key(min(i_first * BM + BM, n_q) - 1, n_q, n_k, WINDOW)
+        tile0, n_kv_walk = 0, n_kv_tiles
         if PER_TILE and not PERMUTED:
-            n_kv_walk = mask.kv_tiles_seen(own_last_key, n_kv_tiles, BN)
-        for jj in range(n_kv_walk):  # Line 5: for 1 <= j <= Tc
+            tile0, n_kv_walk = mask.kv_tile_range(own_first_key, own_last_key, n_kv_tiles, BN, WINDOW)
+        for jj in range(tile0, tile0 + n_kv_walk):  # Line 5: for 1 <= j <= Tc
             j = kv_order[jj] if PERMUTED else jj
             col0 = j * BN
-            if PER_TILE and col0 > own_last_key:
-                continue  # permuted order, causal: the block's one Q tile sees nothing of K_j
+            if PER_TILE and mask.tile_hidden(col0, BN, own_first_key, own_last_key, WINDOW):
+                continue  # permuted order, a mask: the block's one Q tile sees nothing of K_j
             colg = col0 + key0  # this thread's keys of the tile
             pipe.kv_tile(k, v, b, hk, col0, n_k, smem, k_s, v_s, k_split, v_split, kv_reg)  # Line 6
 
             for i_tile in range(i_first, i_end):  # Line 7: for 1 <= i <= Tr
                 row0 = i_tile * BM
-                # causal: skip Q tiles for which every key of K_j is masked (block-uniform)
-                if col0 > mask.last_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, CAUSAL):
+                # causal, a window: skip Q tiles for which every key of K_j is masked (block-uniform)
+                row_last = min(row0 + BM, n_q) - 1
+                if mask.tile_hidden(col0, BN, mask.first_visible_key(row0, n_q, n_k, WINDOW),
+                                    mask.last_visible_key(row_last, n_q, n_k, WINDOW), WINDOW):
                     continue
                 pipe.q_tile(q, b, h, row0, n_q, q_scale, q_s, lead)  # Line 8: load Q_i
                 if O_WITH_Q:  # Line 8 as written: O_i, l_i, m_i with Q_i
@@ -428,10 +442,11 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
                 else:
                     k_op = pipe.k_operand(smem, k_s, k_split, 0)
                 E.score_tile(qf, qf_small, q_s, k_op, s, mscratch)  # Line 9: S_ij = Q_i K_j^T
-                E.row_last_keys(row0, n_q, n_k, CAUSAL, last_keys, 1)
-                first_row_last_key = mask.last_visible_key(row0, n_q, n_k, CAUSAL)
-                masked = E.tile_needs_mask(colg, first_row_last_key)
-                E.scale_mask(s, q_scale, colg, last_keys, masked)
+                E.row_key_bounds(row0, n_q, n_k, WINDOW, first_keys, last_keys, 1)
+                first_row_last_key = mask.last_visible_key(row0, n_q, n_k, WINDOW)
+                last_row_first_key = mask.first_visible_key(row_last, n_q, n_k, WINDOW)
+                masked = E.tile_needs_mask(colg, first_row_last_key, last_row_first_key, WINDOW)
+                E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW)
                 # Line 10: m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij).
                 E.row_max(s, tile_max, rscratch)
                 for i in range(TM):
@@ -522,8 +537,8 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         block = cuda.blockIdx.x
         if not KV_OUTER:
             split, block = split_of_block(cuda.blockIdx.x, (n_q_tiles if PER_TILE else 1) * n_batch * n_heads)
-        # (q_outer, causal: the longest walks, the last Q tiles, first)
-        i_first, i_end, bh = tile_of_block(block, n_q_tiles, PER_TILE, CAUSAL and not KV_OUTER)
+        # (q_outer, a right edge (causal): the longest walks, the last Q tiles, first)
+        i_first, i_end, bh = tile_of_block(block, n_q_tiles, PER_TILE, WINDOW[1] >= 0 and not KV_OUTER)
         b, h = batch_and_head(bh, n_heads)
         hk = h // group
         ob = split * n_batch + b  # where a split's partial result goes
@@ -585,6 +600,7 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
         row_sums = cuda.local.array(TM, float32)
         m = cuda.local.array(TM, float32)
         l_run = cuda.local.array(TM, float32)
+        first_keys = cuda.local.array(TM, int32)  # each row's visible keys [first, last] (first: a left edge only)
         last_keys = cuda.local.array(TM, int32)
         kv_reg = cuda.local.array(KV_LOADS, float32)  # this thread's share of K_j or V_j in flight (CUDA cores)
 
@@ -592,19 +608,19 @@ def forward_kernel(variant: Variant, tiles, causal: bool, permuted: bool = False
             o_old = cuda.local.array((O_REGS, OUT), float32)  # O_i read with Q_i (o_load="with_q")
             walk_kv_tiles(i_first, i_end, q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, b, h, hk, n_q, n_k,
                           n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s,
-                          acc, tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg, o_old, merge_s)
+                          acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, o_old, merge_s)
         else:  # -------------------------------------------------------------------- FA-2's loop nest
             # Line 3: for 1 <= i <= Tr -- the grid (one Q tile per block), or this block's loop.
             if PER_TILE:
                 walk_q_tile(i_first, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob,
                             n_q, n_k, n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf,
-                            qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg, merge_s)
+                            qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s)
             else:
                 for i_tile in range(n_q_tiles):
                     cuda.syncthreads()  # the previous Q tile's last P~ and V_j are no longer read
                     walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk,
                                 ob, n_q, n_k, n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch,
-                                qf, qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, last_keys, kv_reg, merge_s)
+                                qf, qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s)
 
     return forward
 

@@ -74,6 +74,7 @@ from numba_flash.kernels import mma
 from numba_flash.kernels.jit import LOG2E, NEG_INF, device_jit, shared_tile, shared_tile_pair
 from numba_flash.kernels import mask
 from numba_flash.kernels.tc_ops import tc_ops
+from numba_flash.kernels.mask import window_of
 
 KINDS = ("f16", "bf16", "tf32x3")  # 16-bit inputs, or float32 with split-precision TF32 products
 HALF_KINDS = ("f16", "bf16")
@@ -382,11 +383,14 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     CHUNKS_PER_WARP = -(-(DT // 2) // SPLIT)
 
     @device_jit
-    def key_bounds(col0, n_q, n_k, causal, first_q):
-        """The first query each of this lane's keys (rows g, g + 8 of its warp) is visible to
-        (bottom-right causal: key j is seen by query i iff i >= j - (Nk - Nq)); past Nk: none."""
+    def key_bounds(col0, n_q, n_k, window, first_q, last_q):
+        """The queries ``[first_q[i], last_q[i]]`` that see each of this lane's keys (rows g,
+        g + 8 of its warp; ``kernels.mask``; past Nk: none; ``last_q``: with a left edge only)."""
         for i in range(2):
-            first_q[i] = mask.first_visible_query(col0 + ops.thread_row(i), n_q, n_k, causal)
+            key = col0 + ops.thread_row(i)
+            first_q[i] = mask.first_visible_query(key, n_q, n_k, window)
+            if window[0] >= 0:
+                last_q[i] = mask.last_visible_query(key, n_q, n_k, window)
 
     @device_jit
     def read_stats(lse, dvec, b, h, row0, n_q, nxt):
@@ -434,7 +438,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
             load_q_rows(o, b, h, row0, n_q, o_s)
 
     @device_jit
-    def probs_t(s, dp, stats, base, q_scale, masked, first_q, row0, pt_s, ds_s):
+    def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, row0, pt_s, ds_s):
         """In place: S^T -> P^T = exp2(S^T scale log2 e - L) (FA-2 line 11, Alg. 4 line 13),
         dP^T -> dS^T = P^T (dP^T - D) (FA-2 line 14, Alg. 4 line 20); L and D of each column
         (query) from shared memory; hidden entries P = dS = 0."""
@@ -444,7 +448,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
                 c = 8 * nt + 2 * t + (e & 1)  # the query (column) of this accumulator
                 p = math.exp2(s[nt, e] * q_scale - stats[base + c])
                 ds = p * (dp[nt, e] - stats[base + BM + c])
-                if masked and mask.query_hidden(row0 + c, first_q[e >> 1]):
+                if masked and mask.query_hidden(row0 + c, first_q[e >> 1], last_q[e >> 1], window):
                     p = float32(0.0)
                     ds = float32(0.0)
                 s[nt, e] = p
@@ -653,7 +657,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     return engine
 
 
-def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, causal: bool,
+def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, window,
                   compute_dq: bool = True, vector_red: bool = True):
     """The dK/dV (and dQ) kernel of one loop order on tensor cores: ``kernels.backward.kv_kernel``
     on :func:`mma_bwd_engine` (memoised there).
@@ -671,7 +675,7 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     from numba_flash.kernels.backward import kv_kernel
 
     engine = mma_bwd_engine(order, kind, int(head_dim), int(block_m), int(block_n), bool(vector_red))
-    return kv_kernel(engine, bool(causal), bool(compute_dq))
+    return kv_kernel(engine, window_of(window), bool(compute_dq))
 
 
 @functools.lru_cache(maxsize=None)
@@ -707,12 +711,13 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
                 dd[i] = dvec[b, h, row]
 
     @device_jit
-    def start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, n_walk, q_s, do_s, k_s, v_s, stats, l2, dd):
+    def start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, col_first, n_walk, q_s, do_s, k_s, v_s, stats,
+              l2, dd):
         ops.load_q_tile(q, b, h, row0, n_q, q_s)
         ops.load_q_tile(do, b, h, row0, n_q, do_s)
-        if n_walk > 0:
-            ops.load_kv_tile(k, b, hk, 0, n_k, k_s)
-            ops.load_kv_tile(v, b, hk, 0, n_k, v_s)
+        if n_walk > 0:  # the walk's first K_j, V_j
+            ops.load_kv_tile(k, b, hk, col_first, n_k, k_s)
+            ops.load_kv_tile(v, b, hk, col_first, n_k, v_s)
         ops.commit()
 
     @device_jit
@@ -737,12 +742,12 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
             ops.commit()
 
     @device_jit
-    def dscores(s, dp, stats, l2, dd, q_scale, masked, last_keys, col0, ds_s):
+    def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, col0, ds_s):
         for nt in range(NS):  # P = exp2(S scale log2 e - L), dS = P (dP - D), in place
             for e in range(4):
                 p = math.exp2(s[nt, e] * q_scale - l2[e >> 1])
                 ds = p * (dp[nt, e] - dd[e >> 1])
-                if masked and mask.key_hidden(col0 + ops.col_of(nt, e), last_keys[e >> 1]):
+                if masked and mask.key_hidden(col0 + ops.col_of(nt, e), first_keys[e >> 1], last_keys[e >> 1], window):
                     ds = float32(0.0)
                 dp[nt, e] = ds
 
@@ -765,7 +770,7 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
     engine = ModuleType(f"numba_flash.kernels.mma_dq_engine_{kind}_d{D}_m{BM}_n{BN}")
     for name, func in dict(row_stats=row_stats, start=start, before_scores=before_scores, scores=scores,
                            after_scores=after_scores, dscores=dscores, dq_step=dq_step, write_dq=write_dq,
-                           row_last_keys=ops.row_last_keys, zero=ops.zero, wait_all=ops.wait_all).items():
+                           row_key_bounds=ops.row_key_bounds, zero=ops.zero, wait_all=ops.wait_all).items():
         setattr(engine, name, func)
     engine.block_m, engine.block_n, engine.layout, engine.ELEM = BM, BN, lay, ELEM
     engine.DOUBLE_K, engine.DS_IN_SMEM = True, False
@@ -777,7 +782,7 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
     return engine
 
 
-def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool):
+def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window):
     """dQ without atomics on tensor cores (``deterministic=True``): ``kernels.backward.dq_kernel``
     on :func:`mma_dq_engine` (memoised there).
 
@@ -788,4 +793,4 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causa
     """
     from numba_flash.kernels.backward import dq_kernel
 
-    return dq_kernel(mma_dq_engine(kind, int(head_dim), int(block_m), int(block_n)), bool(causal))
+    return dq_kernel(mma_dq_engine(kind, int(head_dim), int(block_m), int(block_n)), window_of(window))

@@ -20,9 +20,10 @@ from __future__ import annotations
 
 from numba_flash.kernels.engines import TensorCores
 from numba_flash.kernels.forward import FA2, forward_kernel
+from numba_flash.kernels.mask import window_of
 
 
-def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: bool, ragged: bool = False,
+def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window, ragged: bool = False,
                   f32_out: bool = False, max_registers=None, row_walk=None, kv_stages: int = 1, presplit=None,
                   key_warps: int = 1):
     """The tensor-core FA-2 kernel for one specialisation (memoised by ``forward_kernel``):
@@ -34,5 +35,5 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, causal: 
     and split every K/V tile's keys, each warp with its own (m, l, O~), merged at the end of the
     walk (``engines.key_warp_merge``; docs/performance-log.md 9j)."""
     tiles = TensorCores(kind, head_dim, block_m, block_n, row_walk, presplit, int(kv_stages), int(key_warps))
-    return forward_kernel(FA2, tiles, bool(causal), False, bool(ragged), f32_out=bool(f32_out),
+    return forward_kernel(FA2, tiles, window_of(window), False, bool(ragged), f32_out=bool(f32_out),
                           max_registers=max_registers)

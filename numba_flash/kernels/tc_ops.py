@@ -661,28 +661,28 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
 
     # ---------------------------------------------------------------- online softmax
 
-    row_last_keys = mask.row_bounds(TM, thread_row)
+    row_key_bounds = mask.row_bounds(TM, thread_row)
 
     @device_jit
-    def tile_needs_mask(col0, first_row_last_key):
-        return mask.tile_needs_mask(col0, BN, first_row_last_key)
+    def tile_needs_mask(col0, first_row_last_key, last_row_first_key, window):
+        return mask.tile_needs_mask(col0, BN, first_row_last_key, last_row_first_key, window)
 
     @device_jit
     def row_of(nt, e):
         """The row (0: g, 1: g + 8) of accumulator entry e of score tile nt."""
         return e >> 1
 
-    mask_tile = mask.tile_masker(NS, 4, col_of, row_of)  # keys past each row's last visible key -> -inf
+    mask_tile = mask.tile_masker(NS, 4, col_of, row_of)  # keys outside each row's visible ones -> -inf
 
     @device_jit
-    def scale_mask(s, q_scale, col0, last_keys, masked):
+    def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window):
         """S *= scale * log2(e) (scores in log2 units, FA-2 section 3.1: exp is one exp2); keys
-        past a row's last visible key -> -inf (only in tiles that need the mask)."""
+        outside a row's visible ones -> -inf (only in tiles that need the mask)."""
         for nt in range(NS):
             for e in range(4):
                 s[nt, e] *= q_scale
         if masked:
-            mask_tile(s, col0, last_keys)
+            mask_tile(s, col0, first_keys, last_keys, window)
 
     allreduce_max = row_allreduce(nan_max, TM, 4, NT)
     allreduce_sum = row_allreduce(add, TM, 4, NT)
@@ -732,7 +732,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,
         score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0, key_warp=key_warp,
         thread_row=thread_row, lane_t=lane_t, col_of=col_of, last_visible_key=mask.last_visible_key, packed_last_visible_key=mask.packed_last_visible_key,
-        row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
+        row_key_bounds=row_key_bounds, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
         row_max=row_max, allreduce_sum=allreduce_sum, exp_scores=exp_scores, rescale_row=rescale_row,
         zero=zero, finite_or_zero=finite_or_zero, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,
         reciprocal_or_zero=reciprocal_or_zero, nan_max=nan_max, split_k_tile=split_k_tile, split_v_tile=split_v_tile,

@@ -7,7 +7,7 @@ register micro-tile layout of ``tiles.TileLayout``, and both kernels call it:
 - :func:`load_q_tile`   Q_i (pre-scaled) into shared memory
 - :func:`load_kv_tile`  K_j, V_j into shared memory (through registers)
 - :func:`score_tile`    S = Q_i K_j^T, each thread a rows_per_thread x cols_per_thread block
-- :func:`mask_scores`   keys past Nk or hidden by the causal mask -> -inf
+- :func:`mask_scores`   keys past Nk or hidden by the mask -> -inf
 - :func:`row_max`       rowmax(S) over the whole row (local max, then across the row's threads)
 - :func:`exp_scores`    P~ = exp(S - m) into shared memory, and the thread's part of rowsum(P~)
 - :func:`pv_tile`       O~ += P~ V_j, each thread a rows_per_thread x (4 * dim_groups) block
@@ -217,11 +217,11 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         else:
             score_tile_rows_held(q_s, k_s, s)
 
-    row_last_keys = mask.row_bounds(TM, thread_row)
+    row_key_bounds = mask.row_bounds(TM, thread_row)
 
     @device_jit
-    def tile_needs_mask(col0, first_row_last_key):
-        return mask.tile_needs_mask(col0, BN, first_row_last_key)
+    def tile_needs_mask(col0, first_row_last_key, last_row_first_key, window):
+        return mask.tile_needs_mask(col0, BN, first_row_last_key, last_row_first_key, window)
 
     @device_jit
     def key_of(i, j):
@@ -232,7 +232,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
     def row_of(i, j):
         return i
 
-    mask_scores = mask.tile_masker(TM, TN, key_of, row_of)  # keys past each row's last visible key -> -inf
+    mask_scores = mask.tile_masker(TM, TN, key_of, row_of)  # keys outside each row's visible ones -> -inf
 
     allreduce_max = row_allreduce(nan_max, TM, TX, NT * GROUPS)  # a row's threads: one group's, one warp's
     allreduce_sum = row_allreduce(add, TM, TX, NT * GROUPS)
@@ -278,8 +278,9 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
                         for u in range(VEC):
                             vf[u] = v_s[at(base + u)]
                         for i in range(TM):
-                            # A key hidden from row i contributes nothing, not even 0 * NaN.
-                            if not guarded or not mask.key_hidden(col0 + c0 + e, last_keys[i]):
+                            # A key past row i's last visible key (past Nk: the tile's zero fill,
+                            # or the causal edge) contributes nothing, not even 0 * NaN.
+                            if not guarded or not mask.past_last_key(col0 + c0 + e, last_keys[i]):
                                 for u in range(VEC):
                                     acc[i, VEC * g + u] += pf[i, e] * vf[u]
 
@@ -293,7 +294,8 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         """O~ += P~ V_j for this thread's rows and output columns (acc: TM x 4*DG).
 
         ``masked`` (block-uniform, from :func:`tile_needs_mask`): skip, row by row, the keys
-        past its last visible key; unmasked tiles run the loop without that test.
+        past its last visible key; unmasked tiles run the loop without that test. (Keys before a
+        window's left edge are not skipped: their P~ is exactly 0.)
         """
         if masked:
             pv_visible_keys(p_s, v_s, acc, col0, last_keys)
@@ -405,7 +407,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
     for name, func in dict(
         nan_max=nan_max, thread_row=thread_row, thread_col=thread_col, load_q_tile=load_q_tile,
         load_kv_tile=load_kv_tile, score_tile=score_tile, last_visible_key=mask.last_visible_key, packed_last_visible_key=mask.packed_last_visible_key,
-        row_last_keys=row_last_keys, tile_needs_mask=tile_needs_mask, mask_scores=mask_scores,
+        row_key_bounds=row_key_bounds, tile_needs_mask=tile_needs_mask, mask_scores=mask_scores,
         row_max=row_max, allreduce_sum=allreduce_sum, finite_or_zero=finite_or_zero,
         exp_scores=exp_scores, pv_tile=pv_tile, rescale_row=rescale_row, zero=zero,
         out_col=out_col, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,
