@@ -53,6 +53,7 @@ def attention(
     precision=None,
     num_splits=None,
     window_size=(-1, -1),
+    softcap=0.0,
 ):
     """Scaled dot-product attention, forward pass, by FlashAttention-1 or -2.
 
@@ -85,7 +86,9 @@ def attention(
     ``window_size=(left, right)`` (FlashAttention's sliding window, API.md section 2c): query
     ``i`` sees key ``j`` iff ``i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right``; ``-1``
     leaves that side unbounded; with ``causal=True`` the intersection (``right`` at most 0).
-    K/V tiles outside every row's window of a Q tile are never loaded.
+    K/V tiles outside every row's window of a Q tile are never loaded. ``softcap > 0``: each
+    scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` before the mask (Gemma 2's logit
+    soft-capping); 0: off.
 
     ``algorithm``: ``"fa2"`` (default; FlashAttention-2 Algorithm 1) or ``"fa1"``
     (FlashAttention Algorithm 1). Both compute the same function.
@@ -114,7 +117,7 @@ def attention(
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     o, lse = forward(
         q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n,
-        precision=precision, num_splits=num_splits, window_size=window_size,
+        precision=precision, num_splits=num_splits, window_size=window_size, softcap=softcap,
     )
     return (o, lse) if return_lse else o
 
@@ -136,6 +139,7 @@ def forward(
     num_splits=None,
     variant=None,
     window_size=(-1, -1),
+    softcap=0.0,
 ):
     """:func:`attention` with the research knobs; always returns ``(o, lse)``.
 
@@ -153,14 +157,14 @@ def forward(
     key = None
     if kv_tile_order is None and variant is None:
         key = _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits,
-                           window_size)
+                           window_size, softcap)
     plan = _FORWARD_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check
         # CAI / DLPack objects: CuPy views (the caller's buffers, no copy)
         q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
         out, lse_out = (None if x is None else as_cupy_view(x, name) for x, name in ((out, "out"), (lse_out, "lse_out")))
         ctx, call = _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision,
-                                  num_splits, variant, window_size)
+                                  num_splits, variant, window_size, softcap)
         if key is not None:
             tuned = call.regime == "ieee" and (block_m is None or block_n is None)  # tiles from the autotune cache
             tile_entries = tile_cache.load() if tuned else None
@@ -180,7 +184,8 @@ def forward(
 _FORWARD_PLANS = plans.PlanCache()  # forward's plans by signature (_forward_key)
 
 
-def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, window_size):
+def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, window_size,
+                 softcap):
     """The signature of a forward call (``numba_flash.plans``): everything its checks and its
     launches depend on but pointers; ``None`` when it has none (NumPy, CAI or DLPack objects)."""
     try:
@@ -194,18 +199,18 @@ def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block
         return None
     return (arrays, out is None, lse_out is None, plans.value_key(causal), plans.value_key(scale),
             plans.value_key(algorithm), plans.value_key(block_m), plans.value_key(block_n),
-            plans.value_key(precision), plans.value_key(num_splits), window)
+            plans.value_key(precision), plans.value_key(num_splits), window, plans.value_key(softcap))
 
 
 def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, variant,
-                  window_size=(-1, -1)):
+                  window_size=(-1, -1), softcap=0.0):
     """Every check of a forward call that does not depend on pointers or ``kv_tile_order``:
     its array context and launch configuration (:func:`problem.describe`, :func:`configure`)."""
     variant = _check_variant(variant, precision)
     if variant is not None:  # the loop order decides which kernel family's defaults apply
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
     checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision,
-                       window_size=window_size)
+                       window_size=window_size, softcap=softcap)
     split_k = variant is not None and variant.warp_partition == "split_k"
     if split_k and checked.regime == "ieee" and block_m is None and block_n is None:
         from numba_flash.tile_table import comparison_tiles  # (the ablation's tiles: FA-2's own default
@@ -290,7 +295,7 @@ def run(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order=None, seql
     B, H, Nq, D = call.q_shape
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps)
+                       key_warps=call.key_warps, softcap=call.softcap > 0)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, ctx.device_id)
     walk = dict(seqlens=seqlens, n_splits=splits, rows_per_query=rows_per_query)
     if splits == 1:
@@ -322,7 +327,7 @@ def plan_run(builder: plans.PlanBuilder, call: LaunchConfig, q, k, v, o, lse, se
         return False
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps)
+                       key_warps=call.key_warps, softcap=call.softcap > 0)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, builder.ctx.device_id)
     kernel_o, kernel_lse = o, lse
     if splits > 1:  # float32 partials (kernels.block_info), merged by kernels.combine
@@ -368,7 +373,7 @@ def simulated_seconds(call: LaunchConfig) -> float:
 
     B, H, Nq, D = call.q_shape
     bm, bn = call.block_m, call.block_n
-    spec = kernel_spec(call.algorithm, D, call.dtype, bm, bn, call.window, call.regime)
+    spec = kernel_spec(call.algorithm, D, call.dtype, bm, bn, call.window, call.regime, softcap=call.softcap > 0)
     padded = tile_layout(D, bm, bn).padded_dim if call.regime == "ieee" else spec.head_dim
     return estimate_seconds(call.algorithm, B, H, Nq, call.n_k, D, bm, bn, call.causal,
                             spec.threads, padded, call.regime != "ieee")
@@ -552,7 +557,7 @@ def _cuda_core_spec(call: LaunchConfig, permuted: bool, ragged: bool):
     """The launch specification of a call's CUDA-core kernel (named point or variant)."""
     D = call.q_shape[3]
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, "ieee",
-                       ragged=ragged, permuted=permuted, variant=call.variant)
+                       ragged=ragged, permuted=permuted, variant=call.variant, softcap=call.softcap > 0)
 
 
 class _KernelArray(NamedTuple):
@@ -567,7 +572,7 @@ class _KernelArray(NamedTuple):
 def _cuda_core_arguments(spec, call: LaunchConfig, q, k, v, o, lse, order, seqlens, new_array, placeholder, n_splits,
                          rows_per_query) -> list:
     """A CUDA-core kernel's arguments in the skeleton's order (``kernels.forward``): q, k, v, o,
-    lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query.
+    lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2.
 
     Arrays as :class:`_KernelArray`: the caller's, ``new_array(shape, dtype)``'s (FA-1's O, l, m
     in global memory), ``order`` (on the device) or ``placeholder(shape, dtype)``'s (an argument
@@ -590,7 +595,8 @@ def _cuda_core_arguments(spec, call: LaunchConfig, q, k, v, o, lse, order, seqle
     lengths = _KernelArray("in", seqlens) if seqlens is not None else _KernelArray("own", placeholder(1, "int32"))
     q_scale = np.float32(call.scale * LOG2E)
     return [_KernelArray("in", q), _KernelArray("in", k), _KernelArray("in", v), *results, *state, q_scale, kv_order,
-            lengths, np.int32(n_splits), np.int32(rows_per_query)]  # the last two: split-KV (kernels.block_info)
+            lengths, np.int32(n_splits), np.int32(rows_per_query),  # split-KV (kernels.block_info)
+            np.float32(call.softcap_log2)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -26,6 +26,7 @@ import numpy as np
 from numba_flash import tile_table
 from numba_flash._world import simulated
 from numba_flash.arrays import ArrayContext, as_cupy_view
+from numba_flash.kernels.jit import LOG2E
 from numba_flash.problem import ALGORITHMS, TENSOR_CORE_KIND
 
 # Does attention_backward run float32 on tensor cores (tf32x3) instead of CUDA cores? On since
@@ -56,11 +57,11 @@ def backward_regime(precision, dtype: str) -> str:
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False,
-                       window_size=(-1, -1)):
+                       window_size=(-1, -1), softcap=0.0):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` for the upstream gradient ``do``.
 
     ``o`` and ``lse`` are what ``attention(q, k, v, causal=causal, scale=scale,
-    window_size=window_size, return_lse=True)`` returned. Shapes and dtypes: ``do`` and ``o`` like ``q``; ``lse``
+    window_size=window_size, softcap=softcap, return_lse=True)`` returned. Shapes and dtypes: ``do`` and ``o`` like ``q``; ``lse``
     float32 ``(B, H, Nq)``; the gradients have the shapes and dtypes of ``q``, ``k``, ``v``.
     GQA: dk and dv of a KV head sum over its query heads. Rows that see no key give zero
     gradients. ``algorithm``: ``"fa2"`` (FlashAttention-2 Algorithm 2; dQ summed by float32
@@ -69,11 +70,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
     tensor cores, float32 on CUDA cores (:func:`gradients` chooses otherwise).
     """
     return gradients(do, q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic,
-                     window_size=window_size)
+                     window_size=window_size, softcap=softcap)
 
 
 def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,
-              tiles=None, window_size=(-1, -1)):
+              tiles=None, window_size=(-1, -1), softcap=0.0):
     """:func:`attention_backward` with the regime chosen by ``precision`` (:func:`backward_regime`):
     ``None`` (the public default: tensor cores for float16 and bfloat16, tf32x3 for float32), ``"ieee"`` (CUDA
     cores for any dtype: the research baseline, and the kernels the tests compare against) or
@@ -89,7 +90,8 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
     # attention's checks (the forward's regime is not this one: backward_regime below decides)
-    problem = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", precision="ieee", window_size=window_size)
+    problem = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", precision="ieee", window_size=window_size,
+                       softcap=softcap)
     kind = problem.kind
     B, H, Nq, D = problem.q_shape
     Hkv, Nk = int(k.shape[1]), problem.n_k
@@ -141,6 +143,8 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
     Nk = problem.n_k
     block = tile_table.backward_block(D)  # square tiles (the simulator: 8 x 8)
     scale = np.float32(problem.scale)
+    cap = np.float32(problem.softcap * LOG2E)  # the kernels' unit
+    capped = problem.softcap > 0
     wide = problem.dtype == "bfloat16"  # the kernels read float16 or float32
     do, q, k, v, o, lse = (_widen(x, ctx.kind) if wide and i != 5 else x for i, x in enumerate(inputs))
     dq, dk, dv = grads
@@ -157,14 +161,14 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
     else:
         grid = (B * Hkv,)
     layout = bwd_layout(algorithm, D, block)
-    kernel = bwd_kernel(algorithm, D, block, problem.window, not deterministic or algorithm == "fa1")
+    kernel = bwd_kernel(algorithm, D, block, problem.window, not deterministic or algorithm == "fa1", capped)
     numba_launch(kernel, grid, layout.threads, stream,
                  dev(("in", q), ("in", k), ("in", v), ("in", o), ("in", do), ("in", lse), ("in", dvec),
-                     ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale), shared_mem_bytes=layout.smem_bytes)
+                     ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale, cap), shared_mem_bytes=layout.smem_bytes)
     if deterministic and algorithm == "fa2":
         dq_layout = bwd_layout("dq", D, block)
-        numba_launch(bwd_dq_kernel(D, block, problem.window), (-(-Nq // block) * B * H,), dq_layout.threads, stream,
-                     dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale),
+        numba_launch(bwd_dq_kernel(D, block, problem.window, capped), (-(-Nq // block) * B * H,), dq_layout.threads, stream,
+                     dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale, cap),
                      shared_mem_bytes=dq_layout.smem_bytes)
     dev.copy_back()
     dq[...] = _narrow(dq_acc, dq, ctx.kind) if problem.dtype != "float32" else dq_acc
@@ -200,6 +204,8 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
     dq_acc[...] = 0
     dvec = ctx.empty((B, H, Nq), "float32")
     scale = np.float32(problem.scale)
+    cap = np.float32(problem.softcap * LOG2E)  # the kernels' unit
+    capped = problem.softcap > 0
     # torch: the CuPy views and padded copies on torch's stream
     on_stream = cupy_stream(ctx.stream_ptr()) if ctx.kind == "torch" else contextlib.nullcontext()
     with on_stream:
@@ -218,17 +224,17 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
         layout = tc_bwd_layout(algorithm, kind, dim, block_m, block_n)
         cc = None if simulated() else cuda_device_capability()
         kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, problem.window, not deterministic or algorithm == "fa1",
-                               vector_reductions(cc))
+                               vector_reductions(cc), capped)
         numba_launch(kernel, grid, layout.threads, stream,
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
-                         ("out", dq_b), ("out", dk_b), ("out", dv_b), scale), shared_mem_bytes=layout.smem_bytes)
+                         ("out", dq_b), ("out", dk_b), ("out", dv_b), scale, cap), shared_mem_bytes=layout.smem_bytes)
         if deterministic and algorithm == "fa2":
             dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind)
             dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
-            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window), (-(-Nq // dq_m) * B * H,),
+            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window, capped), (-(-Nq // dq_m) * B * H,),
                          dq_layout.threads, stream,
                          dev(("in", kq), ("in", kk), ("in", kv), ("in", kdo), ("in", lse_b), ("in", dvec_b), ("out", dq_b),
-                             scale), shared_mem_bytes=dq_layout.smem_bytes)
+                             scale, cap), shared_mem_bytes=dq_layout.smem_bytes)
         dev.copy_back()
     dq[...] = _narrow(dq_acc[..., :D], dq, ctx.kind)
 

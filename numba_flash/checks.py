@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 import operator
 
 import numpy as np
 
-__all__ = ["whole_number"]
+__all__ = ["softcap_value", "whole_number"]
 
 
 def whole_number(value, name: str, minimum: int | None = 0) -> int:
@@ -21,3 +23,14 @@ def whole_number(value, name: str, minimum: int | None = 0) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value}")
     return int(value)
+
+
+def softcap_value(softcap) -> float:
+    """``softcap`` (API.md 2c) as a float: ``TypeError`` unless a real number, ``ValueError``
+    unless finite and >= 0 (0: off)."""
+    if isinstance(softcap, (bool, np.bool_)) or not isinstance(softcap, numbers.Real):
+        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
+    value = float(softcap)
+    if not (math.isfinite(value) and value >= 0.0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {value}")
+    return value

@@ -31,7 +31,7 @@ from numba_flash.split_kv import check_num_splits
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False,
-           k_new=None, v_new=None, window_size=(-1, -1)):
+           k_new=None, v_new=None, window_size=(-1, -1), softcap=0.0):
     """Attention of ``Nq`` new queries per sequence to a KV cache.
 
     ``q``: ``(B, H, Nq, D)``, small ``Nq``; ``k_cache``, ``v_cache``: ``(B, Hkv, Nmax, D)``,
@@ -42,7 +42,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     ``Nq`` sees keys ``j <= cache_seqlens[b] - Nq + i``; ``window_size=(left, right)``: a sliding
     window aligned the same way (query ``i`` sees ``cache_seqlens[b] - Nq + i - left <= j <=
     cache_seqlens[b] - Nq + i + right``; -1: unbounded; with ``causal`` the intersection; the
-    pages of K/V before the window are never read). ``num_splits``: as in
+    pages of K/V before the window are never read); ``softcap``: as in :func:`numba_flash.attention`. ``num_splits``: as in
     :func:`numba_flash.attention` (``None``: heuristic). float16, bfloat16, float32; arrays as
     :func:`numba_flash.attention` takes them. Returns ``o`` (q's shape and dtype), or
     ``(o, lse)`` with ``return_lse=True`` (``lse`` float32 ``(B, H, Nq)``, natural log).
@@ -59,7 +59,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     if k_new is not None or v_new is not None:
         cache_seqlens = _append(k_cache, v_cache, k_new, v_new, cache_seqlens)
-    key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size)
+    key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap)
     plan = _DECODE_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check
         q, k_cache, v_cache = (as_cupy_view(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
@@ -80,7 +80,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         # Every check of attention (shapes, dtypes, scale, tiles), on the packed problem.
         packed = _pack(q, kind, group)
         call = api.configure(describe(packed, k_cache, v_cache, causal=causal, scale=scale, algorithm="fa2",
-                                      names=("q", "k_cache", "v_cache"), window_size=window_size), block_m, block_n)
+                                      names=("q", "k_cache", "v_cache"), window_size=window_size,
+                                      softcap=softcap), block_m, block_n)
         kv_stages, key_warps = decode_pipeline(block_m, block_n) if call.regime != "ieee" else (1, 1)
         call = replace(call, kv_stages=kv_stages, key_warps=key_warps, num_splits=check_num_splits(num_splits, "fa2"))
         ctx = ArrayContext(kind, q)
@@ -149,7 +150,7 @@ def _append(k_cache, v_cache, k_new, v_new, cache_seqlens):
     return after if kind == "numpy" else _from_host(after, kind, ctx)
 
 
-def _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size):
+def _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap):
     """The signature of a decode call (``numba_flash.plans``); ``None`` when it has none
     (NumPy, CAI or DLPack objects, lengths given as a list)."""
     try:
@@ -160,7 +161,7 @@ def _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, w
     if None in arrays or window is None:
         return None
     return (arrays, cache_seqlens is None, plans.value_key(causal), plans.value_key(scale),
-            plans.value_key(num_splits), window)
+            plans.value_key(num_splits), window, plans.value_key(softcap))
 
 
 def _plan_decode(ctx, call: api.LaunchConfig, q, packed, k_cache, v_cache, seqlens, group: int, tile_entries):

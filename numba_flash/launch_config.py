@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from numba_flash.kernels.jit import LOG2E
 from numba_flash.problem import Problem
 
 
@@ -36,6 +37,8 @@ class LaunchConfig:
     dtype = property(lambda self: self.problem.dtype)
     causal = property(lambda self: self.problem.causal)
     window = property(lambda self: self.problem.window)
+    softcap = property(lambda self: self.problem.softcap)
+    softcap_log2 = property(lambda self: self.problem.softcap * LOG2E)  # the kernels' unit
     scale = property(lambda self: self.problem.scale)
     algorithm = property(lambda self: self.problem.algorithm)
     regime = property(lambda self: self.problem.regime)

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from numba_flash.arrays import device_id_of, dtype_name, kind_of
+from numba_flash.checks import softcap_value
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.tile_table import MAX_HEAD_DIM
 from numba_flash.masking import MaskSpec, window_spec
@@ -50,6 +51,7 @@ class Problem:
     algorithm: str  # "fa1" or "fa2"
     regime: str  # "ieee" (CUDA cores) or a tensor-core kind: "f16", "bf16", "tf32", "tf32x3"
     device_id: int | None = None  # the GPU the arrays live on (None: numba's current one, or the host)
+    softcap: float = 0.0  # > 0: scores soft-capped, softcap * tanh(score / softcap) (API.md 2c); 0: off
 
     @property
     def group(self) -> int:
@@ -98,9 +100,9 @@ def regime(precision, dtype: str) -> str:
 
 
 def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=None, names=("q", "k", "v"),
-             window_size=(-1, -1)) -> Problem:
+             window_size=(-1, -1), softcap=0.0) -> Problem:
     """The checked :class:`Problem` of ``attention(q, k, v, causal=..., scale=..., algorithm=...,
-    precision=..., window_size=...)``; raises before anything runs, with a message naming the argument as the
+    precision=..., window_size=..., softcap=...)``; raises before anything runs, with a message naming the argument as the
     caller's signature spells it (``names``: ``decode``'s are ``q``, ``k_cache``, ``v_cache``)."""
     nq, nk, nv = names
     kinds = [kind_of(x, name) for x, name in zip((q, k, v), names)]
@@ -143,5 +145,6 @@ def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=No
     return Problem(
         kind=kind, batch=B, heads=H, kv_heads=Hkv, n_q=Nq, n_k=Nk, head_dim=D, dtype=dtypes[0], scale=float(scale),
         mask=window_spec(bool(causal), window_size), algorithm=algorithm, regime=regime(precision, dtypes[0]),
-        device_id=device_id_of(q, kind),
+        device_id=device_id_of(q, kind), softcap=softcap_value(softcap),
     )
+

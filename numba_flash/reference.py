@@ -13,12 +13,11 @@ one), so that it can check the online algebra as well as the kernels. Slow and m
 from __future__ import annotations
 
 import math
-import numbers
 from dataclasses import dataclass, replace
 
 import numpy as np
 
-from numba_flash.checks import whole_number
+from numba_flash.checks import softcap_value, whole_number
 from numba_flash.masking import MaskSpec, evaluate_mask_mod, window_spec
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_backward_varlen", "decode"]
@@ -676,11 +675,7 @@ def _modifications(q_shape, causal, window_size, softcap, alibi_slopes, mask_mod
     batch, heads = q_shape[:2]
     window = window_spec(causal, window_size)
 
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real):
-        raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
-    softcap = float(softcap)
-    if not (math.isfinite(softcap) and softcap >= 0.0):
-        raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {softcap}")
+    softcap = softcap_value(softcap)
 
     slopes = None
     if alibi_slopes is not None:

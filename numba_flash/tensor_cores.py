@@ -179,7 +179,7 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     partial = n_splits > 1  # o, lse: float32 partials of the kernel's head dim
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, split_out=partial, variant=call.variant, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps)
+                       key_warps=call.key_warps, softcap=call.softcap > 0)
     sixteen = spec.regime in TENSOR_CORE_KIND.values()
     dim, xp = spec.head_dim, _xp(ctx.kind)
     kq, kk, kv = kernel_inputs(spec.regime, ctx.kind, q, k, v)
@@ -199,7 +199,7 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     lengths = bits_view(seqlens, ctx.kind, False) if seqlens is not None else unread
     # the skeleton's arguments (kernels.forward), q_scale and the ints aside
     arrays = [kq, kk, kv, o_kernel, lse_kernel, *state, unread, lengths]
-    tail = [np.int32(n_splits), np.int32(rows_per_query)]
+    tail = [np.int32(n_splits), np.int32(rows_per_query), np.float32(call.softcap_log2)]
     grid = spec.grid(B, H, Nq, n_splits)
     if ctx.direct_launch:
         args = [device_array(x, "cupy") for x in arrays]
@@ -256,7 +256,7 @@ def _in_place_spec(call: LaunchConfig, ragged: bool, n_splits: int):
     D = call.q_shape[3]
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=ragged, split_out=n_splits > 1, variant=call.variant, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps)
+                       key_warps=call.key_warps, softcap=call.softcap > 0)
 
 
 def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_splits, rows_per_query, unread):
@@ -279,7 +279,7 @@ def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_spl
         o = o._replace(dtype="uint16")
     o_hbm, l_hbm, m_hbm, kv_order = unread
     return [*inputs, o, lse, o_hbm, l_hbm, m_hbm, np.float32(call.scale * LOG2E), kv_order, lengths, np.int32(n_splits),
-            np.int32(rows_per_query)]
+            np.int32(rows_per_query), np.float32(call.softcap_log2)]
 
 
 def _rows_laid_out(a, width: int) -> bool:
@@ -314,7 +314,7 @@ def _unread_state(kind: str, device_id):
 
 def _ordered(arrays, q_scale, tail) -> list:
     """The skeleton's arguments in order (``kernels.forward``): q, k, v, o, lse, o_hbm, l_hbm,
-    m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query."""
+    m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2."""
     return [*arrays[:8], q_scale, *arrays[8:], *tail]
 
 

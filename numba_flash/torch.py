@@ -14,10 +14,11 @@ break), and ``attention``'s gradient is registered with the operator
 The operators, in the ``numba_flash`` namespace (``torch.ops.numba_flash.*``):
 
 ==========================  ===============================================================
-``attention_forward``       ``(q, k, v, causal, scale, algorithm, window_size) -> (o, lse)``
-``attention_backward``      ``(do, q, k, v, o, lse, causal, scale, algorithm, window_size) -> (dq, dk, dv)``
-``decode``                  ``(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size)
-                            -> (o, lse)``
+``attention_forward``       ``(q, k, v, causal, scale, algorithm, window_size, softcap) -> (o, lse)``
+``attention_backward``      ``(do, q, k, v, o, lse, causal, scale, algorithm, window_size, softcap)
+                            -> (dq, dk, dv)``
+``decode``                  ``(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size,
+                            softcap) -> (o, lse)``
 ==========================  ===============================================================
 
 They launch on PyTorch's current stream, so they can be captured in CUDA graphs (what may not
@@ -30,6 +31,7 @@ registration while tracing a first call would break the graph there). Double bac
 
 from __future__ import annotations
 
+from numba_flash.checks import softcap_value
 from numba_flash.needs import require_module
 
 torch = require_module("torch", "numba_flash.torch")  # the real PyTorch (absolute import), or the install hint
@@ -54,10 +56,10 @@ def _window(causal, window_size) -> list:
     return [int(window_size[0]), int(window_size[1])]
 
 
-def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-1, -1)):
+def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-1, -1), softcap=0.0):
     """Differentiable attention over torch CUDA tensors, returning ``o``.
 
-    Shapes, dtypes, the causal mask and ``window_size`` (bottom-right aligned), ``scale``
+    Shapes, dtypes, the causal mask and ``window_size`` (bottom-right aligned), ``softcap``, ``scale``
     (default ``1 / sqrt(D)``) and ``algorithm`` (``"fa1"`` or ``"fa2"``) are those of
     :func:`numba_flash.attention`:
     q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with ``H % Hkv == 0``; ``o`` has q's shape and
@@ -68,12 +70,12 @@ def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-
     """
     _check_tensors(q=q, k=k, v=v)
     o, _ = _OPS.attention_forward(q, k, v, bool(causal), None if scale is None else float(scale), str(algorithm),
-                                  _window(causal, window_size))
+                                  _window(causal, window_size), softcap_value(softcap))
     return o
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False,
-           window_size=(-1, -1)):
+           window_size=(-1, -1), softcap=0.0):
     """:func:`numba_flash.decode` on torch CUDA tensors as a custom operator (no gradient):
     ``o``, or ``(o, lse)`` with ``return_lse``. ``cache_seqlens``: ``None``, an int32 tensor
     ``(B,)`` on q's device, or a list of ints (made such a tensor)."""
@@ -81,7 +83,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int32, device=q.device)
     o, lse = _OPS.decode(q, k_cache, v_cache, cache_seqlens, bool(causal), None if scale is None else float(scale),
-                         None if num_splits is None else int(num_splits), _window(causal, window_size))
+                         None if num_splits is None else int(num_splits), _window(causal, window_size),
+                         softcap_value(softcap))
     return (o, lse) if return_lse else o
 
 
@@ -90,56 +93,57 @@ def _register():
     from torch.library import custom_op
 
     @custom_op("numba_flash::attention_forward", mutates_args=(),
-               schema="(Tensor q, Tensor k, Tensor v, bool causal, float? scale, str algorithm, int[] window_size) "
-                      "-> (Tensor, Tensor)")
-    def attention_forward(q, k, v, causal, scale, algorithm, window_size):
+               schema="(Tensor q, Tensor k, Tensor v, bool causal, float? scale, str algorithm, int[] window_size, "
+                      "float softcap) -> (Tensor, Tensor)")
+    def attention_forward(q, k, v, causal, scale, algorithm, window_size, softcap):
         from numba_flash.api import forward
 
-        return forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm, window_size=tuple(window_size))
+        return forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm, window_size=tuple(window_size),
+                       softcap=softcap)
 
     @attention_forward.register_fake
-    def _(q, k, v, causal, scale, algorithm, window_size):
+    def _(q, k, v, causal, scale, algorithm, window_size, softcap):
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @custom_op("numba_flash::attention_backward", mutates_args=(),
                schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float? scale, "
-                      "str algorithm, int[] window_size) -> (Tensor, Tensor, Tensor)")
-    def attention_backward(do, q, k, v, o, lse, causal, scale, algorithm, window_size):
+                      "str algorithm, int[] window_size, float softcap) -> (Tensor, Tensor, Tensor)")
+    def attention_backward(do, q, k, v, o, lse, causal, scale, algorithm, window_size, softcap):
         from numba_flash.backward import attention_backward as gradients
 
         return gradients(do.contiguous(), q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm,
-                         window_size=tuple(window_size))
+                         window_size=tuple(window_size), softcap=softcap)
 
     @attention_backward.register_fake
-    def _(do, q, k, v, o, lse, causal, scale, algorithm, window_size):
+    def _(do, q, k, v, o, lse, causal, scale, algorithm, window_size, softcap):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # (contiguous, as the kernels write them)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale, algorithm, window_size = inputs
+        q, k, v, causal, scale, algorithm, window_size, softcap = inputs
         o, lse = output
         ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.algorithm, ctx.window_size = causal, scale, algorithm, window_size
+        ctx.causal, ctx.scale, ctx.algorithm, ctx.window_size, ctx.softcap = causal, scale, algorithm, window_size, softcap
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, do, _dlse):
         q, k, v, o, lse = ctx.saved_tensors
         dq, dk, dv = torch.ops.numba_flash.attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.algorithm,
-                                                              ctx.window_size)
-        return dq, dk, dv, None, None, None, None
+                                                              ctx.window_size, ctx.softcap)
+        return dq, dk, dv, None, None, None, None, None
 
     attention_forward.register_autograd(backward, setup_context=setup_context)
 
     @custom_op("numba_flash::decode", mutates_args=(),
                schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, bool causal, float? scale, "
-                      "int? num_splits, int[] window_size) -> (Tensor, Tensor)")
-    def decode_op(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size):
+                      "int? num_splits, int[] window_size, float softcap) -> (Tensor, Tensor)")
+    def decode_op(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap):
         from numba_flash.decoding import decode as run
 
         return run(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=causal, scale=scale, num_splits=num_splits,
-                   return_lse=True, window_size=tuple(window_size))
+                   return_lse=True, window_size=tuple(window_size), softcap=softcap)
 
     @decode_op.register_fake
-    def _(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size):
+    def _(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap):
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     return torch.ops.numba_flash

@@ -32,16 +32,16 @@ nxt)``, ``write_stats(stats, base, nxt)``, ``commit()``, ``wait_all()``
     FA-1 line 19: D_i = rowsum(dO_i * O_i) into ``stats``.
 ``scores_t(af, a_s, b_s, out, scratch)``
     S^T = K_j Q_i^T, dP^T = V_j dO_i^T (keys are the rows of a thread's accumulators).
-``probs_t(s, dp, stats, base, q_scale, masked, first_q, row0, pt_s, ds_s)``
+``probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, row0, pt_s, ds_s)``
     P^T = exp2(S^T - L), dS^T = P^T (dP^T - D), hidden entries 0 (in place, or into shared
-    memory when ``P_IN_SMEM``).
+    memory when ``P_IN_SMEM``); ``capped``: S^T soft-capped first, dS^T times the cap's slope.
 ``dv_update(s, pt_s, do_s, acc, scratch)``, ``dk_update(dp, ds_s, q_s, acc, scratch)``
     dV_j += P^T dO_i, dK_j += dS^T Q_i.
 ``dq_update(dp, ds_s, k_s, dq, b, h, row0, n_q, scale, dq_acc, scratch)``
     dQ_i += scale dS K_j (atomics for FA-2, read-modify-write for FA-1).
-``key_bounds(col0, n_q, n_k, causal, first_q)``, ``zero(acc)``, ``write_grad(x, b, h, col0, n_k, acc,
-factor)``, ``dk_factor(scale)``
-    the first query each of this thread's keys is visible to; the accumulators; the output.
+``key_bounds(col0, n_q, n_k, window, first_q, last_q)``, ``zero(acc)``, ``write_grad(x, b, h, col0, n_k,
+acc, factor)``, ``dk_factor(scale)``
+    the queries that see each of this thread's keys; the accumulators; the output.
 
 Constants: ``order``, ``block_m``, ``block_n``, ``layout``, ``ELEM`` (the shared element type), ``PREFETCH``, ``PAIRED`` (tf32x3: the
 double buffers selected on the offset, ``jit.shared_tile_pair``), ``P_IN_SMEM``, ``STATS_STATIC``
@@ -66,11 +66,13 @@ ORDERS = ("fa1", "fa2")
 
 
 @kernel_factory
-def kv_kernel(engine, window, compute_dq: bool = True):
+def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False):
     """The dK/dV (and dQ) kernel on ``engine``, of the loop order it was made for (memoised; the
     engine module's name says all it was made of, and is the kernel's identity in the
     compilation cache): ``bwd.ffma_bwd_engine(order, ...)`` or ``tc_bwd.mma_bwd_engine(order, ...)``.
-    ``window``: the mask's ``(left, right)`` of ``kernels.mask`` (a bool: the public ``causal``).
+    ``window``: the mask's ``(left, right)`` of ``kernels.mask`` (a bool: the public ``causal``);
+    ``softcap``: the forward soft-capped the scores (``kernels.score_mods``): P is recomputed from
+    the capped scores and dS carries the cap's slope; the cap is the last argument.
 
     Launch: ``"fa1"``: ``grid = (B * Hkv,)``; ``"fa2"``: ``grid = (ceil(Nk / block_n) * B * Hkv,)``;
     ``block = (layout.threads,)``, dynamic shared memory ``layout.smem_bytes`` (the engine's
@@ -78,12 +80,12 @@ def kv_kernel(engine, window, compute_dq: bool = True):
     ``k, v (B,Hkv,Nk,D)`` (the engine's element type), ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq)
     float32`` (D_i; read by ``"fa2"``, FA-1 computes it), ``dq (B,H,Nq,D) float32`` zeroed and
     accumulated into (untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` out, ``scale``
-    (float32).
+    (float32), ``softcap_log2`` (float32, the cap in log2 units; read when ``softcap``).
     """
     E = engine
     if E.order not in ORDERS:
         raise ValueError(f"the engine's order must be 'fa1' or 'fa2'; got {E.order!r}")
-    FA1, WINDOW, DQ = E.order == "fa1", window_of(window), bool(compute_dq)
+    FA1, WINDOW, DQ, SOFTCAP = E.order == "fa1", window_of(window), bool(compute_dq), bool(softcap)
     BM, BN = E.block_m, E.block_n
     PREFETCH, PAIRED, P_IN_SMEM, STATS_STATIC = E.PREFETCH, E.PAIRED, E.P_IN_SMEM, E.STATS_STATIC
     ELEM = E.ELEM
@@ -94,7 +96,7 @@ def kv_kernel(engine, window, compute_dq: bool = True):
     Q_PAIR, DO_PAIR, O_PAIR = E.q_pair, E.do_pair, E.o_pair
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale):
+    def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_kv_heads, n_k = k.shape[1], k.shape[2]
         group = n_heads // n_kv_heads
@@ -187,7 +189,8 @@ def kv_kernel(engine, window, compute_dq: bool = True):
                 masked = mask.tile_needs_mask(col0, BN, mask.last_visible_key(row0, n_q, n_k, WINDOW),
                                                mask.first_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, WINDOW), WINDOW)
                 # FA-2 lines 11, 14 (Alg. 4 lines 13, 20): P^T = exp(S^T - L_i), dS^T = P^T * (dP^T - D_i)
-                E.probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, WINDOW, row0, pt_s, ds_s)
+                E.probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, WINDOW, SOFTCAP, softcap_log2, row0, pt_s,
+                          ds_s)
                 if P_IN_SMEM:
                     cuda.syncthreads()  # P^T, dS^T of every entry are in shared memory
                 E.dv_update(s, pt_s, do_s, dv_acc, scratch)  # FA-2 line 12 (Alg. 4 line 16): dV_j += P_ij^T dO_i
@@ -207,7 +210,7 @@ def kv_kernel(engine, window, compute_dq: bool = True):
 
 
 @kernel_factory
-def dq_kernel(engine, window):
+def dq_kernel(engine, window, softcap: bool = False):
     """dQ without atomics (``deterministic=True``) on ``engine`` (``bwd.ffma_dq_engine``,
     ``tc_bwd.mma_dq_engine``; memoised): one
     block per (Q tile, batch, head) walks the K/V tiles it sees -- the forward's loop order, Q
@@ -228,7 +231,8 @@ def dq_kernel(engine, window):
         the walk's steps from 0, ``col0`` is the tile's first key.
     ``scores(af, a_s, b_s, out, scratch)``: S = Q_i K_j^T, dP = dO_i V_j^T.
     ``after_scores(v, b, hk, col0, j, n_walk, n_k, v_s)``: a prefetching engine issues V_{j+1}.
-    ``dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, col0, ds_s)``: dS = P (dP - D).
+    ``dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, col0, ds_s)``:
+    dS = P (dP - D) (times the soft cap's slope when ``capped``).
     ``dq_step(dp, ds_s, k_s, acc, scratch)``: dQ_i += dS K_j.
     ``write_dq(dq, b, h, row0, n_q, acc, scale)``, ``row_key_bounds``, ``zero``, ``wait_all``.
 
@@ -239,10 +243,11 @@ def dq_kernel(engine, window):
 
     Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (layout.threads,)``, dynamic
     shared memory ``layout.smem_bytes``. Arguments: ``q, do (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``,
-    ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D)`` out, ``scale`` (float32).
+    ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D)`` out, ``scale`` (float32), ``softcap_log2``
+    (float32; read when ``softcap``, as in :func:`kv_kernel`).
     """
     E = engine
-    WINDOW = window_of(window)
+    WINDOW, SOFTCAP = window_of(window), bool(softcap)
     BM, BN = E.block_m, E.block_n
     ELEM, DOUBLE_K, DS_IN_SMEM = E.ELEM, E.DOUBLE_K, E.DS_IN_SMEM
     S_SHAPE, ACC_SHAPE, AF_SHAPE, STAT_ROWS, SCRATCH = E.s_shape, E.acc_shape, E.af_shape, E.stat_rows, E.scratch_floats
@@ -250,7 +255,7 @@ def dq_kernel(engine, window):
     K0_TILE, K1_TILE = E.k_tiles
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale):
+    def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_k = k.shape[2]
         group = n_heads // k.shape[1]
@@ -300,7 +305,8 @@ def dq_kernel(engine, window):
             E.scores(dof, do_s, v_s, dp, scratch)  # line 13: dP_ij = dO_i V_j^T
             E.after_scores(v, b, hk, col0, j, n_walk, n_k, v_s)
             masked = mask.tile_needs_mask(col0, BN, first_row_last_key, last_row_first_key, WINDOW)
-            E.dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, WINDOW, col0, ds_s)  # lines 11, 14: P, dS = P (dP - D)
+            E.dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, WINDOW, SOFTCAP, softcap_log2, col0,
+                      ds_s)  # lines 11, 14: P, dS = P (dP - D)
             if DS_IN_SMEM:
                 cuda.syncthreads()  # dS_ij is in shared memory
             E.dq_step(dp, ds_s, k_s, acc, scratch)  # line 15: dQ_i += dS_ij K_j (scale at the end), on chip

@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from numba_flash._cuda import cuda, float32
 
 from numba_flash.kernels.jit import LN2, LOG2E, NEG_INF, device_jit, kernel_factory, kernel_jit, shared_tile
-from numba_flash.kernels import mask
+from numba_flash.kernels import mask, score_mods
 from numba_flash.kernels.tile_ops import at, tile_ops
 from numba_flash.kernels.tiles import VEC, tile_layout
 from numba_flash.kernels.mask import window_of
@@ -182,7 +182,7 @@ def bwd_ops(head_dim: int, block: int):
         N_STATS = TN if key_rows else TM  # L and D of each column (key rows) or row (query rows)
 
         @device_jit
-        def probs(s, dp, stats, base, masked, lo, hi, window, col0, p_s, ds_s):
+        def probs(s, dp, stats, base, masked, lo, hi, window, capped, cap, col0, p_s, ds_s):
             tx = ops.thread_col()
             l2 = cuda.local.array(N_STATS, float32)
             dd = cuda.local.array(N_STATS, float32)
@@ -199,8 +199,14 @@ def bwd_ops(head_dim: int, block: int):
                 for j in range(TN):
                     c = tx + TX * j
                     stat = j if key_rows else i
-                    p = math.exp2(s[i, j] - l2[stat])  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
+                    x = s[i, j]
+                    slope = float32(1.0)
+                    if capped:  # the forward's soft cap (score_mods), and its slope for dS
+                        x, slope = score_mods.soft_cap_with_slope(x, cap)
+                    p = math.exp2(x - l2[stat])  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
                     ds = p * (dp[i, j] - dd[stat])  # FA-2 line 14 (Alg. 4 line 20)
+                    if capped:
+                        ds *= slope
                     if masked:
                         if key_rows:
                             hidden = mask.query_hidden(col0 + c, lo[i], hi[i], window)
@@ -308,8 +314,8 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
         ops.score_tile(a_s, b_s, out)
 
     @device_jit
-    def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, row0, pt_s, ds_s):
-        bops.probs_key_rows(s, dp, stats, base, masked, first_q, last_q, window, row0, pt_s, ds_s)
+    def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, row0, pt_s, ds_s):
+        bops.probs_key_rows(s, dp, stats, base, masked, first_q, last_q, window, capped, cap, row0, pt_s, ds_s)
 
     @device_jit
     def dv_update(s, pt_s, do_s, acc, scratch):
@@ -369,7 +375,7 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
     return engine
 
 
-def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool = True):
+def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool = True, softcap: bool = False):
     """The CUDA-core dK/dV (and dQ) kernel of one loop order: ``kernels.backward.kv_kernel`` on
     :func:`ffma_bwd_engine` (memoised there).
 
@@ -379,11 +385,13 @@ def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool =
     ``k, v (B,Hkv,Nk,D)``, ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq) float32`` (D_i; read by
     ``"fa2"`` only, FA-1 computes it: any float32 array of that shape will do), ``dq (B,H,Nq,D)
     float32``, zeroed before the launch and accumulated into (atomically for ``"fa2"``;
-    untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D)`` out, ``scale`` (float32).
+    untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D)`` out, ``scale`` (float32),
+    ``softcap_log2`` (float32; read with ``softcap``).
     """
     from numba_flash.kernels.backward import kv_kernel
 
-    return kv_kernel(ffma_bwd_engine(order, int(head_dim), int(block)), window_of(window), bool(compute_dq))
+    return kv_kernel(ffma_bwd_engine(order, int(head_dim), int(block)), window_of(window), bool(compute_dq),
+                     bool(softcap))
 
 
 @functools.lru_cache(maxsize=None)
@@ -425,8 +433,8 @@ def ffma_dq_engine(head_dim: int, block: int):
         pass
 
     @device_jit
-    def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, col0, ds_s):
-        bops.dscores_query_rows(s, dp, stats, 0, masked, first_keys, last_keys, window, col0, ds_s, ds_s)
+    def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, col0, ds_s):
+        bops.dscores_query_rows(s, dp, stats, 0, masked, first_keys, last_keys, window, capped, cap, col0, ds_s, ds_s)
 
     @device_jit
     def dq_step(dp, ds_s, k_s, acc, scratch):
@@ -455,18 +463,18 @@ def ffma_dq_engine(head_dim: int, block: int):
     return engine
 
 
-def bwd_dq_kernel(head_dim: int, block: int, window):
+def bwd_dq_kernel(head_dim: int, block: int, window, softcap: bool = False):
     """dQ without atomics (``deterministic=True``) on CUDA cores: ``kernels.backward.dq_kernel``
     on :func:`ffma_dq_engine` (memoised there).
 
     Launch: ``grid = (ceil(Nq / block) * B * H,)``, ``block = (bwd_layout("dq", ...).threads,)``,
     dynamic shared memory ``bwd_layout("dq", head_dim, block).smem_bytes``. Arguments: ``q, do
     (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``, ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D)`` out
-    (any float dtype), ``scale`` (float32).
+    (any float dtype), ``scale`` (float32), ``softcap_log2`` (float32; read with ``softcap``).
     """
     from numba_flash.kernels.backward import dq_kernel
 
-    return dq_kernel(ffma_dq_engine(int(head_dim), int(block)), window_of(window))
+    return dq_kernel(ffma_dq_engine(int(head_dim), int(block)), window_of(window), bool(softcap))
 
 
 @kernel_factory

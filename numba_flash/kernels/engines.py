@@ -16,9 +16,10 @@ The engine interface (every function device code; arguments an engine does not n
     Q_i's operand fragments into registers once its copy landed (FFMA: nothing).
 ``score_tile(qf, qf_small, q_s, k_s, s, scratch)``
     S = Q_i K_j^T (FA-1 line 9, FA-2 line 8).
-``scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window)``
-    S in log2 units, and the keys a row does not see -> -inf (``mask.tile_masker``; each row's
-    visible keys ``[first_keys, last_keys]`` from ``row_key_bounds``, ``window`` the kernel's).
+``scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap)``
+    S in log2 units, soft-capped when ``capped`` (``score_mods``; ``cap`` in log2 units), and
+    the keys a row does not see -> -inf (``mask.tile_masker``; each row's visible keys
+    ``[first_keys, last_keys]`` from ``row_key_bounds``, ``window`` the kernel's).
 ``row_max(s, out, scratch)``, ``exp_scores(s, m_ref, p_s, row_sums)``
     rowmax(S); P~ = exp2(S - m) and this thread's part of rowsum(P~).
 ``pv_tile(s, p_s, v_s, acc, col0, last_keys, masked, scratch)``
@@ -49,6 +50,7 @@ from types import ModuleType
 
 from numba_flash._cuda import cuda
 from numba_flash.kernels.jit import device_jit
+from numba_flash.kernels.score_mods import tile_soft_capper
 from numba_flash.kernels.tc_ops import ROWS_PER_THREAD as MMA_ROWS_PER_THREAD
 from numba_flash.kernels.tc_ops import tc_ops
 from numba_flash.kernels.tile_ops import tile_ops
@@ -80,6 +82,7 @@ def ffma_engine(head_dim: int, block_m: int, block_n: int, groups: int = 1,
     ops = tile_ops(head_dim, block_m, block_n, groups, rows_per_thread)
     L = ops.layout
     TM = L.rows_per_thread
+    cap_tile = tile_soft_capper(TM, L.cols_per_thread)
 
     @device_jit
     def q_frags(q_s, qf, qf_small):
@@ -90,8 +93,10 @@ def ffma_engine(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         ops.score_tile(q_s, k_s, s)
 
     @device_jit
-    def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window):
-        if masked:  # (scaled already: Q_i was loaded in log2 units)
+    def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap):
+        if capped:  # (scaled already: Q_i was loaded in log2 units)
+            cap_tile(s, cap)
+        if masked:
             ops.mask_scores(s, col0, first_keys, last_keys, window)
 
     @device_jit

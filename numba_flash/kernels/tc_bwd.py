@@ -72,7 +72,7 @@ from numba_flash._cuda import cuda, float32
 from numba_flash.arch import SMEM_OPTIN_LIMIT
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import LOG2E, NEG_INF, device_jit, shared_tile, shared_tile_pair
-from numba_flash.kernels import mask
+from numba_flash.kernels import mask, score_mods
 from numba_flash.kernels.tc_ops import tc_ops
 from numba_flash.kernels.mask import window_of
 
@@ -438,7 +438,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
             load_q_rows(o, b, h, row0, n_q, o_s)
 
     @device_jit
-    def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, row0, pt_s, ds_s):
+    def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, row0, pt_s, ds_s):
         """In place: S^T -> P^T = exp2(S^T scale log2 e - L) (FA-2 line 11, Alg. 4 line 13),
         dP^T -> dS^T = P^T (dP^T - D) (FA-2 line 14, Alg. 4 line 20); L and D of each column
         (query) from shared memory; hidden entries P = dS = 0."""
@@ -446,8 +446,14 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
         for nt in range(NQ):
             for e in range(4):
                 c = 8 * nt + 2 * t + (e & 1)  # the query (column) of this accumulator
-                p = math.exp2(s[nt, e] * q_scale - stats[base + c])
+                x = s[nt, e] * q_scale
+                slope = float32(1.0)
+                if capped:  # the forward's soft cap (score_mods), and its slope for dS
+                    x, slope = score_mods.soft_cap_with_slope(x, cap)
+                p = math.exp2(x - stats[base + c])
                 ds = p * (dp[nt, e] - stats[base + BM + c])
+                if capped:
+                    ds *= slope
                 if masked and mask.query_hidden(row0 + c, first_q[e >> 1], last_q[e >> 1], window):
                     p = float32(0.0)
                     ds = float32(0.0)
@@ -658,7 +664,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
 
 
 def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, window,
-                  compute_dq: bool = True, vector_red: bool = True):
+                  compute_dq: bool = True, vector_red: bool = True, softcap: bool = False):
     """The dK/dV (and dQ) kernel of one loop order on tensor cores: ``kernels.backward.kv_kernel``
     on :func:`mma_bwd_engine` (memoised there).
 
@@ -669,13 +675,14 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq) float32`` (D_i; read by ``"fa2"``; FA-1 computes
     it from O_i), ``dq (B,H,Nq,D) float32`` zeroed and accumulated into (untouched when not
     ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` uint16 bit patterns out (``D' <= D`` columns
-    written), ``scale`` (float32). ``vector_red``: FA-2's dQ atomics as ``red.global.add.v2.f32``
+    written), ``scale`` (float32), ``softcap_log2`` (float32; read with ``softcap``). ``vector_red``: FA-2's
+    dQ atomics as ``red.global.add.v2.f32``
     (sm_90 and later; else two float32 atomics: :func:`vector_reductions`).
     """
     from numba_flash.kernels.backward import kv_kernel
 
     engine = mma_bwd_engine(order, kind, int(head_dim), int(block_m), int(block_n), bool(vector_red))
-    return kv_kernel(engine, window_of(window), bool(compute_dq))
+    return kv_kernel(engine, window_of(window), bool(compute_dq), bool(softcap))
 
 
 @functools.lru_cache(maxsize=None)
@@ -742,11 +749,17 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
             ops.commit()
 
     @device_jit
-    def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, col0, ds_s):
+    def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, col0, ds_s):
         for nt in range(NS):  # P = exp2(S scale log2 e - L), dS = P (dP - D), in place
             for e in range(4):
-                p = math.exp2(s[nt, e] * q_scale - l2[e >> 1])
+                x = s[nt, e] * q_scale
+                slope = float32(1.0)
+                if capped:
+                    x, slope = score_mods.soft_cap_with_slope(x, cap)
+                p = math.exp2(x - l2[e >> 1])
                 ds = p * (dp[nt, e] - dd[e >> 1])
+                if capped:
+                    ds *= slope
                 if masked and mask.key_hidden(col0 + ops.col_of(nt, e), first_keys[e >> 1], last_keys[e >> 1], window):
                     ds = float32(0.0)
                 dp[nt, e] = ds
@@ -782,7 +795,7 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
     return engine
 
 
-def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window):
+def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window, softcap: bool = False):
     """dQ without atomics on tensor cores (``deterministic=True``): ``kernels.backward.dq_kernel``
     on :func:`mma_dq_engine` (memoised there).
 
@@ -793,4 +806,4 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, windo
     """
     from numba_flash.kernels.backward import dq_kernel
 
-    return dq_kernel(mma_dq_engine(kind, int(head_dim), int(block_m), int(block_n)), window_of(window))
+    return dq_kernel(mma_dq_engine(kind, int(head_dim), int(block_m), int(block_n)), window_of(window), bool(softcap))

@@ -47,7 +47,7 @@ from numba_flash._cuda import cuda, float32
 from numba_flash.arch import SMEM_OPTIN_LIMIT
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import NEG_INF, device_jit
-from numba_flash.kernels import mask
+from numba_flash.kernels import mask, score_mods
 from numba_flash.kernels.row_reduce import add, row_allreduce
 from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, log_sum_exp, nan_max, reciprocal_or_zero
 
@@ -673,14 +673,18 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         return e >> 1
 
     mask_tile = mask.tile_masker(NS, 4, col_of, row_of)  # keys outside each row's visible ones -> -inf
+    cap_tile = score_mods.tile_soft_capper(NS, 4)
 
     @device_jit
-    def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window):
-        """S *= scale * log2(e) (scores in log2 units, FA-2 section 3.1: exp is one exp2); keys
-        outside a row's visible ones -> -inf (only in tiles that need the mask)."""
+    def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap):
+        """S *= scale * log2(e) (scores in log2 units, FA-2 section 3.1: exp is one exp2); soft-
+        capped when ``capped`` (``score_mods``); keys outside a row's visible ones -> -inf (only
+        in tiles that need the mask)."""
         for nt in range(NS):
             for e in range(4):
                 s[nt, e] *= q_scale
+        if capped:
+            cap_tile(s, cap)
         if masked:
             mask_tile(s, col0, first_keys, last_keys, window)
 

@@ -1,0 +1,191 @@
+"""The mask gallery: each mask numba_flash compiles into its kernels, checked and timed (issue 24).
+
+    python scripts/mask_gallery.py [--seq 32768] [--heads 16] [--head-dim 128] [--dtype float16]
+                                   [--backward] [--json out.json]
+
+For every entry (no mask, causal, sliding windows), in one process on the GPU at hand:
+
+1. correctness at a small shape (B1 H4 N1000, the entry's mask scaled to it) against float64
+   torch with the same mask as a boolean matrix: FlashAttention's rule, the error at most twice a
+   plain implementation's in the input dtype (forward; with ``--backward`` the gradients within
+   2e-2 of the largest);
+2. time at ``B1 H{heads} N{seq} D{head_dim}`` (CUDA events, median of 10 queued calls after
+   warm-up, compilation excluded), TFLOP/s over the *visible* (query, key) pairs
+   (4 * D * pairs; FLOPs the mask hides are not counted), and the cost rule of issue 24: the
+   time over (visible fraction of the causal mask's pairs x the causal time), which the issue
+   wants at most 1.2 -- the cost follows the visible tiles;
+3. peers in the same run: PyTorch SDPA with ``is_causal`` (flash) for the causal entry, and with
+   a dense boolean mask (its memory-efficient kernel: the only SDPA path that takes one) for
+   every masked entry, so a mask's price in each library is on one line.
+
+One line per measurement goes to stderr as it runs; the table is printed at the end (Markdown)
+and written with ``--json``. Needs a GPU, CuPy and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+
+
+def entries(n: int):
+    """(name, numba_flash keyword arguments, (left, right) of the mask or None) at length n."""
+    w = n // 8
+    return [
+        ("no mask", {}, None),
+        ("causal", {"causal": True}, (-1, 0)),
+        (f"sliding window ({w}, 0)", {"window_size": (w, 0)}, (w, 0)),
+        (f"sliding window ({w // 2}, {w // 2})", {"window_size": (w // 2, w // 2)}, (w // 2, w // 2)),
+    ]
+
+
+def visible(window, n_q, n_k, torch, device):
+    from numba_flash.masking import MaskSpec
+
+    spec = MaskSpec(*(window or (-1, -1)))
+    i = torch.arange(n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    return spec.visible(i, j, n_q, n_k), spec.visible_pairs(n_q, n_k)
+
+
+def check(kwargs, window, dtype, backward, seq, torch) -> str:
+    """The small-shape check of one entry (its window scaled from length ``seq`` to 1000): 'ok'
+    or what failed."""
+    import numba_flash
+
+    n = 1000
+    scaled = dict(kwargs)
+    win = window
+    if "window_size" in kwargs:  # the window at the small shape: the same fraction of N
+        big = kwargs["window_size"]
+        win = tuple(-1 if x < 0 else max(1, x * n // seq) for x in big)
+        scaled["window_size"] = win
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    dt = getattr(torch, dtype)
+    q, k, v = (torch.randn(1, 4, n, 64, device="cuda", generator=gen).to(dt).requires_grad_(backward) for _ in range(3))
+    seen, _ = visible(win, n, n, torch, "cuda")
+
+    def plain(t):
+        qq, kk, vv = (x.detach().to(t).requires_grad_(backward) for x in (q, k, v))
+        s = (qq @ kk.transpose(-1, -2)) / 8.0
+        p = torch.softmax(s.masked_fill(~seen, -math.inf).float(), dim=-1).nan_to_num(0.0).to(t)
+        return (qq, kk, vv), p @ vv
+
+    (q64, k64, v64), ref = plain(torch.float64)
+    _, base = plain(dt)
+    if backward:
+        import numba_flash.torch as nft
+
+        o = nft.attention(q, k, v, **scaled)
+    else:
+        o = numba_flash.attention(q.detach(), k.detach(), v.detach(), **scaled)
+    err = float((o.double() - ref).abs().max())
+    bar = 2 * float((base.double() - ref).abs().max()) + 1e-6
+    if err > bar:
+        return f"forward error {err:.2e} > {bar:.2e}"
+    if backward:
+        do = torch.randn(o.shape, device="cuda", generator=gen).to(dt)
+        o.backward(do)
+        ref.backward(do.double())
+        for name_, got, want in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
+            rel = float((got.double() - want).abs().max() / want.abs().max())
+            if rel > 2e-2:
+                return f"{name_} error {rel:.2e}"
+    return "ok"
+
+
+def median_ms(fn, torch, repeats=10):
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b))
+    return sorted(times)[len(times) // 2]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--backward", action="store_true", help="also check and time the backward")
+    ap.add_argument("--json", help="write the rows here")
+    args = ap.parse_args(argv)
+    from numba_flash import needs
+
+    needs.exit_unless("mask_gallery.py", needs.gpu(), needs.module("cupy"), needs.module("torch"))
+    import torch
+    import torch.nn.functional as F
+
+    import numba_flash
+    from numba_flash.backward import attention_backward
+
+    n = args.seq
+    dt = getattr(torch, args.dtype)
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    q, k, v = (torch.randn(1, args.heads, n, args.head_dim, device="cuda", generator=gen).to(dt) for _ in range(3))
+    do = torch.randn(q.shape, device="cuda", generator=gen).to(dt)
+    rows, causal_ms, causal_pairs = [], None, n * (n + 1) // 2
+    for name, kwargs, window in entries(n):
+        t0 = time.time()
+        status = check(kwargs, window, args.dtype, args.backward, n, torch)
+        pairs = _pairs(window, n)
+        ms = median_ms(lambda kw=kwargs: numba_flash.attention(q, k, v, **kw), torch)
+        row = dict(mask=name, check=status, ms=ms, visible=pairs / (n * n),
+                   tflops=4 * args.head_dim * args.heads * pairs / ms / 1e9)
+        if name == "causal":
+            causal_ms = ms
+        if causal_ms is not None and window is not None:
+            row["cost_rule"] = ms / (pairs / causal_pairs * causal_ms)  # issue 24: <= 1.2
+        if window == (-1, 0):
+            row["sdpa_flash_ms"] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), torch)
+        if window is not None:
+            try:
+                seen, _ = visible(window, n, n, torch, "cuda")
+                row["sdpa_dense_mask_ms"] = median_ms(lambda m=seen: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                                                      torch)
+                del seen
+            except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
+                row["sdpa_dense_mask_ms"] = f"failed: {type(e).__name__}"
+        if args.backward:
+            o, lse = numba_flash.attention(q, k, v, return_lse=True, **kwargs)
+            row["backward_ms"] = median_ms(
+                lambda o=o, lse=lse, kw=kwargs: attention_backward(do, q, k, v, o, lse, **kw), torch)
+        rows.append(row)
+        print(f"[{time.time() - t0:6.1f} s] {json.dumps(row)}", file=sys.stderr, flush=True)
+    print(f"\nB1 H{args.heads} N{n} D{args.head_dim} {args.dtype} ({torch.cuda.get_device_name()})\n")
+    cols = ["mask", "check", "visible", "ms", "tflops", "cost_rule", "sdpa_flash_ms", "sdpa_dense_mask_ms"]
+    if args.backward:
+        cols.append("backward_ms")
+    print("| " + " | ".join(cols) + " |")
+    print("|" + " --- |" * len(cols))
+    for r in rows:
+        print("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(shape=[1, args.heads, n, args.head_dim], dtype=args.dtype,
+                           device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
+    return 0 if all(r["check"] == "ok" for r in rows) else 1
+
+
+def _pairs(window, n) -> int:
+    from numba_flash.masking import MaskSpec
+
+    return MaskSpec(*(window or (-1, -1))).visible_pairs(n, n)
+
+
+def _fmt(x) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else str(x)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

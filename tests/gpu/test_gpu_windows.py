@@ -1,0 +1,132 @@
+"""Sliding windows on a real GPU (``pytest -m gpu``; skipped in the simulator): the forward in
+both loop orders and both regimes, split-KV, decode and the backward, at shapes whose windows
+hide whole K/V tiles on both sides of every Q tile, against float64 torch with the window mask
+(FlashAttention's 2x rule for 16-bit forwards, ``test_gpu_backward``'s bounds for gradients)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+WINDOWS = [((256, 0), False), ((100, 37), False), ((-1, 64), False), ((300, -1), True)]
+
+
+def _visible(n_q, n_k, window, causal, device):
+    import torch
+
+    from numba_flash.masking import window_spec
+
+    spec = window_spec(causal, window)
+    i = torch.arange(n_q, device=device)[:, None]
+    j = torch.arange(n_k, device=device)[None, :]
+    return spec.visible(i, j, n_q, n_k)
+
+
+def _attention64(q, k, v, seen, do=None, dtype=None):
+    """o (and with ``do``, the gradients) in float64 (``dtype``: a plain implementation's type)."""
+    import torch
+
+    dt = torch.float64 if dtype is None else dtype
+    q, k, v = (x.detach().to(dt).requires_grad_(do is not None) for x in (q, k, v))
+    g = q.shape[1] // k.shape[1]
+    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
+    s = (q @ kk.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    s = s.masked_fill(~seen, -math.inf)
+    p = torch.softmax(s.float() if dtype is not None else s, dim=-1).nan_to_num(0.0).to(dt)
+    o = p @ vv
+    if do is None:
+        return o
+    o.backward(do.to(dt))
+    return q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+@pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee"),
+                                              ("float32", "tf32x3")])
+@pytest.mark.parametrize("window, causal", WINDOWS)
+def test_forward_windows(algorithm, dtype, precision, window, causal):
+    torch = pytest.importorskip("torch")
+    import numba_flash
+
+    B, H, Hkv, Nq, Nk, D = 2, 4, 2, 1000, 1300, 64
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    dt = getattr(torch, dtype)
+    q = torch.randn(B, H, Nq, D, device="cuda", generator=gen).to(dt)
+    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", generator=gen).to(dt) for _ in range(2))
+    o, lse = numba_flash.attention(q, k, v, causal=causal, window_size=window, algorithm=algorithm, precision=precision,
+                                   return_lse=True)
+    seen = _visible(Nq, Nk, window, causal, "cuda")
+    ref = _attention64(q, k, v, seen)
+    err = float((o.double() - ref).abs().max())
+    if dtype == "float32":
+        assert err < 1e-5, err
+    else:
+        base = float((_attention64(q, k, v, seen, dtype=dt).double() - ref).abs().max())
+        assert err <= 2 * base + 1e-6, (err, base)
+    empty = ~seen.any(dim=1)
+    assert torch.isneginf(lse[:, :, empty]).all() and torch.isfinite(lse[:, :, ~empty]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_split_kv_and_decode_windows(dtype):
+    torch = pytest.importorskip("torch")
+    import numba_flash
+    from numba_flash import reference
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    dt = getattr(torch, dtype)
+    q = torch.randn(2, 8, 64, 128, device="cuda", generator=gen).to(dt)
+    k, v = (torch.randn(2, 2, 5000, 128, device="cuda", generator=gen).to(dt) for _ in range(2))
+    o = numba_flash.attention(q, k, v, window_size=(700, 0), num_splits=4)
+    ref = _attention64(q, k, v, _visible(64, 5000, (700, 0), False, "cuda"))
+    assert float((o.double() - ref).abs().max()) < (2e-3 if dtype == "float16" else 1e-5)
+    lengths = torch.tensor([5000, 1234], dtype=torch.int32, device="cuda")
+    qd = q[:, :, :3]
+    od = numba_flash.decode(qd, k, v, cache_seqlens=lengths, causal=True, window_size=(511, -1))
+    ref_o, _ = reference.decode(*(x.float().cpu().numpy() for x in (qd, k, v)), cache_seqlens=lengths.cpu().numpy(),
+                                causal=True, window_size=(511, -1))
+    assert float((od.double().cpu() - torch.as_tensor(ref_o)).abs().max()) < (2e-3 if dtype == "float16" else 1e-5)
+
+
+@pytest.mark.parametrize("variant", [("fa2", False), ("fa2", True), ("fa1", False)])
+@pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee")])
+@pytest.mark.parametrize("window, causal", WINDOWS[:2] + WINDOWS[3:])
+def test_backward_windows(variant, dtype, precision, window, causal):
+    torch = pytest.importorskip("torch")
+    import numba_flash
+    from numba_flash.backward import gradients
+
+    algorithm, deterministic = variant
+    B, H, Hkv, Nq, Nk, D = 1, 4, 2, 700, 900, 64
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    dt = getattr(torch, dtype)
+    q = torch.randn(B, H, Nq, D, device="cuda", generator=gen).to(dt)
+    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", generator=gen).to(dt) for _ in range(2))
+    o, lse = numba_flash.attention(q, k, v, causal=causal, window_size=window, return_lse=True, precision="ieee")
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(dt)
+    grads = gradients(do, q, k, v, o, lse, causal=causal, window_size=window, algorithm=algorithm,
+                      deterministic=deterministic, precision=precision)
+    refs = _attention64(q, k, v, _visible(Nq, Nk, window, causal, "cuda"), do=do)
+    tol = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+        assert got.dtype == dt and not torch.isnan(got).any(), name
+        err = float((got.double() - ref).abs().max() / ref.abs().max())
+        assert err < tol, (name, err)
+
+
+def test_torch_autograd_takes_the_window():
+    torch = pytest.importorskip("torch")
+    import numba_flash.torch as nft
+
+    gen = torch.Generator(device="cuda").manual_seed(9)
+    q, k, v = (torch.randn(1, 2, 300, 64, device="cuda", generator=gen).half().requires_grad_() for _ in range(3))
+    o = nft.attention(q, k, v, window_size=(64, 0))
+    o.float().sum().backward()
+    seen = _visible(300, 300, (64, 0), False, "cuda")
+    refs = _attention64(q, k, v, seen, do=torch.ones_like(o))
+    assert float((o.double() - _attention64(q, k, v, seen)).abs().max()) < 5e-3
+    for got, ref in zip((q.grad, k.grad, v.grad), refs):
+        assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2e-2
