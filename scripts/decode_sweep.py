@@ -136,7 +136,7 @@ class Candidate:
         o_hbm, state, kv_order = self.unread
         arrays = [device_array(x, "cupy") for x in (*packed, self.o_parts, self.lse_parts, o_hbm, state, state)]
         args = [*arrays, np.float32(scale * LOG2E), device_array(kv_order, "cupy"), device_array(seqlens, "cupy"),
-                np.int32(splits), np.int32(group)]
+                np.int32(splits), np.int32(group), np.float32(0.0)]
         device = cp.cuda.runtime.getDevice()
         self.main = prepare_launch(kernel, spec.grid(B, Hkv, rows, splits), (spec.threads,), args, spec.dynamic_smem, device)
         comb = [device_array(x, "cupy") for x in (self.o_parts, self.lse_parts, self.o.reshape(B, Hkv, rows, D),

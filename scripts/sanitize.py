@@ -5,6 +5,7 @@
     python scripts/sanitize.py --list                 # the cases, without running anything
     python scripts/sanitize.py --split-kv --precision ieee f16   # split-KV, combine, decode
     python scripts/sanitize.py --backward             # attention_backward: FA-1, FA-2, FA-2 deterministic (CUDA and tensor cores)
+    python scripts/sanitize.py --masks                # sliding windows and softcap: forward, split-KV, decode, backward
 
 The script re-invokes itself as a child process under ``compute-sanitizer --tool TOOL``; the
 child runs each case (``CASES``: a list of (name, callable)) on the GPU and synchronises after
@@ -60,11 +61,14 @@ CASE_FAILED = "SANITIZE-CASE-FAILED"
 # ------------------------------------------------------------------------------------------
 
 
-def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, variants=False, backward=False):
+def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, variants=False, backward=False,
+                masks=False):
     """[(name, callable)] for every kernel configuration and shape; ``xp``: the array module
     the callables use (CuPy on a GPU; NumPy runs them in the simulator, for tests).
     ``split_kv``: only the split-KV cases (FA-2 with ``num_splits=3``, its combine, and
-    ``decode`` on ragged caches), D 40 and 128."""
+    ``decode`` on ragged caches), D 40 and 128. ``masks``: :func:`_mask_cases`."""
+    if masks:
+        return _mask_cases(xp)
     if split_kv:
         return _split_kv_cases(precisions, xp)
     if variants:
@@ -95,6 +99,46 @@ def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, 
                                             precision=precision_arg)
                                 cases.append((name, _case(spec, xp)))
     return cases
+
+
+MASKS = (((5, 3), False, 0.0), ((4, -1), True, 0.0), ((-1, 6), False, 0.9), ((7, 0), False, 2.0))  # window, causal, cap
+
+
+def _mask_cases(xp):
+    """Sliding windows (narrower than a tile, one-sided, with causal) and softcap through every
+    kernel path: the forward in both loop orders on CUDA cores (float32), tensor cores (float16)
+    and tf32x3, FA-2 split in 3, ragged decode, and the backward (FA-1, FA-2, FA-2 deterministic;
+    float32 and float16 on tensor cores), D 40, on the awkward lengths."""
+    cases = []
+    for window, causal, cap in MASKS:
+        tag = f"w{window[0]}_{window[1]}{'-causal' if causal else ''}{f'-cap{cap}' if cap else ''}"
+        extra = dict(causal=causal, window_size=window, softcap=cap, head_dim=40)
+        for n_q, n_k in ((17, 33), (33, 17), (1, 33)):
+            for algorithm in ALGORITHMS:
+                for dtype, precision in (("float32", "ieee"), ("float16", None), ("float32", "tf32x3")):
+                    name = f"mask-{tag}-{algorithm}-{dtype}-{precision or 'tc'}-Nq{n_q}-Nk{n_k}"
+                    spec = dict(algorithm=algorithm, dtype=dtype, n_q=n_q, n_k=n_k, block_m=None, block_n=None,
+                                precision=precision, **extra)
+                    cases.append((name, _case(spec, xp)))
+            for dtype, precision in (("float32", "ieee"), ("float16", None)):
+                spec = dict(algorithm="fa2", dtype=dtype, n_q=n_q, n_k=n_k, block_m=None, block_n=None,
+                            precision=precision, num_splits=3, **extra)
+                cases.append((f"mask-{tag}-fa2-split3-{dtype}-Nq{n_q}-Nk{n_k}", _case(spec, xp)))
+            for algorithm, deterministic in (("fa1", False), ("fa2", False), ("fa2", True)):
+                for dtype in ("float32", "float16"):
+                    spec = dict(algorithm=algorithm, deterministic=deterministic, dtype=dtype, n_q=n_q, n_k=n_k,
+                                precision=None, **extra)
+                    label = algorithm + ("-deterministic" if deterministic else "")
+                    cases.append((f"mask-{tag}-backward-{label}-{dtype}-Nq{n_q}-Nk{n_k}", _backward_case(spec, xp)))
+        for dtype in ("float32", "float16"):
+            spec = dict(dtype=dtype, n_q=3, window_size=window, causal=causal, softcap=cap, head_dim=40)
+            cases.append((f"mask-{tag}-decode-{dtype}-Nq3-ragged", _decode_case(spec, xp)))
+    return cases
+
+
+def _mods(spec) -> dict:
+    """A case's mask and score modifications, as attention and the reference take them."""
+    return dict(causal=spec["causal"], window_size=spec.get("window_size", (-1, -1)), softcap=spec.get("softcap", 0.0))
 
 
 def _variant_cases(xp):
@@ -150,15 +194,15 @@ def _backward_case(spec, xp):
         shapes = ((BATCH, HEADS, spec["n_q"], spec["head_dim"]), (BATCH, KV_HEADS, spec["n_k"], spec["head_dim"]))
         host = [rng.standard_normal(s).astype(spec["dtype"]) for s in (shapes[0], shapes[1], shapes[1], shapes[0])]
         q, k, v, do = (arrays.asarray(x) for x in host)
-        o, lse = forward(q, k, v, causal=spec["causal"], precision="ieee")
-        kw = dict(causal=spec["causal"], algorithm=spec["algorithm"], deterministic=spec["deterministic"])
+        o, lse = forward(q, k, v, precision="ieee", **_mods(spec))
+        kw = dict(algorithm=spec["algorithm"], deterministic=spec["deterministic"], **_mods(spec))
         if spec["precision"] is None:  # the public function (tests patch it)
             grads = backward.attention_backward(do, q, k, v, o, lse, **kw)
         else:
             grads = backward.gradients(do, q, k, v, o, lse, precision=spec["precision"], **kw)
         if arrays is not np:
             arrays.cuda.Device().synchronize()
-        refs = reference.attention_backward(*(x.astype(np.float64) for x in (host[3], *host[:3])), causal=spec["causal"])
+        refs = reference.attention_backward(*(x.astype(np.float64) for x in (host[3], *host[:3])), **_mods(spec))
         for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
             got = (got.get() if hasattr(got, "get") else np.asarray(got)).astype(np.float64)
             if np.isnan(got).any():
@@ -205,13 +249,13 @@ def _decode_case(spec, xp):
         for x in host[1:]:
             x[1, :, 23:] = np.nan  # past the valid length: never read
         q, k, v = (arrays.asarray(x) for x in host)
-        o = numba_flash.decode(q, k, v, cache_seqlens=arrays.asarray(lens), causal=spec["causal"], num_splits=3)
+        o = numba_flash.decode(q, k, v, cache_seqlens=arrays.asarray(lens), num_splits=3, **_mods(spec))
         if arrays is not np:
             arrays.cuda.Device().synchronize()
         got = o.get() if hasattr(o, "get") else np.asarray(o)
         for b, n in enumerate(lens):
             ref, _ = reference.attention(*(x[b : b + 1, :, :n].astype(np.float64) if i else x[b : b + 1].astype(np.float64)
-                                           for i, x in enumerate(host)), causal=spec["causal"])
+                                           for i, x in enumerate(host)), **_mods(spec))
             err = float(np.abs(got[b : b + 1].astype(np.float64) - ref).max())
             if not err <= 0.05:
                 raise AssertionError(f"batch {b}: max |o - ref| = {err:.3g}")
@@ -233,13 +277,13 @@ def _case(spec, xp):
         q, k, v = (arrays.asarray(x) for x in host)
         out = arrays.full(q.shape, np.nan, dtype=spec["dtype"])
         lse = arrays.full(q.shape[:3], np.nan, dtype=np.float32)
-        forward(q, k, v, causal=spec["causal"], algorithm=spec["algorithm"], block_m=spec["block_m"],
+        forward(q, k, v, algorithm=spec["algorithm"], block_m=spec["block_m"],
                 block_n=spec["block_n"], precision=spec["precision"], out=out, lse_out=lse,
-                num_splits=spec.get("num_splits"), variant=spec.get("variant"))
+                num_splits=spec.get("num_splits"), variant=spec.get("variant"), **_mods(spec))
         if arrays is not np:
             arrays.cuda.Device().synchronize()
         got = out.get() if hasattr(out, "get") else np.asarray(out)
-        ref, _ = reference.attention(*(x.astype(np.float64) for x in host), causal=spec["causal"])
+        ref, _ = reference.attention(*(x.astype(np.float64) for x in host), **_mods(spec))
         if np.isnan(got).any():
             raise AssertionError("unwritten (NaN) output elements")
         err = float(np.abs(got.astype(np.float64) - ref).max())
@@ -249,12 +293,13 @@ def _case(spec, xp):
     return run
 
 
-def run_child(names, precisions, tiles, split_kv=False, variants=False, backward=False) -> int:
+def run_child(names, precisions, tiles, split_kv=False, variants=False, backward=False, masks=False) -> int:
     """Run the cases (all, or those named) in this process; report each failure on stdout."""
     failures = 0
     selected = set(names or ())
     started = time.perf_counter()
-    cases = [(n, c) for n, c in build_cases(precisions, tiles, split_kv=split_kv, variants=variants, backward=backward)
+    cases = [(n, c) for n, c in build_cases(precisions, tiles, split_kv=split_kv, variants=variants, backward=backward,
+                                            masks=masks)
              if not selected or n in selected]
     for i, (name, case) in enumerate(cases, 1):
         if i == 1 or i % 20 == 0 or i == len(cases):
@@ -370,6 +415,8 @@ def run_tool(sanitizer, tool, args) -> Report:
         cmd.append("--variants")
     if args.backward:
         cmd.append("--backward")
+    if args.masks:
+        cmd.append("--masks")
     for name in args.case or ():
         cmd += ["--case", name]
     print(f"$ {' '.join(cmd)}", flush=True)
@@ -404,6 +451,8 @@ def parse_args(argv=None):
                     help="the ablation variants instead (kernels.forward: every loop order, grid, rescale, warp partition, O load)")
     ap.add_argument("--backward", action="store_true",
                     help="the backward cases instead (attention_backward: FA-1, FA-2 with atomics, FA-2 deterministic)")
+    ap.add_argument("--masks", action="store_true",
+                    help="the mask cases instead (sliding windows and softcap: forward, split-KV, decode, backward)")
     ap.add_argument("--case", action="append", metavar="NAME", help="run only this case (repeatable; see --list)")
     ap.add_argument("--list", action="store_true", help="print the case names and exit (no GPU needed)")
     ap.add_argument("--compute-sanitizer", metavar="PATH", help="the compute-sanitizer binary (default: PATH, then /usr/local/cuda/bin)")
@@ -416,11 +465,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
         for name, _ in build_cases(args.precision, args.tiles, xp=False, split_kv=args.split_kv, variants=args.variants,
-                                   backward=args.backward):
+                                   backward=args.backward, masks=args.masks):
             print(name)
         return 0
     if args.child:
-        return run_child(args.case, args.precision, args.tiles, args.split_kv, args.variants, args.backward)
+        return run_child(args.case, args.precision, args.tiles, args.split_kv, args.variants, args.backward, args.masks)
     from numba_flash import needs
 
     sanitizer = find_sanitizer(args.compute_sanitizer)

@@ -22,7 +22,7 @@ from numba_flash.specs import kernel_spec
 @pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
 @pytest.mark.parametrize("regime, dtype", [("ieee", "float32"), ("ieee", "float16"), ("f16", "float16"), ("bf16", "bfloat16"), ("tf32x3", "float32")])
 def test_signature_has_one_type_per_kernel_parameter(algorithm, regime, dtype):
-    spec = kernel_spec(algorithm, 40, dtype, 16 if regime != "ieee" else 4, 16, causal=True, regime=regime)
+    spec = kernel_spec(algorithm, 40, dtype, 16 if regime != "ieee" else 4, 16, window=True, regime=regime)
     params = inspect.signature(spec.kernel.py_func).parameters
     assert len(spec.signature()) == len(params)
 

@@ -1,7 +1,8 @@
-"""Sliding windows on a real GPU (``pytest -m gpu``; skipped in the simulator): the forward in
-both loop orders and both regimes, split-KV, decode and the backward, at shapes whose windows
-hide whole K/V tiles on both sides of every Q tile, against float64 torch with the window mask
-(FlashAttention's 2x rule for 16-bit forwards, ``test_gpu_backward``'s bounds for gradients)."""
+"""Sliding windows and softcap on a real GPU (``pytest -m gpu``; skipped in the simulator): the
+forward in both loop orders and both regimes, split-KV, decode and the backward, at shapes whose
+windows hide whole K/V tiles on both sides of every Q tile, against float64 torch with the same
+mask and cap (FlashAttention's 2x rule for 16-bit forwards, ``test_gpu_backward``'s bounds for
+gradients)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def _visible(n_q, n_k, window, causal, device):
     return spec.visible(i, j, n_q, n_k)
 
 
-def _attention64(q, k, v, seen, do=None, dtype=None):
+def _attention64(q, k, v, seen, do=None, dtype=None, softcap=0.0):
     """o (and with ``do``, the gradients) in float64 (``dtype``: a plain implementation's type)."""
     import torch
 
@@ -34,6 +35,8 @@ def _attention64(q, k, v, seen, do=None, dtype=None):
     g = q.shape[1] // k.shape[1]
     kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
     s = (q @ kk.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if softcap:
+        s = softcap * torch.tanh(s / softcap)
     s = s.masked_fill(~seen, -math.inf)
     p = torch.softmax(s.float() if dtype is not None else s, dim=-1).nan_to_num(0.0).to(dt)
     o = p @ vv
@@ -130,3 +133,35 @@ def test_torch_autograd_takes_the_window():
     assert float((o.double() - _attention64(q, k, v, seen)).abs().max()) < 5e-3
     for got, ref in zip((q.grad, k.grad, v.grad), refs):
         assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2e-2
+
+
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+@pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee")])
+def test_softcap_forward_and_backward(algorithm, dtype, precision):
+    torch = pytest.importorskip("torch")
+    import numba_flash
+    from numba_flash.backward import gradients
+
+    B, H, Hkv, Nq, Nk, D, cap, window = 1, 4, 2, 800, 1000, 128, 5.0, (300, 0)
+    gen = torch.Generator(device="cuda").manual_seed(13)
+    dt = getattr(torch, dtype)
+    q = (3 * torch.randn(B, H, Nq, D, device="cuda", generator=gen)).to(dt)  # scores of several units: capped
+    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", generator=gen).to(dt) for _ in range(2))
+    o, lse = numba_flash.attention(q, k, v, softcap=cap, window_size=window, algorithm=algorithm, precision=precision,
+                                   return_lse=True)
+    seen = _visible(Nq, Nk, window, False, "cuda")
+    ref = _attention64(q, k, v, seen, softcap=cap)
+    err = float((o.double() - ref).abs().max())
+    if dtype == "float32":
+        assert err < 1e-5, err
+    else:
+        base = float((_attention64(q, k, v, seen, dtype=dt, softcap=cap).double() - ref).abs().max())
+        assert err <= 2 * base + 1e-6, (err, base)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(dt)
+    grads = gradients(do, q, k, v, o, lse, softcap=cap, window_size=window, algorithm=algorithm,
+                      precision=precision)
+    refs = _attention64(q, k, v, seen, do=do, softcap=cap)
+    tol = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
+    for name, got, want in zip(("dq", "dk", "dv"), grads, refs):
+        rel = float((got.double() - want).abs().max() / want.abs().max())
+        assert rel < tol, (name, rel)
