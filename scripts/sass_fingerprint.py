@@ -22,7 +22,7 @@ docs/performance-log.md names the commit that has each.)
 
 Families: ``forward`` (CUDA cores and tensor cores, FA-1 and FA-2, plain, ragged and split-output),
 ``decode`` (the key-warp ring), ``variants`` (ablation points), ``backward`` (CUDA cores and tensor
-cores), ``combine``. Needs ``pip install -e '.[occupancy]'`` and cuobjdump (the
+cores), ``combine``, ``masks`` (windows and softcap). Needs ``pip install -e '.[occupancy]'`` and cuobjdump (the
 ``nvidia-cuda-cuobjdump`` wheel, or ``CUOBJDUMP``, or on PATH).
 """
 
@@ -267,21 +267,21 @@ def backward_configs():
         for causal in (False, True):
             c = "causal" if causal else "full"
             block = tile_table.backward_block(d)
-            kv_sig = (f4,) * 5 + (f3, f3, f4, f4, f4, f)
+            kv_sig = (f4,) * 5 + (f3, f3, f4, f4, f4, f, f)  # ..., scale, softcap_log2
             yield f"bwd-ieee-fa2-d{d}-{c}", Raw(bwd.bwd_kernel("fa2", d, block, causal, True), kv_sig)
             yield f"bwd-ieee-fa2det-d{d}-{c}", Raw(bwd.bwd_kernel("fa2", d, block, causal, False), kv_sig)
             yield f"bwd-ieee-fa1-d{d}-{c}", Raw(bwd.bwd_kernel("fa1", d, block, causal, True), kv_sig)
-            yield f"bwd-ieee-dq-d{d}-{c}", Raw(bwd.bwd_dq_kernel(d, block, causal), (f4,) * 4 + (f3, f3, f4, f))
+            yield f"bwd-ieee-dq-d{d}-{c}", Raw(bwd.bwd_dq_kernel(d, block, causal), (f4,) * 4 + (f3, f3, f4, f, f))
             for kind in ("f16", "bf16", "tf32x3"):
                 x4 = u4 if kind in tc_bwd.HALF_KINDS else f4
-                kv = (x4,) * 5 + (f3, f3, f4, x4, x4, f)
+                kv = (x4,) * 5 + (f3, f3, f4, x4, x4, f, f)
                 bm, bn = tile_table.backward_tc_tiles(d, kind)
                 for order, dq in (("fa2", True), ("fa2", False), ("fa1", True)):
                     yield f"bwd-{kind}-{order}{'' if dq else 'det'}-d{d}-{c}", Raw(
                         tc_bwd.tc_bwd_kernel(order, kind, d, bm, bn, causal, dq), kv)
                 dm, dn = tc_bwd.dq_kernel_tiles(bm, bn, kind)
                 yield f"bwd-{kind}-dq-d{d}-{c}", Raw(tc_bwd.tc_bwd_dq_kernel(kind, d, dm, dn, causal),
-                                                     (x4,) * 4 + (f3, f3, f4, f))
+                                                     (x4,) * 4 + (f3, f3, f4, f, f))
 
 
 def combine_configs():
@@ -299,8 +299,23 @@ def combine_configs():
                 yield f"combine-s{splits}-d{d}-{bits or 'f32'}", Raw(kernel, sig)
 
 
+def mask_configs():
+    """The forward with a sliding window and with softcap (issue 24), beside the plain kernels of
+    ``forward``: what a mask or a cap adds to the SASS."""
+    from numba_flash.specs import kernel_spec
+    from numba_flash.tile_table import forward_tc_tiles as default_tc_tiles
+
+    for d in (64, 128):
+        for kind, dtype in (("f16", "float16"), ("tf32x3", "float32")):
+            bm, bn = default_tc_tiles(kind, d)
+            yield f"mask-tc-{kind}-fa2-d{d}-window", kernel_spec("fa2", d, dtype, bm, bn, (256, 0), regime=kind)
+            for window, label in (((-1, -1), "full"), ((-1, 0), "causal")):
+                yield f"mask-tc-{kind}-fa2-d{d}-{label}-softcap", kernel_spec("fa2", d, dtype, bm, bn, window,
+                                                                             regime=kind, softcap=True)
+
+
 FAMILIES = {"forward": forward_configs, "decode": decode_configs, "variants": variant_configs,
-            "backward": backward_configs, "combine": combine_configs}
+            "backward": backward_configs, "combine": combine_configs, "masks": mask_configs}
 
 
 def compile_spec(spec):

@@ -168,6 +168,8 @@ def bwd_ops(head_dim: int, block: int):
                 acc += do_s[at(r * QS + d)] * o_s[at(r * QS + d)]
             stats[base + B + r] = acc
 
+    _, soft_cap_with_slope = score_mods.soft_capper(False)  # float32 accuracy: the exact tanh
+
     def make_probs(key_rows, write_p):
         """P = exp2(S - L) and dS = P * (dP - D) of this thread's micro-tile, into shared memory
         (``p_s``, ``ds_s``: the layout's P~ form, row stride PS); L and D from ``stats[base:]``
@@ -202,7 +204,7 @@ def bwd_ops(head_dim: int, block: int):
                     x = s[i, j]
                     slope = float32(1.0)
                     if capped:  # the forward's soft cap (score_mods), and its slope for dS
-                        x, slope = score_mods.soft_cap_with_slope(x, cap)
+                        x, slope = soft_cap_with_slope(x, cap)
                     p = math.exp2(x - l2[stat])  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
                     ds = p * (dp[i, j] - dd[stat])  # FA-2 line 14 (Alg. 4 line 20)
                     if capped:

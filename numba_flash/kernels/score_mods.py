@@ -5,10 +5,13 @@ The kernels keep scores in log2 units (``scale * log2(e)``, so that exp is one e
 these functions: a natural-log cap ``c`` is ``c * log2(e)`` here (the host passes it so,
 ``softcap_log2``), and ``c tanh(s / c)`` is the same function in either unit.
 
-- :func:`soft_cap`: the forward's ``s -> c tanh(s / c)`` (Gemma 2's logit soft-capping);
-- :func:`soft_cap_with_slope`: the same and its derivative ``1 - tanh(s / c)^2``, by which the
-  backward multiplies dS (the gradient reaches the score before the cap through it);
-- :func:`tile_soft_capper`: the forward's routine over an engine's register tile.
+:func:`soft_capper` gives, for an engine, the forward's ``s -> c tanh(s / c)`` (Gemma 2's logit
+soft-capping) and the backward's pair (the same, and its derivative ``1 - tanh(s / c)^2``, by
+which dS is multiplied: the gradient reaches the score before the cap through it), and
+:func:`tile_soft_capper` the forward's routine over a register tile. The 16-bit tensor-core
+engines take ``tanh.approx.f32`` (one MUFU instruction, relative error about 2^-11, as
+FlashAttention's ``fast_tanh``: below the inputs' rounding); the float32 ones the exact
+``tanhf``. In the simulator both are ``math.tanh``.
 
 Each is compiled in only where the kernel's ``softcap`` flag (a compile-time constant) is set:
 a kernel without it has not one instruction more.
@@ -20,26 +23,63 @@ import functools
 import math
 
 from numba_flash._cuda import float32
+from numba_flash._world import simulated
 
 from numba_flash.kernels.jit import device_jit
 
 
 @device_jit
-def soft_cap(x, cap):
-    """``cap * tanh(x / cap)`` (``cap > 0``; a NaN stays NaN, +-inf goes to +-cap)."""
-    return cap * math.tanh(x / cap)
+def exact_tanh(x):
+    return math.tanh(x)
 
 
-@device_jit
-def soft_cap_with_slope(x, cap):
-    """(``soft_cap(x, cap)``, its derivative ``1 - tanh(x / cap)^2``)."""
-    t = math.tanh(x / cap)
-    return cap * t, float32(1.0) - t * t
+if simulated():
+    fast_tanh = exact_tanh
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    @intrinsic
+    def _tanh_approx(typingctx, x):
+        sig = types.float32(types.float32)
+
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            asm = ir.InlineAsm(ir.FunctionType(f32, [f32]), "tanh.approx.f32 $0, $1;", "=f,f")
+            return builder.call(asm, [args[0]])
+
+        return sig, codegen
+
+    @device_jit
+    def fast_tanh(x):
+        """``tanh.approx.f32`` (sm_75 and later)."""
+        return _tanh_approx(float32(x))
 
 
 @functools.lru_cache(maxsize=None)
-def tile_soft_capper(n_i: int, n_j: int):
-    """``cap_tile(s, cap)``: :func:`soft_cap` on each entry of an ``n_i x n_j`` register tile."""
+def soft_capper(fast: bool):
+    """``(soft_cap(x, cap), soft_cap_with_slope(x, cap))`` on :func:`fast_tanh` (``fast``) or
+    :func:`exact_tanh`: ``cap * tanh(x / cap)`` (``cap > 0``; NaN stays NaN, +-inf goes to
+    +-cap), and that with its derivative ``1 - tanh(x / cap)^2``."""
+    tanh = fast_tanh if fast else exact_tanh
+
+    @device_jit
+    def soft_cap(x, cap):
+        return cap * tanh(x / cap)
+
+    @device_jit
+    def soft_cap_with_slope(x, cap):
+        t = tanh(x / cap)
+        return cap * t, float32(1.0) - t * t
+
+    return soft_cap, soft_cap_with_slope
+
+
+@functools.lru_cache(maxsize=None)
+def tile_soft_capper(n_i: int, n_j: int, fast: bool = False):
+    """``cap_tile(s, cap)``: the soft cap on each entry of an ``n_i x n_j`` register tile."""
+    soft_cap, _ = soft_capper(fast)
 
     @device_jit
     def cap_tile(s, cap):

@@ -358,6 +358,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
         raise ValueError(f"order must be 'fa1' or 'fa2'; got {order!r}")
     lay = tc_bwd_layout(order, kind, head_dim, block_m, block_n)
     FA1, VECTOR_RED = order == "fa1", bool(vector_red)
+    _, soft_cap_with_slope = score_mods.soft_capper(kind in HALF_KINDS)  # 16-bit: tanh.approx
     D, BM, BN = head_dim, block_m, block_n
     # The forward's tile ops with the roles swapped: their "Q tile" rows are keys (one warp per
     # 16: warp_row0, thread_row), their "K/V tile" rows queries, so pv_tile(P^T, dO_i) is
@@ -449,7 +450,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
                 x = s[nt, e] * q_scale
                 slope = float32(1.0)
                 if capped:  # the forward's soft cap (score_mods), and its slope for dS
-                    x, slope = score_mods.soft_cap_with_slope(x, cap)
+                    x, slope = soft_cap_with_slope(x, cap)
                 p = math.exp2(x - stats[base + c])
                 ds = p * (dp[nt, e] - stats[base + BM + c])
                 if capped:
@@ -696,6 +697,8 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
     its products."""
     from types import ModuleType
 
+    _, soft_cap_with_slope = score_mods.soft_capper(kind in HALF_KINDS)  # 16-bit: tanh.approx
+
     lay = tc_bwd_layout("dq", kind, head_dim, block_m, block_n)
     D, BM, BN = head_dim, block_m, block_n
     ops = _tile_ops(kind, D, BM, BN)
@@ -755,7 +758,7 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
                 x = s[nt, e] * q_scale
                 slope = float32(1.0)
                 if capped:
-                    x, slope = score_mods.soft_cap_with_slope(x, cap)
+                    x, slope = soft_cap_with_slope(x, cap)
                 p = math.exp2(x - l2[e >> 1])
                 ds = p * (dp[nt, e] - dd[e >> 1])
                 if capped:

@@ -673,7 +673,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         return e >> 1
 
     mask_tile = mask.tile_masker(NS, 4, col_of, row_of)  # keys outside each row's visible ones -> -inf
-    cap_tile = score_mods.tile_soft_capper(NS, 4)
+    cap_tile = score_mods.tile_soft_capper(NS, 4, kind in ("f16", "bf16"))  # 16-bit: tanh.approx
 
     @device_jit
     def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap):
