@@ -15,10 +15,10 @@ For every entry (no mask, causal, sliding windows, tanh softcap), in one process
    time over (visible fraction of the causal mask's pairs x the causal time), which the issue
    wants at most 1.2 -- the cost follows the visible tiles; for the softcap entries, the time
    over the same mask's without the cap (the issue: at most 1.1);
-3. peers in the same run: PyTorch SDPA with ``is_causal`` (its default backend: cuDNN or flash) for
-   the causal entry, and with
-   a dense boolean mask (its memory-efficient kernel: the only SDPA path that takes one) for
-   every masked entry, so a mask's price in each library is on one line.
+3. peers in the same run: PyTorch SDPA with ``is_causal`` (its default backend: cuDNN or flash)
+   for the causal entry, and with a dense boolean mask (its memory-efficient kernel: the only
+   SDPA path that takes one) for every masked entry, so a mask's price in each library is on
+   one line.
 
 One line per measurement goes to stderr as it runs; the table is printed at the end (Markdown)
 and written with ``--json``. Needs a GPU, CuPy and torch.
