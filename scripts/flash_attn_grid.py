@@ -77,17 +77,14 @@ FA_SKIPS = {  # the pytest.skip()s at the top of each test (the <= 16 GiB GPU on
 _OUTPUT_EXCLUDED = [  # (axis, values, why); a case counts under the first that drops it
     ("d", (160, 192, 224, 256), "head dim > 128 (numba_flash takes 1..128 today; API.md 2e's 256 not built)"),
     ("dropout_p", (0.17,), "dropout (not in numba_flash)"),
-    ("softcap", (50.0,), "softcap (API.md 2c: only numba_flash.reference takes it yet)"),
-    ("alibi", (True,), "ALiBi (API.md 2c: only the reference yet)"),
-    ("local", (True,), "sliding window (API.md 2c: only the reference yet)")]
+    ("alibi", (True,), "ALiBi (API.md 2c: only the reference yet)")]
 EXCLUDED = {"forward": _OUTPUT_EXCLUDED, "backward": _OUTPUT_EXCLUDED, "kvcache": [
     ("d", (256,), "head dim > 128 (numba_flash takes 1..128 today)"),
     ("paged_kv_block_size", (256,), "paged KV cache (API.md 2e: block_table not built)"),
     ("has_leftpad", (True,), "cache_leftpad (not in numba_flash)"),
     ("rotary_fraction", (0.5, 1.0), "rotary embedding (not in numba_flash)"),
     ("new_kv", (True,), "k_new/v_new appended to the cache (API.md 2e: not built)"),
-    ("alibi", (True,), "ALiBi (API.md 2c: only the reference yet)"),
-    ("local", (True,), "sliding window (API.md 2c: only the reference yet)")]}
+    ("alibi", (True,), "ALiBi (API.md 2c: only the reference yet)")]}
 COLLAPSED = {  # axis -> why it changes nothing in what is left (run at its first value)
     "forward": {"deterministic": "the flag is the backward's (numba_flash's forward is deterministic)"},
     "backward": {},
@@ -118,12 +115,13 @@ class Case:
     def name(self) -> str:
         p = self.p
         extra = ("kvpacked" if p["kvpacked"] else "kv") if "kvpacked" in p else ""
-        return (f"{self.part} {p['dtype']} {p['mha_type']} {'causal' if p['causal'] else 'full'} d={p['d']} "
+        mods = ("local " if p.get("local") else "") + (f"softcap={p['softcap']:g} " if p.get("softcap") else "")
+        return (f"{self.part} {p['dtype']} {p['mha_type']} {'causal' if p['causal'] else 'full'} {mods}d={p['d']} "
                 f"{p['seqlens'][0]}x{p['seqlens'][1]} {extra} {self.variant}").replace("  ", " ")
 
     @property
     def inputs(self) -> tuple:  # what the inputs (and so the references) depend on
-        return (self.part,) + tuple(self.p[a] for a in ("dtype", "mha_type", "causal", "d", "seqlens"))
+        return (self.part,) + tuple(self.p.get(a) for a in ("dtype", "mha_type", "causal", "d", "seqlens", "local", "softcap"))
 
 
 def grid(part: str, dtypes=None, algorithms=("fa2", "fa1")):
@@ -251,17 +249,32 @@ class Arrays:
         return float(abs(diff).max()) / max(float(abs(ref).max()), 1e-300)
 
 
-def visible_keys(A: Arrays, batch, nq, nk, causal, lengths=None):
-    """(B, 1, Nq, Nk) bool: key j valid (j < cache_seqlens[b]) and, causal, j <= i + (len - Nq)."""
+def visible_keys(A: Arrays, batch, nq, nk, causal, lengths=None, window=(-1, -1)):
+    """(B, 1, Nq, Nk) bool: key j valid (j < cache_seqlens[b]) and seen by query i under the mask of
+    ``causal`` and ``window`` (``masking.window_spec``; bottom-right aligned to each length)."""
+    from numba_flash.masking import window_spec
+
     np = A.np
     n = np.full((batch, 1, 1, 1), nk) if lengths is None else np.asarray(lengths).reshape(batch, 1, 1, 1)
     i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
-    return A.asarray((j < n) & ((j <= i + n - nq) if causal else True))
+    return A.asarray((j < n) & window_spec(causal, window).visible(i, j + (nq - n), nq, nq))
 
 
-def materialised(A: Arrays, q, k, v, visible, dt, do=None):
+def fa_window(p, nk, seed):
+    """FlashAttention's window for a ``local`` case: ``torch.randint(0, seqlen_k, (2,))`` (drawn
+    here from the case's seed); ``(-1, -1)`` otherwise."""
+    if not p.get("local"):
+        return (-1, -1)
+    import numpy as np
+
+    return tuple(int(x) for x in np.random.default_rng(seed + 7).integers(0, nk, 2))
+
+
+def materialised(A: Arrays, q, k, v, visible, dt, do=None, softcap=0.0):
     """o (and dq, dk, dv for ``do``) with S and P materialised: every matrix rounded to ``dt``, products
-    accumulated in float32 -- or all in float64 when ``dt`` is float64 (the reference). Inputs (B, H, N, D)."""
+    accumulated in float32 -- or all in float64 when ``dt`` is float64 (the reference). Inputs (B, H, N, D).
+    ``softcap``: S -> softcap tanh(S / softcap) (rounded as FA's ``attention_ref`` does), and dS through
+    its slope."""
     acc = "float64" if dt == "float64" else "float32"
 
     def r(x):  # round to dt, carry on in acc
@@ -269,7 +282,11 @@ def materialised(A: Arrays, q, k, v, visible, dt, do=None):
 
     g, scale = q.shape[1] // k.shape[1], 1 / math.sqrt(q.shape[-1])
     q, k, v = A.cast(q, acc), A.cast(A.repeat(k, g), acc), A.cast(A.repeat(v, g), acc)
-    s = A.xp.where(visible, r((q @ k.swapaxes(-1, -2)) * scale), -math.inf)
+    s = r((q @ k.swapaxes(-1, -2)) * scale)
+    if softcap:
+        t = r(A.xp.tanh(r(s / softcap)))
+        s = r(t * softcap)
+    s = A.xp.where(visible, s, -math.inf)
     m = A.rowmax(s)
     p = r(A.xp.exp(s - A.xp.where(A.xp.isfinite(m), m, 0.0)))
     l = A.rowsum(p)
@@ -280,7 +297,10 @@ def materialised(A: Arrays, q, k, v, visible, dt, do=None):
     do = A.cast(do, acc)
     dv = r(A.fold(r(p.swapaxes(-1, -2) @ do), g))
     dp = r(do @ v.swapaxes(-1, -2))
-    ds = r(r(p * (dp - A.rowsum(dp * p))) * scale)  # softmax's backward, then the scale's
+    ds = r(p * (dp - A.rowsum(dp * p)))  # softmax's backward
+    if softcap:
+        ds = r(ds * (1 - t * t))  # the cap's
+    ds = r(ds * scale)  # and the scale's
     return {"dq": r(ds @ k), "dk": r(A.fold(r(ds.swapaxes(-1, -2) @ q), g)), "dv": dv}
 
 
@@ -305,17 +325,22 @@ def run_cases(cases, simulate, report=None):
         batch, heads, kvh, nq, nk, d = dims(c0, simulate)
         part, dt, causal, seed = c0.part, c0.p["dtype"], c0.p["causal"], zlib.crc32(repr(key).encode())
         q = A.randn((batch, nq, heads, d), dt, seed)
+        cap = c0.p.get("softcap") or 0.0
+        if cap:  # FA's test: "Ensure the values of qk are at least within softcap range"
+            q = A.cast(A.cast(q, "float32") * cap, dt)
+        window = fa_window(c0.p, nk, seed)
+        mods = {"window_size": window, "softcap": cap}
         k, v = A.randn((batch, nk, kvh, d), dt, seed + 1), A.randn((batch, nk, kvh, d), dt, seed + 2)
         kv = A.stack([k, v], 2)  # kvpacked: the same values in one (B, N, 2, Hkv, D) buffer
         layouts = {False: (A.bhnd(k), A.bhnd(v)), True: (A.bhnd(kv[:, :, 0]), A.bhnd(kv[:, :, 1]))}
         lens = None
         if part == "kvcache":
             lens = A.np.random.default_rng(seed).integers(1, nk + 1, batch).astype(A.np.int32)
-        visible = visible_keys(A, batch, nq, nk, causal, lens)
+        visible = visible_keys(A, batch, nq, nk, causal, lens, window)
         do = A.randn((batch, nq, heads, d), dt, seed + 3) if part == "backward" else None
         args = (A.bhnd(q), *layouts[False], visible)
-        ref = materialised(A, *args, "float64", None if do is None else A.bhnd(do))
-        plain = None if dt == "float32" else materialised(A, *args, dt, None if do is None else A.bhnd(do))
+        ref = materialised(A, *args, "float64", None if do is None else A.bhnd(do), cap)
+        plain = None if dt == "float32" else materialised(A, *args, dt, None if do is None else A.bhnd(do), cap)
         shared = (time.perf_counter() - t0) / len(group)
         fwd = {}
         for c in group:
@@ -323,16 +348,17 @@ def run_cases(cases, simulate, report=None):
             try:
                 kk, vv = layouts[c.p.get("kvpacked", False)]
                 if part == "forward":
-                    got = {"o": numba_flash.attention(A.bhnd(q), kk, vv, causal=causal, algorithm=c.variant)}
+                    got = {"o": numba_flash.attention(A.bhnd(q), kk, vv, causal=causal, algorithm=c.variant, **mods)}
                 elif part == "kvcache":
                     got = {"o": numba_flash.decode(A.bhnd(q), kk, vv, cache_seqlens=A.asarray(lens), causal=causal,
-                                                   num_splits=1 if c.variant == "splits=1" else None)}
+                                                   num_splits=1 if c.variant == "splits=1" else None, **mods)}
                 else:
                     layout = c.p["kvpacked"]
                     if layout not in fwd:
-                        fwd[layout] = numba_flash.attention(A.bhnd(q), kk, vv, causal=causal, return_lse=True)
+                        fwd[layout] = numba_flash.attention(A.bhnd(q), kk, vv, causal=causal, return_lse=True, **mods)
                     grads = numba_flash.attention_backward(A.bhnd(do), A.bhnd(q), kk, vv, *fwd[layout], causal=causal,
-                                                           algorithm=c.variant[:3], deterministic=c.variant == "fa2-det")
+                                                           algorithm=c.variant[:3], deterministic=c.variant == "fa2-det",
+                                                           **mods)
                     got = dict(zip(("dq", "dk", "dv"), grads))
                 if dt == "float32":
                     errors = {n: A.rel(x, ref[n], norm=part != "backward") for n, x in got.items()}
@@ -426,6 +452,10 @@ def parse_args(argv):
     ap.add_argument("--algorithms", nargs="+", choices=["fa2", "fa1"], default=["fa2", "fa1"],
                     help="numba_flash's loop orders for forward and backward (default: both)")
     ap.add_argument("--max-cases", type=positive, metavar="N", help="run the first N cases of each part")
+    ap.add_argument("--mods-only", action="store_true",
+                    help="only the cases with a sliding window (local) or softcap (what issue 24 added)")
+    ap.add_argument("--every", type=positive, metavar="K", default=1,
+                    help="run every K-th case of each part (after --mods-only; a sample spread over the grid)")
     ap.add_argument("--dry-run", action="store_true", help="print the cases and counts; run nothing")
     ap.add_argument("--simulate", action="store_true",
                     help=f"{SIM_CASES} cases per part, scaled down (lengths / 64 up to {SIM_MAX_LEN}, head dim / 4), in Numba's simulator")
@@ -438,6 +468,9 @@ def plan(args):
     cases, counts = [], {}
     for part in args.part:
         cs, counts[part] = grid(part, args.dtypes, args.algorithms)
+        if args.mods_only:
+            cs = [c for c in cs if c.p.get("local") or c.p.get("softcap")]
+        cs = cs[:: args.every]
         if args.simulate:
             cs = list(dict.fromkeys(cs[i * SIM_STRIDE % len(cs)] for i in range(1, SIM_CASES + 1)))
         cases += cs[: args.max_cases]
