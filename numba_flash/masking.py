@@ -170,8 +170,9 @@ def window_spec(causal=False, window_size=(-1, -1)) -> MaskSpec:
     """The mask of a public call's ``causal`` and ``window_size`` (API.md section 2c), checked:
     ``TypeError`` unless ``window_size`` is a pair of ints, ``ValueError`` for a side below -1,
     each naming ``window_size``."""
-    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(window_size) != 2:
-        raise TypeError(f"window_size must be a pair (left, right) of ints, got {window_size!r}")
+    ordered = isinstance(window_size, (tuple, list)) or (isinstance(window_size, np.ndarray) and window_size.ndim == 1)
+    if not ordered or len(window_size) != 2:
+        raise TypeError(f"window_size must be a pair (left, right) of ints (a tuple or list), got {window_size!r}")
     try:
         return mask_spec(causal, tuple(window_size))
     except (TypeError, ValueError) as err:

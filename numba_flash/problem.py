@@ -145,6 +145,15 @@ def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=No
     return Problem(
         kind=kind, batch=B, heads=H, kv_heads=Hkv, n_q=Nq, n_k=Nk, head_dim=D, dtype=dtypes[0], scale=float(scale),
         mask=window_spec(bool(causal), window_size), algorithm=algorithm, regime=regime(precision, dtypes[0]),
-        device_id=device_id_of(q, kind), softcap=softcap_value(softcap),
+        device_id=device_id_of(q, kind), softcap=_kernel_softcap(softcap),
     )
+
+
+def _kernel_softcap(softcap) -> float:
+    """``softcap`` checked (``checks.softcap_value``) and within what the kernels take: they get
+    ``softcap * log2(e)`` as a float32."""
+    value = softcap_value(softcap)
+    if not value * LOG2E < FLOAT32_MAX:
+        raise ValueError(f"softcap must be below {FLOAT32_MAX / LOG2E:.3g}; got {value}")
+    return value
 

@@ -22,8 +22,9 @@ The engine interface (every function device code; arguments an engine does not n
     ``[first_keys, last_keys]`` from ``row_key_bounds``, ``window`` the kernel's).
 ``row_max(s, out, scratch)``, ``exp_scores(s, m_ref, p_s, row_sums)``
     rowmax(S); P~ = exp2(S - m) and this thread's part of rowsum(P~).
-``pv_tile(s, p_s, v_s, acc, col0, last_keys, masked, scratch)``
-    O~ += P~ V_j.
+``pv_tile(s, p_s, v_s, acc, col0, first_keys, last_keys, masked, window, scratch)``
+    O~ += P~ V_j (FFMA: in masked tiles a key a row does not see is skipped, so a NaN in its V
+    row cannot reach the row; mma: its P~ is 0).
 ``rescale_row(acc, i, alpha)``, ``zero(acc)``, ``allreduce_sum(x, scratch)``
     the row algebra on the accumulators (``softmax.row_update`` takes ``rescale_row``).
 ``thread_row(i)``, ``first_of_row()``, ``out_col(c)``, ``acc_row(i, c)``, ``acc_col(i, c)``
@@ -100,8 +101,8 @@ def ffma_engine(head_dim: int, block_m: int, block_n: int, groups: int = 1,
             ops.mask_scores(s, col0, first_keys, last_keys, window)
 
     @device_jit
-    def pv_tile(s, p_s, v_s, acc, col0, last_keys, masked, scratch):
-        ops.pv_tile(p_s, v_s, acc, col0, last_keys, masked)
+    def pv_tile(s, p_s, v_s, acc, col0, first_keys, last_keys, masked, window, scratch):
+        ops.pv_tile(p_s, v_s, acc, col0, first_keys, last_keys, masked, window)
 
     @device_jit
     def first_of_row():
@@ -170,7 +171,7 @@ def mma_engine(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=No
         ops.exp_scores(s, m_ref, row_sums)  # P~ in place, in registers
 
     @device_jit
-    def pv_tile(s, p_s, v_s, acc, col0, last_keys, masked, scratch):
+    def pv_tile(s, p_s, v_s, acc, col0, first_keys, last_keys, masked, window, scratch):
         ops.pv_tile(s, v_s, acc, scratch)  # (a hidden key's P~ is exp2(-inf) = 0 exactly)
 
     @device_jit

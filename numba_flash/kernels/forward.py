@@ -346,7 +346,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                     v_op = smem[pipe.v_offset(step) : pipe.v_offset(step) + OPERAND_ELEMS]
                 else:
                     v_op = pipe.v_operand(smem, v_s, v_split, step)
-                E.pv_tile(s, p_s, v_op, acc, colg, last_keys, masked, mscratch)  # + P~ V_j
+                E.pv_tile(s, p_s, v_op, acc, colg, first_keys, last_keys, masked, WINDOW, mscratch)  # + P~ V_j
                 for i in range(TM):
                     l_new = l_run[i] + row_sums[i]
                     E.rescale_row(acc, i, E.reciprocal_or_zero(l_new))  # diag(l_new)^-1
@@ -359,7 +359,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                     v_op = smem[pipe.v_offset(step) : pipe.v_offset(step) + OPERAND_ELEMS]
                 else:
                     v_op = pipe.v_operand(smem, v_s, v_split, step)
-                E.pv_tile(s, p_s, v_op, acc, colg, last_keys, masked, mscratch)  # Line 10: O~ += P~ V_j
+                E.pv_tile(s, p_s, v_op, acc, colg, first_keys, last_keys, masked, WINDOW, mscratch)  # Line 10: O~ += P~ V_j
         pipe.finish()  # no copy outlives the walk
 
         if not EVERY_STEP:
@@ -471,7 +471,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                     v_op = smem[pipe.v_offset(0) : pipe.v_offset(0) + OPERAND_ELEMS]
                 else:
                     v_op = pipe.v_operand(smem, v_s, v_split, 0)
-                E.pv_tile(s, p_s, v_op, acc, colg, last_keys, masked, mscratch)  # acc = P~_ij V_j
+                E.pv_tile(s, p_s, v_op, acc, colg, first_keys, last_keys, masked, WINDOW, mscratch)  # acc = P~_ij V_j
                 if SPLIT_K:  # the groups' (m~, l~, P~V) over their keys, merged: the whole tile's
                     merge_groups(tile_max, row_sums, acc, merge_s)
                 for i in range(TM):

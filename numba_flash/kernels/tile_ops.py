@@ -264,7 +264,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         (block_n x D, row stride ``v_stride``: DP for the forward's V_j, QS for a padded tile)."""
 
         @device_jit
-        def pv(p_s, v_s, acc, col0, last_keys):
+        def pv(p_s, v_s, acc, col0, first_keys, last_keys, window):
             tx = thread_col()
             pf = cuda.local.array((TM, CK), float32)
             vf = cuda.local.array(VEC, float32)
@@ -278,9 +278,9 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
                         for u in range(VEC):
                             vf[u] = v_s[at(base + u)]
                         for i in range(TM):
-                            # A key past row i's last visible key (past Nk: the tile's zero fill,
-                            # or the causal edge) contributes nothing, not even 0 * NaN.
-                            if not guarded or not mask.past_last_key(col0 + c0 + e, last_keys[i]):
+                            # A key row i does not see (past Nk: the tile's zero fill, or outside
+                            # its window) contributes nothing, not even 0 * NaN.
+                            if not guarded or not mask.key_hidden(col0 + c0 + e, first_keys[i], last_keys[i], window):
                                 for u in range(VEC):
                                     acc[i, VEC * g + u] += pf[i, e] * vf[u]
 
@@ -290,17 +290,17 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
     pv_visible_keys = make_pv_tile(True)
 
     @device_jit
-    def pv_tile(p_s, v_s, acc, col0, last_keys, masked):
+    def pv_tile(p_s, v_s, acc, col0, first_keys, last_keys, masked, window):
         """O~ += P~ V_j for this thread's rows and output columns (acc: TM x 4*DG).
 
         ``masked`` (block-uniform, from :func:`tile_needs_mask`): skip, row by row, the keys
-        past its last visible key; unmasked tiles run the loop without that test. (Keys before a
-        window's left edge are not skipped: their P~ is exactly 0.)
+        it does not see (``[first_keys[i], last_keys[i]]``, ``mask.key_hidden``); unmasked tiles run
+        the loop without that test.
         """
         if masked:
-            pv_visible_keys(p_s, v_s, acc, col0, last_keys)
+            pv_visible_keys(p_s, v_s, acc, col0, first_keys, last_keys, window)
         else:
-            pv_all_keys(p_s, v_s, acc, col0, last_keys)
+            pv_all_keys(p_s, v_s, acc, col0, first_keys, last_keys, window)
 
     pv_padded = make_pv_tile(False, QS)
 
@@ -311,7 +311,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         block_n x D in ``b_s`` (row stride QS, as :func:`load_rows` writes). The P~V product of
         the forward with a padded B; no key is skipped (the caller zeroes A where masked)."""
         no_keys = cuda.local.array(TM, int32)  # (read only by the masked P~V)
-        pv_padded(a_s, b_s, acc, 0, no_keys)
+        pv_padded(a_s, b_s, acc, 0, no_keys, no_keys, mask.NO_MASK)
 
     @device_jit
     def block_row(i):

@@ -69,8 +69,9 @@ def test_tensor_cores_match_the_reference(algorithm, precision, dtype, n_q, n_k,
 
 @pytest.mark.parametrize("precision, dtype", [("ieee", "float32"), (None, "float16")], ids=["cuda-cores", "tensor-cores"])
 def test_split_kv_partials_merge_to_the_window(precision, dtype, xp, rng):
-    """num_splits=3 over a window that hides the first and last K/V tiles of every Q tile: some
-    splits walk nothing and write the merge's identity."""
+    """num_splits=3 over a window that hides the first K/V tiles from the late Q tiles (and the
+    last ones from the early Q tiles): each split walks its share of a range that starts past
+    tile 0, and a split whose share is empty writes the merge's identity."""
     q, k, v = random_qkv(rng, 1, 2, 2, 20, 70, 8, dtype, xp)
     o, lse = run_poisoned(xp, q, k, v, window_size=(12, 4), num_splits=3, precision=precision,
                           block_m=16 if precision is None else 4, block_n=16 if precision is None else 8)
@@ -121,6 +122,20 @@ def test_backward_matches_the_reference(precision, dtype, algorithm, determinist
         assert gradient_error(got, ref, refs) < bound, name
 
 
+@pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
+def test_window_hides_nan_values_of_keys_outside_it(algorithm, xp, rng):
+    """On CUDA cores a key outside a row's window contributes nothing, not even 0 * NaN: a NaN in
+    key 0's V reaches only the rows that see key 0 (window (1, -1): rows 0 and 1)."""
+    q, k, v = (to_numpy(x).copy() for x in random_qkv(rng, 1, 1, 1, 8, 8, 4, "float32", np))
+    v[0, 0, 0, 1] = np.nan
+    q, k, v = (xp.asarray(x) for x in (q, k, v))
+    o, _ = run_poisoned(xp, q, k, v, window_size=(1, -1), algorithm=algorithm, block_m=8, block_n=8)
+    o = to_numpy(o)
+    assert np.isnan(o[0, 0, :2, 1]).all() and np.isfinite(o[0, 0, 2:]).all()
+    ref_o, _ = reference.attention(to_numpy(q)[:, :, 2:], to_numpy(k), to_numpy(v), window_size=(1, 7))
+    assert np.allclose(o[0, 0, 2:], ref_o[0, 0], atol=1e-5)  # rows 2.. (their window, realigned)
+
+
 def test_window_size_errors_name_the_argument(rng):
     q, k, v = random_qkv(rng, 1, 1, 1, 4, 4, 8, "float32")
     with pytest.raises(TypeError, match="window_size"):
@@ -129,6 +144,8 @@ def test_window_size_errors_name_the_argument(rng):
         numba_flash.attention(q, k, v, window_size=(-2, 0))
     with pytest.raises(ValueError, match="window_size"):
         numba_flash.decode(q, k, v, window_size=(0, -5))
+    with pytest.raises(TypeError, match="window_size"):  # a set has no order: not a pair
+        numba_flash.attention(q, k, v, window_size={5, 0})
 
 
 def test_causal_is_the_window_minus_one_zero(xp, rng):
