@@ -86,7 +86,7 @@ def attention(
     ``window_size=(left, right)`` (FlashAttention's sliding window, API.md section 2c): query
     ``i`` sees key ``j`` iff ``i + (Nk - Nq) - left <= j <= i + (Nk - Nq) + right``; ``-1``
     leaves that side unbounded; with ``causal=True`` the intersection (``right`` at most 0).
-    K/V tiles outside every row's window of a Q tile are never loaded. ``softcap > 0``: each
+    FA-2 never loads the K/V tiles outside every row's window of a Q tile. ``softcap > 0``: each
     scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` before the mask (Gemma 2's logit
     soft-capping); 0: off.
 

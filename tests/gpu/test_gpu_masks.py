@@ -73,6 +73,28 @@ def test_forward_windows(algorithm, dtype, precision, window, causal):
     assert torch.isneginf(lse[:, :, empty]).all() and torch.isfinite(lse[:, :, ~empty]).all()
 
 
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+@pytest.mark.parametrize("dtype, precision", [("float16", None), ("float32", "ieee")])
+def test_rows_that_see_no_key(algorithm, dtype, precision):
+    """Nq > Nk with causal and a window: the first Nq - Nk rows see no key (o = 0, lse = -inf)."""
+    torch = pytest.importorskip("torch")
+    import numba_flash
+
+    Nq, Nk, window = 1300, 1000, (7, 0)
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    dt = getattr(torch, dtype)
+    q = torch.randn(1, 4, Nq, 64, device="cuda", generator=gen).to(dt)
+    k, v = (torch.randn(1, 2, Nk, 64, device="cuda", generator=gen).to(dt) for _ in range(2))
+    o, lse = numba_flash.attention(q, k, v, causal=True, window_size=window, algorithm=algorithm, precision=precision,
+                                   return_lse=True)
+    seen = _visible(Nq, Nk, window, True, "cuda")
+    empty = ~seen.any(dim=1)
+    assert int(empty.sum()) == Nq - Nk
+    assert (o[:, :, empty] == 0).all() and torch.isneginf(lse[:, :, empty]).all()
+    ref = _attention64(q, k, v, seen)
+    assert float((o.double() - ref).abs().max()) < (5e-3 if dtype == "float16" else 1e-5)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_split_kv_and_decode_windows(dtype):
     torch = pytest.importorskip("torch")

@@ -45,9 +45,9 @@ def test_a_huge_cap_is_no_cap_and_a_tiny_one_averages(xp, rng):
     assert np.allclose(to_numpy(tiny), to_numpy(v).mean(axis=2, keepdims=True), atol=1e-5)
 
 
-@pytest.mark.parametrize("precision, dtype, algorithm, deterministic", [
-    ("ieee", "float32", "fa2", False), ("ieee", "float32", "fa2", True), ("ieee", "float32", "fa1", False),
-    (None, "float16", "fa2", False), (None, "float16", "fa2", True), (None, "float16", "fa1", False),
+@pytest.mark.parametrize("precision, dtype, algorithm, deterministic", [  # each engine's dK/dV and dQ walks
+    ("ieee", "float32", "fa2", True), ("ieee", "float32", "fa1", False),
+    (None, "float16", "fa2", False), (None, "float16", "fa2", True),
 ])
 def test_backward_matches_the_reference(precision, dtype, algorithm, deterministic, rng):
     do, q, k, v, _, _ = backward_problem(rng, 1, 2, 1, 19, 23, 16, dtype, False, scale=2.0)
