@@ -34,7 +34,9 @@ relative norm of o, largest gradient error over the largest reference gradient).
 
 On a GPU (needs CuPy and torch, for bfloat16) ``--jobs`` processes share the GPU, each taking all
 cases of one (part, dtype, head dim, causal), so that each kernel configuration compiles in one
-process. Progress goes to stderr, a summary to stdout; exit status 1 when a case fails.
+process; each reports every case as it finishes. Progress goes to stderr, one line a case, a
+summary to stdout; exit status 1 when a case fails. A run stopped by SIGTERM (``timeout``) still
+prints the summary of the cases it reached and writes them to ``--json`` (``"finished": false``).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ import itertools
 import json
 import math
 import os
+import signal
 import sys
 import time
 import zlib
@@ -391,9 +394,11 @@ def case_row(c: Case) -> dict:
             **{a: list(x) if isinstance(x, tuple) else x for a, x in c.p.items()}}
 
 
-def run_all(cases, simulate, jobs, out=sys.stderr):
+def run_all(cases, simulate, jobs, out=sys.stderr, rows=None):
+    """Every case's row (appended to ``rows`` as it arrives: a caller interrupted keeps them)."""
     weight = {c.name: SECONDS_PER_CALL + reference_seconds(c, simulate) for c in cases}  # relative cost
-    total, state, start, rows = sum(weight.values()), {"done": 0.0, "n": 0}, time.perf_counter(), []
+    rows = [] if rows is None else rows
+    total, state, start = sum(weight.values()), {"done": 0.0, "n": 0}, time.perf_counter()
 
     def report(row):
         state["done"] += weight[row["case"]]
@@ -410,18 +415,40 @@ def run_all(cases, simulate, jobs, out=sys.stderr):
         return rows
     import concurrent.futures as cf
     import multiprocessing
+    import queue as queues
 
-    with cf.ProcessPoolExecutor(jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
-        futures = {pool.submit(run_cases, cs, simulate): cs for cs in chunks(cases)}
-        for fut in cf.as_completed(futures):
+    # Each worker takes whole chunks (a kernel configuration compiles in one process) but reports
+    # every case as it finishes, through a queue: progress from the first case, and a run cut
+    # short keeps every row it reached (main writes them).
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Manager() as manager, cf.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
+        done_rows = manager.Queue()
+        futures = {pool.submit(_run_chunk, cs, simulate, done_rows): cs for cs in chunks(cases)}
+        reported = set()
+        pending = set(futures)
+        while pending or not done_rows.empty():
             try:
-                done = fut.result()
-            except Exception as exc:  # a worker that died: its chunk fails
-                done = [dict(case_row(c), errors=None, plain=None, allowed=None, ratio=math.inf, passed=False,
-                             error=f"worker: {type(exc).__name__}: {exc}"[:300], seconds=0.0) for c in futures[fut]]
-            for row in done:
+                row = done_rows.get(timeout=0.5)
+            except queues.Empty:
+                row = None
+            if row is not None:
+                reported.add(row["case"])
                 report(row)
+            for fut in [f for f in pending if f.done()]:
+                pending.discard(fut)
+                if fut.exception() is not None:  # a worker that died: its unreported cases fail
+                    exc = fut.exception()
+                    for c in futures[fut]:
+                        if c.name not in reported:
+                            reported.add(c.name)
+                            report(dict(case_row(c), errors=None, plain=None, allowed=None, ratio=math.inf, passed=False,
+                                        error=f"worker: {type(exc).__name__}: {exc}"[:300], seconds=0.0))
     return rows
+
+
+def _run_chunk(cases, simulate, done_rows) -> None:
+    """A worker's chunk, each row put on ``done_rows`` as soon as it is known."""
+    run_cases(cases, simulate, done_rows.put)
 
 
 def summary(rows) -> str:
@@ -500,14 +527,23 @@ def main(argv=None) -> int:
     if args.simulate and any(c.p["dtype"] == "bfloat16" for c in cases):
         needs.exit_unless("flash_attn_grid.py --simulate", needs.module("ml_dtypes"))
     start = time.perf_counter()
-    rows = run_all(cases, args.simulate, jobs)
-    print(summary(rows))
-    print(f"wall {time.perf_counter() - start:.1f} s, {jobs} job(s)", file=sys.stderr)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"source": f"{FA_REPO} {FA_FILE} @ {FA_COMMIT}", "simulated": args.simulate, "counts": counts,
-                       "rows": rows}, f, indent=1, default=str)
+    rows, finished = [], False
+    signal.signal(signal.SIGTERM, _terminated)  # (timeout's signal: write what was reached, then exit)
+    try:
+        rows = run_all(cases, args.simulate, jobs, rows=rows)
+        finished = True
+    finally:
+        print(summary(rows) + ("" if finished else f"\nINTERRUPTED after {len(rows)} of {len(cases)} cases"))
+        print(f"wall {time.perf_counter() - start:.1f} s, {jobs} job(s)", file=sys.stderr)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"source": f"{FA_REPO} {FA_FILE} @ {FA_COMMIT}", "simulated": args.simulate, "counts": counts,
+                           "finished": finished, "rows": rows}, f, indent=1, default=str)
     return 0 if all(r["passed"] for r in rows) else 1
+
+
+def _terminated(signum, frame):
+    raise SystemExit(f"flash_attn_grid.py: terminated (signal {signum})")
 
 
 if __name__ == "__main__":

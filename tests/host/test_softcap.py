@@ -17,12 +17,15 @@ import numba_flash
 from numba_flash import reference
 from numba_flash.backward import gradients
 
-FORWARD = [("ieee", "float32", 1e-5), (None, "float16", 2e-3), ("tf32x3", "float32", 1e-5)]
+FORWARD = [  # (precision, dtype, tol, softcap, window): every engine, a cap alone and with a window
+    ("ieee", "float32", 1e-5, 0.8, (-1, -1)), ("ieee", "float32", 1e-5, 3.0, (6, 2)),
+    (None, "float16", 2e-3, 0.8, (-1, -1)), (None, "float16", 2e-3, 3.0, (6, 2)),
+    ("tf32x3", "float32", 1e-5, 3.0, (6, 2)),
+]
 
 
 @pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
-@pytest.mark.parametrize("precision, dtype, tol", FORWARD, ids=["cuda-cores", "f16", "tf32x3"])
-@pytest.mark.parametrize("softcap, window", [(0.8, (-1, -1)), (3.0, (6, 2))], ids=["cap", "cap-and-window"])
+@pytest.mark.parametrize("precision, dtype, tol, softcap, window", FORWARD)
 def test_forward_matches_the_reference(algorithm, precision, dtype, tol, softcap, window, xp, rng):
     # scores of a few units: the cap bends them (tanh(s / 0.8) is far from s / 0.8 there)
     q, k, v = random_qkv(rng, 1, 2, 1, 21, 27, 16, dtype, xp, scale=2.0)

@@ -94,12 +94,10 @@ def test_decode_window_over_ragged_caches(dtype, xp, rng):
     assert np.allclose(to_numpy(lse)[finite], ref_lse[finite], atol=1e-4)
 
 
-BACKWARD_CASES = [
+BACKWARD_CASES = [  # each engine's dK/dV walk (both orders) and dQ walk
     # (regime precision, dtype, algorithm, deterministic, n_q, n_k, window, causal)
-    ("ieee", "float32", "fa2", False, 19, 26, (6, 2), False),
     ("ieee", "float32", "fa2", True, 26, 19, (4, -1), True),
     ("ieee", "float32", "fa1", False, 17, 17, (-1, 3), False),
-    (None, "float16", "fa2", False, 37, 29, (5, 3), False),
     (None, "float16", "fa2", True, 29, 45, (20, 0), False),
     (None, "float16", "fa1", False, 40, 19, (7, 0), True),
 ]
