@@ -528,11 +528,12 @@ def main(argv=None) -> int:
         needs.exit_unless("flash_attn_grid.py --simulate", needs.module("ml_dtypes"))
     start = time.perf_counter()
     rows, finished = [], False
-    signal.signal(signal.SIGTERM, _terminated)  # (timeout's signal: write what was reached, then exit)
+    previous = signal.signal(signal.SIGTERM, _terminated)  # (timeout's signal: write what was reached, then exit)
     try:
         rows = run_all(cases, args.simulate, jobs, rows=rows)
         finished = True
     finally:
+        signal.signal(signal.SIGTERM, previous)
         print(summary(rows) + ("" if finished else f"\nINTERRUPTED after {len(rows)} of {len(cases)} cases"))
         print(f"wall {time.perf_counter() - start:.1f} s, {jobs} job(s)", file=sys.stderr)
         if args.json:

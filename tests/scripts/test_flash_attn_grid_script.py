@@ -122,10 +122,26 @@ def test_references_are_numba_flash_reference_and_the_plain_baseline(grid):
 def test_a_failing_case_exits_1(grid, monkeypatch, capsys):
     row = dict(part="forward", case="forward x", variant="fa2", dtype="float16", errors={"o": 3e-3},
                plain={"o": 1e-3}, allowed={"o": 2e-3}, ratio=1.5, passed=False, error=None, seconds=0.1)
-    monkeypatch.setattr(grid, "run_all", lambda cases, simulate, jobs: [row, dict(row, case="forward y", passed=True)])
+    monkeypatch.setattr(grid, "run_all", lambda cases, simulate, jobs, rows=None: [row, dict(row, case="forward y", passed=True)])
     assert grid.main(["--simulate", "--part", "forward", "--max-cases", "1"]) == 1
     out = capsys.readouterr().out
     assert "FAILED forward x" in out and "1 of 2 cases passed, 1 FAILED" in out
+
+
+def test_a_run_stopped_by_sigterm_keeps_what_it_reached(grid, monkeypatch, capsys, tmp_path):
+    row = dict(part="forward", case="forward x", variant="fa2", dtype="float16", errors={"o": 1e-3},
+               plain={"o": 1e-3}, allowed={"o": 2e-3}, ratio=0.5, passed=True, error=None, seconds=0.1)
+
+    def stopped(cases, simulate, jobs, rows=None):
+        rows.append(row)  # one case reached, then timeout's SIGTERM
+        grid._terminated(15, None)
+
+    monkeypatch.setattr(grid, "run_all", stopped)
+    with pytest.raises(SystemExit, match="terminated"):
+        grid.main(["--simulate", "--part", "forward", "--max-cases", "3", "--json", str(tmp_path / "g.json")])
+    written = json.loads((tmp_path / "g.json").read_text())
+    assert written["finished"] is False and [r["case"] for r in written["rows"]] == ["forward x"]
+    assert "INTERRUPTED after 1 of 3 cases" in capsys.readouterr().out
 
 
 def test_simulate_end_to_end(tmp_path):
