@@ -497,6 +497,7 @@ def decode(
     causal: bool = False,
     scale: float | None = None,
     window_size=(-1, -1),
+    softcap: float = 0.0,
 ):
     """Attention of a few queries per sequence to a KV cache (API.md 2b, 2e), ``(o, lse)``.
 
@@ -527,7 +528,7 @@ def decode(
         before attending. The kernel writes them into the cache in place (the caller then
         advances ``cache_seqlens``); this oracle computes on a copy and modifies none of its
         inputs.
-    causal, scale, window_size :
+    causal, scale, window_size, softcap :
         As in :func:`attention` (``scale`` defaults to ``1 / sqrt(D)``; the window bottom-right
         aligned to each sequence's keys, as ``causal``).
 
@@ -611,7 +612,7 @@ def decode(
             keys = np.concatenate([keys, k_new[b]], axis=1)
             values = np.concatenate([values, v_new[b]], axis=1)
         o[b], lse[b] = (x[0] for x in attention(q[b : b + 1], keys[None], values[None], causal, scale,
-                                                window_size=window_size))
+                                                window_size=window_size, softcap=softcap))
     return o, lse
 
 

@@ -66,6 +66,22 @@ def test_backward_matches_the_reference(precision, dtype, algorithm, determinist
         assert gradient_error(got, ref, refs) < bound, name
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decode_caps_the_scores(dtype, xp, rng):
+    """Decode (packed GQA rows, ragged lengths, split in two) with a cap and a window."""
+    q, k, v = random_qkv(rng, 2, 4, 2, 2, 40, 16, dtype, xp, scale=2.0)
+    lengths = np.array([40, 17], np.int32)
+    o, lse = numba_flash.decode(q, k, v, cache_seqlens=xp.asarray(lengths), softcap=0.9, window_size=(12, -1),
+                                num_splits=2, return_lse=True)
+    ref_o, ref_lse = reference.decode(*(to_numpy(x) for x in (q, k, v)), cache_seqlens=lengths, softcap=0.9,
+                                      window_size=(12, -1))
+    plain_o, _ = reference.decode(*(to_numpy(x) for x in (q, k, v)), cache_seqlens=lengths, window_size=(12, -1))
+    tol = 2e-3 if dtype == "float16" else 1e-5
+    assert np.abs(plain_o - ref_o).max() > 50 * tol  # the cap matters here
+    assert np.abs(to_numpy(o).astype(np.float64) - ref_o).max() < tol
+    assert np.abs(to_numpy(lse) - ref_lse).max() < 10 * tol
+
+
 def test_softcap_errors_name_the_argument(rng):
     q, k, v = random_qkv(rng, 1, 1, 1, 4, 4, 8, "float32")
     with pytest.raises(TypeError, match="softcap"):
@@ -74,3 +90,5 @@ def test_softcap_errors_name_the_argument(rng):
         numba_flash.attention(q, k, v, softcap=-1.0)
     with pytest.raises(ValueError, match="softcap"):
         numba_flash.decode(q, k, v, softcap=float("inf"))
+    with pytest.raises(ValueError, match="softcap"):  # softcap * log2(e) past float32: the kernels' unit
+        numba_flash.attention(q, k, v, softcap=3e38)
