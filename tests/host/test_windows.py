@@ -50,12 +50,12 @@ def test_cuda_cores_match_the_reference(algorithm, n_q, n_k, left, right, causal
 
 
 @pytest.mark.parametrize("algorithm", ["fa1", "fa2"])
-@pytest.mark.parametrize("precision, dtype", [(None, "float16"), ("tf32x3", "float32")], ids=["f16", "tf32x3"])
-@pytest.mark.parametrize("n_q, n_k, window, causal", [
-    (37, 29, (5, 3), False),  # narrower than a tile: the tiles' rows see disjoint keys
-    (21, 50, (20, -1), False),  # left edge only: the first K/V tiles hidden from the late Q tiles
-    (40, 19, (7, 0), True),  # a window with causal, Nq > Nk: the first rows see nothing
-], ids=["both-edges", "left-only", "with-causal"])
+@pytest.mark.parametrize("precision, dtype, n_q, n_k, window, causal", [
+    (None, "float16", 37, 29, (5, 3), False),  # narrower than a tile: the tiles' rows see disjoint keys
+    (None, "float16", 21, 50, (20, -1), False),  # left edge only: the first K/V tiles hidden from the late Q tiles
+    (None, "float16", 40, 19, (7, 0), True),  # a window with causal, Nq > Nk: the first rows see nothing
+    ("tf32x3", "float32", 37, 29, (5, 3), False),  # (the tf32x3 engine: one shape)
+], ids=["f16-both-edges", "f16-left-only", "f16-with-causal", "tf32x3-both-edges"])
 def test_tensor_cores_match_the_reference(algorithm, precision, dtype, n_q, n_k, window, causal, xp, rng):
     q, k, v = random_qkv(rng, 1, 2, 1, n_q, n_k, 16, dtype, xp)
     o, lse = run_poisoned(xp, q, k, v, causal=causal, window_size=window, algorithm=algorithm, precision=precision,
