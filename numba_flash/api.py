@@ -17,6 +17,7 @@ from typing import NamedTuple
 import numpy as np
 
 from numba_flash import plans, switches, tile_cache
+from numba_flash.alibi import kernel_slopes
 from numba_flash._cuda import cuda
 from numba_flash._world import simulated
 from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, kind_of, may_overlap
@@ -54,6 +55,7 @@ def attention(
     num_splits=None,
     window_size=(-1, -1),
     softcap=0.0,
+    alibi_slopes=None,
 ):
     """Scaled dot-product attention, forward pass, by FlashAttention-1 or -2.
 
@@ -88,7 +90,10 @@ def attention(
     leaves that side unbounded; with ``causal=True`` the intersection (``right`` at most 0).
     FA-2 never loads the K/V tiles outside every row's window of a Q tile. ``softcap > 0``: each
     scaled score ``s`` becomes ``softcap * tanh(s / softcap)`` before the mask (Gemma 2's logit
-    soft-capping); 0: off.
+    soft-capping); 0: off. ``alibi_slopes``: float32 ``(H,)`` or ``(B, H)``, an array of the
+    inputs' library on their device (ALiBi, Press et al. 2022): query ``i``'s score of key ``j``
+    gains ``-slope * |i + (Nk - Nq) - j|`` after the soft cap, before the masks. Calls with
+    slopes are not planned (each is checked in full).
 
     ``algorithm``: ``"fa2"`` (default; FlashAttention-2 Algorithm 1) or ``"fa1"``
     (FlashAttention Algorithm 1). Both compute the same function.
@@ -118,6 +123,7 @@ def attention(
     o, lse = forward(
         q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n,
         precision=precision, num_splits=num_splits, window_size=window_size, softcap=softcap,
+        alibi_slopes=alibi_slopes,
     )
     return (o, lse) if return_lse else o
 
@@ -140,6 +146,7 @@ def forward(
     variant=None,
     window_size=(-1, -1),
     softcap=0.0,
+    alibi_slopes=None,
 ):
     """:func:`attention` with the research knobs; always returns ``(o, lse)``.
 
@@ -155,7 +162,7 @@ def forward(
     kind (tests poison them to prove every element is written).
     """
     key = None
-    if kv_tile_order is None and variant is None:
+    if kv_tile_order is None and variant is None and alibi_slopes is None:
         key = _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits,
                            window_size, softcap)
     plan = _FORWARD_PLANS.get(key)
@@ -163,8 +170,10 @@ def forward(
         # CAI / DLPack objects: CuPy views (the caller's buffers, no copy)
         q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
         out, lse_out = (None if x is None else as_cupy_view(x, name) for x, name in ((out, "out"), (lse_out, "lse_out")))
+        if alibi_slopes is not None:
+            alibi_slopes = as_cupy_view(alibi_slopes, "alibi_slopes")
         ctx, call = _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision,
-                                  num_splits, variant, window_size, softcap)
+                                  num_splits, variant, window_size, softcap, alibi_slopes)
         if key is not None:
             tuned = call.regime == "ieee" and (block_m is None or block_n is None)  # tiles from the autotune cache
             tile_entries = tile_cache.load() if tuned else None
@@ -203,14 +212,14 @@ def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block
 
 
 def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, variant,
-                  window_size=(-1, -1), softcap=0.0):
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Every check of a forward call that does not depend on pointers or ``kv_tile_order``:
     its array context and launch configuration (:func:`problem.describe`, :func:`configure`)."""
     variant = _check_variant(variant, precision)
     if variant is not None:  # the loop order decides which kernel family's defaults apply
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
     checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision,
-                       window_size=window_size, softcap=softcap)
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
     split_k = variant is not None and variant.warp_partition == "split_k"
     if split_k and checked.regime == "ieee" and block_m is None and block_n is None:
         from numba_flash.tile_table import comparison_tiles  # (the ablation's tiles: FA-2's own default
@@ -295,7 +304,7 @@ def run(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order=None, seql
     B, H, Nq, D = call.q_shape
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps, softcap=call.softcap > 0)
+                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, ctx.device_id)
     walk = dict(seqlens=seqlens, n_splits=splits, rows_per_query=rows_per_query)
     if splits == 1:
@@ -323,11 +332,11 @@ def plan_run(builder: plans.PlanBuilder, call: LaunchConfig, q, k, v, o, lse, se
     the call needs what a plan does not do: bfloat16 on CUDA cores (widened copies), tensor-core
     inputs whose head dim or row strides need padded copies (``tensor_cores.kernel_inputs``)."""
     B, H, Nq, D = call.q_shape
-    if call.regime == "ieee" and call.dtype == "bfloat16":
+    if call.alibi or call.regime == "ieee" and call.dtype == "bfloat16":  # (ALiBi: per-call slopes)
         return False
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps, softcap=call.softcap > 0)
+                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, builder.ctx.device_id)
     kernel_o, kernel_lse = o, lse
     if splits > 1:  # float32 partials (kernels.block_info), merged by kernels.combine
@@ -373,7 +382,7 @@ def simulated_seconds(call: LaunchConfig) -> float:
 
     B, H, Nq, D = call.q_shape
     bm, bn = call.block_m, call.block_n
-    spec = kernel_spec(call.algorithm, D, call.dtype, bm, bn, call.window, call.regime, softcap=call.softcap > 0)
+    spec = kernel_spec(call.algorithm, D, call.dtype, bm, bn, call.window, call.regime, softcap=call.softcap > 0, alibi=call.alibi)
     padded = tile_layout(D, bm, bn).padded_dim if call.regime == "ieee" else spec.head_dim
     return estimate_seconds(call.algorithm, B, H, Nq, call.n_k, D, bm, bn, call.causal,
                             spec.threads, padded, call.regime != "ieee")
@@ -557,7 +566,7 @@ def _cuda_core_spec(call: LaunchConfig, permuted: bool, ragged: bool):
     """The launch specification of a call's CUDA-core kernel (named point or variant)."""
     D = call.q_shape[3]
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, "ieee",
-                       ragged=ragged, permuted=permuted, variant=call.variant, softcap=call.softcap > 0)
+                       ragged=ragged, permuted=permuted, variant=call.variant, softcap=call.softcap > 0, alibi=call.alibi)
 
 
 class _KernelArray(NamedTuple):
@@ -572,7 +581,7 @@ class _KernelArray(NamedTuple):
 def _cuda_core_arguments(spec, call: LaunchConfig, q, k, v, o, lse, order, seqlens, new_array, placeholder, n_splits,
                          rows_per_query) -> list:
     """A CUDA-core kernel's arguments in the skeleton's order (``kernels.forward``): q, k, v, o,
-    lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2.
+    lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2, alibi.
 
     Arrays as :class:`_KernelArray`: the caller's, ``new_array(shape, dtype)``'s (FA-1's O, l, m
     in global memory), ``order`` (on the device) or ``placeholder(shape, dtype)``'s (an argument
@@ -594,9 +603,13 @@ def _cuda_core_arguments(spec, call: LaunchConfig, q, k, v, o, lse, order, seqle
     kv_order = _KernelArray("own", placeholder(1, "int32") if order is None else order)  # unpermuted: not read
     lengths = _KernelArray("in", seqlens) if seqlens is not None else _KernelArray("own", placeholder(1, "int32"))
     q_scale = np.float32(call.scale * LOG2E)
+    if call.alibi:  # (B, H) slopes in log2 units (numba_flash.alibi)
+        slopes = _KernelArray("in", kernel_slopes(call.problem.alibi_slopes, B, H, call.kind))
+    else:
+        slopes = _KernelArray("own", placeholder((1, 1), "float32"))
     return [_KernelArray("in", q), _KernelArray("in", k), _KernelArray("in", v), *results, *state, q_scale, kv_order,
             lengths, np.int32(n_splits), np.int32(rows_per_query),  # split-KV (kernels.block_info)
-            np.float32(call.softcap_log2)]
+            np.float32(call.softcap_log2), slopes]
 
 
 @functools.lru_cache(maxsize=None)

@@ -39,6 +39,7 @@ class LaunchConfig:
     window = property(lambda self: self.problem.window)
     softcap = property(lambda self: self.problem.softcap)
     softcap_log2 = property(lambda self: self.problem.softcap * LOG2E)  # the kernels' unit
+    alibi = property(lambda self: self.problem.alibi)
     scale = property(lambda self: self.problem.scale)
     algorithm = property(lambda self: self.problem.algorithm)
     regime = property(lambda self: self.problem.regime)

@@ -15,10 +15,11 @@ configuration's (``api.configure``), not the problem's.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
+from numba_flash.alibi import check_slopes
 from numba_flash.arrays import device_id_of, dtype_name, kind_of
 from numba_flash.checks import softcap_value
 from numba_flash.kernels.jit import LOG2E
@@ -52,6 +53,14 @@ class Problem:
     regime: str  # "ieee" (CUDA cores) or a tensor-core kind: "f16", "bf16", "tf32", "tf32x3"
     device_id: int | None = None  # the GPU the arrays live on (None: numba's current one, or the host)
     softcap: float = 0.0  # > 0: scores soft-capped, softcap * tanh(score / softcap) (API.md 2c); 0: off
+    # ALiBi: the caller's float32 (H,) or (B, H) slopes, checked (numba_flash.alibi); None: off. An array,
+    # so not part of the problem's identity (equality, hash): ``alibi`` is.
+    alibi_slopes: object = field(default=None, compare=False, repr=False)
+    alibi: bool = False
+
+    def __post_init__(self):
+        if self.alibi != (self.alibi_slopes is not None):
+            raise ValueError("alibi must say whether alibi_slopes is given")
 
     @property
     def group(self) -> int:
@@ -100,9 +109,9 @@ def regime(precision, dtype: str) -> str:
 
 
 def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=None, names=("q", "k", "v"),
-             window_size=(-1, -1), softcap=0.0) -> Problem:
+             window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> Problem:
     """The checked :class:`Problem` of ``attention(q, k, v, causal=..., scale=..., algorithm=...,
-    precision=..., window_size=..., softcap=...)``; raises before anything runs, with a message naming the argument as the
+    precision=..., window_size=..., softcap=..., alibi_slopes=...)``; raises before anything runs, with a message naming the argument as the
     caller's signature spells it (``names``: ``decode``'s are ``q``, ``k_cache``, ``v_cache``)."""
     nq, nk, nv = names
     kinds = [kind_of(x, name) for x, name in zip((q, k, v), names)]
@@ -142,10 +151,14 @@ def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=No
         raise TypeError(f"scale must be a real number or None; got {type(scale).__name__}")
     elif not abs(float(scale)) * LOG2E < FLOAT32_MAX:  # scale * log2(e) is a float32 in the kernel
         raise ValueError(f"scale must be finite and below {FLOAT32_MAX / LOG2E:.3g} in magnitude; got {scale}")
+    device_id = device_id_of(q, kind)
+    if alibi_slopes is not None:
+        check_slopes(alibi_slopes, kind, B, H, device_id)
     return Problem(
         kind=kind, batch=B, heads=H, kv_heads=Hkv, n_q=Nq, n_k=Nk, head_dim=D, dtype=dtypes[0], scale=float(scale),
         mask=window_spec(bool(causal), window_size), algorithm=algorithm, regime=regime(precision, dtypes[0]),
-        device_id=device_id_of(q, kind), softcap=_kernel_softcap(softcap),
+        device_id=device_id, softcap=_kernel_softcap(softcap), alibi_slopes=alibi_slopes,
+        alibi=alibi_slopes is not None,
     )
 
 

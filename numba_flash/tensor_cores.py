@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from numba_flash._world import simulated
+from numba_flash.alibi import kernel_slopes
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tc_ops import check_tc_tiles, input_alignment, kernel_head_dim
 from numba_flash.launch import device_array, launch, numba_launch
@@ -179,7 +180,7 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     partial = n_splits > 1  # o, lse: float32 partials of the kernel's head dim
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, split_out=partial, variant=call.variant, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps, softcap=call.softcap > 0)
+                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi)
     sixteen = spec.regime in TENSOR_CORE_KIND.values()
     dim, xp = spec.head_dim, _xp(ctx.kind)
     kq, kk, kv = kernel_inputs(spec.regime, ctx.kind, q, k, v)
@@ -198,7 +199,7 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     unread = _unread_lengths(ctx.kind, ctx.device_id)
     lengths = bits_view(seqlens, ctx.kind, False) if seqlens is not None else unread
     # the skeleton's arguments (kernels.forward), q_scale and the ints aside
-    arrays = [kq, kk, kv, o_kernel, lse_kernel, *state, unread, lengths]
+    arrays = [kq, kk, kv, o_kernel, lse_kernel, *state, unread, lengths, _alibi_argument(call, xp, ctx)]
     tail = [np.int32(n_splits), np.int32(rows_per_query), np.float32(call.softcap_log2)]
     grid = spec.grid(B, H, Nq, n_splits)
     if ctx.direct_launch:
@@ -222,9 +223,10 @@ def _launch_in_place(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> bool:
         return False
     lengths = seqlens if seqlens is not None else _unread_lengths("cupy", ctx.device_id)
     unread = [device_array(x, "cupy") for x in (*_unread_state("cupy", ctx.device_id), _unread_lengths("cupy", ctx.device_id))]
+    slopes = device_array(_alibi_argument(call, ctx.kind, ctx), ctx.kind if call.alibi else "cupy")
     args = in_place_arguments(spec, call, *inputs, device_array(o, ctx.kind), device_array(lse, ctx.kind),
                               device_array(lengths, "cupy" if seqlens is None else ctx.kind), n_splits, rows_per_query,
-                              unread)
+                              unread, slopes)
     if args is None:
         return False
     B, H, Nq, _ = call.q_shape
@@ -242,7 +244,10 @@ def plan_in_place(builder, call: LaunchConfig, q, k, v, o, lse, seqlens, n_split
         seqlens = builder.constant(_unread_lengths("cupy", builder.ctx.device_id), "cupy")
     unread = [builder.constant(x, "cupy") for x in (*_unread_state("cupy", builder.ctx.device_id),
                                                       _unread_lengths("cupy", builder.ctx.device_id))]
-    args = in_place_arguments(spec, call, q, k, v, o, lse, seqlens, n_splits, rows_per_query, unread)
+    if call.alibi:  # (the slopes are a per-call array: ALiBi calls are not planned)
+        return False
+    slopes = builder.constant(_unread("cupy", builder.ctx.device_id, (1, 1), np.float32), "cupy")
+    args = in_place_arguments(spec, call, q, k, v, o, lse, seqlens, n_splits, rows_per_query, unread, slopes)
     if args is None:
         return False
     builder.require_aligned(q.ptr.index, k.ptr.index, v.ptr.index)
@@ -256,14 +261,15 @@ def _in_place_spec(call: LaunchConfig, ragged: bool, n_splits: int):
     D = call.q_shape[3]
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=ragged, split_out=n_splits > 1, variant=call.variant, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps, softcap=call.softcap > 0)
+                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi)
 
 
-def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_splits, rows_per_query, unread):
+def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_splits, rows_per_query, unread, slopes):
     """The tensor-core FA-2 kernel's arguments on the caller's arrays (``launch.DeviceArray``):
     the skeleton's (``kernels.forward``), 16-bit inputs (and a 16-bit final output) as uint16
     bit patterns; ``unread``: the device arrays passed as o_hbm, l_hbm, m_hbm and kv_order,
-    which a Q-outer walk never reads. ``None`` when the kernel cannot read the inputs
+    which a Q-outer walk never reads; ``slopes``: the ALiBi argument (:func:`_alibi_argument`).
+    ``None`` when the kernel cannot read the inputs
     where they are: FA-1, a head dim it pads, rows that are not 16-byte multiples (the
     pointers' alignment is the caller's check)."""
     if spec.algorithm != "fa2" or spec.head_dim != call.q_shape[3]:
@@ -279,7 +285,18 @@ def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_spl
         o = o._replace(dtype="uint16")
     o_hbm, l_hbm, m_hbm, kv_order = unread
     return [*inputs, o, lse, o_hbm, l_hbm, m_hbm, np.float32(call.scale * LOG2E), kv_order, lengths, np.int32(n_splits),
-            np.int32(rows_per_query), np.float32(call.softcap_log2)]
+            np.int32(rows_per_query), np.float32(call.softcap_log2), slopes]
+
+
+def _alibi_argument(call: LaunchConfig, kind_or_xp, ctx):
+    """The kernels' ``alibi`` argument: the call's slopes as ``alibi.kernel_slopes`` makes them
+    (of library ``kind_or_xp``: a kind, or NumPy / CuPy), or a placeholder a kernel compiled
+    without ALiBi never reads."""
+    kind = kind_or_xp if isinstance(kind_or_xp, str) else ("numpy" if kind_or_xp is np else "cupy")
+    if not call.alibi:
+        return _unread("numpy" if kind == "numpy" else "cupy", ctx.device_id, (1, 1), np.float32)
+    B, H = call.q_shape[:2]
+    return kernel_slopes(call.problem.alibi_slopes, B, H, kind)
 
 
 def _rows_laid_out(a, width: int) -> bool:
@@ -314,8 +331,8 @@ def _unread_state(kind: str, device_id):
 
 def _ordered(arrays, q_scale, tail) -> list:
     """The skeleton's arguments in order (``kernels.forward``): q, k, v, o, lse, o_hbm, l_hbm,
-    m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2."""
-    return [*arrays[:8], q_scale, *arrays[8:], *tail]
+    m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2, alibi."""
+    return [*arrays[:8], q_scale, *arrays[8:10], *tail, *arrays[10:]]
 
 
 def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail) -> None:

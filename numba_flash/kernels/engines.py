@@ -16,10 +16,11 @@ The engine interface (every function device code; arguments an engine does not n
     Q_i's operand fragments into registers once its copy landed (FFMA: nothing).
 ``score_tile(qf, qf_small, q_s, k_s, s, scratch)``
     S = Q_i K_j^T (FA-1 line 9, FA-2 line 8).
-``scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap)``
-    S in log2 units, soft-capped when ``capped`` (``score_mods``; ``cap`` in log2 units), and
-    the keys a row does not see -> -inf (``mask.tile_masker``; each row's visible keys
-    ``[first_keys, last_keys]`` from ``row_key_bounds``, ``window`` the kernel's).
+``scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap, biased, slopes, diags)``
+    S in log2 units, soft-capped when ``capped`` (``score_mods``; ``cap`` in log2 units), the
+    ALiBi bias added when ``biased`` (``score_mods.tile_alibi``; each row's slope and diagonal
+    key from ``row_alibi``), and the keys a row does not see -> -inf (``mask.tile_masker``; each
+    row's visible keys ``[first_keys, last_keys]`` from ``row_key_bounds``, ``window`` the kernel's).
 ``row_max(s, out, scratch)``, ``exp_scores(s, m_ref, p_s, row_sums)``
     rowmax(S); P~ = exp2(S - m) and this thread's part of rowsum(P~).
 ``pv_tile(s, p_s, v_s, acc, col0, first_keys, last_keys, masked, window, scratch)``
@@ -59,7 +60,7 @@ from numba_flash.kernels.tiles import ROWS_PER_THREAD, VEC
 
 SHARED = ("load_q", "q_frags", "score_tile", "scale_mask", "row_max", "exp_scores", "pv_tile", "rescale_row", "zero",
           "allreduce_sum", "thread_row", "first_of_row", "out_col", "acc_row", "acc_col", "store_out",
-          "row_key_bounds", "tile_needs_mask", "nan_max", "finite_or_zero", "reciprocal_or_zero", "log_sum_exp",
+          "row_key_bounds", "row_alibi", "tile_needs_mask", "nan_max", "finite_or_zero", "reciprocal_or_zero", "log_sum_exp",
           "exp2_diff", "group", "first_key")
 
 
@@ -94,9 +95,11 @@ def ffma_engine(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         ops.score_tile(q_s, k_s, s)
 
     @device_jit
-    def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap):
+    def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap, biased, slopes, diags):
         if capped:  # (scaled already: Q_i was loaded in log2 units)
             cap_tile(s, cap)
+        if biased:
+            ops.add_alibi(s, col0, slopes, diags)
         if masked:
             ops.mask_scores(s, col0, first_keys, last_keys, window)
 

@@ -39,7 +39,9 @@ float32``, ``l_hbm, m_hbm (B,H,Nq) float32``: the state in global memory of ``kv
 scale * log2(e)`` (float32); ``kv_order``: int32 permutation of the K/V tiles (read when
 ``permuted``); ``seqlens``: int32 ``(B,)`` valid keys per batch (read when ``ragged``);
 ``n_splits``, ``rows_per_query`` (int32; ``block_info``, ``mask``; q_outer only, 1 and 1
-otherwise); ``softcap_log2``: the soft cap in log2 units (float32; read when ``softcap``).
+otherwise); ``softcap_log2``: the soft cap in log2 units (float32; read when ``softcap``);
+``alibi``: ``(B, H) float32`` ALiBi slopes times log2(e), H the query heads (read when ``alibi``;
+any 2-D float32 array otherwise).
 ``kv_outer`` with ``cast_out``: O is kept in ``o_hbm`` (float32) and cast into ``o`` at the
 end; without, ``o_hbm`` is the output and ``o`` is not read.
 """
@@ -133,12 +135,13 @@ def tc_split_k_smem_bytes(loop_order: str, layout) -> int:
 @kernel_factory
 def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragged: bool = False,
                    cast_out: bool = False, f32_out: bool = False, max_registers: int | None = None,
-                   softcap: bool = False):
+                   softcap: bool = False, alibi: bool = False):
     """The forward kernel at ``variant`` on the engine of ``tiles`` (memoised).
 
     ``window``: the mask's ``(left, right)`` of ``kernels.mask`` (a compile-time constant; a bool:
     the public ``causal``); ``softcap``: the scores are soft-capped (``score_mods``; the cap is
-    the kernel's last argument, ``softcap_log2``, read only then).
+    the argument ``softcap_log2``, read only then); ``alibi``: the scores gain ALiBi's bias
+    (``score_mods``; the slopes are the last argument, ``alibi``, read only then).
     ``tiles``: ``engines.CudaCores`` (FFMA micro-tiles, synchronous copies) or
     ``engines.TensorCores`` (``mma.sync``, ``cp.async`` copies: ``pipeline.cp_async``).
     ``cast_out`` (kv_outer): O lives in ``o_hbm`` (float32) and is cast into ``o`` at the end
@@ -154,7 +157,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     """
     D, BM, BN = tiles.head_dim, tiles.block_m, tiles.block_n
     WINDOW = window_of(window)
-    PERMUTED, RAGGED, F32_OUT, SOFTCAP = bool(permuted), bool(ragged), bool(f32_out), bool(softcap)
+    PERMUTED, RAGGED, F32_OUT, SOFTCAP, ALIBI = bool(permuted), bool(ragged), bool(f32_out), bool(softcap), bool(alibi)
     KV_OUTER = variant.loop_order == "kv_outer"
     PER_TILE = variant.grid == "heads_x_qtiles"
     EVERY_STEP = variant.rescale == "every_step"
@@ -272,7 +275,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     @device_jit
     def walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob, n_q, n_k,
                     n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s, acc,
-                    tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, cap):
+                    tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, cap, slopes, diags,
+                    alibi):
         """FA-2 lines 4-15 for Q tile ``i_tile``: its whole K/V walk with O~, l, m on chip.
         split_k: this thread's group walks its keys of every K/V tile (``k_s``, ``v_s``, ``p_s``:
         its part), and the groups' states are merged at the end."""
@@ -282,6 +286,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         if pipe.Q_BEFORE_RANGE:  # Line 4: load Q_i into shared memory (synchronous copies: first)
             pipe.load_q(q, b, h, row0, n_q, q_scale, q_s, lead)
         E.row_key_bounds(row0, n_q, n_k, WINDOW, first_keys, last_keys, rows_per_query)
+        if ALIBI:  # each row's slope and diagonal key (score_mods)
+            E.row_alibi(alibi, b, h, row0, n_q, n_k, rows_per_query, slopes, diags)
         # The keys any row of this Q tile sees: [its first row's first, its last row's last];
         # tiles outside are masked for every row.
         row_last = min(row0 + BM, n_q) - 1
@@ -326,7 +332,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                 k_op = pipe.k_operand(smem, k_s, k_split, step)
             E.score_tile(qf, qf_small, q_s, k_op, s, mscratch)  # Line 8: S_i^(j) = Q_i K_j^T
             masked = E.tile_needs_mask(colg, first_row_last_key, last_row_first_key, WINDOW)
-            E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap)
+            E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap, ALIBI, slopes, diags)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S_i^(j))).
             E.row_max(s, tile_max, rscratch)
             # Lines 9-10: m, l and O~ rescaled where the max moved (every_step: O is kept
@@ -387,7 +393,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     @device_jit
     def walk_kv_tiles(i_first, i_end, q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, b, h, hk, n_q, n_k,
                       n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s, acc,
-                      tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, o_old, merge_s, cap):
+                      tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, o_old, merge_s, cap, slopes,
+                      diags, alibi):
         """FA-1 lines 2-16 for Q tiles ``i_first ..`` of one (batch, head): the K/V tiles outside,
         the state O, l, m of every row in global memory between steps."""
         lead = E.group() == 0  # split_k: the group that holds the merged state (else everyone)
@@ -447,10 +454,12 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                     k_op = pipe.k_operand(smem, k_s, k_split, 0)
                 E.score_tile(qf, qf_small, q_s, k_op, s, mscratch)  # Line 9: S_ij = Q_i K_j^T
                 E.row_key_bounds(row0, n_q, n_k, WINDOW, first_keys, last_keys, 1)
+                if ALIBI:
+                    E.row_alibi(alibi, b, h, row0, n_q, n_k, 1, slopes, diags)
                 first_row_last_key = mask.last_visible_key(row0, n_q, n_k, WINDOW)
                 last_row_first_key = mask.first_visible_key(row_last, n_q, n_k, WINDOW)
                 masked = E.tile_needs_mask(colg, first_row_last_key, last_row_first_key, WINDOW)
-                E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap)
+                E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap, ALIBI, slopes, diags)
                 # Line 10: m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij).
                 E.row_max(s, tile_max, rscratch)
                 for i in range(TM):
@@ -528,7 +537,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                         lse[b, h, row] = E.log_sum_exp(m_hbm[b, h, row], l_hbm[b, h, row])
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
-    def forward(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2):
+    def forward(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2,
+                alibi):
         n_batch = q.shape[0]
         n_heads = q.shape[1]
         n_q = q.shape[2]
@@ -606,25 +616,30 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         l_run = cuda.local.array(TM, float32)
         first_keys = cuda.local.array(TM, int32)  # each row's visible keys [first, last] (first: a left edge only)
         last_keys = cuda.local.array(TM, int32)
+        slopes = cuda.local.array(TM, float32)  # ALiBi: each row's slope and diagonal key (score_mods)
+        diags = cuda.local.array(TM, int32)
         kv_reg = cuda.local.array(KV_LOADS, float32)  # this thread's share of K_j or V_j in flight (CUDA cores)
 
         if KV_OUTER:  # ------------------------------------------------------------ FA-1's loop nest
             o_old = cuda.local.array((O_REGS, OUT), float32)  # O_i read with Q_i (o_load="with_q")
             walk_kv_tiles(i_first, i_end, q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, b, h, hk, n_q, n_k,
                           n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s,
-                          acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, o_old, merge_s, softcap_log2)
+                          acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, o_old, merge_s, softcap_log2,
+                          slopes, diags, alibi)
         else:  # -------------------------------------------------------------------- FA-2's loop nest
             # Line 3: for 1 <= i <= Tr -- the grid (one Q tile per block), or this block's loop.
             if PER_TILE:
                 walk_q_tile(i_first, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob,
                             n_q, n_k, n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf,
-                            qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, softcap_log2)
+                            qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, softcap_log2,
+                            slopes, diags, alibi)
             else:
                 for i_tile in range(n_q_tiles):
                     cuda.syncthreads()  # the previous Q tile's last P~ and V_j are no longer read
                     walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk,
                                 ob, n_q, n_k, n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch,
-                                qf, qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, softcap_log2)
+                                qf, qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, softcap_log2,
+                            slopes, diags, alibi)
 
     return forward
 

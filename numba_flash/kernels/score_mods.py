@@ -88,3 +88,56 @@ def tile_soft_capper(n_i: int, n_j: int, fast: bool = False):
                 s[i, j] = soft_cap(s[i, j], cap)
 
     return cap_tile
+
+
+# ---------------------------------------------------------------- ALiBi
+#
+# Press, Smith and Lewis (2022), with FlashAttention's bottom-right alignment (API.md section 2c):
+# query i's score of key j gains -slope * |i + (Nk - Nq) - j|, the slope of its (batch, query
+# head). The kernels take the slopes as a (B, H) float32 array already in log2 units (the host
+# multiplies by log2(e)), and hold, per row a thread owns, the slope and the row's *diagonal*
+# key d = i + (Nk - Nq): the bias of key j is then -slope * |d - j|, one subtraction, one
+# absolute value and one FMA per score. A thread's row values are set once per Q tile
+# (:func:`row_alibi`, beside ``mask.row_bounds``), so the walk's inner loop reads registers.
+
+
+@functools.lru_cache(maxsize=None)
+def alibi_rows(rows: int, thread_row):
+    """``row_alibi(alibi, b, h, row0, n_q, n_k, rows_per_query, slopes, diags)``: the slope and
+    diagonal key of each of a thread's ``rows`` rows (tile row ``thread_row(i)`` from ``row0``).
+    ``h`` is the kernel's head: with ``rows_per_query`` > 1 (decode packs the query heads of one
+    KV head: row = position * group + head), row ``r``'s query head is ``h * group + r % group``
+    and its position ``r // group``."""
+
+    @device_jit
+    def row_alibi(alibi, b, h, row0, n_q, n_k, rows_per_query, slopes, diags):
+        n_pos = n_q // rows_per_query
+        for i in range(rows):
+            row = row0 + thread_row(i)
+            slopes[i] = alibi[b, h * rows_per_query + row % rows_per_query]
+            diags[i] = row // rows_per_query + n_k - n_pos
+
+    return row_alibi
+
+
+@device_jit
+def alibi_bias(slope, diag, key):
+    """-slope |diag - key| (log2 units when ``slope`` is): the ALiBi bias of ``key`` for the row
+    whose diagonal key is ``diag``."""
+    return -slope * abs(float32(diag - key))
+
+
+@functools.lru_cache(maxsize=None)
+def tile_alibi(n_i: int, n_j: int, key_of, row_of):
+    """``add_alibi(s, col0, slopes, diags)``: the ALiBi bias added to each entry of an engine's
+    ``n_i x n_j`` register tile, entry ``(i, j)`` holding key ``col0 + key_of(i, j)`` of row
+    ``row_of(i, j)`` (the engine's layout, as ``mask.tile_masker`` takes it)."""
+
+    @device_jit
+    def add_alibi(s, col0, slopes, diags):
+        for i in range(n_i):
+            for j in range(n_j):
+                r = row_of(i, j)
+                s[i, j] += alibi_bias(slopes[r], diags[r], col0 + key_of(i, j))
+
+    return add_alibi

@@ -674,17 +674,21 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
 
     mask_tile = mask.tile_masker(NS, 4, col_of, row_of)  # keys outside each row's visible ones -> -inf
     cap_tile = score_mods.tile_soft_capper(NS, 4, kind in ("f16", "bf16"))  # 16-bit: tanh.approx
+    alibi_tile = score_mods.tile_alibi(NS, 4, col_of, row_of)
+    row_alibi = score_mods.alibi_rows(TM, thread_row)
 
     @device_jit
-    def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap):
+    def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap, biased, slopes, diags):
         """S *= scale * log2(e) (scores in log2 units, FA-2 section 3.1: exp is one exp2); soft-
-        capped when ``capped`` (``score_mods``); keys outside a row's visible ones -> -inf (only
-        in tiles that need the mask)."""
+        capped when ``capped`` and ALiBi-biased when ``biased`` (``score_mods``, API.md 2c's
+        order); keys outside a row's visible ones -> -inf (only in tiles that need the mask)."""
         for nt in range(NS):
             for e in range(4):
                 s[nt, e] *= q_scale
         if capped:
             cap_tile(s, cap)
+        if biased:
+            alibi_tile(s, col0, slopes, diags)
         if masked:
             mask_tile(s, col0, first_keys, last_keys, window)
 
@@ -736,7 +740,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,
         score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0, key_warp=key_warp,
         thread_row=thread_row, lane_t=lane_t, col_of=col_of, last_visible_key=mask.last_visible_key, packed_last_visible_key=mask.packed_last_visible_key,
-        row_key_bounds=row_key_bounds, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
+        row_key_bounds=row_key_bounds, row_alibi=row_alibi, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
         row_max=row_max, allreduce_sum=allreduce_sum, exp_scores=exp_scores, rescale_row=rescale_row,
         zero=zero, finite_or_zero=finite_or_zero, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,
         reciprocal_or_zero=reciprocal_or_zero, nan_max=nan_max, split_k_tile=split_k_tile, split_v_tile=split_v_tile,

@@ -36,7 +36,7 @@ from numba_flash._cuda import cuda, float32, int32, uint64
 
 from numba_flash.kernels.jit import NEG_INF, device_jit, shared_tile
 from numba_flash.kernels.row_reduce import add, row_allreduce
-from numba_flash.kernels import mask
+from numba_flash.kernels import mask, score_mods
 from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, log_sum_exp, nan_max, reciprocal_or_zero
 from numba_flash.kernels.tiles import ROWS_PER_THREAD, VEC, tile_layout
 
@@ -233,6 +233,8 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         return i
 
     mask_scores = mask.tile_masker(TM, TN, key_of, row_of)  # keys outside each row's visible ones -> -inf
+    add_alibi = score_mods.tile_alibi(TM, TN, key_of, row_of)
+    row_alibi = score_mods.alibi_rows(TM, thread_row)
 
     allreduce_max = row_allreduce(nan_max, TM, TX, NT * GROUPS)  # a row's threads: one group's, one warp's
     allreduce_sum = row_allreduce(add, TM, TX, NT * GROUPS)
@@ -407,7 +409,8 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
     for name, func in dict(
         nan_max=nan_max, thread_row=thread_row, thread_col=thread_col, load_q_tile=load_q_tile,
         load_kv_tile=load_kv_tile, score_tile=score_tile, last_visible_key=mask.last_visible_key, packed_last_visible_key=mask.packed_last_visible_key,
-        row_key_bounds=row_key_bounds, tile_needs_mask=tile_needs_mask, mask_scores=mask_scores,
+        row_key_bounds=row_key_bounds, row_alibi=row_alibi, tile_needs_mask=tile_needs_mask, mask_scores=mask_scores,
+        add_alibi=add_alibi,
         row_max=row_max, allreduce_sum=allreduce_sum, finite_or_zero=finite_or_zero,
         exp_scores=exp_scores, pv_tile=pv_tile, rescale_row=rescale_row, zero=zero,
         out_col=out_col, exp2_diff=exp2_diff, log_sum_exp=log_sum_exp,
