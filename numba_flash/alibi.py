@@ -37,10 +37,13 @@ def check_slopes(alibi_slopes, kind: str, batch: int, heads: int, device_id=None
                          f"{device_id_of(alibi_slopes, kind)}")
 
 
-def kernel_slopes(alibi_slopes, batch: int, heads: int, kind: str):
+def kernel_slopes(alibi_slopes, batch: int, kind: str):
     """The kernels' argument: ``(batch, heads)`` float32 slopes times log2(e), C-contiguous, of
-    library ``kind`` (``"numpy"``, ``"cupy"`` or ``"torch"``) on the slopes' device. A torch
-    tensor is read as a CuPy array for ``kind="cupy"`` (the tensor-core launch's library)."""
+    library ``kind`` (``"numpy"``, ``"cupy"`` or ``"torch"``) on the slopes' device; ``heads``
+    are the slopes' (the query heads: ``decode`` packs them into rows of KV heads, and its
+    kernels index the slopes by query head). A torch tensor is read as a CuPy array for
+    ``kind="cupy"`` (the tensor-core launch's library)."""
+    heads = int(alibi_slopes.shape[-1])
     if kind == "torch":
         return (alibi_slopes.float().expand(batch, heads) * LOG2E).contiguous()
     if kind == "cupy":

@@ -604,7 +604,7 @@ def _cuda_core_arguments(spec, call: LaunchConfig, q, k, v, o, lse, order, seqle
     lengths = _KernelArray("in", seqlens) if seqlens is not None else _KernelArray("own", placeholder(1, "int32"))
     q_scale = np.float32(call.scale * LOG2E)
     if call.alibi:  # (B, H) slopes in log2 units (numba_flash.alibi)
-        slopes = _KernelArray("in", kernel_slopes(call.problem.alibi_slopes, B, H, call.kind))
+        slopes = _KernelArray("in", kernel_slopes(call.problem.alibi_slopes, B, call.kind))
     else:
         slopes = _KernelArray("own", placeholder((1, 1), "float32"))
     return [_KernelArray("in", q), _KernelArray("in", k), _KernelArray("in", v), *results, *state, q_scale, kv_order,

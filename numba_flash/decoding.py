@@ -25,13 +25,14 @@ import numpy as np
 
 from numba_flash import api, plans, tile_cache
 from numba_flash.tile_table import decode_pipeline, decode_tiles
+from numba_flash.alibi import check_slopes
 from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, kind_of, pointer_reader
 from numba_flash.problem import describe
 from numba_flash.split_kv import check_num_splits
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False,
-           k_new=None, v_new=None, window_size=(-1, -1), softcap=0.0):
+           k_new=None, v_new=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Attention of ``Nq`` new queries per sequence to a KV cache.
 
     ``q``: ``(B, H, Nq, D)``, small ``Nq``; ``k_cache``, ``v_cache``: ``(B, Hkv, Nmax, D)``,
@@ -42,7 +43,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     ``Nq`` sees keys ``j <= cache_seqlens[b] - Nq + i``; ``window_size=(left, right)``: a sliding
     window aligned the same way (query ``i`` sees ``cache_seqlens[b] - Nq + i - left <= j <=
     cache_seqlens[b] - Nq + i + right``; -1: unbounded; with ``causal`` the intersection; the
-    pages of K/V before the window are never read); ``softcap``: as in :func:`numba_flash.attention`. ``num_splits``: as in
+    pages of K/V before the window are never read); ``softcap``, ``alibi_slopes`` (per query head; the bias's distance is measured from each query's
+    position ``cache_seqlens[b] - Nq + i``): as in :func:`numba_flash.attention`. ``num_splits``: as in
     :func:`numba_flash.attention` (``None``: heuristic). float16, bfloat16, float32; arrays as
     :func:`numba_flash.attention` takes them. Returns ``o`` (q's shape and dtype), or
     ``(o, lse)`` with ``return_lse=True`` (``lse`` float32 ``(B, H, Nq)``, natural log).
@@ -59,7 +61,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     if k_new is not None or v_new is not None:
         cache_seqlens = _append(k_cache, v_cache, k_new, v_new, cache_seqlens)
-    key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap)
+    key = None
+    if alibi_slopes is None:  # (ALiBi calls are not planned: the slopes are a per-call array)
+        key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap)
     plan = _DECODE_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check
         q, k_cache, v_cache = (as_cupy_view(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
@@ -82,6 +86,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         call = api.configure(describe(packed, k_cache, v_cache, causal=causal, scale=scale, algorithm="fa2",
                                       names=("q", "k_cache", "v_cache"), window_size=window_size,
                                       softcap=softcap), block_m, block_n)
+        if alibi_slopes is not None:  # per query head: checked against q's heads, not the packed rows' KV heads
+            alibi_slopes = as_cupy_view(alibi_slopes, "alibi_slopes")
+            check_slopes(alibi_slopes, kind, B, H, call.problem.device_id)
+            call = replace(call, problem=replace(call.problem, alibi_slopes=alibi_slopes, alibi=True))
         kv_stages, key_warps = decode_pipeline(block_m, block_n) if call.regime != "ieee" else (1, 1)
         call = replace(call, kv_stages=kv_stages, key_warps=key_warps, num_splits=check_num_splits(num_splits, "fa2"))
         ctx = ArrayContext(kind, q)

@@ -498,6 +498,7 @@ def decode(
     scale: float | None = None,
     window_size=(-1, -1),
     softcap: float = 0.0,
+    alibi_slopes=None,
 ):
     """Attention of a few queries per sequence to a KV cache (API.md 2b, 2e), ``(o, lse)``.
 
@@ -528,9 +529,9 @@ def decode(
         before attending. The kernel writes them into the cache in place (the caller then
         advances ``cache_seqlens``); this oracle computes on a copy and modifies none of its
         inputs.
-    causal, scale, window_size, softcap :
-        As in :func:`attention` (``scale`` defaults to ``1 / sqrt(D)``; the window bottom-right
-        aligned to each sequence's keys, as ``causal``).
+    causal, scale, window_size, softcap, alibi_slopes :
+        As in :func:`attention` (``scale`` defaults to ``1 / sqrt(D)``; the window and ALiBi's
+        distances bottom-right aligned to each sequence's keys, as ``causal``).
 
     ``ValueError`` naming the argument for: a block index outside ``[0, num_blocks)`` among the
     pages a sequence uses; ``cache_seqlens[b] + Nnew`` past the cache (``Nmax``, or the table's
@@ -604,6 +605,7 @@ def decode(
     if table is not None:
         _check_pages(table, total, lengths, page_size, k_cache.shape[0])
 
+    slopes = _sequence_slopes(alibi_slopes, batch, q.shape[1])
     o = np.zeros(q.shape[:3] + v_cache.shape[3:])
     lse = np.full(q.shape[:3], -np.inf)
     for b in range(batch):
@@ -612,7 +614,8 @@ def decode(
             keys = np.concatenate([keys, k_new[b]], axis=1)
             values = np.concatenate([values, v_new[b]], axis=1)
         o[b], lse[b] = (x[0] for x in attention(q[b : b + 1], keys[None], values[None], causal, scale,
-                                                window_size=window_size, softcap=softcap))
+                                                window_size=window_size, softcap=softcap,
+                                                alibi_slopes=slopes[b]))
     return o, lse
 
 

@@ -295,8 +295,7 @@ def _alibi_argument(call: LaunchConfig, kind_or_xp, ctx):
     kind = kind_or_xp if isinstance(kind_or_xp, str) else ("numpy" if kind_or_xp is np else "cupy")
     if not call.alibi:
         return _unread("numpy" if kind == "numpy" else "cupy", ctx.device_id, (1, 1), np.float32)
-    B, H = call.q_shape[:2]
-    return kernel_slopes(call.problem.alibi_slopes, B, H, kind)
+    return kernel_slopes(call.problem.alibi_slopes, call.q_shape[0], kind)
 
 
 def _rows_laid_out(a, width: int) -> bool:
