@@ -25,6 +25,7 @@ import numpy as np
 
 from numba_flash import tile_table
 from numba_flash._world import simulated
+from numba_flash.alibi import kernel_slopes
 from numba_flash.arrays import ArrayContext, as_cupy_view
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.problem import ALGORITHMS, TENSOR_CORE_KIND
@@ -57,11 +58,12 @@ def backward_regime(precision, dtype: str) -> str:
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False,
-                       window_size=(-1, -1), softcap=0.0):
+                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` for the upstream gradient ``do``.
 
     ``o`` and ``lse`` are what ``attention(q, k, v, causal=causal, scale=scale,
-    window_size=window_size, softcap=softcap, return_lse=True)`` returned. Shapes and dtypes: ``do`` and ``o`` like ``q``; ``lse``
+    window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)`` returned
+    (ALiBi's slopes get no gradient: FlashAttention's contract). Shapes and dtypes: ``do`` and ``o`` like ``q``; ``lse``
     float32 ``(B, H, Nq)``; the gradients have the shapes and dtypes of ``q``, ``k``, ``v``.
     GQA: dk and dv of a KV head sum over its query heads. Rows that see no key give zero
     gradients. ``algorithm``: ``"fa2"`` (FlashAttention-2 Algorithm 2; dQ summed by float32
@@ -70,11 +72,11 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
     tensor cores, float32 on CUDA cores (:func:`gradients` chooses otherwise).
     """
     return gradients(do, q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic,
-                     window_size=window_size, softcap=softcap)
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
 
 
 def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,
-              tiles=None, window_size=(-1, -1), softcap=0.0):
+              tiles=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """:func:`attention_backward` with the regime chosen by ``precision`` (:func:`backward_regime`):
     ``None`` (the public default: tensor cores for float16 and bfloat16, tf32x3 for float32), ``"ieee"`` (CUDA
     cores for any dtype: the research baseline, and the kernels the tests compare against) or
@@ -85,13 +87,15 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
     from numba_flash.problem import describe
 
     do, q, k, v, o, lse = (as_cupy_view(x, name) for name, x in zip(("do", "q", "k", "v", "o", "lse"), (do, q, k, v, o, lse)))
+    if alibi_slopes is not None:
+        alibi_slopes = as_cupy_view(alibi_slopes, "alibi_slopes")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}; got {algorithm!r}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
     # attention's checks (the forward's regime is not this one: backward_regime below decides)
     problem = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", precision="ieee", window_size=window_size,
-                       softcap=softcap)
+                       softcap=softcap, alibi_slopes=alibi_slopes)
     kind = problem.kind
     B, H, Nq, D = problem.q_shape
     Hkv, Nk = int(k.shape[1]), problem.n_k
@@ -135,6 +139,20 @@ def simulated_seconds(problem, regime: str | None = None, tiles=None) -> float:
                                      block_m, block_n, problem.causal)
 
 
+def _slopes_argument(problem, kind: str, ctx):
+    """The kernels' ``alibi`` argument, of library ``kind``: the problem's slopes as
+    ``alibi.kernel_slopes`` makes them, or a placeholder a kernel without ALiBi never reads."""
+    if problem.alibi:
+        return kernel_slopes(problem.alibi_slopes, problem.batch, kind)
+    if kind == "numpy":
+        return np.zeros((1, 1), np.float32)
+    if kind == "cupy":
+        import cupy
+
+        return cupy.zeros((1, 1), np.float32)
+    return ctx.empty((1, 1), "float32")
+
+
 def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
     from numba_flash.kernels.bwd import ROWDOT_THREADS, bwd_dq_kernel, bwd_kernel, bwd_layout, rowdot_kernel
     from numba_flash.launch import numba_launch
@@ -161,15 +179,19 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
     else:
         grid = (B * Hkv,)
     layout = bwd_layout(algorithm, D, block)
-    kernel = bwd_kernel(algorithm, D, block, problem.window, not deterministic or algorithm == "fa1", capped)
+    slopes = _slopes_argument(problem, ctx.kind, ctx)
+    kernel = bwd_kernel(algorithm, D, block, problem.window, not deterministic or algorithm == "fa1", capped,
+                        problem.alibi)
     numba_launch(kernel, grid, layout.threads, stream,
                  dev(("in", q), ("in", k), ("in", v), ("in", o), ("in", do), ("in", lse), ("in", dvec),
-                     ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale, cap), shared_mem_bytes=layout.smem_bytes)
+                     ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale, cap, ("in", slopes)),
+                 shared_mem_bytes=layout.smem_bytes)
     if deterministic and algorithm == "fa2":
         dq_layout = bwd_layout("dq", D, block)
-        numba_launch(bwd_dq_kernel(D, block, problem.window, capped), (-(-Nq // block) * B * H,), dq_layout.threads, stream,
-                     dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale, cap),
-                     shared_mem_bytes=dq_layout.smem_bytes)
+        numba_launch(bwd_dq_kernel(D, block, problem.window, capped, problem.alibi), (-(-Nq // block) * B * H,),
+                     dq_layout.threads, stream,
+                     dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale, cap,
+                         ("in", slopes)), shared_mem_bytes=dq_layout.smem_bytes)
     dev.copy_back()
     dq[...] = _narrow(dq_acc, dq, ctx.kind) if problem.dtype != "float32" else dq_acc
     if wide:
@@ -223,18 +245,20 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
             grid = (B * Hkv,)
         layout = tc_bwd_layout(algorithm, kind, dim, block_m, block_n)
         cc = None if simulated() else cuda_device_capability()
+        slopes = _slopes_argument(problem, "numpy" if ctx.kind == "numpy" else "cupy", ctx)
         kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, problem.window, not deterministic or algorithm == "fa1",
-                               vector_reductions(cc), capped)
+                               vector_reductions(cc), capped, problem.alibi)
         numba_launch(kernel, grid, layout.threads, stream,
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
-                         ("out", dq_b), ("out", dk_b), ("out", dv_b), scale, cap), shared_mem_bytes=layout.smem_bytes)
+                         ("out", dq_b), ("out", dk_b), ("out", dv_b), scale, cap, ("in", slopes)),
+                     shared_mem_bytes=layout.smem_bytes)
         if deterministic and algorithm == "fa2":
             dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind)
             dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
-            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window, capped), (-(-Nq // dq_m) * B * H,),
-                         dq_layout.threads, stream,
+            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window, capped, problem.alibi),
+                         (-(-Nq // dq_m) * B * H,), dq_layout.threads, stream,
                          dev(("in", kq), ("in", kk), ("in", kv), ("in", kdo), ("in", lse_b), ("in", dvec_b), ("out", dq_b),
-                             scale, cap), shared_mem_bytes=dq_layout.smem_bytes)
+                             scale, cap, ("in", slopes)), shared_mem_bytes=dq_layout.smem_bytes)
         dev.copy_back()
     dq[...] = _narrow(dq_acc[..., :D], dq, ctx.kind)
 

@@ -66,13 +66,15 @@ ORDERS = ("fa1", "fa2")
 
 
 @kernel_factory
-def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False):
+def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, alibi: bool = False):
     """The dK/dV (and dQ) kernel on ``engine``, of the loop order it was made for (memoised; the
     engine module's name says all it was made of, and is the kernel's identity in the
     compilation cache): ``bwd.ffma_bwd_engine(order, ...)`` or ``tc_bwd.mma_bwd_engine(order, ...)``.
     ``window``: the mask's ``(left, right)`` of ``kernels.mask`` (a bool: the public ``causal``);
     ``softcap``: the forward soft-capped the scores (``kernels.score_mods``): P is recomputed from
-    the capped scores and dS carries the cap's slope; the cap is the last argument.
+    the capped scores and dS carries the cap's slope; the cap is the argument ``softcap_log2``.
+    ``alibi``: the forward added ALiBi's bias (``kernels.score_mods``): P is recomputed with it
+    (a constant of the score, it adds nothing to dS); the slopes are the last argument.
 
     Launch: ``"fa1"``: ``grid = (B * Hkv,)``; ``"fa2"``: ``grid = (ceil(Nk / block_n) * B * Hkv,)``;
     ``block = (layout.threads,)``, dynamic shared memory ``layout.smem_bytes`` (the engine's
@@ -80,12 +82,13 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False):
     ``k, v (B,Hkv,Nk,D)`` (the engine's element type), ``lse (B,H,Nq) float32``, ``dvec (B,H,Nq)
     float32`` (D_i; read by ``"fa2"``, FA-1 computes it), ``dq (B,H,Nq,D) float32`` zeroed and
     accumulated into (untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` out, ``scale``
-    (float32), ``softcap_log2`` (float32, the cap in log2 units; read when ``softcap``).
+    (float32), ``softcap_log2`` (float32, the cap in log2 units; read when ``softcap``), ``alibi``
+    (``(B, H) float32``: ALiBi's slopes times log2(e), H the query heads; read when ``alibi``).
     """
     E = engine
     if E.order not in ORDERS:
         raise ValueError(f"the engine's order must be 'fa1' or 'fa2'; got {E.order!r}")
-    FA1, WINDOW, DQ, SOFTCAP = E.order == "fa1", window_of(window), bool(compute_dq), bool(softcap)
+    FA1, WINDOW, DQ, SOFTCAP, ALIBI = E.order == "fa1", window_of(window), bool(compute_dq), bool(softcap), bool(alibi)
     BM, BN = E.block_m, E.block_n
     PREFETCH, PAIRED, P_IN_SMEM, STATS_STATIC = E.PREFETCH, E.PAIRED, E.P_IN_SMEM, E.STATS_STATIC
     ELEM = E.ELEM
@@ -96,7 +99,7 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False):
     Q_PAIR, DO_PAIR, O_PAIR = E.q_pair, E.do_pair, E.o_pair
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2):
+    def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_kv_heads, n_k = k.shape[1], k.shape[2]
         group = n_heads // n_kv_heads
@@ -128,6 +131,7 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False):
         dq_acc = cuda.local.array(DQ_SHAPE, float32)
         first_q = cuda.local.array(FIRST_Q, int32)  # the queries [first, last] that see each key row
         last_q = cuda.local.array(FIRST_Q, int32)  # (a left edge only)
+        diags = cuda.local.array(FIRST_Q, int32)  # ALiBi: the query on each key row's diagonal
         nxt = cuda.local.array(NXT_SHAPE, float32)  # the next step's L, D (prefetching engines)
 
         for j in range(j_first, j_end):  # line 5: for 1 <= j <= Tc
@@ -149,6 +153,8 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False):
             E.zero(dk_acc)  # line 7: dK_j = 0, dV_j = 0 on chip (registers)
             E.zero(dv_acc)
             E.key_bounds(col0, n_q, n_k, WINDOW, first_q, last_q)
+            if ALIBI:
+                E.key_diagonals(col0, n_q, n_k, diags)
             h = hk * group  # this step's query head and Q tile (counters: no division in the loop)
             i = i_first
             for st in range(n_steps):  # line 8: for 1 <= i <= Tr (and the query heads of this KV head)
@@ -189,8 +195,9 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False):
                 masked = mask.tile_needs_mask(col0, BN, mask.last_visible_key(row0, n_q, n_k, WINDOW),
                                                mask.first_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, WINDOW), WINDOW)
                 # FA-2 lines 11, 14 (Alg. 4 lines 13, 20): P^T = exp(S^T - L_i), dS^T = P^T * (dP^T - D_i)
-                E.probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, WINDOW, SOFTCAP, softcap_log2, row0, pt_s,
-                          ds_s)
+                slope = alibi[b, h] if ALIBI else float32(0.0)  # this step's query head's
+                E.probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, WINDOW, SOFTCAP, softcap_log2, ALIBI, slope,
+                          diags, row0, pt_s, ds_s)
                 if P_IN_SMEM:
                     cuda.syncthreads()  # P^T, dS^T of every entry are in shared memory
                 E.dv_update(s, pt_s, do_s, dv_acc, scratch)  # FA-2 line 12 (Alg. 4 line 16): dV_j += P_ij^T dO_i
@@ -210,7 +217,7 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False):
 
 
 @kernel_factory
-def dq_kernel(engine, window, softcap: bool = False):
+def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
     """dQ without atomics (``deterministic=True``) on ``engine`` (``bwd.ffma_dq_engine``,
     ``tc_bwd.mma_dq_engine``; memoised): one
     block per (Q tile, batch, head) walks the K/V tiles it sees -- the forward's loop order, Q
@@ -231,8 +238,9 @@ def dq_kernel(engine, window, softcap: bool = False):
         the walk's steps from 0, ``col0`` is the tile's first key.
     ``scores(af, a_s, b_s, out, scratch)``: S = Q_i K_j^T, dP = dO_i V_j^T.
     ``after_scores(v, b, hk, col0, j, n_walk, n_k, v_s)``: a prefetching engine issues V_{j+1}.
-    ``dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, col0, ds_s)``:
-    dS = P (dP - D) (times the soft cap's slope when ``capped``).
+    ``dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, biased, slope, diags,
+    col0, ds_s)``: dS = P (dP - D) (times the soft cap's slope when ``capped``; P with ALiBi's bias
+    when ``biased``: ``slope`` the head's, ``diags`` each row's diagonal key from ``row_alibi``).
     ``dq_step(dp, ds_s, k_s, acc, scratch)``: dQ_i += dS K_j.
     ``write_dq(dq, b, h, row0, n_q, acc, scale)``, ``row_key_bounds``, ``zero``, ``wait_all``.
 
@@ -244,10 +252,10 @@ def dq_kernel(engine, window, softcap: bool = False):
     Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (layout.threads,)``, dynamic
     shared memory ``layout.smem_bytes``. Arguments: ``q, do (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``,
     ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D)`` out, ``scale`` (float32), ``softcap_log2``
-    (float32; read when ``softcap``, as in :func:`kv_kernel`).
+    (float32; read when ``softcap``, as in :func:`kv_kernel`), ``alibi`` (read when ``alibi``, as there).
     """
     E = engine
-    WINDOW, SOFTCAP = window_of(window), bool(softcap)
+    WINDOW, SOFTCAP, ALIBI = window_of(window), bool(softcap), bool(alibi)
     BM, BN = E.block_m, E.block_n
     ELEM, DOUBLE_K, DS_IN_SMEM = E.ELEM, E.DOUBLE_K, E.DS_IN_SMEM
     S_SHAPE, ACC_SHAPE, AF_SHAPE, STAT_ROWS, SCRATCH = E.s_shape, E.acc_shape, E.af_shape, E.stat_rows, E.scratch_floats
@@ -255,7 +263,7 @@ def dq_kernel(engine, window, softcap: bool = False):
     K0_TILE, K1_TILE = E.k_tiles
 
     @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2):
+    def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_k = k.shape[2]
         group = n_heads // k.shape[1]
@@ -281,9 +289,13 @@ def dq_kernel(engine, window, softcap: bool = False):
         dd = cuda.local.array(STAT_ROWS, float32)
         first_keys = cuda.local.array(STAT_ROWS, int32)  # each row's visible keys [first, last] (first: a left edge only)
         last_keys = cuda.local.array(STAT_ROWS, int32)
+        slopes = cuda.local.array(STAT_ROWS, float32)  # ALiBi: each row's slope (the head's) and diagonal key
+        diags = cuda.local.array(STAT_ROWS, int32)
 
         E.row_stats(lse, dvec, b, h, row0, n_q, l2, dd)  # (engines that keep L_i, D_i in registers)
         E.row_key_bounds(row0, n_q, n_k, WINDOW, first_keys, last_keys, 1)
+        if ALIBI:
+            E.row_alibi(alibi, b, h, row0, n_q, n_k, 1, slopes, diags)
         row_last = min(row0 + BM, n_q) - 1
         first_row_last_key = mask.last_visible_key(row0, n_q, n_k, WINDOW)
         last_row_first_key = mask.first_visible_key(row_last, n_q, n_k, WINDOW)
@@ -305,8 +317,8 @@ def dq_kernel(engine, window, softcap: bool = False):
             E.scores(dof, do_s, v_s, dp, scratch)  # line 13: dP_ij = dO_i V_j^T
             E.after_scores(v, b, hk, col0, j, n_walk, n_k, v_s)
             masked = mask.tile_needs_mask(col0, BN, first_row_last_key, last_row_first_key, WINDOW)
-            E.dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, WINDOW, SOFTCAP, softcap_log2, col0,
-                      ds_s)  # lines 11, 14: P, dS = P (dP - D)
+            E.dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, WINDOW, SOFTCAP, softcap_log2, ALIBI,
+                      slopes[0], diags, col0, ds_s)  # lines 11, 14: P, dS = P (dP - D)
             if DS_IN_SMEM:
                 cuda.syncthreads()  # dS_ij is in shared memory
             E.dq_step(dp, ds_s, k_s, acc, scratch)  # line 15: dQ_i += dS_ij K_j (scale at the end), on chip

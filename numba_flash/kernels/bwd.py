@@ -184,7 +184,7 @@ def bwd_ops(head_dim: int, block: int):
         N_STATS = TN if key_rows else TM  # L and D of each column (key rows) or row (query rows)
 
         @device_jit
-        def probs(s, dp, stats, base, masked, lo, hi, window, capped, cap, col0, p_s, ds_s):
+        def probs(s, dp, stats, base, masked, lo, hi, window, capped, cap, biased, slope, diags, col0, p_s, ds_s):
             tx = ops.thread_col()
             l2 = cuda.local.array(N_STATS, float32)
             dd = cuda.local.array(N_STATS, float32)
@@ -202,13 +202,15 @@ def bwd_ops(head_dim: int, block: int):
                     c = tx + TX * j
                     stat = j if key_rows else i
                     x = s[i, j]
-                    slope = float32(1.0)
+                    cap_slope = float32(1.0)
                     if capped:  # the forward's soft cap (score_mods), and its slope for dS
-                        x, slope = soft_cap_with_slope(x, cap)
+                        x, cap_slope = soft_cap_with_slope(x, cap)
+                    if biased:  # the forward's ALiBi bias (a constant of the score: no factor in dS)
+                        x += score_mods.alibi_bias(slope, diags[i], col0 + c)
                     p = math.exp2(x - l2[stat])  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
                     ds = p * (dp[i, j] - dd[stat])  # FA-2 line 14 (Alg. 4 line 20)
                     if capped:
-                        ds *= slope
+                        ds *= cap_slope
                     if masked:
                         if key_rows:
                             hidden = mask.query_hidden(col0 + c, lo[i], hi[i], window)
@@ -237,6 +239,13 @@ def bwd_ops(head_dim: int, block: int):
                 last_q[i] = mask.last_visible_query(key, n_q, n_k, window)
 
     @device_jit
+    def key_diagonals(col0, n_q, n_k, diags):
+        """ALiBi: the query on each of this thread's key rows' diagonal (``key - (Nk - Nq)``;
+        ``score_mods.alibi_bias`` measures a query's distance from it)."""
+        for i in range(TM):
+            diags[i] = col0 + ops.thread_row(i) - (n_k - n_q)
+
+    @device_jit
     def write_rows(x, b, h, row0, n_valid, acc, factor):
         """This thread's rows (``thread_row``) and columns (``out_col``) of ``acc`` times
         ``factor`` -> ``x[b, h]`` (rows below ``n_valid``, d < D)."""
@@ -252,6 +261,7 @@ def bwd_ops(head_dim: int, block: int):
     ns = ModuleType(f"numba_flash.kernels.bwd_ops_d{D}_b{B}")
     for name, func in dict(load_row_stats=load_row_stats, rowdot_tile=rowdot_tile, probs_key_rows=probs_key_rows,
                            dscores_query_rows=dscores_query_rows, key_bounds=key_bounds,
+                           key_diagonals=key_diagonals,
                            write_rows=write_rows).items():
         setattr(ns, name, func)
     ns.tile = ops
@@ -316,8 +326,10 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
         ops.score_tile(a_s, b_s, out)
 
     @device_jit
-    def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, row0, pt_s, ds_s):
-        bops.probs_key_rows(s, dp, stats, base, masked, first_q, last_q, window, capped, cap, row0, pt_s, ds_s)
+    def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, biased, slope, diags, row0,
+                pt_s, ds_s):
+        bops.probs_key_rows(s, dp, stats, base, masked, first_q, last_q, window, capped, cap, biased, slope, diags, row0,
+                            pt_s, ds_s)
 
     @device_jit
     def dv_update(s, pt_s, do_s, acc, scratch):
@@ -362,7 +374,7 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
     for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=no_load_step, read_stats=no_read_stats,
                            write_stats=no_write_stats, commit=_nothing, wait_all=_nothing, kv_frags=no_frags,
                            rowdot=bops.rowdot_tile, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update,
-                           dk_update=dk_update, dq_update=dq_update, key_bounds=bops.key_bounds, zero=ops.zero,
+                           dk_update=dk_update, dq_update=dq_update, key_bounds=bops.key_bounds, key_diagonals=bops.key_diagonals, zero=ops.zero,
                            write_grad=bops.write_rows, dk_factor=dk_factor).items():
         setattr(engine, name, func)
     engine.order, engine.block_m, engine.block_n, engine.layout, engine.ELEM = order, B, B, lay, float32
@@ -377,7 +389,8 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
     return engine
 
 
-def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool = True, softcap: bool = False):
+def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool = True, softcap: bool = False,
+               alibi: bool = False):
     """The CUDA-core dK/dV (and dQ) kernel of one loop order: ``kernels.backward.kv_kernel`` on
     :func:`ffma_bwd_engine` (memoised there).
 
@@ -388,12 +401,13 @@ def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool =
     ``"fa2"`` only, FA-1 computes it: any float32 array of that shape will do), ``dq (B,H,Nq,D)
     float32``, zeroed before the launch and accumulated into (atomically for ``"fa2"``;
     untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D)`` out, ``scale`` (float32),
-    ``softcap_log2`` (float32; read with ``softcap``).
+    ``softcap_log2`` (float32; read with ``softcap``), ``alibi`` ((B, H) float32 slopes times
+    log2(e); read with ``alibi``).
     """
     from numba_flash.kernels.backward import kv_kernel
 
     return kv_kernel(ffma_bwd_engine(order, int(head_dim), int(block)), window_of(window), bool(compute_dq),
-                     bool(softcap))
+                     bool(softcap), bool(alibi))
 
 
 @functools.lru_cache(maxsize=None)
@@ -435,8 +449,10 @@ def ffma_dq_engine(head_dim: int, block: int):
         pass
 
     @device_jit
-    def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, col0, ds_s):
-        bops.dscores_query_rows(s, dp, stats, 0, masked, first_keys, last_keys, window, capped, cap, col0, ds_s, ds_s)
+    def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, biased, slope, diags,
+                col0, ds_s):
+        bops.dscores_query_rows(s, dp, stats, 0, masked, first_keys, last_keys, window, capped, cap, biased, slope, diags,
+                                col0, ds_s, ds_s)
 
     @device_jit
     def dq_step(dp, ds_s, k_s, acc, scratch):
@@ -453,6 +469,7 @@ def ffma_dq_engine(head_dim: int, block: int):
     engine = ModuleType(f"numba_flash.kernels.ffma_dq_engine_d{D}_b{B}")
     for name, func in dict(row_stats=no_row_stats, start=start, before_scores=before_scores, scores=scores, after_scores=after_scores,
                            dscores=dscores, dq_step=dq_step, write_dq=write_dq, row_key_bounds=ops.row_key_bounds,
+                           row_alibi=ops.row_alibi,
                            zero=ops.zero, wait_all=_nothing).items():
         setattr(engine, name, func)
     engine.block_m, engine.block_n, engine.layout, engine.ELEM = B, B, lay, float32
@@ -465,18 +482,19 @@ def ffma_dq_engine(head_dim: int, block: int):
     return engine
 
 
-def bwd_dq_kernel(head_dim: int, block: int, window, softcap: bool = False):
+def bwd_dq_kernel(head_dim: int, block: int, window, softcap: bool = False, alibi: bool = False):
     """dQ without atomics (``deterministic=True``) on CUDA cores: ``kernels.backward.dq_kernel``
     on :func:`ffma_dq_engine` (memoised there).
 
     Launch: ``grid = (ceil(Nq / block) * B * H,)``, ``block = (bwd_layout("dq", ...).threads,)``,
     dynamic shared memory ``bwd_layout("dq", head_dim, block).smem_bytes``. Arguments: ``q, do
     (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``, ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D)`` out
-    (any float dtype), ``scale`` (float32), ``softcap_log2`` (float32; read with ``softcap``).
+    (any float dtype), ``scale`` (float32), ``softcap_log2`` (float32; read with ``softcap``),
+    ``alibi`` (read with ``alibi``).
     """
     from numba_flash.kernels.backward import dq_kernel
 
-    return dq_kernel(ffma_dq_engine(int(head_dim), int(block)), window_of(window), bool(softcap))
+    return dq_kernel(ffma_dq_engine(int(head_dim), int(block)), window_of(window), bool(softcap), bool(alibi))
 
 
 @kernel_factory

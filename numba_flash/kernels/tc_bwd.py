@@ -394,6 +394,12 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
                 last_q[i] = mask.last_visible_query(key, n_q, n_k, window)
 
     @device_jit
+    def key_diagonals(col0, n_q, n_k, diags):
+        """ALiBi: the query on the diagonal of each of this lane's keys (``key - (Nk - Nq)``)."""
+        for i in range(2):
+            diags[i] = col0 + ops.thread_row(i) - (n_k - n_q)
+
+    @device_jit
     def read_stats(lse, dvec, b, h, row0, n_q, nxt):
         """L (log2 units; +inf past Nq and for rows that see no key) and D of the rows this
         thread stores, into registers (``nxt``), for the next step."""
@@ -439,7 +445,8 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
             load_q_rows(o, b, h, row0, n_q, o_s)
 
     @device_jit
-    def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, row0, pt_s, ds_s):
+    def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, biased, slope, diags, row0,
+                pt_s, ds_s):
         """In place: S^T -> P^T = exp2(S^T scale log2 e - L) (FA-2 line 11, Alg. 4 line 13),
         dP^T -> dS^T = P^T (dP^T - D) (FA-2 line 14, Alg. 4 line 20); L and D of each column
         (query) from shared memory; hidden entries P = dS = 0."""
@@ -448,13 +455,15 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
             for e in range(4):
                 c = 8 * nt + 2 * t + (e & 1)  # the query (column) of this accumulator
                 x = s[nt, e] * q_scale
-                slope = float32(1.0)
+                cap_slope = float32(1.0)
                 if capped:  # the forward's soft cap (score_mods), and its slope for dS
-                    x, slope = soft_cap_with_slope(x, cap)
+                    x, cap_slope = soft_cap_with_slope(x, cap)
+                if biased:  # the forward's ALiBi bias (diags: the query on each key row's diagonal)
+                    x += score_mods.alibi_bias(slope, diags[e >> 1], row0 + c)
                 p = math.exp2(x - stats[base + c])
                 ds = p * (dp[nt, e] - stats[base + BM + c])
                 if capped:
-                    ds *= slope
+                    ds *= cap_slope
                 if masked and mask.query_hidden(row0 + c, first_q[e >> 1], last_q[e >> 1], window):
                     p = float32(0.0)
                     ds = float32(0.0)
@@ -646,7 +655,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=load_step, read_stats=read_stats,
                            write_stats=write_stats, commit=ops.commit, wait_all=ops.wait_all, kv_frags=kv_frags,
                            rowdot=rowdot, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update, dk_update=dk_update,
-                           dq_update=dq_update, key_bounds=key_bounds, zero=ops.zero, write_grad=write_grad,
+                           dq_update=dq_update, key_bounds=key_bounds, key_diagonals=key_diagonals, zero=ops.zero, write_grad=write_grad,
                            dk_factor=dk_factor).items():
         setattr(engine, name, func)
     engine.order, engine.block_m, engine.block_n, engine.layout, engine.ELEM = order, BM, BN, lay, ELEM
@@ -665,7 +674,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
 
 
 def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, window,
-                  compute_dq: bool = True, vector_red: bool = True, softcap: bool = False):
+                  compute_dq: bool = True, vector_red: bool = True, softcap: bool = False, alibi: bool = False):
     """The dK/dV (and dQ) kernel of one loop order on tensor cores: ``kernels.backward.kv_kernel``
     on :func:`mma_bwd_engine` (memoised there).
 
@@ -683,7 +692,7 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     from numba_flash.kernels.backward import kv_kernel
 
     engine = mma_bwd_engine(order, kind, int(head_dim), int(block_m), int(block_n), bool(vector_red))
-    return kv_kernel(engine, window_of(window), bool(compute_dq), bool(softcap))
+    return kv_kernel(engine, window_of(window), bool(compute_dq), bool(softcap), bool(alibi))
 
 
 @functools.lru_cache(maxsize=None)
@@ -752,17 +761,20 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
             ops.commit()
 
     @device_jit
-    def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, col0, ds_s):
+    def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, biased, slope, diags,
+                col0, ds_s):
         for nt in range(NS):  # P = exp2(S scale log2 e - L), dS = P (dP - D), in place
             for e in range(4):
                 x = s[nt, e] * q_scale
-                slope = float32(1.0)
+                cap_slope = float32(1.0)
                 if capped:
-                    x, slope = soft_cap_with_slope(x, cap)
+                    x, cap_slope = soft_cap_with_slope(x, cap)
+                if biased:  # (diags: each query row's diagonal key)
+                    x += score_mods.alibi_bias(slope, diags[e >> 1], col0 + ops.col_of(nt, e))
                 p = math.exp2(x - l2[e >> 1])
                 ds = p * (dp[nt, e] - dd[e >> 1])
                 if capped:
-                    ds *= slope
+                    ds *= cap_slope
                 if masked and mask.key_hidden(col0 + ops.col_of(nt, e), first_keys[e >> 1], last_keys[e >> 1], window):
                     ds = float32(0.0)
                 dp[nt, e] = ds
@@ -786,7 +798,8 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
     engine = ModuleType(f"numba_flash.kernels.mma_dq_engine_{kind}_d{D}_m{BM}_n{BN}")
     for name, func in dict(row_stats=row_stats, start=start, before_scores=before_scores, scores=scores,
                            after_scores=after_scores, dscores=dscores, dq_step=dq_step, write_dq=write_dq,
-                           row_key_bounds=ops.row_key_bounds, zero=ops.zero, wait_all=ops.wait_all).items():
+                           row_key_bounds=ops.row_key_bounds, row_alibi=ops.row_alibi, zero=ops.zero,
+                           wait_all=ops.wait_all).items():
         setattr(engine, name, func)
     engine.block_m, engine.block_n, engine.layout, engine.ELEM = BM, BN, lay, ELEM
     engine.DOUBLE_K, engine.DS_IN_SMEM = True, False
@@ -798,15 +811,18 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
     return engine
 
 
-def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window, softcap: bool = False):
+def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window, softcap: bool = False,
+                     alibi: bool = False):
     """dQ without atomics on tensor cores (``deterministic=True``): ``kernels.backward.dq_kernel``
     on :func:`mma_dq_engine` (memoised there).
 
     Launch: ``grid = (ceil(Nq / block_m) * B * H,)``, ``block = (layout.threads,)``, dynamic
     shared memory ``layout.smem_bytes``. Arguments: ``q, do (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``
     uint16 bit patterns, ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D) float32`` out,
-    ``scale`` (float32).
+    ``scale`` (float32), ``softcap_log2`` (float32; read with ``softcap``), ``alibi`` ((B, H) float32
+    slopes times log2(e); read with ``alibi``).
     """
     from numba_flash.kernels.backward import dq_kernel
 
-    return dq_kernel(mma_dq_engine(kind, int(head_dim), int(block_m), int(block_n)), window_of(window), bool(softcap))
+    return dq_kernel(mma_dq_engine(kind, int(head_dim), int(block_m), int(block_n)), window_of(window), bool(softcap),
+                     bool(alibi))
