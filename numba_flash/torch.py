@@ -14,11 +14,12 @@ break), and ``attention``'s gradient is registered with the operator
 The operators, in the ``numba_flash`` namespace (``torch.ops.numba_flash.*``):
 
 ==========================  ===============================================================
-``attention_forward``       ``(q, k, v, causal, scale, algorithm, window_size, softcap) -> (o, lse)``
-``attention_backward``      ``(do, q, k, v, o, lse, causal, scale, algorithm, window_size, softcap)
-                            -> (dq, dk, dv)``
+``attention_forward``       ``(q, k, v, causal, scale, algorithm, window_size, softcap, alibi_slopes)
+                            -> (o, lse)``
+``attention_backward``      ``(do, q, k, v, o, lse, causal, scale, algorithm, window_size, softcap,
+                            alibi_slopes) -> (dq, dk, dv)``
 ``decode``                  ``(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size,
-                            softcap) -> (o, lse)``
+                            softcap, alibi_slopes) -> (o, lse)``
 ==========================  ===============================================================
 
 They launch on PyTorch's current stream, so they can be captured in CUDA graphs (what may not
@@ -56,10 +57,11 @@ def _window(causal, window_size) -> list:
     return [int(window_size[0]), int(window_size[1])]
 
 
-def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-1, -1), softcap=0.0):
+def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """Differentiable attention over torch CUDA tensors, returning ``o``.
 
-    Shapes, dtypes, the causal mask and ``window_size`` (bottom-right aligned), ``softcap``, ``scale``
+    Shapes, dtypes, the causal mask and ``window_size`` (bottom-right aligned), ``softcap``,
+    ``alibi_slopes`` (a float32 tensor on q's device; no gradient), ``scale``
     (default ``1 / sqrt(D)``) and ``algorithm`` (``"fa1"`` or ``"fa2"``) are those of
     :func:`numba_flash.attention`:
     q (B, H, Nq, D), k and v (B, Hkv, Nk, D) with ``H % Hkv == 0``; ``o`` has q's shape and
@@ -68,23 +70,23 @@ def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-
     of the inputs' dtypes (those of a GQA kv head summed over its query heads; rows that see
     no key give zero gradients).
     """
-    _check_tensors(q=q, k=k, v=v)
+    _check_tensors(q=q, k=k, v=v, **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}))
     o, _ = _OPS.attention_forward(q, k, v, bool(causal), None if scale is None else float(scale), str(algorithm),
-                                  _window(causal, window_size), softcap_value(softcap))
+                                  _window(causal, window_size), softcap_value(softcap), alibi_slopes)
     return o
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False,
-           window_size=(-1, -1), softcap=0.0):
+           window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
     """:func:`numba_flash.decode` on torch CUDA tensors as a custom operator (no gradient):
     ``o``, or ``(o, lse)`` with ``return_lse``. ``cache_seqlens``: ``None``, an int32 tensor
     ``(B,)`` on q's device, or a list of ints (made such a tensor)."""
-    _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache)
+    _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache, **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}))
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int32, device=q.device)
     o, lse = _OPS.decode(q, k_cache, v_cache, cache_seqlens, bool(causal), None if scale is None else float(scale),
                          None if num_splits is None else int(num_splits), _window(causal, window_size),
-                         softcap_value(softcap))
+                         softcap_value(softcap), alibi_slopes)
     return (o, lse) if return_lse else o
 
 
@@ -94,56 +96,56 @@ def _register():
 
     @custom_op("numba_flash::attention_forward", mutates_args=(),
                schema="(Tensor q, Tensor k, Tensor v, bool causal, float? scale, str algorithm, int[] window_size, "
-                      "float softcap) -> (Tensor, Tensor)")
-    def attention_forward(q, k, v, causal, scale, algorithm, window_size, softcap):
+                      "float softcap, Tensor? alibi_slopes) -> (Tensor, Tensor)")
+    def attention_forward(q, k, v, causal, scale, algorithm, window_size, softcap, alibi_slopes):
         from numba_flash.api import forward
 
         return forward(q, k, v, causal=causal, scale=scale, algorithm=algorithm, window_size=tuple(window_size),
-                       softcap=softcap)
+                       softcap=softcap, alibi_slopes=alibi_slopes)
 
     @attention_forward.register_fake
-    def _(q, k, v, causal, scale, algorithm, window_size, softcap):
+    def _(q, k, v, causal, scale, algorithm, window_size, softcap, alibi_slopes):
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     @custom_op("numba_flash::attention_backward", mutates_args=(),
                schema="(Tensor do, Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, bool causal, float? scale, "
-                      "str algorithm, int[] window_size, float softcap) -> (Tensor, Tensor, Tensor)")
-    def attention_backward(do, q, k, v, o, lse, causal, scale, algorithm, window_size, softcap):
+                      "str algorithm, int[] window_size, float softcap, Tensor? alibi_slopes) -> (Tensor, Tensor, Tensor)")
+    def attention_backward(do, q, k, v, o, lse, causal, scale, algorithm, window_size, softcap, alibi_slopes):
         from numba_flash.backward import attention_backward as gradients
 
         return gradients(do.contiguous(), q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm,
-                         window_size=tuple(window_size), softcap=softcap)
+                         window_size=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes)
 
     @attention_backward.register_fake
-    def _(do, q, k, v, o, lse, causal, scale, algorithm, window_size, softcap):
+    def _(do, q, k, v, o, lse, causal, scale, algorithm, window_size, softcap, alibi_slopes):
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)  # (contiguous, as the kernels write them)
 
     def setup_context(ctx, inputs, output):
-        q, k, v, causal, scale, algorithm, window_size, softcap = inputs
+        q, k, v, causal, scale, algorithm, window_size, softcap, alibi_slopes = inputs
         o, lse = output
-        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
         ctx.causal, ctx.scale, ctx.algorithm, ctx.window_size, ctx.softcap = causal, scale, algorithm, window_size, softcap
         ctx.mark_non_differentiable(lse)
 
     def backward(ctx, do, _dlse):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, alibi_slopes = ctx.saved_tensors
         dq, dk, dv = torch.ops.numba_flash.attention_backward(do, q, k, v, o, lse, ctx.causal, ctx.scale, ctx.algorithm,
-                                                              ctx.window_size, ctx.softcap)
-        return dq, dk, dv, None, None, None, None, None
+                                                              ctx.window_size, ctx.softcap, alibi_slopes)
+        return dq, dk, dv, None, None, None, None, None, None  # (no gradient for the slopes, as FlashAttention)
 
     attention_forward.register_autograd(backward, setup_context=setup_context)
 
     @custom_op("numba_flash::decode", mutates_args=(),
                schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, bool causal, float? scale, "
-                      "int? num_splits, int[] window_size, float softcap) -> (Tensor, Tensor)")
-    def decode_op(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap):
+                      "int? num_splits, int[] window_size, float softcap, Tensor? alibi_slopes) -> (Tensor, Tensor)")
+    def decode_op(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap, alibi_slopes):
         from numba_flash.decoding import decode as run
 
         return run(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=causal, scale=scale, num_splits=num_splits,
-                   return_lse=True, window_size=tuple(window_size), softcap=softcap)
+                   return_lse=True, window_size=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes)
 
     @decode_op.register_fake
-    def _(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap):
+    def _(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap, alibi_slopes):
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     return torch.ops.numba_flash

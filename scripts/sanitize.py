@@ -101,18 +101,20 @@ def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, 
     return cases
 
 
-MASKS = (((5, 3), False, 0.0), ((4, -1), True, 0.0), ((-1, 6), False, 0.9), ((7, 0), False, 2.0))  # window, causal, cap
+MASKS = (((5, 3), False, 0.0, False), ((4, -1), True, 0.0, False), ((-1, 6), False, 0.9, False),
+         ((7, 0), False, 2.0, False), ((-1, -1), True, 0.0, True), ((6, 2), False, 1.5, True))  # window, causal, cap, ALiBi
 
 
 def _mask_cases(xp):
-    """Sliding windows (narrower than a tile, one-sided, with causal) and softcap through every
+    """Sliding windows (narrower than a tile, one-sided, with causal), softcap and ALiBi through every
     kernel path: the forward in both loop orders on CUDA cores (float32), tensor cores (float16)
     and tf32x3, FA-2 split in 3, ragged decode, and the backward (FA-1, FA-2, FA-2 deterministic;
     float32 and float16 on tensor cores), D 40, on the awkward lengths."""
     cases = []
-    for window, causal, cap in MASKS:
-        tag = f"w{window[0]}_{window[1]}{'-causal' if causal else ''}{f'-cap{cap}' if cap else ''}"
-        extra = dict(causal=causal, window_size=window, softcap=cap, head_dim=40)
+    for window, causal, cap, alibi in MASKS:
+        tag = (f"w{window[0]}_{window[1]}{'-causal' if causal else ''}{f'-cap{cap}' if cap else ''}"
+               f"{'-alibi' if alibi else ''}")
+        extra = dict(causal=causal, window_size=window, softcap=cap, alibi=alibi, head_dim=40)
         for n_q, n_k in ((17, 33), (33, 17), (1, 33)):
             for algorithm in ALGORITHMS:
                 for dtype, precision in (("float32", "ieee"), ("float16", None), ("float32", "tf32x3")):
@@ -131,14 +133,20 @@ def _mask_cases(xp):
                     label = algorithm + ("-deterministic" if deterministic else "")
                     cases.append((f"mask-{tag}-backward-{label}-{dtype}-Nq{n_q}-Nk{n_k}", _backward_case(spec, xp)))
         for dtype in ("float32", "float16"):
-            spec = dict(dtype=dtype, n_q=3, window_size=window, causal=causal, softcap=cap, head_dim=40)
+            spec = dict(dtype=dtype, n_q=3, window_size=window, causal=causal, softcap=cap, alibi=alibi, head_dim=40)
             cases.append((f"mask-{tag}-decode-{dtype}-Nq3-ragged", _decode_case(spec, xp)))
     return cases
 
 
-def _mods(spec) -> dict:
-    """A case's mask and score modifications, as attention and the reference take them."""
-    return dict(causal=spec["causal"], window_size=spec.get("window_size", (-1, -1)), softcap=spec.get("softcap", 0.0))
+def _mods(spec, arrays=None) -> dict:
+    """A case's mask and score modifications, as attention and the reference take them (ALiBi's
+    slopes, one per query head, of library ``arrays``: NumPy by default)."""
+    import numpy as np
+
+    mods = dict(causal=spec["causal"], window_size=spec.get("window_size", (-1, -1)), softcap=spec.get("softcap", 0.0))
+    if spec.get("alibi"):
+        mods["alibi_slopes"] = (arrays or np).asarray(np.linspace(0.1, 0.8, HEADS, dtype=np.float32))
+    return mods
 
 
 def _variant_cases(xp):
@@ -194,8 +202,8 @@ def _backward_case(spec, xp):
         shapes = ((BATCH, HEADS, spec["n_q"], spec["head_dim"]), (BATCH, KV_HEADS, spec["n_k"], spec["head_dim"]))
         host = [rng.standard_normal(s).astype(spec["dtype"]) for s in (shapes[0], shapes[1], shapes[1], shapes[0])]
         q, k, v, do = (arrays.asarray(x) for x in host)
-        o, lse = forward(q, k, v, precision="ieee", **_mods(spec))
-        kw = dict(algorithm=spec["algorithm"], deterministic=spec["deterministic"], **_mods(spec))
+        o, lse = forward(q, k, v, precision="ieee", **_mods(spec, arrays))
+        kw = dict(algorithm=spec["algorithm"], deterministic=spec["deterministic"], **_mods(spec, arrays))
         if spec["precision"] is None:  # the public function (tests patch it)
             grads = backward.attention_backward(do, q, k, v, o, lse, **kw)
         else:
@@ -249,7 +257,7 @@ def _decode_case(spec, xp):
         for x in host[1:]:
             x[1, :, 23:] = np.nan  # past the valid length: never read
         q, k, v = (arrays.asarray(x) for x in host)
-        o = numba_flash.decode(q, k, v, cache_seqlens=arrays.asarray(lens), num_splits=3, **_mods(spec))
+        o = numba_flash.decode(q, k, v, cache_seqlens=arrays.asarray(lens), num_splits=3, **_mods(spec, arrays))
         if arrays is not np:
             arrays.cuda.Device().synchronize()
         got = o.get() if hasattr(o, "get") else np.asarray(o)
@@ -279,7 +287,7 @@ def _case(spec, xp):
         lse = arrays.full(q.shape[:3], np.nan, dtype=np.float32)
         forward(q, k, v, algorithm=spec["algorithm"], block_m=spec["block_m"],
                 block_n=spec["block_n"], precision=spec["precision"], out=out, lse_out=lse,
-                num_splits=spec.get("num_splits"), variant=spec.get("variant"), **_mods(spec))
+                num_splits=spec.get("num_splits"), variant=spec.get("variant"), **_mods(spec, arrays))
         if arrays is not np:
             arrays.cuda.Device().synchronize()
         got = out.get() if hasattr(out, "get") else np.asarray(out)

@@ -262,26 +262,26 @@ def backward_configs():
     from numba_flash.kernels import bwd, tc_bwd
 
     f4, f3, f = types.Array(types.float32, 4, "C"), types.Array(types.float32, 3, "C"), types.float32
-    u4 = types.Array(types.uint16, 4, "C")
+    f2, u4 = types.Array(types.float32, 2, "C"), types.Array(types.uint16, 4, "C")
     for d in (64, 128):
         for causal in (False, True):
             c = "causal" if causal else "full"
             block = tile_table.backward_block(d)
-            kv_sig = (f4,) * 5 + (f3, f3, f4, f4, f4, f, f)  # ..., scale, softcap_log2
+            kv_sig = (f4,) * 5 + (f3, f3, f4, f4, f4, f, f, f2)  # ..., scale, softcap_log2, alibi
             yield f"bwd-ieee-fa2-d{d}-{c}", Raw(bwd.bwd_kernel("fa2", d, block, causal, True), kv_sig)
             yield f"bwd-ieee-fa2det-d{d}-{c}", Raw(bwd.bwd_kernel("fa2", d, block, causal, False), kv_sig)
             yield f"bwd-ieee-fa1-d{d}-{c}", Raw(bwd.bwd_kernel("fa1", d, block, causal, True), kv_sig)
-            yield f"bwd-ieee-dq-d{d}-{c}", Raw(bwd.bwd_dq_kernel(d, block, causal), (f4,) * 4 + (f3, f3, f4, f, f))
+            yield f"bwd-ieee-dq-d{d}-{c}", Raw(bwd.bwd_dq_kernel(d, block, causal), (f4,) * 4 + (f3, f3, f4, f, f, f2))
             for kind in ("f16", "bf16", "tf32x3"):
                 x4 = u4 if kind in tc_bwd.HALF_KINDS else f4
-                kv = (x4,) * 5 + (f3, f3, f4, x4, x4, f, f)
+                kv = (x4,) * 5 + (f3, f3, f4, x4, x4, f, f, f2)
                 bm, bn = tile_table.backward_tc_tiles(d, kind)
                 for order, dq in (("fa2", True), ("fa2", False), ("fa1", True)):
                     yield f"bwd-{kind}-{order}{'' if dq else 'det'}-d{d}-{c}", Raw(
                         tc_bwd.tc_bwd_kernel(order, kind, d, bm, bn, causal, dq), kv)
                 dm, dn = tc_bwd.dq_kernel_tiles(bm, bn, kind)
                 yield f"bwd-{kind}-dq-d{d}-{c}", Raw(tc_bwd.tc_bwd_dq_kernel(kind, d, dm, dn, causal),
-                                                     (x4,) * 4 + (f3, f3, f4, f, f))
+                                                     (x4,) * 4 + (f3, f3, f4, f, f, f2))
 
 
 def combine_configs():
@@ -300,8 +300,8 @@ def combine_configs():
 
 
 def mask_configs():
-    """The forward with a sliding window and with softcap (issue 24), beside the plain kernels of
-    ``forward``: what a mask or a cap adds to the SASS."""
+    """The forward with a sliding window, with softcap and with ALiBi (issue 24), beside the plain
+    kernels of ``forward``: what a mask, a cap or a bias adds to the SASS."""
     from numba_flash.specs import kernel_spec
     from numba_flash.tile_table import forward_tc_tiles as default_tc_tiles
 
@@ -312,6 +312,8 @@ def mask_configs():
             for window, label in (((-1, -1), "full"), ((-1, 0), "causal")):
                 yield f"mask-tc-{kind}-fa2-d{d}-{label}-softcap", kernel_spec("fa2", d, dtype, bm, bn, window,
                                                                              regime=kind, softcap=True)
+                yield f"mask-tc-{kind}-fa2-d{d}-{label}-alibi", kernel_spec("fa2", d, dtype, bm, bn, window,
+                                                                           regime=kind, alibi=True)
 
 
 FAMILIES = {"forward": forward_configs, "decode": decode_configs, "variants": variant_configs,

@@ -229,13 +229,14 @@ def fa2_posing_as_fa1(head_dim, block_m, block_n, causal, permuted=False, cast_o
             grid, threads = config[:2]
 
             def launch(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
-                       softcap_log2):
+                       softcap_log2, alibi):
                 n_q_tiles = -(-q.shape[2] // block_m)
                 # FA-2 never reads the state arguments: fresh ones (the simulator copies every
                 # argument back after a launch, so passing the output twice would undo it)
                 unused4, unused3 = np.zeros((1, 1, 1, 1), np.float32), np.zeros((1, 1, 1), np.float32)
                 fa2[(n_q_tiles * grid[0],), threads](q, k, v, o if cast_out else o_hbm, lse, unused4, unused3, unused3,
-                                                     q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2)
+                                                     q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2,
+                                                     alibi)
 
             return launch
 

@@ -156,28 +156,33 @@ def test_backward_cases_check_their_gradients(sanitize, monkeypatch):
 
 
 def test_mask_cases_pass_their_masks_on(sanitize, monkeypatch):
-    """The mask cases (windows and softcap through every path; 176, run under compute-sanitizer on
-    the GPU) give the kernels the case's window and cap and check against the reference with the
-    same ones: a stand-in forward that computes what it is asked passes, one that drops the window
-    fails. (The kernels themselves, with windows and caps, are tests/host/test_windows.py's.)"""
+    """The mask cases (windows, softcap and ALiBi through every path; run under compute-sanitizer
+    on the GPU) give the kernels the case's window, cap and slopes and check against the reference
+    with the same ones: a stand-in forward that computes what it is asked passes, one that drops
+    the window, or the slopes, fails. (The kernels themselves are tests/host/test_windows.py's,
+    test_softcap.py's and test_alibi.py's.)"""
     from numba_flash import reference
 
     cases = dict(sanitize.build_cases(("ieee",), "default", xp=np, masks=True))
     assert len(cases) == len(sanitize.MASKS) * (3 * (2 * 3 + 2 + 3 * 2) + 2)  # forward, split, backward; decode
     import numba_flash.api as api
 
-    def stand_in(drop_window):
-        def forward(q, k, v, *, out, lse_out, window_size=(-1, -1), softcap=0.0, causal=False, **_):
-            window = (-1, -1) if drop_window else window_size
-            o, lse = reference.attention(q, k, v, causal=causal, window_size=window, softcap=softcap)
+    def stand_in(drop=None):
+        def forward(q, k, v, *, out, lse_out, window_size=(-1, -1), softcap=0.0, causal=False, alibi_slopes=None,
+                    **_):
+            window = (-1, -1) if drop == "window" else window_size
+            slopes = None if drop == "alibi" else alibi_slopes
+            o, lse = reference.attention(q, k, v, causal=causal, window_size=window, softcap=softcap,
+                                         alibi_slopes=slopes)
             out[...], lse_out[...] = o, lse
             return out, lse_out
 
         return forward
 
-    name = "mask-w5_3-fa2-float32-ieee-Nq17-Nk33"
-    monkeypatch.setattr(api, "forward", stand_in(False))
-    cases[name]()
-    monkeypatch.setattr(api, "forward", stand_in(True))
-    with pytest.raises(AssertionError, match="max"):
+    for name, drop in (("mask-w5_3-fa2-float32-ieee-Nq17-Nk33", "window"),
+                       ("mask-w-1_-1-causal-alibi-fa2-float32-ieee-Nq17-Nk33", "alibi")):
+        monkeypatch.setattr(api, "forward", stand_in())
         cases[name]()
+        monkeypatch.setattr(api, "forward", stand_in(drop))
+        with pytest.raises(AssertionError, match="max"):
+            cases[name]()
