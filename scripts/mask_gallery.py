@@ -3,7 +3,8 @@
     python scripts/mask_gallery.py [--seq 32768] [--heads 16] [--head-dim 128] [--dtype float16]
                                    [--backward] [--json out.json]
 
-For every entry (no mask, causal, sliding windows, tanh softcap), in one process on the GPU at hand:
+For every entry (no mask, causal, sliding windows, tanh softcap, ALiBi), in one process on the GPU
+at hand:
 
 1. correctness at a small shape (B1 H4 N1000, the entry's mask scaled to it) against float64
    torch with the same mask as a boolean matrix: FlashAttention's rule, the error at most twice a
@@ -13,8 +14,9 @@ For every entry (no mask, causal, sliding windows, tanh softcap), in one process
    warm-up, compilation excluded), TFLOP/s over the *visible* (query, key) pairs
    (4 * D * pairs; FLOPs the mask hides are not counted), and the cost rule of issue 24: the
    time over (visible fraction of the causal mask's pairs x the causal time), which the issue
-   wants at most 1.2 -- the cost follows the visible tiles; for the softcap entries, the time
-   over the same mask's without the cap (the issue: at most 1.1);
+   wants at most 1.2 -- the cost follows the visible tiles; for the score modifications (softcap,
+   ALiBi), ``mod_cost``: the time over the same mask's without the modification (the issue: at
+   most 1.1);
 3. peers in the same run: PyTorch SDPA with ``is_causal`` (its default backend: cuDNN or flash)
    for the causal entry, and with a dense boolean mask (its memory-efficient kernel: the only
    SDPA path that takes one) for every masked entry, so a mask's price in each library is on
@@ -35,7 +37,8 @@ import time
 
 def entries(n: int):
     """(name, numba_flash keyword arguments, (left, right) of the mask or None) at length n; the
-    softcap entries' cost is their time over the same mask's without the cap (issue 24: <= 1.1)."""
+    score modifications' cost is their time over the same mask's without them (issue 24: <= 1.1).
+    ``"alibi_slopes": "standard"`` stands for ALiBi's own slopes (:func:`standard_slopes`)."""
     w = n // 8
     return [
         ("no mask", {}, None),
@@ -44,7 +47,25 @@ def entries(n: int):
         (f"sliding window ({w // 2}, {w // 2})", {"window_size": (w // 2, w // 2)}, (w // 2, w // 2)),
         ("tanh softcap 50", {"softcap": 50.0}, None),
         ("causal, softcap 50", {"causal": True, "softcap": 50.0}, (-1, 0)),
+        ("ALiBi", {"alibi_slopes": "standard"}, None),
+        ("causal, ALiBi", {"causal": True, "alibi_slopes": "standard"}, (-1, 0)),
     ]
+
+
+MODS = ("softcap", "alibi_slopes")  # the score modifications (entries timed against the same mask without them)
+
+
+def standard_slopes(heads: int, torch):
+    """ALiBi's slopes (Press et al. 2022): the geometric sequence 2^(-8 h / H), h = 1..H."""
+    return torch.tensor([2.0 ** (-8.0 * (h + 1) / heads) for h in range(heads)], dtype=torch.float32, device="cuda")
+
+
+def resolved(kwargs: dict, heads: int, torch) -> dict:
+    """``kwargs`` with ``"standard"`` slopes made for ``heads`` query heads."""
+    out = dict(kwargs)
+    if out.get("alibi_slopes") == "standard":
+        out["alibi_slopes"] = standard_slopes(heads, torch)
+    return out
 
 
 def visible(window, n_q, n_k, torch, device):
@@ -74,12 +95,18 @@ def check(kwargs, window, dtype, backward, seq, torch) -> str:
     seen, _ = visible(win, n, n, torch, "cuda")
 
     cap = kwargs.get("softcap", 0.0)
+    scaled = resolved(scaled, 4, torch)
+    slopes = scaled.get("alibi_slopes")
 
     def plain(t):
         qq, kk, vv = (x.detach().to(t).requires_grad_(backward) for x in (q, k, v))
         s = (qq @ kk.transpose(-1, -2)) / 8.0
         if cap:
             s = cap * torch.tanh(s / cap)
+        if slopes is not None:
+            i = torch.arange(n, device="cuda")[:, None]
+            j = torch.arange(n, device="cuda")[None, :]
+            s = s - slopes.to(t)[None, :, None, None] * (i - j).abs().to(t)
         p = torch.softmax(s.masked_fill(~seen, -math.inf).float(), dim=-1).nan_to_num(0.0).to(t)
         return (qq, kk, vv), p @ vv
 
@@ -147,15 +174,16 @@ def main(argv=None) -> int:
     for name, kwargs, window in entries(n):
         t0 = time.time()
         status = check(kwargs, window, args.dtype, args.backward, n, torch)
+        kwargs = resolved(kwargs, args.heads, torch)
         pairs = _pairs(window, n)
         ms = median_ms(lambda kw=kwargs: numba_flash.attention(q, k, v, **kw), torch)
         row = dict(mask=name, check=status, ms=ms, visible=pairs / (n * n),
                    tflops=4 * args.head_dim * args.heads * pairs / ms / 1e9)
-        capped = "softcap" in kwargs
+        capped = any(m in kwargs for m in MODS)
         if name == "causal":
             causal_ms = ms
-        if capped:  # issue 24: softcap within 10% of the same call without it
-            row["softcap_cost"] = ms / uncapped_ms[window]
+        if capped:  # issue 24: softcap and ALiBi within 10% of the same call without them
+            row["mod_cost"] = ms / uncapped_ms[window]
         else:
             uncapped_ms[window] = ms
             if causal_ms is not None and window is not None:  # issue 24: <= 1.2
@@ -177,7 +205,7 @@ def main(argv=None) -> int:
         rows.append(row)
         print(f"[{time.time() - t0:6.1f} s] {json.dumps(row)}", file=sys.stderr, flush=True)
     print(f"\nB1 H{args.heads} N{n} D{args.head_dim} {args.dtype} ({torch.cuda.get_device_name()})\n")
-    cols = ["mask", "check", "visible", "ms", "tflops", "cost_rule", "softcap_cost", "sdpa_causal_ms", "sdpa_dense_mask_ms"]
+    cols = ["mask", "check", "visible", "ms", "tflops", "cost_rule", "mod_cost", "sdpa_causal_ms", "sdpa_dense_mask_ms"]
     if args.backward:
         cols.append("backward_ms")
     print("| " + " | ".join(cols) + " |")

@@ -1,4 +1,4 @@
-"""Sliding windows and softcap on a real GPU (``pytest -m gpu``; skipped in the simulator): the
+"""Sliding windows, softcap and ALiBi on a real GPU (``pytest -m gpu``; skipped in the simulator): the
 forward in both loop orders and both regimes, split-KV, decode and the backward, at shapes whose
 windows hide whole K/V tiles on both sides of every Q tile, against float64 torch with the same
 mask and cap (FlashAttention's 2x rule for 16-bit forwards, ``test_gpu_backward``'s bounds for
@@ -26,8 +26,9 @@ def _visible(n_q, n_k, window, causal, device):
     return spec.visible(i, j, n_q, n_k)
 
 
-def _attention64(q, k, v, seen, do=None, dtype=None, softcap=0.0):
-    """o (and with ``do``, the gradients) in float64 (``dtype``: a plain implementation's type)."""
+def _attention64(q, k, v, seen, do=None, dtype=None, softcap=0.0, alibi=None):
+    """o (and with ``do``, the gradients) in float64 (``dtype``: a plain implementation's type);
+    ``alibi``: ``(B, H)`` slopes (the bias -slope |i + Nk - Nq - j|)."""
     import torch
 
     dt = torch.float64 if dtype is None else dtype
@@ -37,6 +38,11 @@ def _attention64(q, k, v, seen, do=None, dtype=None, softcap=0.0):
     s = (q @ kk.transpose(-1, -2)) / math.sqrt(q.shape[-1])
     if softcap:
         s = softcap * torch.tanh(s / softcap)
+    if alibi is not None:
+        n_q, n_k = q.shape[2], k.shape[2]
+        i = torch.arange(n_q, device=q.device)[:, None]
+        j = torch.arange(n_k, device=q.device)[None, :]
+        s = s - alibi.to(dt)[:, :, None, None] * (i + n_k - n_q - j).abs().to(dt)
     s = s.masked_fill(~seen, -math.inf)
     p = torch.softmax(s.float() if dtype is not None else s, dim=-1).nan_to_num(0.0).to(dt)
     o = p @ vv
@@ -152,7 +158,7 @@ def test_torch_autograd_takes_the_window():
     o.float().sum().backward()
     seen = _visible(300, 300, (64, 0), False, "cuda")
     refs = _attention64(q, k, v, seen, do=torch.ones_like(o))
-    assert float((o.double() - _attention64(q, k, v, seen)).abs().max()) < 5e-3
+    assert float((o.detach().double() - _attention64(q, k, v, seen)).abs().max()) < 5e-3
     for got, ref in zip((q.grad, k.grad, v.grad), refs):
         assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2e-2
 
@@ -187,3 +193,75 @@ def test_softcap_forward_and_backward(algorithm, dtype, precision):
     for name, got, want in zip(("dq", "dk", "dv"), grads, refs):
         rel = float((got.double() - want).abs().max() / want.abs().max())
         assert rel < tol, (name, rel)
+
+
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+@pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee"),
+                                              ("float32", "tf32x3")])
+def test_alibi_forward_and_backward(algorithm, dtype, precision):
+    """ALiBi with (B, H) slopes, causal and a window on top, Nq != Nk (the bias's alignment)."""
+    torch = pytest.importorskip("torch")
+    import numba_flash
+    from numba_flash.backward import gradients
+
+    B, H, Hkv, Nq, Nk, D, window = 2, 4, 2, 700, 1000, 128, (400, -1)
+    gen = torch.Generator(device="cuda").manual_seed(17)
+    dt = getattr(torch, dtype)
+    q = torch.randn(B, H, Nq, D, device="cuda", generator=gen).to(dt)
+    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", generator=gen).to(dt) for _ in range(2))
+    slopes = torch.rand(B, H, device="cuda", generator=gen) * 0.1  # a bias of units over tens of keys
+    o, lse = numba_flash.attention(q, k, v, causal=True, window_size=window, alibi_slopes=slopes, algorithm=algorithm,
+                                   precision=precision, return_lse=True)
+    seen = _visible(Nq, Nk, window, True, "cuda")
+    ref = _attention64(q, k, v, seen, alibi=slopes)
+    assert float((_attention64(q, k, v, seen) - ref).abs().max()) > 0.1  # the bias matters here
+    err = float((o.double() - ref).abs().max())
+    if dtype == "float32":
+        assert err < 1e-4 if precision == "tf32x3" else err < 1e-5, err
+    else:
+        base = float((_attention64(q, k, v, seen, dtype=dt, alibi=slopes).double() - ref).abs().max())
+        assert err <= 2 * base + 1e-6, (err, base)
+    if precision == "tf32x3":
+        return  # (the backward's float32 regimes: ieee here, tf32x3 by default elsewhere)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(dt)
+    for deterministic in ((False, True) if algorithm == "fa2" else (False,)):
+        grads = gradients(do, q, k, v, o, lse, causal=True, window_size=window, alibi_slopes=slopes,
+                          algorithm=algorithm, deterministic=deterministic, precision=precision)
+        refs = _attention64(q, k, v, seen, do=do, alibi=slopes)
+        tol = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
+        for name, got, want in zip(("dq", "dk", "dv"), grads, refs):
+            rel = float((got.double() - want).abs().max() / want.abs().max())
+            assert rel < tol, (name, deterministic, rel)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_alibi_split_kv_decode_and_torch(dtype):
+    """Split-KV, decode (packed GQA rows, ragged lengths: each row its own head's slope and its own
+    distance from its sequence's end) and the torch operator with autograd."""
+    torch = pytest.importorskip("torch")
+    import numba_flash
+    import numba_flash.torch as nft
+    from numba_flash import reference
+
+    gen = torch.Generator(device="cuda").manual_seed(19)
+    dt = getattr(torch, dtype)
+    q = torch.randn(2, 8, 64, 128, device="cuda", generator=gen).to(dt)
+    k, v = (torch.randn(2, 2, 5000, 128, device="cuda", generator=gen).to(dt) for _ in range(2))
+    slopes = torch.rand(8, device="cuda", generator=gen) * 0.05
+    o = numba_flash.attention(q, k, v, alibi_slopes=slopes, num_splits=4)
+    ref = _attention64(q, k, v, _visible(64, 5000, (-1, -1), False, "cuda"), alibi=slopes.expand(2, 8))
+    assert float((o.double() - ref).abs().max()) < (2e-3 if dtype == "float16" else 1e-5)
+    lengths = torch.tensor([5000, 1234], dtype=torch.int32, device="cuda")
+    qd = q[:, :, :3]
+    od = numba_flash.decode(qd, k, v, cache_seqlens=lengths, causal=True, alibi_slopes=slopes)
+    ref_o, _ = reference.decode(*(x.float().cpu().numpy() for x in (qd, k, v)), cache_seqlens=lengths.cpu().numpy(),
+                                causal=True, alibi_slopes=slopes.cpu().numpy())
+    assert float((od.double().cpu() - torch.as_tensor(ref_o)).abs().max()) < (2e-3 if dtype == "float16" else 1e-5)
+    qt, kt, vt = (x[:1, :4, :300].detach().clone().requires_grad_() for x in (q, k, v))
+    ot = nft.attention(qt, kt, vt, causal=True, alibi_slopes=slopes[:4])
+    ot.float().sum().backward()
+    seen = _visible(300, 300, (-1, 0), False, "cuda")
+    refs = _attention64(qt, kt, vt, seen, do=torch.ones_like(ot), alibi=slopes[:4].expand(1, 4))
+    assert float((ot.detach().double() - _attention64(qt, kt, vt, seen, alibi=slopes[:4].expand(1, 4))).abs().max()) < 5e-3
+    for got, want in zip((qt.grad, kt.grad, vt.grad), refs):
+        assert float((got.double() - want).abs().max() / want.abs().max()) < (2e-2 if dtype == "float16" else 1e-4)
