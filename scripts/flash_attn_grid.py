@@ -79,15 +79,13 @@ FA_SKIPS = {  # the pytest.skip()s at the top of each test (the <= 16 GiB GPU on
 }
 _OUTPUT_EXCLUDED = [  # (axis, values, why); a case counts under the first that drops it
     ("d", (160, 192, 224, 256), "head dim > 128 (numba_flash takes 1..128 today; API.md 2e's 256 not built)"),
-    ("dropout_p", (0.17,), "dropout (not in numba_flash)"),
-    ("alibi", (True,), "ALiBi (API.md 2c: only the reference yet)")]
+    ("dropout_p", (0.17,), "dropout (not in numba_flash)")]
 EXCLUDED = {"forward": _OUTPUT_EXCLUDED, "backward": _OUTPUT_EXCLUDED, "kvcache": [
     ("d", (256,), "head dim > 128 (numba_flash takes 1..128 today)"),
     ("paged_kv_block_size", (256,), "paged KV cache (API.md 2e: block_table not built)"),
     ("has_leftpad", (True,), "cache_leftpad (not in numba_flash)"),
     ("rotary_fraction", (0.5, 1.0), "rotary embedding (not in numba_flash)"),
-    ("new_kv", (True,), "k_new/v_new appended to the cache (API.md 2e: not built)"),
-    ("alibi", (True,), "ALiBi (API.md 2c: only the reference yet)")]}
+    ("new_kv", (True,), "k_new/v_new appended to the cache (API.md 2e: not built)")]}
 COLLAPSED = {  # axis -> why it changes nothing in what is left (run at its first value)
     "forward": {"deterministic": "the flag is the backward's (numba_flash's forward is deterministic)"},
     "backward": {},
@@ -118,13 +116,15 @@ class Case:
     def name(self) -> str:
         p = self.p
         extra = ("kvpacked" if p["kvpacked"] else "kv") if "kvpacked" in p else ""
-        mods = ("local " if p.get("local") else "") + (f"softcap={p['softcap']:g} " if p.get("softcap") else "")
+        mods = (("local " if p.get("local") else "") + (f"softcap={p['softcap']:g} " if p.get("softcap") else "")
+                + ("alibi " if p.get("alibi") else ""))
         return (f"{self.part} {p['dtype']} {p['mha_type']} {'causal' if p['causal'] else 'full'} {mods}d={p['d']} "
                 f"{p['seqlens'][0]}x{p['seqlens'][1]} {extra} {self.variant}").replace("  ", " ")
 
     @property
     def inputs(self) -> tuple:  # what the inputs (and so the references) depend on
-        return (self.part,) + tuple(self.p.get(a) for a in ("dtype", "mha_type", "causal", "d", "seqlens", "local", "softcap"))
+        return (self.part,) + tuple(self.p.get(a) for a in ("dtype", "mha_type", "causal", "d", "seqlens", "local", "softcap",
+                                                            "alibi"))
 
 
 def grid(part: str, dtypes=None, algorithms=("fa2", "fa1")):
@@ -273,11 +273,21 @@ def fa_window(p, nk, seed):
     return tuple(int(x) for x in np.random.default_rng(seed + 7).integers(0, nk, 2))
 
 
-def materialised(A: Arrays, q, k, v, visible, dt, do=None, softcap=0.0):
+def alibi_bias(A: Arrays, slopes, nq, nk, lengths=None):
+    """FlashAttention's ``attn_bias_from_alibi`` without causal's shortcut (which differs by a
+    constant per row): ``-slope |i + n - Nq - j|``, ``n`` each sequence's key count, (B, H, Nq, Nk)
+    float64 on the arrays' device."""
+    np = A.np
+    n = np.full((len(slopes), 1, 1, 1), nk) if lengths is None else np.asarray(lengths).reshape(-1, 1, 1, 1)
+    i, j = np.arange(nq)[:, None], np.arange(nk)[None, :]
+    return A.asarray(-np.asarray(slopes, np.float64)[:, :, None, None] * np.abs(i + n - nq - j))
+
+
+def materialised(A: Arrays, q, k, v, visible, dt, do=None, softcap=0.0, bias=None):
     """o (and dq, dk, dv for ``do``) with S and P materialised: every matrix rounded to ``dt``, products
     accumulated in float32 -- or all in float64 when ``dt`` is float64 (the reference). Inputs (B, H, N, D).
     ``softcap``: S -> softcap tanh(S / softcap) (rounded as FA's ``attention_ref`` does), and dS through
-    its slope."""
+    its slope; ``bias`` (ALiBi's, :func:`alibi_bias`): added to S after the cap, as FA's reference does."""
     acc = "float64" if dt == "float64" else "float32"
 
     def r(x):  # round to dt, carry on in acc
@@ -289,6 +299,8 @@ def materialised(A: Arrays, q, k, v, visible, dt, do=None, softcap=0.0):
     if softcap:
         t = r(A.xp.tanh(r(s / softcap)))
         s = r(t * softcap)
+    if bias is not None:
+        s = r(s + A.cast(bias, acc))
     s = A.xp.where(visible, s, -math.inf)
     m = A.rowmax(s)
     p = r(A.xp.exp(s - A.xp.where(A.xp.isfinite(m), m, 0.0)))
@@ -333,6 +345,10 @@ def run_cases(cases, simulate, report=None):
             q = A.cast(A.cast(q, "float32") * cap, dt)
         window = fa_window(c0.p, nk, seed)
         mods = {"window_size": window, "softcap": cap}
+        slopes = None
+        if c0.p.get("alibi"):  # FA's test: torch.rand(batch, nheads) * 0.3
+            slopes = (A.np.random.default_rng(seed + 5).random((batch, heads)) * 0.3).astype(A.np.float32)
+            mods["alibi_slopes"] = A.asarray(slopes)
         k, v = A.randn((batch, nk, kvh, d), dt, seed + 1), A.randn((batch, nk, kvh, d), dt, seed + 2)
         kv = A.stack([k, v], 2)  # kvpacked: the same values in one (B, N, 2, Hkv, D) buffer
         layouts = {False: (A.bhnd(k), A.bhnd(v)), True: (A.bhnd(kv[:, :, 0]), A.bhnd(kv[:, :, 1]))}
@@ -340,10 +356,11 @@ def run_cases(cases, simulate, report=None):
         if part == "kvcache":
             lens = A.np.random.default_rng(seed).integers(1, nk + 1, batch).astype(A.np.int32)
         visible = visible_keys(A, batch, nq, nk, causal, lens, window)
+        bias = None if slopes is None else alibi_bias(A, slopes, nq, nk, lens)
         do = A.randn((batch, nq, heads, d), dt, seed + 3) if part == "backward" else None
         args = (A.bhnd(q), *layouts[False], visible)
-        ref = materialised(A, *args, "float64", None if do is None else A.bhnd(do), cap)
-        plain = None if dt == "float32" else materialised(A, *args, dt, None if do is None else A.bhnd(do), cap)
+        ref = materialised(A, *args, "float64", None if do is None else A.bhnd(do), cap, bias)
+        plain = None if dt == "float32" else materialised(A, *args, dt, None if do is None else A.bhnd(do), cap, bias)
         shared = (time.perf_counter() - t0) / len(group)
         fwd = {}
         for c in group:
@@ -480,7 +497,7 @@ def parse_args(argv):
                     help="numba_flash's loop orders for forward and backward (default: both)")
     ap.add_argument("--max-cases", type=positive, metavar="N", help="run the first N cases of each part")
     ap.add_argument("--mods-only", action="store_true",
-                    help="only the cases with a sliding window (local) or softcap (what issue 24 added)")
+                    help="only the cases with a sliding window (local), softcap or ALiBi (what issue 24 added)")
     ap.add_argument("--every", type=positive, metavar="K", default=1,
                     help="run every K-th case of each part (after --mods-only; a sample spread over the grid)")
     ap.add_argument("--dry-run", action="store_true", help="print the cases and counts; run nothing")
@@ -496,7 +513,7 @@ def plan(args):
     for part in args.part:
         cs, counts[part] = grid(part, args.dtypes, args.algorithms)
         if args.mods_only:
-            cs = [c for c in cs if c.p.get("local") or c.p.get("softcap")]
+            cs = [c for c in cs if c.p.get("local") or c.p.get("softcap") or c.p.get("alibi")]
         cs = cs[:: args.every]
         if args.simulate:
             cs = list(dict.fromkeys(cs[i * SIM_STRIDE % len(cs)] for i in range(1, SIM_CASES + 1)))

@@ -1,7 +1,7 @@
 """The mask gallery: each mask numba_flash compiles into its kernels, checked and timed (issue 24).
 
     python scripts/mask_gallery.py [--seq 32768] [--heads 16] [--head-dim 128] [--dtype float16]
-                                   [--backward] [--json out.json]
+                                   [--backward] [--json out.json] [--only ALiBi ...]
 
 For every entry (no mask, causal, sliding windows, tanh softcap, ALiBi), in one process on the GPU
 at hand:
@@ -155,6 +155,9 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
     ap.add_argument("--backward", action="store_true", help="also check and time the backward")
     ap.add_argument("--json", help="write the rows here")
+    ap.add_argument("--only", nargs="+", metavar="TEXT",
+                    help="only the entries whose name contains one of these (and 'no mask' and 'causal', the "
+                         "baselines of every cost)")
     args = ap.parse_args(argv)
     from numba_flash import needs
 
@@ -172,6 +175,8 @@ def main(argv=None) -> int:
     do = torch.randn(q.shape, device="cuda", generator=gen).to(dt)
     rows, causal_ms, causal_pairs, uncapped_ms = [], None, n * (n + 1) // 2, {}
     for name, kwargs, window in entries(n):
+        if args.only and name not in ("no mask", "causal") and not any(s in name for s in args.only):
+            continue
         t0 = time.time()
         status = check(kwargs, window, args.dtype, args.backward, n, torch)
         kwargs = resolved(kwargs, args.heads, torch)

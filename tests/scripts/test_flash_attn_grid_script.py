@@ -26,14 +26,14 @@ def grid():
 # test_flash_attn_output: kvpacked 2, dtype 2, mha_type 3, deterministic 2, alibi 2, local 2, causal 2,
 # d 11, (seqlen_q, seqlen_k) 10, dropout_p 2, softcap 2; it skips softcap > 0 with dropout > 0 (1/4).
 OUTPUT_TOTAL = 2 * 2 * 3 * 2 * 2 * 2 * 2 * 11 * 10 * 2 * 2  # 84480
-# Kept: d <= 128 (7 of 11), no dropout or alibi (softcap and local windows run since issue 24); the
+# Kept: d <= 128 (7 of 11), no dropout (softcap, local windows and ALiBi run since issue 24); the
 # forward ignores deterministic.
-FORWARD_KEPT = 2 * 2 * 3 * 2 * 7 * 10 * 2 * 2  # kvpacked, dtype, mha_type, causal, d, seqlens, local, softcap: 6720
+FORWARD_KEPT = 2 * 2 * 3 * 2 * 7 * 10 * 2 * 2 * 2  # kvpacked, dtype, mha_type, causal, d, seqlens, local, softcap, alibi
 # test_flash_attn_kvcache: dtype 1, num_splits 2, mha_type 3, new_kv 2, alibi 2, local 2, causal 2,
 # seqlen_new_eq_seqlen_q 2, rotary_interleaved 2, rotary_fraction 3, paged 2, has_leftpad 2,
 # has_batch_idx 1, d 6, seqlens 11.
 KVCACHE_TOTAL = 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 3 * 2 * 2 * 6 * 11  # 304128
-KVCACHE_KEPT = 2 * 3 * 2 * 5 * 11 * 2  # num_splits, mha_type, causal, d <= 128, seqlens, local: 1320
+KVCACHE_KEPT = 2 * 3 * 2 * 5 * 11 * 2 * 2  # num_splits, mha_type, causal, d <= 128, seqlens, local, alibi: 2640
 
 
 def test_grid_sizes_and_exclusions(grid):
@@ -48,15 +48,16 @@ def test_grid_sizes_and_exclusions(grid):
     for counts in (fc, bc, kc):  # every case of FA's grid is accounted for once
         assert sum(n for what, n in counts.items() if what not in ("total", "runs (with our variants)")) == counts["total"]
     dropped = {what.split(":")[0] for what in fc if "=" in what.split(":")[0]}
-    assert dropped == {"d=160", "d=192", "d=224", "d=256", "dropout_p=0.17", "alibi=True"}
+    assert dropped == {"d=160", "d=192", "d=224", "d=256", "dropout_p=0.17"}
     assert fc["d=256: head dim > 128 (numba_flash takes 1..128 today; API.md 2e's 256 not built)"] == OUTPUT_TOTAL * 3 // 4 // 11
     dropped = {what.split(":")[0] for what in kc if "=" in what.split(":")[0]}
     assert dropped == {"d=256", "paged_kv_block_size=256", "has_leftpad=True", "rotary_fraction=0.5",
-                       "rotary_fraction=1.0", "new_kv=True", "alibi=True"}
+                       "rotary_fraction=1.0", "new_kv=True"}
     for c in fwd + bwd + kv:  # nothing numba_flash cannot run is left
-        assert c.p["d"] <= 128 and not c.p["alibi"]
+        assert c.p["d"] <= 128
         assert c.p.get("dropout_p", 0) == 0 and not c.p.get("new_kv", False)
     assert {c.p["local"] for c in fwd + kv} == {False, True} and {c.p["softcap"] for c in fwd} == {0.0, 50.0}
+    assert {c.p["alibi"] for c in fwd + bwd + kv} == {False, True}
     assert {c.p["seqlens"] for c in fwd} == set(grid.OUTPUT_GRID["seqlens"]) and len(grid.OUTPUT_GRID["seqlens"]) == 10
     assert len(grid.grid("forward", algorithms=["fa2"])[0]) == FORWARD_KEPT
     assert len(grid.grid("backward", algorithms=["fa1"])[0]) == FORWARD_KEPT
@@ -117,6 +118,16 @@ def test_references_are_numba_flash_reference_and_the_plain_baseline(grid):
     lens = np.array([4], np.int32)  # a cache of 4 valid keys: the rest is never seen
     seen = grid.materialised(A, q[:, :, :2], k, v, grid.visible_keys(A, 1, 2, 6, True, lens), "float64")["o"]
     assert np.allclose(seen, reference.attention(q[:, :, :2], k[:, :, :4], v[:, :, :4], causal=True)[0])
+    slopes = rng.uniform(0.1, 0.5, (1, 4)).astype(np.float32)  # ALiBi: FA's bias, the reference's rule
+    bias = grid.alibi_bias(A, slopes, 9, 6)
+    ref = grid.materialised(A, q, k, v, visible, "float64", do, bias=bias)
+    want = reference.attention_backward(do, q, k, v, causal=True, alibi_slopes=slopes)
+    for name, w in zip(("dq", "dk", "dv"), want):
+        assert np.allclose(ref[name], w, rtol=1e-10, atol=1e-12), name
+    biased = grid.materialised(A, q[:, :, :2], k, v, grid.visible_keys(A, 1, 2, 6, False, lens), "float64",
+                               bias=grid.alibi_bias(A, slopes, 2, 6, lens))["o"]
+    want = reference.attention(q[:, :, :2], k[:, :, :4], v[:, :, :4], alibi_slopes=slopes)[0]
+    assert np.allclose(biased, want) and not np.allclose(seen, want)
 
 
 def test_a_failing_case_exits_1(grid, monkeypatch, capsys):
