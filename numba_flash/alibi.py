@@ -11,12 +11,14 @@ copy to the host.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from numba_flash.arrays import device_id_of, dtype_name, kind_of
 from numba_flash.kernels.jit import LOG2E
 
-__all__ = ["check_slopes", "kernel_slopes"]
+__all__ = ["check_slopes", "kernel_slopes", "no_slopes"]
 
 
 def check_slopes(alibi_slopes, kind: str, batch: int, heads: int, device_id=None) -> None:
@@ -54,3 +56,20 @@ def kernel_slopes(alibi_slopes, batch: int, kind: str):
             return cupy.ascontiguousarray(cupy.broadcast_to(slopes, (batch, heads)) * np.float32(LOG2E))
     return np.ascontiguousarray(np.broadcast_to(np.asarray(alibi_slopes, np.float32), (batch, heads))
                                 * np.float32(LOG2E))
+
+
+@functools.lru_cache(maxsize=None)
+def no_slopes(kind: str, device_id=None):
+    """The ``alibi`` argument of a kernel compiled without ALiBi (never read): a ``(1, 1)`` float32
+    array of library ``kind`` on the device, made once (a call captured in a CUDA graph allocates
+    nothing: the first call, before the capture, made it)."""
+    if kind == "numpy":
+        return np.zeros((1, 1), np.float32)
+    if kind == "torch":
+        import torch
+
+        return torch.zeros((1, 1), dtype=torch.float32, device="cuda" if device_id is None else f"cuda:{device_id}")
+    import cupy
+
+    with cupy.cuda.Device(device_id if device_id is not None else cupy.cuda.runtime.getDevice()):
+        return cupy.zeros((1, 1), np.float32)

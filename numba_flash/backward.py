@@ -25,7 +25,7 @@ import numpy as np
 
 from numba_flash import tile_table
 from numba_flash._world import simulated
-from numba_flash.alibi import kernel_slopes
+from numba_flash.alibi import kernel_slopes, no_slopes
 from numba_flash.arrays import ArrayContext, as_cupy_view
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.problem import ALGORITHMS, TENSOR_CORE_KIND
@@ -139,18 +139,12 @@ def simulated_seconds(problem, regime: str | None = None, tiles=None) -> float:
                                      block_m, block_n, problem.causal)
 
 
-def _slopes_argument(problem, kind: str, ctx):
+def _slopes_argument(problem, kind: str):
     """The kernels' ``alibi`` argument, of library ``kind``: the problem's slopes as
     ``alibi.kernel_slopes`` makes them, or a placeholder a kernel without ALiBi never reads."""
     if problem.alibi:
         return kernel_slopes(problem.alibi_slopes, problem.batch, kind)
-    if kind == "numpy":
-        return np.zeros((1, 1), np.float32)
-    if kind == "cupy":
-        import cupy
-
-        return cupy.zeros((1, 1), np.float32)
-    return ctx.empty((1, 1), "float32")
+    return no_slopes(kind, problem.device_id)
 
 
 def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
@@ -179,7 +173,7 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
     else:
         grid = (B * Hkv,)
     layout = bwd_layout(algorithm, D, block)
-    slopes = _slopes_argument(problem, ctx.kind, ctx)
+    slopes = _slopes_argument(problem, ctx.kind)
     kernel = bwd_kernel(algorithm, D, block, problem.window, not deterministic or algorithm == "fa1", capped,
                         problem.alibi)
     numba_launch(kernel, grid, layout.threads, stream,
@@ -245,7 +239,7 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
             grid = (B * Hkv,)
         layout = tc_bwd_layout(algorithm, kind, dim, block_m, block_n)
         cc = None if simulated() else cuda_device_capability()
-        slopes = _slopes_argument(problem, "numpy" if ctx.kind == "numpy" else "cupy", ctx)
+        slopes = _slopes_argument(problem, "numpy" if ctx.kind == "numpy" else "cupy")
         kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, problem.window, not deterministic or algorithm == "fa1",
                                vector_reductions(cc), capped, problem.alibi)
         numba_launch(kernel, grid, layout.threads, stream,

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.alibi import kernel_slopes
+from numba_flash.alibi import kernel_slopes, no_slopes
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tc_ops import check_tc_tiles, input_alignment, kernel_head_dim
 from numba_flash.launch import device_array, launch, numba_launch
@@ -246,7 +246,7 @@ def plan_in_place(builder, call: LaunchConfig, q, k, v, o, lse, seqlens, n_split
                                                       _unread_lengths("cupy", builder.ctx.device_id))]
     if call.alibi:  # (the slopes are a per-call array: ALiBi calls are not planned)
         return False
-    slopes = builder.constant(_unread("cupy", builder.ctx.device_id, (1, 1), np.float32), "cupy")
+    slopes = builder.constant(no_slopes("cupy", builder.ctx.device_id), "cupy")
     args = in_place_arguments(spec, call, q, k, v, o, lse, seqlens, n_splits, rows_per_query, unread, slopes)
     if args is None:
         return False
@@ -294,7 +294,7 @@ def _alibi_argument(call: LaunchConfig, kind_or_xp, ctx):
     without ALiBi never reads."""
     kind = kind_or_xp if isinstance(kind_or_xp, str) else ("numpy" if kind_or_xp is np else "cupy")
     if not call.alibi:
-        return _unread("numpy" if kind == "numpy" else "cupy", ctx.device_id, (1, 1), np.float32)
+        return no_slopes("numpy" if kind == "numpy" else "cupy", ctx.device_id)
     return kernel_slopes(call.problem.alibi_slopes, call.q_shape[0], kind)
 
 

@@ -675,20 +675,25 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
     mask_tile = mask.tile_masker(NS, 4, col_of, row_of)  # keys outside each row's visible ones -> -inf
     cap_tile = score_mods.tile_soft_capper(NS, 4, kind in ("f16", "bf16"))  # 16-bit: tanh.approx
     alibi_tile = score_mods.tile_alibi(NS, 4, col_of, row_of)
+    scaled_alibi_tile = score_mods.tile_alibi_scaled(NS, 4, col_of, row_of)
     row_alibi = score_mods.alibi_rows(TM, thread_row)
 
     @device_jit
     def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap, biased, slopes, diags):
         """S *= scale * log2(e) (scores in log2 units, FA-2 section 3.1: exp is one exp2); soft-
         capped when ``capped`` and ALiBi-biased when ``biased`` (``score_mods``, API.md 2c's
-        order); keys outside a row's visible ones -> -inf (only in tiles that need the mask)."""
-        for nt in range(NS):
-            for e in range(4):
-                s[nt, e] *= q_scale
-        if capped:
-            cap_tile(s, cap)
-        if biased:
-            alibi_tile(s, col0, slopes, diags)
+        order); keys outside a row's visible ones -> -inf (only in tiles that need the mask). ALiBi
+        alone under a right edge at the diagonal: the bias fused with the scale (linear there)."""
+        if biased and not capped and window[1] == 0:
+            scaled_alibi_tile(s, q_scale, col0, slopes, diags)
+        else:
+            for nt in range(NS):
+                for e in range(4):
+                    s[nt, e] *= q_scale
+            if capped:
+                cap_tile(s, cap)
+            if biased:
+                alibi_tile(s, col0, slopes, diags)
         if masked:
             mask_tile(s, col0, first_keys, last_keys, window)
 

@@ -21,6 +21,7 @@ from numba_flash.backward import gradients
 FORWARD = [  # (precision, dtype, tol, causal, window, softcap): every engine, with the other mods on top
     ("ieee", "float32", 1e-5, False, (-1, -1), 0.0), ("ieee", "float32", 1e-5, True, (7, -1), 2.5),
     (None, "float16", 2e-3, False, (-1, -1), 0.0), (None, "float16", 2e-3, True, (7, -1), 2.5),
+    (None, "float16", 2e-3, False, (9, 0), 0.0),  # a right edge at the diagonal: the bias fused with the scale
     ("tf32x3", "float32", 1e-5, False, (5, 9), 0.0),
 ]
 
@@ -85,10 +86,10 @@ def test_decode_biases_each_query_head(xp, rng):
     lengths = np.array([40, 17], np.int32)
     slopes = _slopes(rng, (4,), xp)
     o, lse = numba_flash.decode(q, k, v, cache_seqlens=xp.asarray(lengths), alibi_slopes=slopes, num_splits=2,
-                                return_lse=True)
+                                causal=True, return_lse=True)
     host = [to_numpy(x) for x in (q, k, v)]
-    ref_o, ref_lse = reference.decode(*host, cache_seqlens=lengths, alibi_slopes=to_numpy(slopes))
-    plain_o, _ = reference.decode(*host, cache_seqlens=lengths)
+    ref_o, ref_lse = reference.decode(*host, cache_seqlens=lengths, alibi_slopes=to_numpy(slopes), causal=True)
+    plain_o, _ = reference.decode(*host, cache_seqlens=lengths, causal=True)
     tol = 2e-3
     assert np.abs(plain_o - ref_o).max() > 50 * tol
     assert np.abs(to_numpy(o).astype(np.float64) - ref_o).max() < tol
