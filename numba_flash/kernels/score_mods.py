@@ -111,11 +111,15 @@ def alibi_rows(rows: int, thread_row):
 
     @device_jit
     def row_alibi(alibi, b, h, row0, n_q, n_k, rows_per_query, slopes, diags):
-        n_pos = n_q // rows_per_query
         for i in range(rows):
             row = row0 + thread_row(i)
-            slopes[i] = alibi[b, h * rows_per_query + row % rows_per_query]
-            diags[i] = row // rows_per_query + n_k - n_pos
+            if rows_per_query == 1:  # (no division where no rows are packed: the common case)
+                slopes[i] = alibi[b, h]
+                diags[i] = row + n_k - n_q
+            else:
+                pos = row // rows_per_query
+                slopes[i] = alibi[b, h * rows_per_query + (row - pos * rows_per_query)]
+                diags[i] = pos + n_k - n_q // rows_per_query
 
     return row_alibi
 
