@@ -48,6 +48,19 @@ def test_forward_matches_the_reference(algorithm, precision, dtype, tol, causal,
     assert np.abs(to_numpy(lse) - ref_lse).max() < 10 * tol
 
 
+@pytest.mark.parametrize("n_q, n_k", [(40, 70), (70, 40)])
+def test_tiles_left_right_and_across_the_diagonal(n_q, n_k, xp, rng):
+    """Tensor cores form the bias by a K/V tile's place against the Q tile's diagonals
+    (``score_mods.tile_side``): linear left of every diagonal, linear right of it, entry by entry
+    across it. 16 x 16 tiles of 40 x 70 (diagonal offset 30) and 70 x 40 (-30) have all three."""
+    q, k, v = random_qkv(rng, 1, 2, 1, n_q, n_k, 16, "float16", xp)
+    slopes = _slopes(rng, (2,), xp)
+    o, lse = run_poisoned(xp, q, k, v, alibi_slopes=slopes, precision=None, block_m=16, block_n=16)
+    ref_o, ref_lse = reference.attention(*(to_numpy(x) for x in (q, k, v)), alibi_slopes=to_numpy(slopes))
+    assert np.abs(to_numpy(o).astype(np.float64) - ref_o).max() < 2e-3
+    assert np.abs(to_numpy(lse) - ref_lse).max() < 2e-2
+
+
 def test_zero_slopes_are_no_bias_and_steep_ones_pick_the_diagonal(xp, rng):
     q, k, v = random_qkv(rng, 1, 2, 2, 5, 9, 8, "float32", xp)
     plain = run_poisoned(xp, q, k, v, block_m=2, block_n=4)[0]
