@@ -70,6 +70,7 @@ KVCACHE_GRID = dict(  # test_flash_attn_kvcache's
     has_leftpad=[False, True], has_batch_idx=[False], d=[32, 59, 64, 80, 128, 256],
     seqlens=[(1, 128), (1, 339), (3, 1024), (64, 800), (64, 256), (3, 799), (64, 2048), (16, 20000),
              (1, 128 * 1024), (16, 128 * 1024), (128, 128)])
+MODS = ("local", "softcap", "alibi")  # the grids' axes of issue 24's score and mask modifications
 GRIDS = {"forward": OUTPUT_GRID, "backward": OUTPUT_GRID, "kvcache": KVCACHE_GRID}
 FA_SKIPS = {  # the pytest.skip()s at the top of each test (the <= 16 GiB GPU one aside)
     "forward": lambda p: p["softcap"] > 0 and p["dropout_p"] > 0,
@@ -496,8 +497,9 @@ def parse_args(argv):
     ap.add_argument("--algorithms", nargs="+", choices=["fa2", "fa1"], default=["fa2", "fa1"],
                     help="numba_flash's loop orders for forward and backward (default: both)")
     ap.add_argument("--max-cases", type=positive, metavar="N", help="run the first N cases of each part")
-    ap.add_argument("--mods-only", action="store_true",
-                    help="only the cases with a sliding window (local), softcap or ALiBi (what issue 24 added)")
+    ap.add_argument("--mods-only", nargs="*", choices=list(MODS), metavar="MOD",
+                    help="only the cases with a sliding window (local), softcap or ALiBi (what issue 24 added); "
+                         "naming some of local, softcap, alibi: only the cases with one of those")
     ap.add_argument("--every", type=positive, metavar="K", default=1,
                     help="run every K-th case of each part (after --mods-only; a sample spread over the grid)")
     ap.add_argument("--dry-run", action="store_true", help="print the cases and counts; run nothing")
@@ -512,8 +514,8 @@ def plan(args):
     cases, counts = [], {}
     for part in args.part:
         cs, counts[part] = grid(part, args.dtypes, args.algorithms)
-        if args.mods_only:
-            cs = [c for c in cs if c.p.get("local") or c.p.get("softcap") or c.p.get("alibi")]
+        if args.mods_only is not None:
+            cs = [c for c in cs if any(c.p.get(m) for m in (args.mods_only or MODS))]
         cs = cs[:: args.every]
         if args.simulate:
             cs = list(dict.fromkeys(cs[i * SIM_STRIDE % len(cs)] for i in range(1, SIM_CASES + 1)))
