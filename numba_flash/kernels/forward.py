@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
 
-from numba_flash.kernels import mask, mma, score_mods, softmax
+from numba_flash.kernels import mask, mma, softmax
 from numba_flash.kernels.mask import window_of
 from numba_flash.kernels.block_info import batch_and_head, split_of_block, split_tiles, tile_of_block, valid_keys
 from numba_flash.kernels.engines import CudaCores, TensorCores, ffma_engine, key_warp_merge, mma_engine
@@ -286,11 +286,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         if pipe.Q_BEFORE_RANGE:  # Line 4: load Q_i into shared memory (synchronous copies: first)
             pipe.load_q(q, b, h, row0, n_q, q_scale, q_s, lead)
         E.row_key_bounds(row0, n_q, n_k, WINDOW, first_keys, last_keys, rows_per_query)
-        diag_first = diag_last = 0
-        if ALIBI:  # each row's slope and diagonal key, and the tile's first and last diagonals (score_mods)
+        if ALIBI:  # each row's slope and diagonal key (score_mods)
             E.row_alibi(alibi, b, h, row0, n_q, n_k, rows_per_query, slopes, diags)
-            diag_first = score_mods.packed_diagonal(row0, rows_per_query, n_q, n_k)
-            diag_last = score_mods.packed_diagonal(min(row0 + BM, n_q) - 1, rows_per_query, n_q, n_k)
         # The keys any row of this Q tile sees: [its first row's first, its last row's last];
         # tiles outside are masked for every row.
         row_last = min(row0 + BM, n_q) - 1
@@ -335,8 +332,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                 k_op = pipe.k_operand(smem, k_s, k_split, step)
             E.score_tile(qf, qf_small, q_s, k_op, s, mscratch)  # Line 8: S_i^(j) = Q_i K_j^T
             masked = E.tile_needs_mask(colg, first_row_last_key, last_row_first_key, WINDOW)
-            side = score_mods.tile_side(col0, BN, diag_first, diag_last) if ALIBI else 0  # (how the bias is formed)
-            E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap, side, slopes, diags)
+            E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap, ALIBI, slopes, diags)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S_i^(j))).
             E.row_max(s, tile_max, rscratch)
             # Lines 9-10: m, l and O~ rescaled where the max moved (every_step: O is kept
@@ -463,8 +459,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                 first_row_last_key = mask.last_visible_key(row0, n_q, n_k, WINDOW)
                 last_row_first_key = mask.first_visible_key(row_last, n_q, n_k, WINDOW)
                 masked = E.tile_needs_mask(colg, first_row_last_key, last_row_first_key, WINDOW)
-                side = score_mods.ACROSS if ALIBI else 0  # (FA-1: the bias entry by entry)
-                E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap, side, slopes, diags)
+                E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap, ALIBI, slopes, diags)
                 # Line 10: m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij).
                 E.row_max(s, tile_max, rscratch)
                 for i in range(TM):

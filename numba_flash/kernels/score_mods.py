@@ -131,30 +131,6 @@ def alibi_bias(slope, diag, key):
     return -slope * abs(float32(diag - key))
 
 
-# Which form of the bias a K/V tile takes (``tile_side``; the engines' ``biased`` argument): 0 no
-# bias; LEFT / RIGHT: every key of the tile is at or left of (right of) every row's diagonal, so
-# the bias is linear in the key, ``sign slope (key - diag)``, and fused with the scale; ACROSS: the
-# diagonal runs through the tile, ``-slope |diag - key|`` entry by entry.
-LEFT, RIGHT, ACROSS = 1, -1, 2
-
-
-@device_jit
-def packed_diagonal(row, rows_per_query, n_rows, n_k):
-    """The diagonal key of kernel row ``row`` (rows packed as ``mask.packed_last_visible_key``'s)."""
-    return row // rows_per_query + n_k - n_rows // rows_per_query
-
-
-@device_jit
-def tile_side(col0, block_n, diag_first, diag_last):
-    """:data:`LEFT`, :data:`RIGHT` or :data:`ACROSS` for keys ``[col0, col0 + block_n)`` against the
-    rows whose diagonals run from ``diag_first`` (the tile's first row) to ``diag_last``."""
-    if col0 + block_n - 1 <= diag_first:
-        return LEFT
-    if col0 >= diag_last:
-        return RIGHT
-    return ACROSS
-
-
 @functools.lru_cache(maxsize=None)
 def tile_alibi(n_i: int, n_j: int, key_of, row_of):
     """``add_alibi(s, col0, slopes, diags)``: the ALiBi bias added to each entry of an engine's
@@ -181,23 +157,22 @@ def tile_alibi(n_i: int, n_j: int, key_of, row_of):
 
 @functools.lru_cache(maxsize=None)
 def tile_alibi_scaled(n_i: int, n_j: int, key_of, row_of):
-    """``scale_add_alibi(s, q_scale, col0, slopes, diags, sign)``: ``s <- s q_scale + bias`` on an
-    engine's register tile whose keys are all on one side of every row's diagonal (``sign``:
-    :data:`LEFT` or :data:`RIGHT`, from :func:`tile_side`; or LEFT under a right edge at 0,
-    ``causal``, ``window_size=(left, 0)``, where a key right of the diagonal is masked whatever
-    its bias). There the bias ``sign slope (key - diag)`` is linear in the key, so with the row's
-    part ``sign slope (col0 + key_of(0, 0) - diag)`` formed once per row, a score costs two FFMAs
-    (the bias, then the scale fused with it) in place of the scale's FMUL: one instruction more,
-    where :func:`tile_alibi` after the scale adds two."""
+    """``scale_add_alibi(s, q_scale, col0, slopes, diags)``: ``s <- s q_scale + bias`` on an
+    engine's register tile, for masks whose every visible key is at or left of its row's diagonal
+    (a right edge at 0: ``causal``, ``window_size=(left, 0)``). There the bias is
+    ``slope (key - diag)``, linear in the key, so with the row's part ``slope (col0 + key_of(0, 0)
+    - diag)`` formed once per row, a score costs two FFMAs (the bias, then the scale fused with
+    it) in place of the scale's FMUL: one instruction more, where :func:`tile_alibi` after the
+    scale adds two. Keys right of the diagonal get a wrong bias here, and the mask hides them
+    (every tile holding one is masked)."""
 
     @device_jit
-    def scale_add_alibi(s, q_scale, col0, slopes, diags, sign):
+    def scale_add_alibi(s, q_scale, col0, slopes, diags):
         k0 = key_of(0, 0)
         for i in range(n_i):
             for j in range(n_j):
                 r = row_of(i, j)
-                slope = slopes[r] * float32(sign)
-                row_part = slope * float32(col0 + k0 - diags[r])
-                s[i, j] = s[i, j] * q_scale + (slope * float32(key_of(i, j) - k0) + row_part)
+                row_part = slopes[r] * float32(col0 + k0 - diags[r])
+                s[i, j] = s[i, j] * q_scale + (slopes[r] * float32(key_of(i, j) - k0) + row_part)
 
     return scale_add_alibi

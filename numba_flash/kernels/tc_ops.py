@@ -682,15 +682,10 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
     def scale_mask(s, q_scale, col0, first_keys, last_keys, masked, window, capped, cap, biased, slopes, diags):
         """S *= scale * log2(e) (scores in log2 units, FA-2 section 3.1: exp is one exp2); soft-
         capped when ``capped`` and ALiBi-biased when ``biased`` (``score_mods``, API.md 2c's
-        order; ``biased``: 0 or the tile's ``score_mods.tile_side``); keys outside a row's visible
-        ones -> -inf (only in tiles that need the mask). ALiBi alone on a tile whose keys are on one
-        side of every diagonal (or under a right edge at the diagonal): the bias, linear there,
-        fused with the scale."""
-        side = biased
-        if window[1] == 0 and biased == score_mods.ACROSS:
-            side = score_mods.LEFT  # (right of the diagonal: masked)
-        if not capped and (side == score_mods.LEFT or side == score_mods.RIGHT):
-            scaled_alibi_tile(s, q_scale, col0, slopes, diags, side)
+        order); keys outside a row's visible ones -> -inf (only in tiles that need the mask). ALiBi
+        alone under a right edge at the diagonal: the bias fused with the scale (linear there)."""
+        if biased and not capped and window[1] == 0:
+            scaled_alibi_tile(s, q_scale, col0, slopes, diags)
         else:
             for nt in range(NS):
                 for e in range(4):
