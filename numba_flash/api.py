@@ -56,6 +56,9 @@ def attention(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    mask_mod=None,
+    score_mod=None,
+    mod_args=(),
 ):
     """Scaled dot-product attention, forward pass, by FlashAttention-1 or -2.
 
@@ -93,7 +96,15 @@ def attention(
     soft-capping); 0: off. ``alibi_slopes``: float32 ``(H,)`` or ``(B, H)``, an array of the
     inputs' library on their device (ALiBi, Press et al. 2022): query ``i``'s score of key ``j``
     gains ``-slope * |i + (Nk - Nq) - j|`` after the soft cap, before the masks. Calls with
-    slopes are not planned (each is checked in full).
+    slopes are not planned (each is checked in full). ``mask_mod(b, h, q_idx, kv_idx, *mod_args)
+    -> bool`` (True: visible) and ``score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> float``
+    (``score`` the scaled score in natural-log units, after softcap and ALiBi): FlexAttention's
+    hooks, plain Python functions or numba device functions, compiled into the kernels (one
+    compilation per function object; never stored in the compilation cache); ``mod_args``: up to
+    four arrays of the inputs' library, read-only. The order on a score: scale, softcap, ALiBi,
+    ``score_mod``, then the masks (``causal``, ``window_size``, ``mask_mod``). Only real (query,
+    key) pairs reach the functions. A key a ``mask_mod`` hides still costs its tile (no block
+    sparsity yet).
 
     ``algorithm``: ``"fa2"`` (default; FlashAttention-2 Algorithm 1) or ``"fa1"``
     (FlashAttention Algorithm 1). Both compute the same function.
@@ -123,7 +134,7 @@ def attention(
     o, lse = forward(
         q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n,
         precision=precision, num_splits=num_splits, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes,
+        alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args,
     )
     return (o, lse) if return_lse else o
 
@@ -147,6 +158,9 @@ def forward(
     window_size=(-1, -1),
     softcap=0.0,
     alibi_slopes=None,
+    mask_mod=None,
+    score_mod=None,
+    mod_args=(),
 ):
     """:func:`attention` with the research knobs; always returns ``(o, lse)``.
 
@@ -162,7 +176,7 @@ def forward(
     kind (tests poison them to prove every element is written).
     """
     key = None
-    if kv_tile_order is None and variant is None and alibi_slopes is None:
+    if kv_tile_order is None and variant is None and alibi_slopes is None and mask_mod is None and score_mod is None:
         key = _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits,
                            window_size, softcap)
     plan = _FORWARD_PLANS.get(key)
@@ -172,8 +186,11 @@ def forward(
         out, lse_out = (None if x is None else as_cupy_view(x, name) for x, name in ((out, "out"), (lse_out, "lse_out")))
         if alibi_slopes is not None:
             alibi_slopes = as_cupy_view(alibi_slopes, "alibi_slopes")
+        if isinstance(mod_args, (tuple, list)):
+            mod_args = tuple(as_cupy_view(a, f"mod_args[{i}]") for i, a in enumerate(mod_args))
         ctx, call = _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision,
-                                  num_splits, variant, window_size, softcap, alibi_slopes)
+                                  num_splits, variant, window_size, softcap, alibi_slopes, mask_mod, score_mod,
+                                  mod_args)
         if key is not None:
             tuned = call.regime == "ieee" and (block_m is None or block_n is None)  # tiles from the autotune cache
             tile_entries = tile_cache.load() if tuned else None
@@ -212,14 +229,15 @@ def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block
 
 
 def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, variant,
-                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=()):
     """Every check of a forward call that does not depend on pointers or ``kv_tile_order``:
     its array context and launch configuration (:func:`problem.describe`, :func:`configure`)."""
     variant = _check_variant(variant, precision)
     if variant is not None:  # the loop order decides which kernel family's defaults apply
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
     checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision,
-                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                       window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+                       score_mod=score_mod, mod_args=mod_args)
     split_k = variant is not None and variant.warp_partition == "split_k"
     if split_k and checked.regime == "ieee" and block_m is None and block_n is None:
         from numba_flash.tile_table import comparison_tiles  # (the ablation's tiles: FA-2's own default
@@ -304,7 +322,8 @@ def run(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order=None, seql
     B, H, Nq, D = call.q_shape
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi)
+                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
+                       user_mods=call.user_mods)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, ctx.device_id)
     walk = dict(seqlens=seqlens, n_splits=splits, rows_per_query=rows_per_query)
     if splits == 1:
@@ -332,11 +351,13 @@ def plan_run(builder: plans.PlanBuilder, call: LaunchConfig, q, k, v, o, lse, se
     the call needs what a plan does not do: bfloat16 on CUDA cores (widened copies), tensor-core
     inputs whose head dim or row strides need padded copies (``tensor_cores.kernel_inputs``)."""
     B, H, Nq, D = call.q_shape
-    if call.alibi or call.regime == "ieee" and call.dtype == "bfloat16":  # (ALiBi: per-call slopes)
+    if call.alibi or call.user_mods is not None or call.regime == "ieee" and call.dtype == "bfloat16":
+        # (ALiBi, a user's mods: per-call arrays)
         return False
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi)
+                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
+                       user_mods=call.user_mods)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, builder.ctx.device_id)
     kernel_o, kernel_lse = o, lse
     if splits > 1:  # float32 partials (kernels.block_info), merged by kernels.combine
@@ -382,7 +403,8 @@ def simulated_seconds(call: LaunchConfig) -> float:
 
     B, H, Nq, D = call.q_shape
     bm, bn = call.block_m, call.block_n
-    spec = kernel_spec(call.algorithm, D, call.dtype, bm, bn, call.window, call.regime, softcap=call.softcap > 0, alibi=call.alibi)
+    spec = kernel_spec(call.algorithm, D, call.dtype, bm, bn, call.window, call.regime, softcap=call.softcap > 0, alibi=call.alibi,
+                       user_mods=call.user_mods)
     padded = tile_layout(D, bm, bn).padded_dim if call.regime == "ieee" else spec.head_dim
     return estimate_seconds(call.algorithm, B, H, Nq, call.n_k, D, bm, bn, call.causal,
                             spec.threads, padded, call.regime != "ieee")
@@ -532,7 +554,8 @@ def _launch(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order, seqle
                                 lambda shape, dtype: ctx.empty(shape, dtype),
                                 lambda shape, dtype: _placeholder(shape, dtype, ctx.device_id),
                                 n_splits, rows_per_query)
-    if ctx.direct_launch:  # CuPy / torch on a GPU, unplanned: skip numba's per-call dispatch
+    user = call.user_mods is not None  # a user's mods: one more argument, a tuple (numba's own launch)
+    if ctx.direct_launch and not user:  # CuPy / torch on a GPU, unplanned: skip numba's per-call dispatch
         args = [device_array(a.array, "numba" if a.role == "own" else ctx.kind) if isinstance(a, _KernelArray) else a
                 for a in args]
         direct_launch(spec.kernel, grid, (threads,), ctx.stream_ptr(), args, shared_mem_bytes=spec.dynamic_smem,
@@ -541,6 +564,8 @@ def _launch(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order, seqle
 
     convert = {"in": ctx.to_kernel, "out": ctx.out_to_kernel, "own": lambda x: x}
     kernel_args = [convert[a.role](a.array) if isinstance(a, _KernelArray) else a for a in args]
+    if user:
+        kernel_args.append(tuple(ctx.to_kernel(a) for a in call.problem.mod_args))
     # (tiles above 48 KiB: dynamic shared memory, the kernel opted in above 48 KiB)
     numba_launch(spec.kernel, grid, threads, ctx.stream(), kernel_args, shared_mem_bytes=spec.dynamic_smem)
     if ctx.on_host and not simulated():  # NumPy in, GPU run: copy the results back
@@ -566,7 +591,8 @@ def _cuda_core_spec(call: LaunchConfig, permuted: bool, ragged: bool):
     """The launch specification of a call's CUDA-core kernel (named point or variant)."""
     D = call.q_shape[3]
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, "ieee",
-                       ragged=ragged, permuted=permuted, variant=call.variant, softcap=call.softcap > 0, alibi=call.alibi)
+                       ragged=ragged, permuted=permuted, variant=call.variant, softcap=call.softcap > 0, alibi=call.alibi,
+                       user_mods=call.user_mods)
 
 
 class _KernelArray(NamedTuple):

@@ -40,6 +40,7 @@ class LaunchConfig:
     softcap = property(lambda self: self.problem.softcap)
     softcap_log2 = property(lambda self: self.problem.softcap * LOG2E)  # the kernels' unit
     alibi = property(lambda self: self.problem.alibi)
+    user_mods = property(lambda self: self.problem.user_mods)  # a user's mask_mod / score_mod (None: none)
     scale = property(lambda self: self.problem.scale)
     algorithm = property(lambda self: self.problem.algorithm)
     regime = property(lambda self: self.problem.regime)

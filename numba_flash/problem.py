@@ -24,6 +24,7 @@ from numba_flash.arrays import device_id_of, dtype_name, kind_of
 from numba_flash.checks import softcap_value
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.tile_table import MAX_HEAD_DIM
+from numba_flash.user_mods import check_mods, user_mods_of
 from numba_flash.masking import MaskSpec, window_spec
 
 __all__ = ["ALGORITHMS", "DTYPES", "TENSOR_CORE_KIND", "Problem", "describe", "regime"]
@@ -57,6 +58,16 @@ class Problem:
     # so not part of the problem's identity (equality, hash): ``alibi`` is.
     alibi_slopes: object = field(default=None, compare=False, repr=False)
     alibi: bool = False
+    # A user's mask_mod / score_mod (numba_flash.user_mods; compared by identity) and their arrays.
+    mask_mod: object = None
+    score_mod: object = None
+    mod_args: tuple = field(default=(), compare=False, repr=False)
+    n_mod_args: int = 0
+
+    @property
+    def user_mods(self):
+        """The kernels' ``score_mods.UserMods`` of the call's mods (``None``: none)."""
+        return user_mods_of(self.mask_mod, self.score_mod, self.mod_args)
 
     def __post_init__(self):
         if self.alibi != (self.alibi_slopes is not None):
@@ -109,7 +120,8 @@ def regime(precision, dtype: str) -> str:
 
 
 def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=None, names=("q", "k", "v"),
-             window_size=(-1, -1), softcap=0.0, alibi_slopes=None) -> Problem:
+             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None,
+             mod_args=()) -> Problem:
     """The checked :class:`Problem` of ``attention(q, k, v, causal=..., scale=..., algorithm=...,
     precision=..., window_size=..., softcap=..., alibi_slopes=...)``; raises before anything runs, with a message naming the argument as the
     caller's signature spells it (``names``: ``decode``'s are ``q``, ``k_cache``, ``v_cache``)."""
@@ -154,11 +166,13 @@ def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=No
     device_id = device_id_of(q, kind)
     if alibi_slopes is not None:
         check_slopes(alibi_slopes, kind, B, H, device_id)
+    mod_args = check_mods(mask_mod, score_mod, mod_args, kind, device_id)
     return Problem(
         kind=kind, batch=B, heads=H, kv_heads=Hkv, n_q=Nq, n_k=Nk, head_dim=D, dtype=dtypes[0], scale=float(scale),
         mask=window_spec(bool(causal), window_size), algorithm=algorithm, regime=regime(precision, dtypes[0]),
         device_id=device_id, softcap=_kernel_softcap(softcap), alibi_slopes=alibi_slopes,
-        alibi=alibi_slopes is not None,
+        alibi=alibi_slopes is not None, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args,
+        n_mod_args=len(mod_args),
     )
 
 

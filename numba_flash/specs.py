@@ -52,7 +52,8 @@ class KernelSpec:
     maxreg: int | None = None  # CUDA cores: NUMBA_FLASH_FFMA_MAXREG when set (``tiles.register_cap``'s override)
     presplit: str | None = None  # tf32x3: NUMBA_FLASH_TF32X3_PRESPLIT's layout when set (``tc_ops.tc_layout``'s presplit)
     softcap: bool = False  # the scores are soft-capped (``kernels.score_mods``; the cap is an argument)
-    alibi: bool = False  # the scores gain ALiBi's bias (``kernels.score_mods``; the slopes are the last argument)
+    alibi: bool = False  # the scores gain ALiBi's bias (``kernels.score_mods``; the slopes are an argument)
+    user_mods: object = None  # a user's mask_mod / score_mod (``kernels.score_mods.UserMods``; one more argument)
 
     @property
     def causal(self) -> bool:
@@ -104,7 +105,7 @@ class KernelSpec:
                                 self.kv_stages, self.key_warps)
             return forward_kernel(point, tiles, self.window, False, self.ragged, cast_out=self.kv_outer,
                                   f32_out=self.split_out, max_registers=self.register_cap, softcap=self.softcap,
-                                  alibi=self.alibi)
+                                  alibi=self.alibi, user_mods=self.user_mods)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
 
@@ -115,12 +116,14 @@ class KernelSpec:
             tiles = CudaCores(self.head_dim, self.block_m, self.block_n, self.rows_per_thread)
             return forward_kernel(self.variant, tiles, self.window, self.permuted, self.ragged,
                                   self.kv_outer and casts_output(self.dtype), max_registers=self.register_cap,
-                                  softcap=self.softcap, alibi=self.alibi)
+                                  softcap=self.softcap, alibi=self.alibi, user_mods=self.user_mods)
         options = {} if self.rows_per_thread == ROWS_PER_THREAD else {"rows_per_thread": self.rows_per_thread}
         if self.softcap:
             options["softcap"] = True
         if self.alibi:
             options["alibi"] = True
+        if self.user_mods is not None:
+            options["user_mods"] = self.user_mods
         if self.maxreg is not None:
             options["maxreg"] = self.maxreg
         if self.algorithm == "fa2":
@@ -156,7 +159,7 @@ class KernelSpec:
 @functools.lru_cache(maxsize=1024)
 def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regime="ieee", ragged=False,
                 split_out=False, permuted=False, variant=None, kv_stages=1, key_warps=1,
-                rows_per_thread=None, softcap=False, alibi=False) -> KernelSpec:
+                rows_per_thread=None, softcap=False, alibi=False, user_mods=None) -> KernelSpec:
     """The launch specification of one configuration (tiles as the caller gives them; ``api``
     checks them). ``window``: the mask's ``(left, right)`` (``kernels.mask``; a bool: the
     public ``causal``). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
@@ -168,7 +171,7 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regi
     ``tc_fa2_kernel`` and its warps per 16 rows. ``rows_per_thread`` (CUDA cores): the
     micro-tile height; ``None``: ``tile_table.forward_rows_per_thread``'s for the tiles (read once
     per configuration: this is memoised). ``softcap``: the kernel soft-caps the scores;
-    ``alibi``: it adds ALiBi's bias."""
+    ``alibi``: it adds ALiBi's bias; ``user_mods``: a ``score_mods.UserMods`` compiled in."""
     window = window_of(window)
     if variant is not None:
         from numba_flash.kernels.forward import FA1, FA2
@@ -204,7 +207,7 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regi
                           cap, ragged and (variant is None or variant.loop_order == "q_outer"), split_out,
                           variant=variant, kv_stages=stages, key_warps=warps,
                           presplit=None if mode is None else layout.presplit, softcap=bool(softcap),
-                          alibi=bool(alibi))
+                          alibi=bool(alibi), user_mods=user_mods)
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
     from numba_flash.kernels.forward import (FA1, FA2, variant_dynamic_smem_bytes, variant_smem_bytes,
@@ -223,5 +226,5 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regi
     return KernelSpec(
         algorithm, "ieee", head_dim, dtype, block_m, block_n, window, threads, smem - dynamic, dynamic,
         register_cap(head_dim, rows, maxreg), ragged, split_out, bool(permuted), variant, rows_per_thread=rows,
-        maxreg=maxreg, softcap=bool(softcap), alibi=bool(alibi),
+        maxreg=maxreg, softcap=bool(softcap), alibi=bool(alibi), user_mods=user_mods,
     )

@@ -143,7 +143,7 @@ def launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, seqlens=None, n_splits=1
     ``o`` and ``lse`` are the float32 partials ``(S*B, H, Nq, kernel head dim)`` of
     ``kernels.block_info``; ``seqlens`` (int32 ``(B,)``) and ``rows_per_query``: ``decode``'s."""
     walk = (seqlens, n_splits, rows_per_query)
-    if ctx.direct_launch and _launch_in_place(ctx, call, q, k, v, o, lse, walk):
+    if ctx.direct_launch and call.user_mods is None and _launch_in_place(ctx, call, q, k, v, o, lse, walk):
         return
     if ctx.kind == "torch":  # the CuPy copies of this call (padding, views) on torch's stream
         with cupy_stream(ctx.stream_ptr()):
@@ -180,7 +180,8 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     partial = n_splits > 1  # o, lse: float32 partials of the kernel's head dim
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, split_out=partial, variant=call.variant, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi)
+                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
+                       user_mods=call.user_mods)
     sixteen = spec.regime in TENSOR_CORE_KIND.values()
     dim, xp = spec.head_dim, _xp(ctx.kind)
     kq, kk, kv = kernel_inputs(spec.regime, ctx.kind, q, k, v)
@@ -202,7 +203,9 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     arrays = [kq, kk, kv, o_kernel, lse_kernel, *state, unread, lengths, _alibi_argument(call, xp, ctx)]
     tail = [np.int32(n_splits), np.int32(rows_per_query), np.float32(call.softcap_log2)]
     grid = spec.grid(B, H, Nq, n_splits)
-    if ctx.direct_launch:
+    if call.user_mods is not None:  # a user's mods: their arrays' tuple last (numba's own launch)
+        _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, _mod_args(ctx, call.problem.mod_args))
+    elif ctx.direct_launch:
         args = [device_array(x, "cupy") for x in arrays]
         launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(), _ordered(args, q_scale, tail),
                shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
@@ -261,7 +264,8 @@ def _in_place_spec(call: LaunchConfig, ragged: bool, n_splits: int):
     D = call.q_shape[3]
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=ragged, split_out=n_splits > 1, variant=call.variant, kv_stages=call.kv_stages,
-                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi)
+                       key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
+                       user_mods=call.user_mods)
 
 
 def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_splits, rows_per_query, unread, slopes):
@@ -334,8 +338,19 @@ def _ordered(arrays, q_scale, tail) -> list:
     return [*arrays[:8], q_scale, *arrays[8:10], *tail, *arrays[10:]]
 
 
-def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail) -> None:
-    """numba's own launch: NumPy arrays (the simulator, or copied to and from a GPU)."""
+def _mod_args(ctx, mod_args) -> tuple:
+    """A user's ``mod_args`` as the kernel reads them (C-ordered NumPy copies on the host; views
+    of device arrays)."""
+    from numba_flash._cuda import cuda
+
+    if ctx.kind == "numpy":
+        return tuple(np.array(a, order="C") if simulated() else cuda.to_device(np.ascontiguousarray(a)) for a in mod_args)
+    return tuple(cuda.as_cuda_array(a.detach() if ctx.kind == "torch" else a) for a in mod_args)
+
+
+def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, mods=None) -> None:
+    """numba's own launch: NumPy arrays (the simulator, or copied to and from a GPU); ``mods``: a
+    user's ``mod_args`` (:func:`_mod_args`), the last argument of a kernel with user mods."""
     from numba_flash._cuda import cuda
 
     host = ctx.kind == "numpy"
@@ -349,7 +364,8 @@ def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail) -> None:
     else:
         dev = [cuda.as_cuda_array(x) for x in arrays]
     stream = ctx.stream()
-    numba_launch(spec.kernel, grid, spec.threads, stream, _ordered(dev, q_scale, tail), shared_mem_bytes=spec.dynamic_smem)
+    args = _ordered(dev, q_scale, tail) + ([] if mods is None else [mods])
+    numba_launch(spec.kernel, grid, spec.threads, stream, args, shared_mem_bytes=spec.dynamic_smem)
     if host and not simulated():
         for x, d in zip(arrays, dev):
             if any(x is w for w in written):

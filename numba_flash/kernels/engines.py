@@ -21,6 +21,10 @@ The engine interface (every function device code; arguments an engine does not n
     ALiBi bias added when ``biased`` (``score_mods.tile_alibi``; each row's slope and diagonal
     key from ``row_alibi``), and the keys a row does not see -> -inf (``mask.tile_masker``; each
     row's visible keys ``[first_keys, last_keys]`` from ``row_key_bounds``, ``window`` the kernel's).
+``mask_tile(s, col0, first_keys, last_keys, window)``, ``score_key(i, j)``, ``score_row(i, j)``
+    the mask alone (what ``scale_mask`` does when ``masked``), and the layout of S: entry ``(i, j)``
+    holds key ``col0 + score_key(i, j)`` of row ``score_row(i, j)`` (a user's mods go between the
+    two: ``score_mods.tile_user_mods``).
 ``row_max(s, out, scratch)``, ``exp_scores(s, m_ref, p_s, row_sums)``
     rowmax(S); P~ = exp2(S - m) and this thread's part of rowsum(P~).
 ``pv_tile(s, p_s, v_s, acc, col0, first_keys, last_keys, masked, window, scratch)``
@@ -60,7 +64,8 @@ from numba_flash.kernels.tiles import ROWS_PER_THREAD, VEC
 
 SHARED = ("load_q", "q_frags", "score_tile", "scale_mask", "row_max", "exp_scores", "pv_tile", "rescale_row", "zero",
           "allreduce_sum", "thread_row", "first_of_row", "out_col", "acc_row", "acc_col", "store_out",
-          "row_key_bounds", "row_alibi", "tile_needs_mask", "nan_max", "finite_or_zero", "reciprocal_or_zero", "log_sum_exp",
+          "row_key_bounds", "row_alibi", "tile_needs_mask", "mask_tile", "score_key", "score_row",
+          "nan_max", "finite_or_zero", "reciprocal_or_zero", "log_sum_exp",
           "exp2_diff", "group", "first_key")
 
 

@@ -29,7 +29,7 @@ def casts_output(dtype: str) -> bool:
 
 def fa1_kernel(head_dim: int, block_m: int, block_n: int, window, permuted: bool = False, cast_out: bool = False,
                rows_per_thread: int = ROWS_PER_THREAD, maxreg: int | None = None, softcap: bool = False,
-               alibi: bool = False):
+               alibi: bool = False, user_mods=None):
     """The FA-1 kernel: ``kernels.forward`` at its named point :data:`~numba_flash.kernels.forward.FA1`
     (K/V outer, one block per (batch, head), O normalised at every step, O_i read at the update).
 
@@ -39,4 +39,5 @@ def fa1_kernel(head_dim: int, block_m: int, block_n: int, window, permuted: bool
     """
     rows = int(rows_per_thread)
     return forward_kernel(FA1, CudaCores(head_dim, block_m, block_n, rows), window_of(window), bool(permuted), False,
-                          bool(cast_out), max_registers=register_cap(head_dim, rows, maxreg), softcap=bool(softcap), alibi=bool(alibi))
+                          bool(cast_out), max_registers=register_cap(head_dim, rows, maxreg), softcap=bool(softcap), alibi=bool(alibi),
+                          user_mods=user_mods)

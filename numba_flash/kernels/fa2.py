@@ -23,7 +23,7 @@ from numba_flash.kernels.mask import window_of
 
 def fa2_kernel(head_dim: int, block_m: int, block_n: int, window, permuted: bool = False, ragged: bool = False,
                rows_per_thread: int = ROWS_PER_THREAD, maxreg: int | None = None, softcap: bool = False,
-               alibi: bool = False):
+               alibi: bool = False, user_mods=None):
     """The FA-2 kernel: ``kernels.forward`` at its named point :data:`~numba_flash.kernels.forward.FA2`
     (Q outer, one block per Q tile, the rescale deferred to the end).
 
@@ -33,4 +33,5 @@ def fa2_kernel(head_dim: int, block_m: int, block_n: int, window, permuted: bool
     """
     rows = int(rows_per_thread)
     return forward_kernel(FA2, CudaCores(head_dim, block_m, block_n, rows), window_of(window), bool(permuted),
-                          bool(ragged), max_registers=register_cap(head_dim, rows, maxreg), softcap=bool(softcap), alibi=bool(alibi))
+                          bool(ragged), max_registers=register_cap(head_dim, rows, maxreg), softcap=bool(softcap), alibi=bool(alibi),
+                          user_mods=user_mods)

@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
 
-from numba_flash.kernels import mask, mma, softmax
+from numba_flash.kernels import mask, mma, score_mods, softmax
 from numba_flash.kernels.mask import window_of
 from numba_flash.kernels.block_info import batch_and_head, split_of_block, split_tiles, tile_of_block, valid_keys
 from numba_flash.kernels.engines import CudaCores, TensorCores, ffma_engine, key_warp_merge, mma_engine
@@ -135,13 +135,15 @@ def tc_split_k_smem_bytes(loop_order: str, layout) -> int:
 @kernel_factory
 def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragged: bool = False,
                    cast_out: bool = False, f32_out: bool = False, max_registers: int | None = None,
-                   softcap: bool = False, alibi: bool = False):
+                   softcap: bool = False, alibi: bool = False, user_mods=None):
     """The forward kernel at ``variant`` on the engine of ``tiles`` (memoised).
 
     ``window``: the mask's ``(left, right)`` of ``kernels.mask`` (a compile-time constant; a bool:
     the public ``causal``); ``softcap``: the scores are soft-capped (``score_mods``; the cap is
     the argument ``softcap_log2``, read only then); ``alibi``: the scores gain ALiBi's bias
-    (``score_mods``; the slopes are the last argument, ``alibi``, read only then).
+    (``score_mods``; the slopes are the argument ``alibi``, read only then); ``user_mods``: a
+    ``score_mods.UserMods`` (a user's ``mask_mod`` and ``score_mod``, compiled in), and then the
+    kernel takes one more argument, the tuple of their ``mod_args`` arrays.
     ``tiles``: ``engines.CudaCores`` (FFMA micro-tiles, synchronous copies) or
     ``engines.TensorCores`` (``mma.sync``, ``cp.async`` copies: ``pipeline.cp_async``).
     ``cast_out`` (kv_outer): O lives in ``o_hbm`` (float32) and is cast into ``o`` at the end
@@ -158,6 +160,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     D, BM, BN = tiles.head_dim, tiles.block_m, tiles.block_n
     WINDOW = window_of(window)
     PERMUTED, RAGGED, F32_OUT, SOFTCAP, ALIBI = bool(permuted), bool(ragged), bool(f32_out), bool(softcap), bool(alibi)
+    HAS_USER = user_mods is not None  # a user's mask_mod / score_mod (score_mods.UserMods)
     KV_OUTER = variant.loop_order == "kv_outer"
     PER_TILE = variant.grid == "heads_x_qtiles"
     EVERY_STEP = variant.rescale == "every_step"
@@ -232,6 +235,21 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     cap = {"max_registers": max_registers} if max_registers else {}
 
     update_rows = softmax.row_update(TM, E.rescale_row, not EVERY_STEP)
+    row_queries = score_mods.query_rows(TM, E.thread_row) if HAS_USER else None
+    user_tile = score_mods.tile_user_mods(S_SHAPE[0], S_SHAPE[1], E.score_key, E.score_row, user_mods) if HAS_USER else None
+
+    @device_jit
+    def scores_modded(s, q_scale, colg, first_keys, last_keys, masked, cap, slopes, diags, n_k, b, positions, heads,
+                      mod_args):
+        """S in log2 units with every modification (API.md 2c's order): the scale, softcap and ALiBi
+        (the engine's), a user's score_mod and mask_mod, then the built-in mask."""
+        if HAS_USER:
+            E.scale_mask(s, q_scale, colg, first_keys, last_keys, False, WINDOW, SOFTCAP, cap, ALIBI, slopes, diags)
+            user_tile(s, colg, n_k, b, positions, heads, mod_args)
+            if masked:
+                E.mask_tile(s, colg, first_keys, last_keys, WINDOW)
+        else:
+            E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap, ALIBI, slopes, diags)
 
     @device_jit
     def merge_groups(m, l_sum, acc, merge_s):
@@ -276,7 +294,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     def walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob, n_q, n_k,
                     n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s, acc,
                     tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, cap, slopes, diags,
-                    alibi):
+                    alibi, positions, heads, mod_args):
         """FA-2 lines 4-15 for Q tile ``i_tile``: its whole K/V walk with O~, l, m on chip.
         split_k: this thread's group walks its keys of every K/V tile (``k_s``, ``v_s``, ``p_s``:
         its part), and the groups' states are merged at the end."""
@@ -288,6 +306,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         E.row_key_bounds(row0, n_q, n_k, WINDOW, first_keys, last_keys, rows_per_query)
         if ALIBI:  # each row's slope and diagonal key (score_mods)
             E.row_alibi(alibi, b, h, row0, n_q, n_k, rows_per_query, slopes, diags)
+        if HAS_USER:  # each row's query position and head, for a user's mods
+            row_queries(h, row0, n_q, rows_per_query, positions, heads)
         # The keys any row of this Q tile sees: [its first row's first, its last row's last];
         # tiles outside are masked for every row.
         row_last = min(row0 + BM, n_q) - 1
@@ -332,7 +352,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                 k_op = pipe.k_operand(smem, k_s, k_split, step)
             E.score_tile(qf, qf_small, q_s, k_op, s, mscratch)  # Line 8: S_i^(j) = Q_i K_j^T
             masked = E.tile_needs_mask(colg, first_row_last_key, last_row_first_key, WINDOW)
-            E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap, ALIBI, slopes, diags)
+            scores_modded(s, q_scale, colg, first_keys, last_keys, masked, cap, slopes, diags, n_k, b, positions, heads,
+                          mod_args)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S_i^(j))).
             E.row_max(s, tile_max, rscratch)
             # Lines 9-10: m, l and O~ rescaled where the max moved (every_step: O is kept
@@ -394,7 +415,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     def walk_kv_tiles(i_first, i_end, q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, b, h, hk, n_q, n_k,
                       n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s, acc,
                       tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, o_old, merge_s, cap, slopes,
-                      diags, alibi):
+                      diags, alibi, positions, heads, mod_args):
         """FA-1 lines 2-16 for Q tiles ``i_first ..`` of one (batch, head): the K/V tiles outside,
         the state O, l, m of every row in global memory between steps."""
         lead = E.group() == 0  # split_k: the group that holds the merged state (else everyone)
@@ -456,10 +477,13 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                 E.row_key_bounds(row0, n_q, n_k, WINDOW, first_keys, last_keys, 1)
                 if ALIBI:
                     E.row_alibi(alibi, b, h, row0, n_q, n_k, 1, slopes, diags)
+                if HAS_USER:
+                    row_queries(h, row0, n_q, 1, positions, heads)
                 first_row_last_key = mask.last_visible_key(row0, n_q, n_k, WINDOW)
                 last_row_first_key = mask.first_visible_key(row_last, n_q, n_k, WINDOW)
                 masked = E.tile_needs_mask(colg, first_row_last_key, last_row_first_key, WINDOW)
-                E.scale_mask(s, q_scale, colg, first_keys, last_keys, masked, WINDOW, SOFTCAP, cap, ALIBI, slopes, diags)
+                scores_modded(s, q_scale, colg, first_keys, last_keys, masked, cap, slopes, diags, n_k, b, positions, heads,
+                              mod_args)
                 # Line 10: m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij).
                 E.row_max(s, tile_max, rscratch)
                 for i in range(TM):
@@ -536,9 +560,10 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                     if first_of_row:
                         lse[b, h, row] = E.log_sum_exp(m_hbm[b, h, row], l_hbm[b, h, row])
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
-    def forward(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query, softcap_log2,
-                alibi):
+    @device_jit
+    def forward_body(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
+                     softcap_log2, alibi, mod_args):
+        """The kernel (one body for both signatures below: with user mods, their arrays' tuple)."""
         n_batch = q.shape[0]
         n_heads = q.shape[1]
         n_q = q.shape[2]
@@ -618,6 +643,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         last_keys = cuda.local.array(TM, int32)
         slopes = cuda.local.array(TM, float32)  # ALiBi: each row's slope and diagonal key (score_mods)
         diags = cuda.local.array(TM, int32)
+        positions = cuda.local.array(TM, int32)  # a user's mods: each row's query position and head
+        heads = cuda.local.array(TM, int32)
         kv_reg = cuda.local.array(KV_LOADS, float32)  # this thread's share of K_j or V_j in flight (CUDA cores)
 
         if KV_OUTER:  # ------------------------------------------------------------ FA-1's loop nest
@@ -625,21 +652,34 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
             walk_kv_tiles(i_first, i_end, q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, b, h, hk, n_q, n_k,
                           n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s,
                           acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, o_old, merge_s, softcap_log2,
-                          slopes, diags, alibi)
+                          slopes, diags, alibi, positions, heads, mod_args)
         else:  # -------------------------------------------------------------------- FA-2's loop nest
             # Line 3: for 1 <= i <= Tr -- the grid (one Q tile per block), or this block's loop.
             if PER_TILE:
                 walk_q_tile(i_first, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob,
                             n_q, n_k, n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf,
                             qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, softcap_log2,
-                            slopes, diags, alibi)
+                            slopes, diags, alibi, positions, heads, mod_args)
             else:
                 for i_tile in range(n_q_tiles):
                     cuda.syncthreads()  # the previous Q tile's last P~ and V_j are no longer read
                     walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk,
                                 ob, n_q, n_k, n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch,
                                 qf, qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, softcap_log2,
-                            slopes, diags, alibi)
+                            slopes, diags, alibi, positions, heads, mod_args)
+
+    if not HAS_USER:
+        @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
+        def forward(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
+                    softcap_log2, alibi):
+            forward_body(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
+                         softcap_log2, alibi, ())
+    else:
+        @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
+        def forward(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
+                    softcap_log2, alibi, mod_args):
+            forward_body(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
+                         softcap_log2, alibi, mod_args)
 
     return forward
 

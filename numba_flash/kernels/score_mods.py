@@ -176,3 +176,177 @@ def tile_alibi_scaled(n_i: int, n_j: int, key_of, row_of):
                 s[i, j] = s[i, j] * q_scale + (slopes[r] * float32(key_of(i, j) - k0) + row_part)
 
     return scale_add_alibi
+
+
+# ---------------------------------------------------------------- user mods (mask_mod, score_mod)
+#
+# FlexAttention's hooks (API.md section 2c): ``mask_mod(b, h, q_idx, kv_idx, *mod_args) -> bool``
+# and ``score_mod(score, b, h, q_idx, kv_idx, *mod_args) -> float``, a user's plain Python
+# functions (or numba device functions) compiled into the kernel, inlined. A kernel with them is
+# specialised on the functions themselves (:class:`UserMods`, a compile-time constant) and on the
+# number of ``mod_args`` arrays, which it receives as one tuple argument. The kernels hold scores in
+# log2 units, the user's functions see natural-log ones: ``score_mod`` is called on ``s ln 2`` and
+# its result multiplied by ``log2(e)``. Only real (query, key) pairs reach a user's function --
+# rows past Nq and keys past Nk are skipped (the built-in mask hides those keys) -- so a mod may
+# index its arrays by ``q_idx`` and ``kv_idx``.
+
+MAX_MOD_ARGS = 4  # arrays a mod takes after its indices (each arity is a generated call)
+
+
+class UserMods:
+    """The compile-time part of a call's user mods: the functions and the number of ``mod_args``.
+    Equal (and hashing alike) for the same function objects and count, so a kernel compiled for
+    them is reused; a function's ``repr`` holds its address, so such kernels are never written to
+    the persistent compilation cache (``kernels.jit.kernel_factory``)."""
+
+    def __init__(self, mask_mod=None, score_mod=None, n_args: int = 0, score_mod_grad=None):
+        self.mask_mod, self.score_mod, self.score_mod_grad = mask_mod, score_mod, score_mod_grad
+        self.n_args = int(n_args)
+        if not 0 <= self.n_args <= MAX_MOD_ARGS:
+            raise ValueError(f"mod_args takes at most {MAX_MOD_ARGS} arrays; got {self.n_args}")
+
+    def _key(self):
+        return (self.mask_mod, self.score_mod, self.n_args, self.score_mod_grad)
+
+    def __eq__(self, other):
+        return isinstance(other, UserMods) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return (f"UserMods(mask_mod={self.mask_mod!r}, score_mod={self.score_mod!r}, n_args={self.n_args}, "
+                f"score_mod_grad={self.score_mod_grad!r})")
+
+
+def _device(fn):
+    """A user's function as an inlined device function (a numba device function as it is)."""
+    if fn is None:
+        return None
+    if getattr(fn, "targetoptions", {}).get("device"):  # numba's cuda.jit(device=True) dispatcher
+        return fn
+    return device_jit(fn)
+
+
+def _with_args(fn, n_args: int, has_score: bool):
+    """``call(x, b, h, q, k, args)`` of a user's function (``has_score``: ``score_mod``'s signature,
+    else ``mask_mod``'s, which takes no ``x``) with the ``n_args`` arrays of the tuple ``args``
+    spread after the indices."""
+    f = _device(fn)
+    if n_args == 0:
+        if has_score:
+            return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k))
+        return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k))
+    if n_args == 1:
+        if has_score:
+            return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k, args[0]))
+        return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k, args[0]))
+    if n_args == 2:
+        if has_score:
+            return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k, args[0], args[1]))
+        return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k, args[0], args[1]))
+    if n_args == 3:
+        if has_score:
+            return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k, args[0], args[1], args[2]))
+        return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k, args[0], args[1], args[2]))
+    if has_score:
+        return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k, args[0], args[1], args[2], args[3]))
+    return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k, args[0], args[1], args[2], args[3]))
+
+
+LN2_F32 = 0.6931471805599453
+LOG2E_F32 = 1.4426950408889634
+
+
+@device_jit
+def _every_key(x, b, h, q, k, args):
+    return True  # (no mask_mod; never called: the kernels test for it first)
+
+
+@device_jit
+def _same_score(x, b, h, q, k, args):
+    return x  # (no score_mod)
+
+
+@device_jit
+def _unit_slope(x, b, h, q, k, args):
+    return float32(1.0)  # (no score_mod_grad)
+
+
+@functools.lru_cache(maxsize=None)
+def user_mod_calls(user: UserMods):
+    """``(modded(x, b, h, q, k, args), modded_with_grad(x, b, h, q, k, args))`` of a kernel's user
+    mods, on a score ``x`` in log2 units: ``score_mod`` (in natural-log units, as the user wrote
+    it), then ``-inf`` where ``mask_mod`` says False; the second also returns d score_mod / d score
+    (``score_mod_grad``; 1 without a ``score_mod``) for the backward's dS."""
+    MASK, SCORE, GRAD = user.mask_mod is not None, user.score_mod is not None, user.score_mod_grad is not None
+    n = user.n_args
+    mask_call = _with_args(user.mask_mod, n, False) if MASK else _every_key
+    score_call = _with_args(user.score_mod, n, True) if SCORE else _same_score
+    grad_call = _with_args(user.score_mod_grad, n, True) if GRAD else _unit_slope
+
+    @device_jit
+    def modded(x, b, h, q, k, args):
+        if SCORE:
+            x = float32(score_call(x * float32(LN2_F32), b, h, q, k, args)) * float32(LOG2E_F32)
+        if MASK:
+            if not mask_call(x, b, h, q, k, args):
+                x = float32(-math.inf)
+        return x
+
+    @device_jit
+    def modded_with_grad(x, b, h, q, k, args):
+        slope = float32(1.0)
+        if SCORE:
+            natural = x * float32(LN2_F32)
+            if GRAD:
+                slope = float32(grad_call(natural, b, h, q, k, args))
+            x = float32(score_call(natural, b, h, q, k, args)) * float32(LOG2E_F32)
+        if MASK:
+            if not mask_call(x, b, h, q, k, args):
+                x = float32(-math.inf)
+        return x, slope
+
+    return modded, modded_with_grad
+
+
+@functools.lru_cache(maxsize=None)
+def query_rows(rows: int, thread_row):
+    """``row_queries(h, row0, n_q, rows_per_query, positions, heads)``: the query position and
+    query head of each of a thread's ``rows`` rows (rows packed as in :func:`alibi_rows`);
+    position -1 for a row past the last (no user function sees it)."""
+
+    @device_jit
+    def row_queries(h, row0, n_q, rows_per_query, positions, heads):
+        for i in range(rows):
+            row = row0 + thread_row(i)
+            if rows_per_query == 1:
+                positions[i] = row
+                heads[i] = h
+            else:
+                pos = row // rows_per_query
+                positions[i] = pos
+                heads[i] = h * rows_per_query + (row - pos * rows_per_query)
+            if row >= n_q:
+                positions[i] = -1
+
+    return row_queries
+
+
+@functools.lru_cache(maxsize=None)
+def tile_user_mods(n_i: int, n_j: int, key_of, row_of, user: UserMods):
+    """``apply_user_mods(s, col0, n_k, b, positions, heads, args)``: a kernel's user mods on each
+    entry of an engine's register tile (layout as ``mask.tile_masker`` takes it) whose row and key
+    are real (``positions[r] >= 0``, key below ``n_k``)."""
+    modded, _ = user_mod_calls(user)
+
+    @device_jit
+    def apply_user_mods(s, col0, n_k, b, positions, heads, args):
+        for i in range(n_i):
+            for j in range(n_j):
+                r = row_of(i, j)
+                key = col0 + key_of(i, j)
+                if positions[r] >= 0 and key < n_k:
+                    s[i, j] = modded(s[i, j], b, heads[r], positions[r], key, args)
+
+    return apply_user_mods

@@ -21,10 +21,11 @@ from numba_flash.kernels.mask import window_of
 
 
 def tc_fa1_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window, max_registers=None,
-                  presplit=None, softcap: bool = False, alibi: bool = False):
+                  presplit=None, softcap: bool = False, alibi: bool = False,
+                  user_mods=None):
     """The tensor-core FA-1 kernel for one specialisation (memoised by ``forward_kernel``);
     ``max_registers``: the register cap (``tc_ops.tc_register_cap``, through the spec);
     ``presplit``: ``tc_ops.tc_layout``'s."""
     tiles = TensorCores(kind, head_dim, block_m, block_n, presplit=presplit)
     return forward_kernel(FA1, tiles, window_of(window), cast_out=True, max_registers=max_registers,
-                          softcap=bool(softcap), alibi=bool(alibi))
+                          softcap=bool(softcap), alibi=bool(alibi), user_mods=user_mods)

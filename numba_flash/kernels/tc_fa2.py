@@ -25,7 +25,8 @@ from numba_flash.kernels.mask import window_of
 
 def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window, ragged: bool = False,
                   f32_out: bool = False, max_registers=None, row_walk=None, kv_stages: int = 1, presplit=None,
-                  key_warps: int = 1, softcap: bool = False, alibi: bool = False):
+                  key_warps: int = 1, softcap: bool = False, alibi: bool = False,
+                  user_mods=None):
     """The tensor-core FA-2 kernel for one specialisation (memoised by ``forward_kernel``):
     ``max_registers``: the register cap (``tc_ops.tc_register_cap``, through the spec);
     ``row_walk``: the K/V copies' loop (``tc_ops.row_walk_default`` when ``None``);
@@ -36,4 +37,5 @@ def tc_fa2_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window, 
     walk (``engines.key_warp_merge``; docs/performance-log.md 9j)."""
     tiles = TensorCores(kind, head_dim, block_m, block_n, row_walk, presplit, int(kv_stages), int(key_warps))
     return forward_kernel(FA2, tiles, window_of(window), False, bool(ragged), f32_out=bool(f32_out),
-                          max_registers=max_registers, softcap=bool(softcap), alibi=bool(alibi))
+                          max_registers=max_registers, softcap=bool(softcap), alibi=bool(alibi),
+                          user_mods=user_mods)
