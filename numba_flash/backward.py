@@ -29,6 +29,7 @@ from numba_flash.alibi import kernel_slopes, no_slopes
 from numba_flash.arrays import ArrayContext, as_cupy_view
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.problem import ALGORITHMS, TENSOR_CORE_KIND
+from numba_flash.user_mods import user_mods_of
 
 # Does attention_backward run float32 on tensor cores (tf32x3) instead of CUDA cores? On since
 # the H200 check (docs/performance-log.md, "Backward in tf32x3"): FA-2 B4 H16 N4096 D64 18.4 ms
@@ -58,12 +59,16 @@ def backward_regime(precision, dtype: str) -> str:
 
 
 def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False,
-                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
+                       score_mod_grad=None):
     """Gradients ``(dq, dk, dv)`` of ``o = attention(q, k, v)`` for the upstream gradient ``do``.
 
     ``o`` and ``lse`` are what ``attention(q, k, v, causal=causal, scale=scale,
     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, return_lse=True)`` returned
-    (ALiBi's slopes get no gradient: FlashAttention's contract). Shapes and dtypes: ``do`` and ``o`` like ``q``; ``lse``
+    (ALiBi's slopes get no gradient: FlashAttention's contract). ``mask_mod``, ``score_mod`` and
+    ``mod_args`` as the forward took them; with ``score_mod``, ``score_mod_grad(score, b, h, q_idx,
+    kv_idx, *mod_args)`` -> d score_mod / d score (``ValueError`` without it); ``mod_args`` get no
+    gradient. Shapes and dtypes: ``do`` and ``o`` like ``q``; ``lse``
     float32 ``(B, H, Nq)``; the gradients have the shapes and dtypes of ``q``, ``k``, ``v``.
     GQA: dk and dv of a KV head sum over its query heads. Rows that see no key give zero
     gradients. ``algorithm``: ``"fa2"`` (FlashAttention-2 Algorithm 2; dQ summed by float32
@@ -72,11 +77,13 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
     tensor cores, float32 on CUDA cores (:func:`gradients` chooses otherwise).
     """
     return gradients(do, q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic,
-                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+                     score_mod=score_mod, mod_args=mod_args, score_mod_grad=score_mod_grad)
 
 
 def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,
-              tiles=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+              tiles=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None,
+              mod_args=(), score_mod_grad=None):
     """:func:`attention_backward` with the regime chosen by ``precision`` (:func:`backward_regime`):
     ``None`` (the public default: tensor cores for float16 and bfloat16, tf32x3 for float32), ``"ieee"`` (CUDA
     cores for any dtype: the research baseline, and the kernels the tests compare against) or
@@ -89,14 +96,23 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
     do, q, k, v, o, lse = (as_cupy_view(x, name) for name, x in zip(("do", "q", "k", "v", "o", "lse"), (do, q, k, v, o, lse)))
     if alibi_slopes is not None:
         alibi_slopes = as_cupy_view(alibi_slopes, "alibi_slopes")
+    if isinstance(mod_args, (tuple, list)):
+        mod_args = tuple(as_cupy_view(a, f"mod_args[{i}]") for i, a in enumerate(mod_args))
+    if score_mod is not None and score_mod_grad is None:
+        raise ValueError("score_mod_grad is required with score_mod: the backward needs d score_mod / d score, a "
+                         "function with score_mod's signature")
+    if score_mod_grad is not None and (score_mod is None or not callable(score_mod_grad)):
+        raise ValueError("score_mod_grad goes with score_mod, and must be a function")
     if algorithm not in ALGORITHMS:
         raise ValueError(f"algorithm must be one of {list(ALGORITHMS)}; got {algorithm!r}")
     if not isinstance(deterministic, (bool, np.bool_)):
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
     # attention's checks (the forward's regime is not this one: backward_regime below decides)
     problem = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", precision="ieee", window_size=window_size,
-                       softcap=softcap, alibi_slopes=alibi_slopes)
+                       softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
+                       mod_args=mod_args)
     kind = problem.kind
+    user = user_mods_of(mask_mod, score_mod, problem.mod_args, score_mod_grad)  # (compiled into the kernels)
     B, H, Nq, D = problem.q_shape
     Hkv, Nk = int(k.shape[1]), problem.n_k
     api.check_like(do, "do", (B, H, Nq, D), problem.dtype, kind)
@@ -115,9 +131,10 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
 
             warn_if_slow(f"backward (B={B} H={H} Nq={Nq} Nk={Nk} D={D})", simulated_seconds(problem, regime, tiles))
         if regime == "ieee":
-            _run(ctx, problem, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv)
+            _run(ctx, problem, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, user)
         else:
-            _run_tc(ctx, problem, regime, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, tiles)
+            _run_tc(ctx, problem, regime, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, tiles,
+                    user)
     return dq, dk, dv
 
 
@@ -147,7 +164,15 @@ def _slopes_argument(problem, kind: str):
     return no_slopes(kind, problem.device_id)
 
 
-def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
+def _mod_args(dev, problem, user) -> list:
+    """The kernels' last argument with a user's mods: their arrays' tuple, as ``dev`` passes an
+    input (``[]`` without mods)."""
+    if user is None:
+        return []
+    return [tuple(dev(("in", a))[0] for a in problem.mod_args)]
+
+
+def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv, user=None) -> None:
     from numba_flash.kernels.bwd import ROWDOT_THREADS, bwd_dq_kernel, bwd_kernel, bwd_layout, rowdot_kernel
     from numba_flash.launch import numba_launch
 
@@ -175,17 +200,18 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
     layout = bwd_layout(algorithm, D, block)
     slopes = _slopes_argument(problem, ctx.kind)
     kernel = bwd_kernel(algorithm, D, block, problem.window, not deterministic or algorithm == "fa1", capped,
-                        problem.alibi)
+                        problem.alibi, user)
+    mods = _mod_args(dev, problem, user)
     numba_launch(kernel, grid, layout.threads, stream,
                  dev(("in", q), ("in", k), ("in", v), ("in", o), ("in", do), ("in", lse), ("in", dvec),
-                     ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale, cap, ("in", slopes)),
+                     ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale, cap, ("in", slopes)) + mods,
                  shared_mem_bytes=layout.smem_bytes)
     if deterministic and algorithm == "fa2":
         dq_layout = bwd_layout("dq", D, block)
-        numba_launch(bwd_dq_kernel(D, block, problem.window, capped, problem.alibi), (-(-Nq // block) * B * H,),
+        numba_launch(bwd_dq_kernel(D, block, problem.window, capped, problem.alibi, user), (-(-Nq // block) * B * H,),
                      dq_layout.threads, stream,
                      dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale, cap,
-                         ("in", slopes)), shared_mem_bytes=dq_layout.smem_bytes)
+                         ("in", slopes)) + mods, shared_mem_bytes=dq_layout.smem_bytes)
     dev.copy_back()
     dq[...] = _narrow(dq_acc, dq, ctx.kind) if problem.dtype != "float32" else dq_acc
     if wide:
@@ -193,7 +219,7 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv) -> None:
         dv[...] = _narrow(dv_k, dv, ctx.kind)
 
 
-def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, tiles=None) -> None:
+def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, tiles=None, user=None) -> None:
     """The tensor-core kernels (``kernels.tc_bwd``) on 16-bit inputs (or float32, kind
     ``"tf32x3"``): FA-2 D = rowsum(dO * O) first, then dK/dV with dQ by atomics (or dQ by its own
     kernel when ``deterministic``), or FA-1 in one kernel; dK, dV written by the kernel in the
@@ -241,18 +267,19 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
         cc = None if simulated() else cuda_device_capability()
         slopes = _slopes_argument(problem, "numpy" if ctx.kind == "numpy" else "cupy")
         kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, problem.window, not deterministic or algorithm == "fa1",
-                               vector_reductions(cc), capped, problem.alibi)
+                               vector_reductions(cc), capped, problem.alibi, user)
+        mods = _mod_args(dev, problem, user)
         numba_launch(kernel, grid, layout.threads, stream,
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
-                         ("out", dq_b), ("out", dk_b), ("out", dv_b), scale, cap, ("in", slopes)),
+                         ("out", dq_b), ("out", dk_b), ("out", dv_b), scale, cap, ("in", slopes)) + mods,
                      shared_mem_bytes=layout.smem_bytes)
         if deterministic and algorithm == "fa2":
             dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind)
             dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
-            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window, capped, problem.alibi),
+            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window, capped, problem.alibi, user),
                          (-(-Nq // dq_m) * B * H,), dq_layout.threads, stream,
                          dev(("in", kq), ("in", kk), ("in", kv), ("in", kdo), ("in", lse_b), ("in", dvec_b), ("out", dq_b),
-                             scale, cap, ("in", slopes)), shared_mem_bytes=dq_layout.smem_bytes)
+                             scale, cap, ("in", slopes)) + mods, shared_mem_bytes=dq_layout.smem_bytes)
         dev.copy_back()
     dq[...] = _narrow(dq_acc[..., :D], dq, ctx.kind)
 

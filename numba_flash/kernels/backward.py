@@ -32,9 +32,13 @@ nxt)``, ``write_stats(stats, base, nxt)``, ``commit()``, ``wait_all()``
     FA-1 line 19: D_i = rowsum(dO_i * O_i) into ``stats``.
 ``scores_t(af, a_s, b_s, out, scratch)``
     S^T = K_j Q_i^T, dP^T = V_j dO_i^T (keys are the rows of a thread's accumulators).
-``probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, row0, pt_s, ds_s)``
+``probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, biased, slope, diags, row0,
+pt_s, ds_s, user)``
     P^T = exp2(S^T - L), dS^T = P^T (dP^T - D), hidden entries 0 (in place, or into shared
-    memory when ``P_IN_SMEM``); ``capped``: S^T soft-capped first, dS^T times the cap's slope.
+    memory when ``P_IN_SMEM``); ``capped``: S^T soft-capped first, dS^T times the cap's slope;
+    ``biased``: ALiBi's bias (``slope``, ``diags``: each key row's diagonal query); ``user``: with
+    the engine's ``user_mods``, ``(b, h, col0, Nq, Nk, mod_args)`` (a user's score_mod, its slope
+    in dS, and mask_mod), else ``()``.
 ``dv_update(s, pt_s, do_s, acc, scratch)``, ``dk_update(dp, ds_s, q_s, acc, scratch)``
     dV_j += P^T dO_i, dK_j += dS^T Q_i.
 ``dq_update(dp, ds_s, k_s, dq, b, h, row0, n_q, scale, dq_acc, scratch)``
@@ -60,7 +64,7 @@ from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mask, mma
 from numba_flash.kernels.mask import window_of
 from numba_flash.kernels.block_info import batch_and_head, tile_of_block
-from numba_flash.kernels.jit import LOG2E, SMEM_ALIGN, kernel_factory, kernel_jit
+from numba_flash.kernels.jit import LOG2E, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit
 
 ORDERS = ("fa1", "fa2")
 
@@ -98,8 +102,10 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
     (Q0_TILE, Q1_TILE), (DO0_TILE, DO1_TILE), (O0_TILE, O1_TILE) = E.q_tiles, E.do_tiles, E.o_tiles
     Q_PAIR, DO_PAIR, O_PAIR = E.q_pair, E.do_pair, E.o_pair
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi):
+    HAS_USER = getattr(E, "user_mods", None) is not None  # a user's mods (the engine's; their arrays: mod_args)
+
+    @device_jit
+    def bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_kv_heads, n_k = k.shape[1], k.shape[2]
         group = n_heads // n_kv_heads
@@ -196,8 +202,9 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
                                                mask.first_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, WINDOW), WINDOW)
                 # FA-2 lines 11, 14 (Alg. 4 lines 13, 20): P^T = exp(S^T - L_i), dS^T = P^T * (dP^T - D_i)
                 slope = alibi[b, h] if ALIBI else float32(0.0)  # this step's query head's
+                user = (b, h, col0, n_q, n_k, mod_args) if HAS_USER else ()  # (the rows: keys from col0)
                 E.probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, WINDOW, SOFTCAP, softcap_log2, ALIBI, slope,
-                          diags, row0, pt_s, ds_s)
+                          diags, row0, pt_s, ds_s, user)
                 if P_IN_SMEM:
                     cuda.syncthreads()  # P^T, dS^T of every entry are in shared memory
                 E.dv_update(s, pt_s, do_s, dv_acc, scratch)  # FA-2 line 12 (Alg. 4 line 16): dV_j += P_ij^T dO_i
@@ -212,6 +219,15 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
             # Line 24 (FA-2 line 18): write dK_j (= scale dS^T Q), dV_j
             E.write_grad(dk, b, hk, col0, n_k, dk_acc, E.dk_factor(scale))
             E.write_grad(dv, b, hk, col0, n_k, dv_acc, float32(1.0))
+
+    if not HAS_USER:
+        @kernel_jit(fastmath={"contract", "afn", "arcp"})
+        def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi):
+            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, ())
+    else:
+        @kernel_jit(fastmath={"contract", "afn", "arcp"})
+        def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args):
+            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args)
 
     return attention_bwd
 
@@ -262,8 +278,10 @@ def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
     Q_TILE, DO_TILE, V_TILE, DS_TILE, STATS_TILE = E.q_tile, E.do_tile, E.v_tile, E.ds_tile, E.stats_tile
     K0_TILE, K1_TILE = E.k_tiles
 
-    @kernel_jit(fastmath={"contract", "afn", "arcp"})
-    def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi):
+    HAS_USER = getattr(E, "user_mods", None) is not None
+
+    @device_jit
+    def dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_k = k.shape[2]
         group = n_heads // k.shape[1]
@@ -317,12 +335,22 @@ def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
             E.scores(dof, do_s, v_s, dp, scratch)  # line 13: dP_ij = dO_i V_j^T
             E.after_scores(v, b, hk, col0, j, n_walk, n_k, v_s)
             masked = mask.tile_needs_mask(col0, BN, first_row_last_key, last_row_first_key, WINDOW)
+            user = (b, h, row0, n_q, n_k, mod_args) if HAS_USER else ()
             E.dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, WINDOW, SOFTCAP, softcap_log2, ALIBI,
-                      slopes[0], diags, col0, ds_s)  # lines 11, 14: P, dS = P (dP - D)
+                      slopes[0], diags, col0, ds_s, user)  # lines 11, 14: P, dS = P (dP - D)
             if DS_IN_SMEM:
                 cuda.syncthreads()  # dS_ij is in shared memory
             E.dq_step(dp, ds_s, k_s, acc, scratch)  # line 15: dQ_i += dS_ij K_j (scale at the end), on chip
         E.wait_all()  # no copy outlives the block
         E.write_dq(dq, b, h, row0, n_q, acc, scale)
+
+    if not HAS_USER:
+        @kernel_jit(fastmath={"contract", "afn", "arcp"})
+        def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi):
+            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, ())
+    else:
+        @kernel_jit(fastmath={"contract", "afn", "arcp"})
+        def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args):
+            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args)
 
     return attention_bwd_dq

@@ -129,9 +129,10 @@ def bwd_layout(kernel: str, head_dim: int, block: int) -> BwdLayout:
 
 
 @functools.lru_cache(maxsize=None)
-def bwd_ops(head_dim: int, block: int):
+def bwd_ops(head_dim: int, block: int, user_mods=None):
     """Device functions of one (head_dim, block) specialisation: the steps the K/V kernels of
-    both loop orders and the dQ kernel share."""
+    both loop orders and the dQ kernel share (``user_mods``: a ``score_mods.UserMods`` compiled
+    into P and dS)."""
     from types import ModuleType
 
     D, B = head_dim, block
@@ -169,6 +170,8 @@ def bwd_ops(head_dim: int, block: int):
             stats[base + B + r] = acc
 
     _, soft_cap_with_slope = score_mods.soft_capper(False)  # float32 accuracy: the exact tanh
+    USER = user_mods is not None
+    _, user_modded = score_mods.user_mod_calls(user_mods) if USER else (None, None)
 
     def make_probs(key_rows, write_p):
         """P = exp2(S - L) and dS = P * (dP - D) of this thread's micro-tile, into shared memory
@@ -178,13 +181,14 @@ def bwd_ops(head_dim: int, block: int):
         the queries that see key row i); else rows are queries (``[lo[i], hi[i]]``: the keys
         query row i sees; ``lo`` is read only with the ``window``'s left edge). ``masked``
         (block-uniform): test every entry against them,
-        ``col0``: the absolute index of column 0. A hidden entry gets P = dS = 0 (not 0 times
+        ``col0``: the absolute index of column 0; ``user`` (with user mods): ``(b, h, row0, Nq, Nk,
+        mod_args)``, ``row0`` the absolute index of row 0. A hidden entry gets P = dS = 0 (not 0 times
         a dP that a NaN in a hidden V row could make NaN)."""
 
         N_STATS = TN if key_rows else TM  # L and D of each column (key rows) or row (query rows)
 
         @device_jit
-        def probs(s, dp, stats, base, masked, lo, hi, window, capped, cap, biased, slope, diags, col0, p_s, ds_s):
+        def probs(s, dp, stats, base, masked, lo, hi, window, capped, cap, biased, slope, diags, col0, p_s, ds_s, user):
             tx = ops.thread_col()
             l2 = cuda.local.array(N_STATS, float32)
             dd = cuda.local.array(N_STATS, float32)
@@ -207,10 +211,20 @@ def bwd_ops(head_dim: int, block: int):
                         x, cap_slope = soft_cap_with_slope(x, cap)
                     if biased:  # the forward's ALiBi bias (a constant of the score: no factor in dS)
                         x += score_mods.alibi_bias(slope, diags[i], col0 + c)
+                    mod_slope = float32(1.0)
+                    if USER:  # a user's score_mod (and its slope for dS) and mask_mod; user: (b, h, row0, Nq, Nk, args)
+                        query, key = (col0 + c, user[2] + r) if key_rows else (user[2] + r, col0 + c)
+                        if query < user[3] and key < user[4]:
+                            x, mod_slope = user_modded(x, user[0], user[1], query, key, user[5])
                     p = math.exp2(x - l2[stat])  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
                     ds = p * (dp[i, j] - dd[stat])  # FA-2 line 14 (Alg. 4 line 20)
                     if capped:
                         ds *= cap_slope
+                    if USER:
+                        ds *= mod_slope
+                        if x == float32(NEG_INF):  # hidden by mask_mod (0, not 0 times a dP a NaN made)
+                            p = float32(0.0)
+                            ds = float32(0.0)
                     if masked:
                         if key_rows:
                             hidden = mask.query_hidden(col0 + c, lo[i], hi[i], window)
@@ -274,16 +288,17 @@ def _nothing():
 
 
 @functools.lru_cache(maxsize=None)
-def ffma_bwd_engine(order: str, head_dim: int, block: int):
+def ffma_bwd_engine(order: str, head_dim: int, block: int, user_mods=None):
     """The CUDA-core backward engine (``kernels.backward``'s interface) of the K/V kernel of
     ``order``: square ``block x block`` micro-tiled steps, float32 tiles in the dynamic shared
     memory of :func:`bwd_layout` (Q_i | dO_i | K_j | V_j | (O_i) | P^T | dS^T | L_i | D_i),
-    synchronous copies, Q_i scaled into log2 units as it is loaded."""
+    synchronous copies, Q_i scaled into log2 units as it is loaded. ``user_mods``: a user's mods
+    compiled into P and dS (``score_mods.UserMods``)."""
     from types import ModuleType
 
     D, B = head_dim, block
     FA1 = order == "fa1"
-    bops = bwd_ops(D, B)
+    bops = bwd_ops(D, B, user_mods)
     ops = bops.tile
     lay = bwd_layout(order, D, B)
     TM, TN, ACC = lay.tiles.rows_per_thread, lay.tiles.cols_per_thread, VEC * lay.tiles.dim_groups
@@ -327,9 +342,9 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
 
     @device_jit
     def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, biased, slope, diags, row0,
-                pt_s, ds_s):
+                pt_s, ds_s, user):
         bops.probs_key_rows(s, dp, stats, base, masked, first_q, last_q, window, capped, cap, biased, slope, diags, row0,
-                            pt_s, ds_s)
+                            pt_s, ds_s, user)
 
     @device_jit
     def dv_update(s, pt_s, do_s, acc, scratch):
@@ -370,7 +385,8 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
     q_tile = row(lay.offset("q"), ROWS)
     do_tile = row(lay.offset("do"), ROWS)
     o_tile = row(lay.offset("o") if FA1 else 0, ROWS)
-    engine = ModuleType(f"numba_flash.kernels.ffma_bwd_engine_{order}_d{D}_b{B}")
+    engine = ModuleType(f"numba_flash.kernels.ffma_bwd_engine_{order}_d{D}_b{B}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
+    engine.user_mods = user_mods
     for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=no_load_step, read_stats=no_read_stats,
                            write_stats=no_write_stats, commit=_nothing, wait_all=_nothing, kv_frags=no_frags,
                            rowdot=bops.rowdot_tile, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update,
@@ -390,7 +406,7 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int):
 
 
 def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool = True, softcap: bool = False,
-               alibi: bool = False):
+               alibi: bool = False, user_mods=None):
     """The CUDA-core dK/dV (and dQ) kernel of one loop order: ``kernels.backward.kv_kernel`` on
     :func:`ffma_bwd_engine` (memoised there).
 
@@ -406,20 +422,20 @@ def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool =
     """
     from numba_flash.kernels.backward import kv_kernel
 
-    return kv_kernel(ffma_bwd_engine(order, int(head_dim), int(block)), window_of(window), bool(compute_dq),
+    return kv_kernel(ffma_bwd_engine(order, int(head_dim), int(block), user_mods), window_of(window), bool(compute_dq),
                      bool(softcap), bool(alibi))
 
 
 @functools.lru_cache(maxsize=None)
-def ffma_dq_engine(head_dim: int, block: int):
+def ffma_dq_engine(head_dim: int, block: int, user_mods=None):
     """The CUDA-core engine of the deterministic dQ kernel (``kernels.backward.dq_kernel``'s
     interface): S = Q_i K_j^T with queries as the micro-tile rows (the forward's orientation),
     dS through shared memory, synchronous copies; dynamic shared memory Q_i | dO_i | K_j | V_j |
-    dS | L_i | D_i (:func:`bwd_layout` ``"dq"``)."""
+    dS | L_i | D_i (:func:`bwd_layout` ``"dq"``); ``user_mods`` as :func:`ffma_bwd_engine`'s."""
     from types import ModuleType
 
     D, B = head_dim, block
-    bops = bwd_ops(D, B)
+    bops = bwd_ops(D, B, user_mods)
     ops = bops.tile
     lay = bwd_layout("dq", D, B)
     TM, TN, ACC = lay.tiles.rows_per_thread, lay.tiles.cols_per_thread, VEC * lay.tiles.dim_groups
@@ -450,9 +466,9 @@ def ffma_dq_engine(head_dim: int, block: int):
 
     @device_jit
     def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, biased, slope, diags,
-                col0, ds_s):
+                col0, ds_s, user):
         bops.dscores_query_rows(s, dp, stats, 0, masked, first_keys, last_keys, window, capped, cap, biased, slope, diags,
-                                col0, ds_s, ds_s)
+                                col0, ds_s, ds_s, user)
 
     @device_jit
     def dq_step(dp, ds_s, k_s, acc, scratch):
@@ -466,7 +482,8 @@ def ffma_dq_engine(head_dim: int, block: int):
     def no_row_stats(lse, dvec, b, h, row0, n_q, l2, dd):
         pass  # (L_i, D_i go to shared memory with Q_i: start)
 
-    engine = ModuleType(f"numba_flash.kernels.ffma_dq_engine_d{D}_b{B}")
+    engine = ModuleType(f"numba_flash.kernels.ffma_dq_engine_d{D}_b{B}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
+    engine.user_mods = user_mods
     for name, func in dict(row_stats=no_row_stats, start=start, before_scores=before_scores, scores=scores, after_scores=after_scores,
                            dscores=dscores, dq_step=dq_step, write_dq=write_dq, row_key_bounds=ops.row_key_bounds,
                            row_alibi=ops.row_alibi,
@@ -482,7 +499,7 @@ def ffma_dq_engine(head_dim: int, block: int):
     return engine
 
 
-def bwd_dq_kernel(head_dim: int, block: int, window, softcap: bool = False, alibi: bool = False):
+def bwd_dq_kernel(head_dim: int, block: int, window, softcap: bool = False, alibi: bool = False, user_mods=None):
     """dQ without atomics (``deterministic=True``) on CUDA cores: ``kernels.backward.dq_kernel``
     on :func:`ffma_dq_engine` (memoised there).
 
@@ -494,7 +511,7 @@ def bwd_dq_kernel(head_dim: int, block: int, window, softcap: bool = False, alib
     """
     from numba_flash.kernels.backward import dq_kernel
 
-    return dq_kernel(ffma_dq_engine(int(head_dim), int(block)), window_of(window), bool(softcap), bool(alibi))
+    return dq_kernel(ffma_dq_engine(int(head_dim), int(block), user_mods), window_of(window), bool(softcap), bool(alibi))
 
 
 @kernel_factory

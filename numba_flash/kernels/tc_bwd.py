@@ -346,7 +346,8 @@ def _row_loader(head_dim: int, rows: int, threads: int, elem_bytes: int = 2):
 
 
 @functools.lru_cache(maxsize=None)
-def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: int, vector_red: bool = True):
+def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: int, vector_red: bool = True,
+                   user_mods=None):
     """The tensor-core backward engine (``kernels.backward``'s interface) of the K/V kernel of
     ``order``: warps of 16 keys computing the transposed scores (module doc), Q_i, dO_i (O_i)
     double-buffered by ``cp.async``, L and D of two steps in a static float32 array, P^T and dS^T
@@ -359,6 +360,8 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     lay = tc_bwd_layout(order, kind, head_dim, block_m, block_n)
     FA1, VECTOR_RED = order == "fa1", bool(vector_red)
     _, soft_cap_with_slope = score_mods.soft_capper(kind in HALF_KINDS)  # 16-bit: tanh.approx
+    USER = user_mods is not None  # a user's mods compiled into P and dS (score_mods.UserMods)
+    _, user_modded = score_mods.user_mod_calls(user_mods) if USER else (None, None)
     D, BM, BN = head_dim, block_m, block_n
     # The forward's tile ops with the roles swapped: their "Q tile" rows are keys (one warp per
     # 16: warp_row0, thread_row), their "K/V tile" rows queries, so pv_tile(P^T, dO_i) is
@@ -446,7 +449,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
 
     @device_jit
     def probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, window, capped, cap, biased, slope, diags, row0,
-                pt_s, ds_s):
+                pt_s, ds_s, user):
         """In place: S^T -> P^T = exp2(S^T scale log2 e - L) (FA-2 line 11, Alg. 4 line 13),
         dP^T -> dS^T = P^T (dP^T - D) (FA-2 line 14, Alg. 4 line 20); L and D of each column
         (query) from shared memory; hidden entries P = dS = 0."""
@@ -460,10 +463,20 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
                     x, cap_slope = soft_cap_with_slope(x, cap)
                 if biased:  # the forward's ALiBi bias (diags: the query on each key row's diagonal)
                     x += score_mods.alibi_bias(slope, diags[e >> 1], row0 + c)
+                mod_slope = float32(1.0)
+                if USER:  # a user's score_mod (its slope for dS) and mask_mod; user: (b, h, col0, Nq, Nk, args)
+                    query, key = row0 + c, user[2] + ops.thread_row(e >> 1)
+                    if query < user[3] and key < user[4]:
+                        x, mod_slope = user_modded(x, user[0], user[1], query, key, user[5])
                 p = math.exp2(x - stats[base + c])
                 ds = p * (dp[nt, e] - stats[base + BM + c])
                 if capped:
                     ds *= cap_slope
+                if USER:
+                    ds *= mod_slope
+                    if x == float32(-math.inf):  # hidden by mask_mod
+                        p = float32(0.0)
+                        ds = float32(0.0)
                 if masked and mask.query_hidden(row0 + c, first_q[e >> 1], last_q[e >> 1], window):
                     p = float32(0.0)
                     ds = float32(0.0)
@@ -651,7 +664,8 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     def dk_factor(scale):
         return scale  # dK_j = scale dS^T Q_i (Q_i unscaled)
 
-    engine = ModuleType(f"numba_flash.kernels.mma_bwd_engine_{order}_{kind}_d{D}_m{BM}_n{BN}_red{int(VECTOR_RED)}")
+    engine = ModuleType(f"numba_flash.kernels.mma_bwd_engine_{order}_{kind}_d{D}_m{BM}_n{BN}_red{int(VECTOR_RED)}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
+    engine.user_mods = user_mods
     for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=load_step, read_stats=read_stats,
                            write_stats=write_stats, commit=ops.commit, wait_all=ops.wait_all, kv_frags=kv_frags,
                            rowdot=rowdot, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update, dk_update=dk_update,
@@ -674,7 +688,8 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
 
 
 def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, window,
-                  compute_dq: bool = True, vector_red: bool = True, softcap: bool = False, alibi: bool = False):
+                  compute_dq: bool = True, vector_red: bool = True, softcap: bool = False, alibi: bool = False,
+                  user_mods=None):
     """The dK/dV (and dQ) kernel of one loop order on tensor cores: ``kernels.backward.kv_kernel``
     on :func:`mma_bwd_engine` (memoised there).
 
@@ -691,12 +706,12 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     """
     from numba_flash.kernels.backward import kv_kernel
 
-    engine = mma_bwd_engine(order, kind, int(head_dim), int(block_m), int(block_n), bool(vector_red))
+    engine = mma_bwd_engine(order, kind, int(head_dim), int(block_m), int(block_n), bool(vector_red), user_mods)
     return kv_kernel(engine, window_of(window), bool(compute_dq), bool(softcap), bool(alibi))
 
 
 @functools.lru_cache(maxsize=None)
-def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
+def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int, user_mods=None):
     """The tensor-core engine of the deterministic dQ kernel (``kernels.backward.dq_kernel``'s
     interface): warps of 16 query rows (the forward's orientation); S = Q_i K_j^T, dP = dO_i V_j^T
     with A = Q_i, dO_i fragments (in registers when D <= 64); P and dS in registers with L and D
@@ -707,6 +722,8 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
     from types import ModuleType
 
     _, soft_cap_with_slope = score_mods.soft_capper(kind in HALF_KINDS)  # 16-bit: tanh.approx
+    USER = user_mods is not None
+    _, user_modded = score_mods.user_mod_calls(user_mods) if USER else (None, None)
 
     lay = tc_bwd_layout("dq", kind, head_dim, block_m, block_n)
     D, BM, BN = head_dim, block_m, block_n
@@ -762,7 +779,7 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
 
     @device_jit
     def dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, biased, slope, diags,
-                col0, ds_s):
+                col0, ds_s, user):
         for nt in range(NS):  # P = exp2(S scale log2 e - L), dS = P (dP - D), in place
             for e in range(4):
                 x = s[nt, e] * q_scale
@@ -771,10 +788,19 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
                     x, cap_slope = soft_cap_with_slope(x, cap)
                 if biased:  # (diags: each query row's diagonal key)
                     x += score_mods.alibi_bias(slope, diags[e >> 1], col0 + ops.col_of(nt, e))
+                mod_slope = float32(1.0)
+                if USER:  # user: (b, h, row0, Nq, Nk, args)
+                    query, key = user[2] + ops.thread_row(e >> 1), col0 + ops.col_of(nt, e)
+                    if query < user[3] and key < user[4]:
+                        x, mod_slope = user_modded(x, user[0], user[1], query, key, user[5])
                 p = math.exp2(x - l2[e >> 1])
                 ds = p * (dp[nt, e] - dd[e >> 1])
                 if capped:
                     ds *= cap_slope
+                if USER:
+                    ds *= mod_slope
+                    if x == float32(-math.inf):
+                        ds = float32(0.0)
                 if masked and mask.key_hidden(col0 + ops.col_of(nt, e), first_keys[e >> 1], last_keys[e >> 1], window):
                     ds = float32(0.0)
                 dp[nt, e] = ds
@@ -795,7 +821,8 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
                         if d < D:
                             dq[b, h, row, d] = acc[dt, 2 * i + e] * scale
 
-    engine = ModuleType(f"numba_flash.kernels.mma_dq_engine_{kind}_d{D}_m{BM}_n{BN}")
+    engine = ModuleType(f"numba_flash.kernels.mma_dq_engine_{kind}_d{D}_m{BM}_n{BN}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
+    engine.user_mods = user_mods
     for name, func in dict(row_stats=row_stats, start=start, before_scores=before_scores, scores=scores,
                            after_scores=after_scores, dscores=dscores, dq_step=dq_step, write_dq=write_dq,
                            row_key_bounds=ops.row_key_bounds, row_alibi=ops.row_alibi, zero=ops.zero,
@@ -812,7 +839,7 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int):
 
 
 def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window, softcap: bool = False,
-                     alibi: bool = False):
+                     alibi: bool = False, user_mods=None):
     """dQ without atomics on tensor cores (``deterministic=True``): ``kernels.backward.dq_kernel``
     on :func:`mma_dq_engine` (memoised there).
 
@@ -824,5 +851,6 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, windo
     """
     from numba_flash.kernels.backward import dq_kernel
 
-    return dq_kernel(mma_dq_engine(kind, int(head_dim), int(block_m), int(block_n)), window_of(window), bool(softcap),
+    return dq_kernel(mma_dq_engine(kind, int(head_dim), int(block_m), int(block_n), user_mods), window_of(window),
+                     bool(softcap),
                      bool(alibi))
