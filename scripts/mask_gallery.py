@@ -49,7 +49,21 @@ def entries(n: int):
         ("causal, softcap 50", {"causal": True, "softcap": 50.0}, (-1, 0)),
         ("ALiBi", {"alibi_slopes": "standard"}, None),
         ("causal, ALiBi", {"causal": True, "alibi_slopes": "standard"}, (-1, 0)),
+        (f"documents ({DOCUMENTS}, mask_mod)", {"mask_mod": "documents"}, None),
     ]
+
+
+DOCUMENTS = 8  # the document-masking entry: equal documents, each query sees its own (issue 24's 8 at N=32768)
+
+
+def same_document(b, h, q_idx, kv_idx, doc):
+    """FlexAttention's document mask: a query sees the keys of its own document (ids in mod_args)."""
+    return doc[q_idx] == doc[kv_idx]
+
+
+def document_ids(n: int, torch):
+    """Document ids of ``n`` positions: :data:`DOCUMENTS` equal runs."""
+    return (torch.arange(n, device="cuda") * DOCUMENTS // n).to(torch.int32)
 
 
 MODS = ("softcap", "alibi_slopes")  # the score modifications (entries timed against the same mask without them)
@@ -68,6 +82,20 @@ def resolved(kwargs: dict, heads: int, torch) -> dict:
     return out
 
 
+def with_documents(kwargs: dict, n: int, torch) -> dict:
+    """``kwargs`` with ``"documents"`` made the document mask of length ``n`` (mask_mod, mod_args)."""
+    out = dict(kwargs)
+    if out.get("mask_mod") == "documents":
+        out["mask_mod"], out["mod_args"] = same_document, (document_ids(n, torch),)
+    return out
+
+
+def document_visible(n: int, torch):
+    """The document mask as a dense (n, n) bool matrix (the peers' and the check's)."""
+    doc = document_ids(n, torch)
+    return doc[:, None] == doc[None, :]
+
+
 def visible(window, n_q, n_k, torch, device):
     from numba_flash.masking import MaskSpec
 
@@ -83,6 +111,7 @@ def check(kwargs, window, dtype, backward, seq, torch) -> str:
     import numba_flash
 
     n = 1000
+    backward = backward and "mask_mod" not in kwargs  # (numba_flash.torch's operators take no Python functions)
     scaled = dict(kwargs)
     win = window
     if "window_size" in kwargs:  # the window at the small shape: the same fraction of N
@@ -93,6 +122,9 @@ def check(kwargs, window, dtype, backward, seq, torch) -> str:
     dt = getattr(torch, dtype)
     q, k, v = (torch.randn(1, 4, n, 64, device="cuda", generator=gen).to(dt).requires_grad_(backward) for _ in range(3))
     seen, _ = visible(win, n, n, torch, "cuda")
+    if kwargs.get("mask_mod") == "documents":
+        seen = seen & document_visible(n, torch)
+        scaled = with_documents(scaled, n, torch)
 
     cap = kwargs.get("softcap", 0.0)
     scaled = resolved(scaled, 4, torch)
@@ -179,8 +211,9 @@ def main(argv=None) -> int:
             continue
         t0 = time.time()
         status = check(kwargs, window, args.dtype, args.backward, n, torch)
-        kwargs = resolved(kwargs, args.heads, torch)
-        pairs = _pairs(window, n)
+        documents = kwargs.get("mask_mod") == "documents"
+        kwargs = with_documents(resolved(kwargs, args.heads, torch), n, torch)
+        pairs = _pairs(window, n) if not documents else int(document_visible(n, torch).sum())
         ms = median_ms(lambda kw=kwargs: numba_flash.attention(q, k, v, **kw), torch)
         row = dict(mask=name, check=status, ms=ms, visible=pairs / (n * n),
                    tflops=4 * args.head_dim * args.heads * pairs / ms / 1e9)
@@ -195,15 +228,15 @@ def main(argv=None) -> int:
                 row["cost_rule"] = ms / (pairs / causal_pairs * causal_ms)
         if window == (-1, 0) and not capped:
             row["sdpa_causal_ms"] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), torch)
-        if window is not None and not capped:
+        if (window is not None or documents) and not capped:
             try:
-                seen, _ = visible(window, n, n, torch, "cuda")
+                seen = document_visible(n, torch) if documents else visible(window, n, n, torch, "cuda")[0]
                 row["sdpa_dense_mask_ms"] = median_ms(lambda m=seen: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
                                                       torch)
                 del seen
             except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
                 row["sdpa_dense_mask_ms"] = f"failed: {type(e).__name__}"
-        if args.backward:
+        if args.backward and not documents:  # (a user's mods: the backward is timed without them here)
             o, lse = numba_flash.attention(q, k, v, return_lse=True, **kwargs)
             row["backward_ms"] = median_ms(
                 lambda o=o, lse=lse, kw=kwargs: attention_backward(do, q, k, v, o, lse, **kw), torch)

@@ -135,7 +135,22 @@ def _mask_cases(xp):
         for dtype in ("float32", "float16"):
             spec = dict(dtype=dtype, n_q=3, window_size=window, causal=causal, softcap=cap, alibi=alibi, head_dim=40)
             cases.append((f"mask-{tag}-decode-{dtype}-Nq3-ragged", _decode_case(spec, xp)))
+    # A user's mask_mod reading document ids by q_idx and kv_idx (mod_args): no read past them
+    extra = dict(causal=False, user=True, head_dim=40, n_q=17, n_k=33)
+    for dtype, precision in (("float32", "ieee"), ("float16", None)):
+        for algorithm in ALGORITHMS:
+            spec = dict(algorithm=algorithm, dtype=dtype, block_m=None, block_n=None, precision=precision, **extra)
+            cases.append((f"mask-user-{algorithm}-{dtype}-{precision or 'tc'}-Nq17-Nk33", _case(spec, xp)))
+        for algorithm, deterministic in (("fa1", False), ("fa2", True)):
+            spec = dict(algorithm=algorithm, deterministic=deterministic, dtype=dtype, precision=None, **extra)
+            label = algorithm + ("-deterministic" if deterministic else "")
+            cases.append((f"mask-user-backward-{label}-{dtype}-Nq17-Nk33", _backward_case(spec, xp)))
     return cases
+
+
+def same_document(b, h, q_idx, kv_idx, q_doc, kv_doc):
+    """The user mask cases' mask_mod: a query sees its own document's keys."""
+    return q_doc[q_idx] == kv_doc[kv_idx]
 
 
 def _mods(spec, arrays=None) -> dict:
@@ -146,6 +161,10 @@ def _mods(spec, arrays=None) -> dict:
     mods = dict(causal=spec["causal"], window_size=spec.get("window_size", (-1, -1)), softcap=spec.get("softcap", 0.0))
     if spec.get("alibi"):
         mods["alibi_slopes"] = (arrays or np).asarray(np.linspace(0.1, 0.8, HEADS, dtype=np.float32))
+    if spec.get("user"):  # documents of 5 keys; the queries are the last n_q positions
+        kv_doc = (np.arange(spec["n_k"]) // 5).astype(np.int32)
+        mods["mask_mod"] = same_document
+        mods["mod_args"] = tuple((arrays or np).asarray(x) for x in (kv_doc[spec["n_k"] - spec["n_q"]:].copy(), kv_doc))
     return mods
 
 

@@ -164,7 +164,7 @@ def test_mask_cases_pass_their_masks_on(sanitize, monkeypatch):
     from numba_flash import reference
 
     cases = dict(sanitize.build_cases(("ieee",), "default", xp=np, masks=True))
-    assert len(cases) == len(sanitize.MASKS) * (3 * (2 * 3 + 2 + 3 * 2) + 2)  # forward, split, backward; decode
+    assert len(cases) == len(sanitize.MASKS) * (3 * (2 * 3 + 2 + 3 * 2) + 2) + 8  # forward, split, backward; decode; user
     import numba_flash.api as api
 
     def stand_in(drop=None):
