@@ -26,6 +26,18 @@ def _visible(n_q, n_k, window, causal, device):
     return spec.visible(i, j, n_q, n_k)
 
 
+def _inputs(B, H, Hkv, Nq, Nk, D, dtype, seed):
+    """Fresh normal q ``(B, H, Nq, D)``, k, v ``(B, Hkv, Nk, D)`` on the GPU, of ``dtype``, and the
+    generator (for what a test draws next)."""
+    import torch
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    dt = getattr(torch, dtype)
+    q = torch.randn(B, H, Nq, D, device="cuda", generator=gen).to(dt)
+    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", generator=gen).to(dt) for _ in range(2))
+    return q, k, v, gen
+
+
 def _attention64(q, k, v, seen, do=None, dtype=None, softcap=0.0, alibi=None):
     """o (and with ``do``, the gradients) in float64 (``dtype``: a plain implementation's type);
     ``alibi``: ``(B, H)`` slopes (the bias -slope |i + Nk - Nq - j|)."""
@@ -61,10 +73,8 @@ def test_forward_windows(algorithm, dtype, precision, window, causal):
     import numba_flash
 
     B, H, Hkv, Nq, Nk, D = 2, 4, 2, 1000, 1300, 64
-    gen = torch.Generator(device="cuda").manual_seed(7)
     dt = getattr(torch, dtype)
-    q = torch.randn(B, H, Nq, D, device="cuda", generator=gen).to(dt)
-    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", generator=gen).to(dt) for _ in range(2))
+    q, k, v, _ = _inputs(B, H, Hkv, Nq, Nk, D, dtype, 7)
     o, lse = numba_flash.attention(q, k, v, causal=causal, window_size=window, algorithm=algorithm, precision=precision,
                                    return_lse=True)
     seen = _visible(Nq, Nk, window, causal, "cuda")
@@ -277,10 +287,8 @@ def test_user_mods_forward_and_backward(algorithm, dtype, precision):
     from numba_flash.backward import gradients
 
     B, H, Hkv, Nq, Nk, D = 1, 4, 2, 700, 1000, 64
-    gen = torch.Generator(device="cuda").manual_seed(23)
     dt = getattr(torch, dtype)
-    q = torch.randn(B, H, Nq, D, device="cuda", generator=gen).to(dt)
-    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", generator=gen).to(dt) for _ in range(2))
+    q, k, v, gen = _inputs(B, H, Hkv, Nq, Nk, D, dtype, 23)
     doc = torch.sort(torch.randint(0, 5, (Nk,), device="cuda", generator=gen)).values.to(torch.int32)
     table = 0.5 * torch.randn(H, Nq + Nk + 1, device="cuda", generator=gen)
 

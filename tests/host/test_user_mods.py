@@ -42,6 +42,23 @@ def cubic_grad(score, b, h, q_idx, kv_idx, table):
     return 0.3 * score * score + 1.0
 
 
+def documents_mask(b, h, q_idx, kv_idx, q_doc, kv_doc, table):
+    """``same_document`` among three mod_args (the documents' ids, then a bias table)."""
+    return q_doc[q_idx] == kv_doc[kv_idx]
+
+
+def documents_bias(score, b, h, q_idx, kv_idx, q_doc, kv_doc, table):
+    return relative_bias(score, b, h, q_idx, kv_idx, table)
+
+
+def documents_cubic(score, b, h, q_idx, kv_idx, q_doc, kv_doc, table):
+    return cubic(score, b, h, q_idx, kv_idx, table)
+
+
+def documents_cubic_grad(score, b, h, q_idx, kv_idx, q_doc, kv_doc, table):
+    return cubic_grad(score, b, h, q_idx, kv_idx, table)
+
+
 def _documents(rng, n_q=N_Q, n_k=N_K):
     kv_doc = np.sort(rng.integers(0, 3, n_k)).astype(np.int32)
     return kv_doc[n_k - n_q:].copy(), kv_doc  # queries aligned to the last keys (bottom-right)
@@ -61,13 +78,7 @@ def test_forward_document_mask_and_bias_table(algorithm, precision, dtype, tol, 
     q, k, v = random_qkv(rng, 1, 2, 1, N_Q, N_K, 16, dtype, xp, scale=1.5)
     q_doc, kv_doc = _documents(rng)
     table = _table(rng)
-
-    def both(b, h, q_idx, kv_idx, q_doc, kv_doc, table):
-        return q_doc[q_idx] == kv_doc[kv_idx]
-
-    def bias(score, b, h, q_idx, kv_idx, q_doc, kv_doc, table):
-        return relative_bias(score, b, h, q_idx, kv_idx, table)
-
+    both, bias = documents_mask, documents_bias
     mods = dict(causal=True, softcap=3.0, alibi_slopes=np.array([0.2, 0.05], np.float32))
     args = (q_doc, kv_doc, table)
     tiles = {"block_m": 16, "block_n": 16} if precision != "ieee" else {"block_m": 4, "block_n": 8}
@@ -121,17 +132,8 @@ def test_backward_matches_the_reference(precision, dtype, algorithm, determinist
     do, q, k, v, _, _ = backward_problem(rng, 1, 2, 1, N_Q, N_K, 16, dtype, False)
     q_doc, kv_doc = _documents(rng)
     table = _table(rng)
-
-    def mask(b, h, q_idx, kv_idx, q_doc, kv_doc, table):
-        return q_doc[q_idx] == kv_doc[kv_idx]
-
-    def score(s, b, h, q_idx, kv_idx, q_doc, kv_doc, table):
-        return cubic(s, b, h, q_idx, kv_idx, table)
-
-    def grad(s, b, h, q_idx, kv_idx, q_doc, kv_doc, table):
-        return cubic_grad(s, b, h, q_idx, kv_idx, table)
-
-    mods = dict(mask_mod=mask, score_mod=score, mod_args=(q_doc, kv_doc, table))
+    grad = documents_cubic_grad
+    mods = dict(mask_mod=documents_mask, score_mod=documents_cubic, mod_args=(q_doc, kv_doc, table))
     o, lse = numba_flash.attention(q, k, v, return_lse=True, precision="ieee", **mods)
     tiles = {"tiles": (16, 16)} if precision is None else {}
     grads = gradients(do, q, k, v, o, lse, algorithm=algorithm, deterministic=deterministic, precision=precision,
