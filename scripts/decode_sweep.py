@@ -102,6 +102,7 @@ class Candidate:
         from numba_flash.kernels.jit import LOG2E
         from numba_flash.kernels.tc_fa2 import tc_fa2_kernel
         from numba_flash.kernels.tc_ops import row_walk_default
+        from numba_flash.alibi import no_slopes
         from numba_flash.launch import core_stream, device_array, prepare_launch
         from numba_flash.specs import kernel_spec
         from numba_flash.split_kv import multiprocessors, num_splits_heuristic, resident_blocks
@@ -132,11 +133,12 @@ class Candidate:
         packed = [x.view(cp.uint16) for x in (q.reshape(B, Hkv, rows, D), k, v)]
         # the skeleton's arguments (kernels.forward): o_hbm, l_hbm, m_hbm and kv_order are not read by a Q-outer
         # walk (one array per shape, as the library passes them)
-        self.unread = [cp.zeros((1, 1, 1, 1), np.float32), cp.zeros((1, 1, 1), np.float32), cp.zeros(1, np.int32)]
-        o_hbm, state, kv_order = self.unread
+        self.unread = [cp.zeros((1, 1, 1, 1), np.float32), cp.zeros((1, 1, 1), np.float32), cp.zeros(1, np.int32),
+                       no_slopes("cupy", cp.cuda.runtime.getDevice())]  # (and the ALiBi slopes: none)
+        o_hbm, state, kv_order, slopes = self.unread
         arrays = [device_array(x, "cupy") for x in (*packed, self.o_parts, self.lse_parts, o_hbm, state, state)]
         args = [*arrays, np.float32(scale * LOG2E), device_array(kv_order, "cupy"), device_array(seqlens, "cupy"),
-                np.int32(splits), np.int32(group), np.float32(0.0)]
+                np.int32(splits), np.int32(group), np.float32(0.0), device_array(slopes, "cupy")]
         device = cp.cuda.runtime.getDevice()
         self.main = prepare_launch(kernel, spec.grid(B, Hkv, rows, splits), (spec.threads,), args, spec.dynamic_smem, device)
         comb = [device_array(x, "cupy") for x in (self.o_parts, self.lse_parts, self.o.reshape(B, Hkv, rows, D),

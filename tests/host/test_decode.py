@@ -160,7 +160,7 @@ def test_decode_kernel_knobs_change_no_bit(kind):
         kernel = tc_fa2_kernel(kind, D, 16, BN, False, True, True, None, walk, stages)
         numba_launch(kernel, (B * n_splits,), 32, None,
                      [*bits, o, lse, *_unread_state(), np.float32(scale * LOG2E), np.zeros(1, np.int32), lens, np.int32(n_splits),
-                      np.int32(group), np.float32(0.0)],
+                      np.int32(group), np.float32(0.0), np.zeros((1, 1), np.float32)],
                      shared_mem_bytes=tc_layout(kind, D, 16, BN, stages).smem_bytes)
         return o, lse
 
@@ -217,7 +217,7 @@ def test_decode_key_warps_merge_to_the_one_warp_result(kind, D):
         layout = tc_layout(kind, D, 16, BN, stages, key_warps=warps)
         numba_launch(kernel, (B * n_splits,), layout.threads, None,
                      [*bits, o, lse, *_unread_state(), np.float32(scale * LOG2E), np.zeros(1, np.int32), lens, np.int32(n_splits),
-                      np.int32(group), np.float32(0.0)],
+                      np.int32(group), np.float32(0.0), np.zeros((1, 1), np.float32)],
                      shared_mem_bytes=layout.smem_bytes)
         return o, lse
 

@@ -89,7 +89,7 @@ def test_fa1_kernel_state_in_global_memory_is_the_loop_nests(causal, xp, rng):
     scale = 1 / np.sqrt(D)
     kernel[B * H, threads_per_block(D, bm, bn)](q, k, v, np.zeros((1, 1, 1, 1), np.float32), lse, o_hbm, l_hbm, m_hbm,
                                                 np.float32(scale * LOG2E), np.zeros(1, np.int32), np.zeros(1, np.int32),
-                                                np.int32(1), np.int32(1), np.float32(0.0))
+                                                np.int32(1), np.int32(1), np.float32(0.0), np.zeros((1, 1), np.float32))
     want_o, want_lse, want_m, want_l = tiled.fa1_tiled(q, k, v, bm, bn, causal, return_state=True)
     seen = np.isfinite(want_m)
     assert np.array_equal(np.isneginf(m_hbm), ~seen) and (l_hbm[~seen] == 0).all()

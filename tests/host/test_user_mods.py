@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import backward_problem, gradient_error, random_qkv, run_poisoned, to_numpy
+from helpers import backward_problem, examples, gradient_error, random_qkv, run_poisoned, to_numpy
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -148,7 +148,7 @@ def test_backward_matches_the_reference(precision, dtype, algorithm, determinist
     assert gradient_error(grads[2], refs[2], refs) < bound, "dv"
 
 
-@settings(max_examples=3, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=examples(3), deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(seed=st.integers(0, 2**31 - 1), density=st.floats(0.1, 0.9))
 def test_any_visibility_table_is_the_reference_s(seed, density):
     """Hypothesis: a random (query, key) visibility table given as a mask_mod over mod_args gives
