@@ -32,7 +32,8 @@ from numba_flash.split_kv import check_num_splits
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False,
-           k_new=None, v_new=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+           k_new=None, v_new=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None,
+           mod_args=()):
     """Attention of ``Nq`` new queries per sequence to a KV cache.
 
     ``q``: ``(B, H, Nq, D)``, small ``Nq``; ``k_cache``, ``v_cache``: ``(B, Hkv, Nmax, D)``,
@@ -44,7 +45,9 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     window aligned the same way (query ``i`` sees ``cache_seqlens[b] - Nq + i - left <= j <=
     cache_seqlens[b] - Nq + i + right``; -1: unbounded; with ``causal`` the intersection; the
     pages of K/V before the window are never read); ``softcap``, ``alibi_slopes`` (per query head; the bias's distance is measured from each query's
-    position ``cache_seqlens[b] - Nq + i``): as in :func:`numba_flash.attention`. ``num_splits``: as in
+    position ``cache_seqlens[b] - Nq + i``), ``mask_mod``, ``score_mod``, ``mod_args`` (``q_idx``
+    the query's index in ``0 .. Nq - 1``, ``kv_idx`` the key's position in the cache, ``h`` the query
+    head): as in :func:`numba_flash.attention`. ``num_splits``: as in
     :func:`numba_flash.attention` (``None``: heuristic). float16, bfloat16, float32; arrays as
     :func:`numba_flash.attention` takes them. Returns ``o`` (q's shape and dtype), or
     ``(o, lse)`` with ``return_lse=True`` (``lse`` float32 ``(B, H, Nq)``, natural log).
@@ -62,7 +65,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     if k_new is not None or v_new is not None:
         cache_seqlens = _append(k_cache, v_cache, k_new, v_new, cache_seqlens)
     key = None
-    if alibi_slopes is None:  # (ALiBi calls are not planned: the slopes are a per-call array)
+    if alibi_slopes is None and mask_mod is None and score_mod is None:  # (per-call arrays: not planned)
         key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap)
     plan = _DECODE_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check
@@ -83,9 +86,12 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         block_m, block_n = decode_tiles(dtype_name(q, kind), rows, D)
         # Every check of attention (shapes, dtypes, scale, tiles), on the packed problem.
         packed = _pack(q, kind, group)
+        if isinstance(mod_args, (tuple, list)):
+            mod_args = tuple(as_cupy_view(a, f"mod_args[{i}]") for i, a in enumerate(mod_args))
         call = api.configure(describe(packed, k_cache, v_cache, causal=causal, scale=scale, algorithm="fa2",
                                       names=("q", "k_cache", "v_cache"), window_size=window_size,
-                                      softcap=softcap), block_m, block_n)
+                                      softcap=softcap, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args),
+                             block_m, block_n)
         if alibi_slopes is not None:  # per query head: checked against q's heads, not the packed rows' KV heads
             alibi_slopes = as_cupy_view(alibi_slopes, "alibi_slopes")
             check_slopes(alibi_slopes, kind, B, H, call.problem.device_id)

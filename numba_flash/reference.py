@@ -499,6 +499,9 @@ def decode(
     window_size=(-1, -1),
     softcap: float = 0.0,
     alibi_slopes=None,
+    mask_mod=None,
+    score_mod=None,
+    mod_args=(),
 ):
     """Attention of a few queries per sequence to a KV cache (API.md 2b, 2e), ``(o, lse)``.
 
@@ -529,9 +532,10 @@ def decode(
         before attending. The kernel writes them into the cache in place (the caller then
         advances ``cache_seqlens``); this oracle computes on a copy and modifies none of its
         inputs.
-    causal, scale, window_size, softcap, alibi_slopes :
+    causal, scale, window_size, softcap, alibi_slopes, mask_mod, score_mod, mod_args :
         As in :func:`attention` (``scale`` defaults to ``1 / sqrt(D)``; the window and ALiBi's
-        distances bottom-right aligned to each sequence's keys, as ``causal``).
+        distances bottom-right aligned to each sequence's keys, as ``causal``; a mod's ``b`` is
+        the sequence, ``q_idx`` the query's index, ``kv_idx`` the key's position in the sequence).
 
     ``ValueError`` naming the argument for: a block index outside ``[0, num_blocks)`` among the
     pages a sequence uses; ``cache_seqlens[b] + Nnew`` past the cache (``Nmax``, or the table's
@@ -613,9 +617,14 @@ def decode(
         if n_new:
             keys = np.concatenate([keys, k_new[b]], axis=1)
             values = np.concatenate([values, v_new[b]], axis=1)
+        mods = {}
+        if mask_mod is not None:  # (this call's batch is one sequence: its index is b)
+            mods["mask_mod"] = lambda _, h, i, j, *args, b=b: mask_mod(b, h, i, j, *args)
+        if score_mod is not None:
+            mods["score_mod"] = lambda s, _, h, i, j, *args, b=b: score_mod(s, b, h, i, j, *args)
         o[b], lse[b] = (x[0] for x in attention(q[b : b + 1], keys[None], values[None], causal, scale,
                                                 window_size=window_size, softcap=softcap,
-                                                alibi_slopes=slopes[b]))
+                                                alibi_slopes=slopes[b], mod_args=tuple(mod_args), **mods))
     return o, lse
 
 

@@ -181,3 +181,27 @@ def test_mod_errors_name_the_argument(rng):
     o, lse = numba_flash.attention(q, k, v, score_mod=relative_bias, mod_args=(_table(rng),), return_lse=True)
     with pytest.raises(ValueError, match="score_mod_grad is required"):
         numba_flash.attention_backward(o, q, k, v, o, lse, score_mod=relative_bias, mod_args=(_table(rng),))
+
+
+def test_decode_takes_the_mods(xp, rng):
+    """Decode packs the query heads of a KV head into rows: each row's mods see its own query head
+    and index, and its sequence's b; ragged lengths, split in two."""
+    q, k, v = random_qkv(rng, 2, 4, 2, 3, 40, 16, "float16", xp)
+    lengths = np.array([17, 40], np.int32)
+    table = rng.standard_normal((2, 4, 40)).astype(np.float32)
+
+    def sparse(b, h, q_idx, kv_idx, table):  # depends on b, h and q_idx: a wrong index changes it
+        return (kv_idx % 3 != q_idx) | (kv_idx < 2 * b + h)
+
+    def per_key(score, b, h, q_idx, kv_idx, table):
+        return score + table[b, h, kv_idx]
+
+    mods = dict(mask_mod=sparse, score_mod=per_key)
+    o, lse = numba_flash.decode(q, k, v, cache_seqlens=xp.asarray(lengths), num_splits=2, return_lse=True,
+                                mod_args=(xp.asarray(table),), **mods)
+    host = [to_numpy(x) for x in (q, k, v)]
+    ref_o, ref_lse = reference.decode(*host, cache_seqlens=lengths, mod_args=(table,), **mods)
+    plain_o, _ = reference.decode(*host, cache_seqlens=lengths)
+    assert np.abs(plain_o - ref_o).max() > 0.1
+    assert np.abs(to_numpy(o).astype(np.float64) - ref_o).max() < 2e-3
+    assert np.abs(to_numpy(lse) - ref_lse).max() < 2e-2
