@@ -32,6 +32,7 @@ from numba_flash.launch import launch as direct_launch
 from numba_flash.launch import numba_launch
 from numba_flash.launch_config import LaunchConfig
 from numba_flash.problem import Problem, describe
+from numba_flash.user_mods import compiling
 from numba_flash.simulator import quiet_kernels
 from numba_flash.specs import kernel_spec
 from numba_flash.split_kv import check_num_splits, choose_num_splits, combine, plan_combine
@@ -176,7 +177,8 @@ def forward(
     kind (tests poison them to prove every element is written).
     """
     key = None
-    if kv_tile_order is None and variant is None and alibi_slopes is None and mask_mod is None and score_mod is None:
+    no_mods = mask_mod is None and score_mod is None and isinstance(mod_args, (tuple, list)) and len(mod_args) == 0
+    if kv_tile_order is None and variant is None and alibi_slopes is None and no_mods:
         key = _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits,
                            window_size, softcap)
     plan = _FORWARD_PLANS.get(key)
@@ -567,7 +569,8 @@ def _launch(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order, seqle
     if user:
         kernel_args.append(tuple(ctx.to_kernel(a) for a in call.problem.mod_args))
     # (tiles above 48 KiB: dynamic shared memory, the kernel opted in above 48 KiB)
-    numba_launch(spec.kernel, grid, threads, ctx.stream(), kernel_args, shared_mem_bytes=spec.dynamic_smem)
+    with compiling(call.user_mods):
+        numba_launch(spec.kernel, grid, threads, ctx.stream(), kernel_args, shared_mem_bytes=spec.dynamic_smem)
     if ctx.on_host and not simulated():  # NumPy in, GPU run: copy the results back
         for a, arg in zip(args, kernel_args):
             if isinstance(a, _KernelArray) and a.role == "out" and (a.array is o or a.array is lse):

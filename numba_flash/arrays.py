@@ -193,8 +193,9 @@ class ArrayContext:
         """An input the kernel can read: the object itself, a numba view, or a device copy.
 
         Used for NumPy inputs and in the simulator; CuPy and torch arrays on a GPU are
-        launched directly (``direct_launch``), and reach this only when a test turns that
-        off to compare the two launch paths."""
+        launched directly (``direct_launch``), and reach this when a test turns that off to
+        compare the two launch paths, and for kernels with a user's mods (their ``mod_args``
+        tuple goes through numba's dispatcher)."""
         if self.kind == "numpy":
             # A device copy in both worlds (the simulator's too): the kernel never holds the
             # caller's buffer, so a read-only or strided input works and is never written.

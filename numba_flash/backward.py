@@ -29,7 +29,7 @@ from numba_flash.alibi import kernel_slopes, no_slopes
 from numba_flash.arrays import ArrayContext, as_cupy_view
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.problem import ALGORITHMS, TENSOR_CORE_KIND
-from numba_flash.user_mods import user_mods_of
+from numba_flash.user_mods import compiling, user_mods_of
 
 # Does attention_backward run float32 on tensor cores (tf32x3) instead of CUDA cores? On since
 # the H200 check (docs/performance-log.md, "Backward in tf32x3"): FA-2 B4 H16 N4096 D64 18.4 ms
@@ -131,10 +131,12 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
 
             warn_if_slow(f"backward (B={B} H={H} Nq={Nq} Nk={Nk} D={D})", simulated_seconds(problem, regime, tiles))
         if regime == "ieee":
-            _run(ctx, problem, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, user)
+            with compiling(user):
+                _run(ctx, problem, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, user)
         else:
-            _run_tc(ctx, problem, regime, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, tiles,
-                    user)
+            with compiling(user):
+                _run_tc(ctx, problem, regime, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv,
+                        tiles, user)
     return dq, dk, dv
 
 

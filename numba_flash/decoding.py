@@ -65,7 +65,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     if k_new is not None or v_new is not None:
         cache_seqlens = _append(k_cache, v_cache, k_new, v_new, cache_seqlens)
     key = None
-    if alibi_slopes is None and mask_mod is None and score_mod is None:  # (per-call arrays: not planned)
+    no_mods = mask_mod is None and score_mod is None and isinstance(mod_args, (tuple, list)) and len(mod_args) == 0
+    if alibi_slopes is None and no_mods:  # (per-call arrays, and every check of mod_args: not planned)
         key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap)
     plan = _DECODE_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check

@@ -36,6 +36,7 @@ from numba_flash.kernels.tc_ops import check_tc_tiles, input_alignment, kernel_h
 from numba_flash.launch import device_array, launch, numba_launch
 from numba_flash.problem import TENSOR_CORE_KIND
 from numba_flash.specs import kernel_spec
+from numba_flash.user_mods import compiling
 from numba_flash.tile_table import forward_tc_tiles
 
 if TYPE_CHECKING:
@@ -204,7 +205,8 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     tail = [np.int32(n_splits), np.int32(rows_per_query), np.float32(call.softcap_log2)]
     grid = spec.grid(B, H, Nq, n_splits)
     if call.user_mods is not None:  # a user's mods: their arrays' tuple last (numba's own launch)
-        _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, _mod_args(ctx, call.problem.mod_args))
+        with compiling(call.user_mods):
+            _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, _mod_args(ctx, call.problem.mod_args))
     elif ctx.direct_launch:
         args = [device_array(x, "cupy") for x in arrays]
         launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(), _ordered(args, q_scale, tail),

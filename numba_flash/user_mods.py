@@ -11,10 +11,12 @@ their device, read-only, passed to the kernel as one tuple. The float64 referenc
 
 from __future__ import annotations
 
+import contextlib
+
 from numba_flash.arrays import device_id_of, kind_of
 from numba_flash.kernels.score_mods import MAX_MOD_ARGS, UserMods
 
-__all__ = ["check_mods", "user_mods_of"]
+__all__ = ["check_mods", "compiling", "user_mods_of"]
 
 
 def check_mods(mask_mod, score_mod, mod_args, kind: str, device_id=None) -> tuple:
@@ -45,3 +47,24 @@ def user_mods_of(mask_mod, score_mod, mod_args, score_mod_grad=None):
     if mask_mod is None and score_mod is None:
         return None
     return UserMods(mask_mod, score_mod, len(mod_args), score_mod_grad)
+
+
+@contextlib.contextmanager
+def compiling(user):
+    """Around a launch of a kernel with a user's mods (``user``: a ``score_mods.UserMods``, or
+    ``None``: nothing happens): numba's typing error, when the mods cannot be compiled for the GPU,
+    re-raised as a ``TypeError`` that names them and says what a mod may do. (The simulator runs a
+    mod as Python, so a mod that calls a plain Python function, or uses a Python object, runs there
+    and fails only here.)"""
+    try:
+        yield
+    except Exception as exc:
+        from numba.core.errors import TypingError
+
+        if user is None or not isinstance(exc, TypingError):
+            raise
+        names = ", ".join(f"{n}={getattr(f, '__name__', f)!r}" for n, f in (("mask_mod", user.mask_mod),
+                          ("score_mod", user.score_mod), ("score_mod_grad", user.score_mod_grad)) if f is not None)
+        raise TypeError(f"numba could not compile {names} into the kernel: a mod may use its arguments, arithmetic, "
+                        "indexing of its mod_args arrays and calls of numba device functions (cuda.jit(device=True)), "
+                        f"not plain Python functions or objects. numba said: {exc}") from exc

@@ -314,6 +314,32 @@ def mask_configs():
                                                                              regime=kind, softcap=True)
                 yield f"mask-tc-{kind}-fa2-d{d}-{label}-alibi", kernel_spec("fa2", d, dtype, bm, bn, window,
                                                                            regime=kind, alibi=True)
+    # A user's mask_mod over two int32 arrays (document ids), forward and deterministic backward:
+    # that they compile for sm_90 at all (the simulator runs a mod as Python), and what they cost.
+    from numba import types
+
+    from numba_flash.kernels import tc_bwd
+    from numba_flash.kernels.score_mods import UserMods
+    from numba_flash.tile_table import backward_tc_tiles
+
+    user = UserMods(same_document, None, 2)
+    ids = types.UniTuple(types.Array(types.int32, 1, "C"), 2)
+    f4, f3, f2 = (types.Array(types.float32, n, "C") for n in (4, 3, 2))
+    f = types.float32
+    u4 = types.Array(types.uint16, 4, "C")
+    for d in (64, 128):
+        bm, bn = default_tc_tiles("f16", d)
+        spec = kernel_spec("fa2", d, "float16", bm, bn, (-1, -1), regime="f16", user_mods=user)
+        yield f"mask-tc-f16-fa2-d{d}-user-documents", Raw(spec.kernel, spec.signature() + (ids,), spec.register_cap)
+        m, n = backward_tc_tiles(d, "f16")
+        yield f"mask-bwd-f16-fa2det-d{d}-user-documents", Raw(
+            tc_bwd.tc_bwd_kernel("fa2", "f16", d, m, n, (-1, -1), False, user_mods=user),
+            (u4,) * 5 + (f3, f3, f4, u4, u4, f, f, f2, ids))
+
+
+def same_document(b, h, q_idx, kv_idx, q_doc, kv_doc):
+    """The masks family's user mask_mod: a query sees its own document's keys."""
+    return q_doc[q_idx] == kv_doc[kv_idx]
 
 
 FAMILIES = {"forward": forward_configs, "decode": decode_configs, "variants": variant_configs,

@@ -387,6 +387,7 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int, user_mods=None):
     o_tile = row(lay.offset("o") if FA1 else 0, ROWS)
     engine = ModuleType(f"numba_flash.kernels.ffma_bwd_engine_{order}_d{D}_b{B}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
     engine.user_mods = user_mods
+    engine.uncacheable = user_mods is not None  # (kernels.jit.kernel_factory: never stored)
     for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=no_load_step, read_stats=no_read_stats,
                            write_stats=no_write_stats, commit=_nothing, wait_all=_nothing, kv_frags=no_frags,
                            rowdot=bops.rowdot_tile, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update,
@@ -484,6 +485,7 @@ def ffma_dq_engine(head_dim: int, block: int, user_mods=None):
 
     engine = ModuleType(f"numba_flash.kernels.ffma_dq_engine_d{D}_b{B}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
     engine.user_mods = user_mods
+    engine.uncacheable = user_mods is not None  # (kernels.jit.kernel_factory: never stored)
     for name, func in dict(row_stats=no_row_stats, start=start, before_scores=before_scores, scores=scores, after_scores=after_scores,
                            dscores=dscores, dq_step=dq_step, write_dq=write_dq, row_key_bounds=ops.row_key_bounds,
                            row_alibi=ops.row_alibi,

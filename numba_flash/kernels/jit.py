@@ -36,7 +36,9 @@ def kernel_factory(factory):
     filled in (so ``f(64, causal=True)`` and ``f(64, True)`` are one kernel, where
     ``functools.lru_cache`` kept two). The identity is the kernel's part of the persistent
     compilation cache's key (``numba_flash.compile_cache``); a kernel whose arguments have no
-    stable ``repr`` (an object address in it) gets none and is never stored.
+    stable ``repr`` (an object address in it), or with an argument marked ``uncacheable`` (a
+    user's functions: ``kernels.score_mods.UserMods``, the engines made with them), gets none and
+    is never stored.
 
     ``cache_clear()`` forgets the kernels made, as ``lru_cache``'s does."""
     import inspect
@@ -53,7 +55,7 @@ def kernel_factory(factory):
         if kernel is None:
             kernel = made[key] = factory(*args, **kwargs)
             identity = f"{factory.__module__}.{factory.__qualname__}(" + ", ".join(f"{k}={v!r}" for k, v in key) + ")"
-            if " at 0x" not in identity:
+            if " at 0x" not in identity and not any(getattr(v, "uncacheable", False) for _, v in key):
                 kernel.numba_flash_identity = identity
         return kernel
 

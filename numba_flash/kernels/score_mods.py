@@ -199,6 +199,8 @@ class UserMods:
     them is reused; a function's ``repr`` holds its address, so such kernels are never written to
     the persistent compilation cache (``kernels.jit.kernel_factory``)."""
 
+    uncacheable = True  # (kernels.jit.kernel_factory: a kernel of a user's functions is never stored)
+
     def __init__(self, mask_mod=None, score_mod=None, n_args: int = 0, score_mod_grad=None):
         self.mask_mod, self.score_mod, self.score_mod_grad = mask_mod, score_mod, score_mod_grad
         self.n_args = int(n_args)

@@ -666,6 +666,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
 
     engine = ModuleType(f"numba_flash.kernels.mma_bwd_engine_{order}_{kind}_d{D}_m{BM}_n{BN}_red{int(VECTOR_RED)}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
     engine.user_mods = user_mods
+    engine.uncacheable = user_mods is not None  # (kernels.jit.kernel_factory: never stored)
     for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=load_step, read_stats=read_stats,
                            write_stats=write_stats, commit=ops.commit, wait_all=ops.wait_all, kv_frags=kv_frags,
                            rowdot=rowdot, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update, dk_update=dk_update,
@@ -823,6 +824,7 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int, user_mod
 
     engine = ModuleType(f"numba_flash.kernels.mma_dq_engine_{kind}_d{D}_m{BM}_n{BN}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
     engine.user_mods = user_mods
+    engine.uncacheable = user_mods is not None  # (kernels.jit.kernel_factory: never stored)
     for name, func in dict(row_stats=row_stats, start=start, before_scores=before_scores, scores=scores,
                            after_scores=after_scores, dscores=dscores, dq_step=dq_step, write_dq=write_dq,
                            row_key_bounds=ops.row_key_bounds, row_alibi=ops.row_alibi, zero=ops.zero,

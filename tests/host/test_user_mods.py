@@ -33,30 +33,23 @@ def relative_bias(score, b, h, q_idx, kv_idx, table):
     return score + table[h, q_idx - kv_idx + N_K]
 
 
-def cubic(score, b, h, q_idx, kv_idx, table):
-    """A score_mod whose gradient is not 1 (the backward's dS carries it)."""
-    return 0.1 * score * score * score + score + table[h, q_idx - kv_idx + N_K]
-
-
-def cubic_grad(score, b, h, q_idx, kv_idx, table):
-    return 0.3 * score * score + 1.0
-
-
 def documents_mask(b, h, q_idx, kv_idx, q_doc, kv_doc, table):
     """``same_document`` among three mod_args (the documents' ids, then a bias table)."""
     return q_doc[q_idx] == kv_doc[kv_idx]
 
 
+# (A mod may call only numba device functions: on a GPU numba cannot compile a call to a plain
+# Python function, where the simulator runs it. These spell the expressions out.)
 def documents_bias(score, b, h, q_idx, kv_idx, q_doc, kv_doc, table):
-    return relative_bias(score, b, h, q_idx, kv_idx, table)
+    return score + table[h, q_idx - kv_idx + N_K]
 
 
 def documents_cubic(score, b, h, q_idx, kv_idx, q_doc, kv_doc, table):
-    return cubic(score, b, h, q_idx, kv_idx, table)
+    return 0.1 * score * score * score + score + table[h, q_idx - kv_idx + N_K]
 
 
 def documents_cubic_grad(score, b, h, q_idx, kv_idx, q_doc, kv_doc, table):
-    return cubic_grad(score, b, h, q_idx, kv_idx, table)
+    return 0.3 * score * score + 1.0
 
 
 def _documents(rng, n_q=N_Q, n_k=N_K):
@@ -205,3 +198,23 @@ def test_decode_takes_the_mods(xp, rng):
     assert np.abs(plain_o - ref_o).max() > 0.1
     assert np.abs(to_numpy(o).astype(np.float64) - ref_o).max() < 2e-3
     assert np.abs(to_numpy(lse) - ref_lse).max() < 2e-2
+
+
+def test_a_mod_numba_cannot_compile_is_named():
+    """On a GPU numba types a mod (the simulator runs it as Python): its typing error comes back as a
+    TypeError naming the mod and what a mod may do; other errors, and kernels without mods, pass."""
+    from numba.core.errors import TypingError
+
+    from numba_flash.kernels.score_mods import UserMods
+    from numba_flash.user_mods import compiling
+
+    user = UserMods(same_document, relative_bias, 2)
+    with pytest.raises(TypeError, match=r"mask_mod='same_document', score_mod='relative_bias'.*device functions"):
+        with compiling(user):
+            raise TypingError("Untyped global name 'helper'")
+    with pytest.raises(ValueError, match="other"):
+        with compiling(user):
+            raise ValueError("other")
+    with pytest.raises(TypingError):
+        with compiling(None):
+            raise TypingError("no mods: as it is")
