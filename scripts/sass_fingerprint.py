@@ -322,6 +322,26 @@ def mask_configs():
     from numba_flash.kernels.score_mods import UserMods
     from numba_flash.tile_table import backward_tc_tiles
 
+    # the backward with softcap and with ALiBi (float16 tensor cores and CUDA cores; FA-2 with atomics,
+    # deterministic dQ)
+    from numba_flash.kernels import bwd
+
+    f4_, f3_, f2_ = (types.Array(types.float32, n, "C") for n in (4, 3, 2))
+    u4_ = types.Array(types.uint16, 4, "C")
+    for d in (64, 128):
+        m, n = backward_tc_tiles(d, "f16")
+        dm, dn = tc_bwd.dq_kernel_tiles(m, n, "f16")
+        blk = __import__("numba_flash.tile_table", fromlist=["backward_block"]).backward_block(d)
+        for label, mods in (("softcap", dict(softcap=True)), ("alibi", dict(alibi=True))):
+            kv16 = (u4_,) * 5 + (f3_, f3_, f4_, u4_, u4_, types.float32, types.float32, f2_)
+            yield f"mask-bwd-f16-fa2-d{d}-causal-{label}", Raw(
+                tc_bwd.tc_bwd_kernel("fa2", "f16", d, m, n, (-1, 0), True, **mods), kv16)
+            yield f"mask-bwd-f16-dq-d{d}-causal-{label}", Raw(
+                tc_bwd.tc_bwd_dq_kernel("f16", d, dm, dn, (-1, 0), **mods), (u4_,) * 4 + (f3_, f3_, f4_) + kv16[-3:])
+            kv32 = (f4_,) * 5 + (f3_, f3_, f4_, f4_, f4_, types.float32, types.float32, f2_)
+            yield f"mask-bwd-ieee-fa1-d{d}-causal-{label}", Raw(bwd.bwd_kernel("fa1", d, blk, (-1, 0), True, **mods), kv32)
+            yield f"mask-bwd-ieee-dq-d{d}-causal-{label}", Raw(
+                bwd.bwd_dq_kernel(d, blk, (-1, 0), **mods), (f4_,) * 4 + (f3_, f3_, f4_) + kv32[-3:])
     user = UserMods(same_document, None, 2)
     ids = types.UniTuple(types.Array(types.int32, 1, "C"), 2)
     f4, f3, f2 = (types.Array(types.float32, n, "C") for n in (4, 3, 2))
