@@ -18,7 +18,7 @@ import numpy as np
 from numba_flash.arrays import device_id_of, dtype_name, kind_of
 from numba_flash.kernels.jit import LOG2E
 
-__all__ = ["check_slopes", "kernel_slopes", "no_slopes"]
+__all__ = ["check_slopes", "kernel_slopes", "no_slopes", "slopes_argument"]
 
 
 def check_slopes(alibi_slopes, kind: str, batch: int, heads: int, device_id=None) -> None:
@@ -73,3 +73,11 @@ def no_slopes(kind: str, device_id=None):
 
     with cupy.cuda.Device(device_id if device_id is not None else cupy.cuda.runtime.getDevice()):
         return cupy.zeros((1, 1), np.float32)
+
+
+def slopes_argument(problem, kind: str):
+    """The kernels' ``alibi`` argument for a checked problem, of library ``kind``: its slopes as
+    :func:`kernel_slopes` makes them, or :func:`no_slopes` (a kernel without ALiBi never reads it)."""
+    if problem.alibi:
+        return kernel_slopes(problem.alibi_slopes, problem.batch, kind)
+    return no_slopes(kind, problem.device_id)

@@ -32,7 +32,7 @@ from numba_flash.launch import launch as direct_launch
 from numba_flash.launch import numba_launch
 from numba_flash.launch_config import LaunchConfig
 from numba_flash.problem import Problem, describe
-from numba_flash.user_mods import compiling
+from numba_flash.user_mods import compiling, none_given
 from numba_flash.simulator import quiet_kernels
 from numba_flash.specs import kernel_spec
 from numba_flash.split_kv import check_num_splits, choose_num_splits, combine, plan_combine
@@ -177,8 +177,7 @@ def forward(
     kind (tests poison them to prove every element is written).
     """
     key = None
-    no_mods = mask_mod is None and score_mod is None and isinstance(mod_args, (tuple, list)) and len(mod_args) == 0
-    if kv_tile_order is None and variant is None and alibi_slopes is None and no_mods:
+    if kv_tile_order is None and variant is None and alibi_slopes is None and none_given(mask_mod, score_mod, mod_args):
         key = _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits,
                            window_size, softcap)
     plan = _FORWARD_PLANS.get(key)

@@ -25,7 +25,7 @@ import numpy as np
 
 from numba_flash import tile_table
 from numba_flash._world import simulated
-from numba_flash.alibi import kernel_slopes, no_slopes
+from numba_flash.alibi import slopes_argument
 from numba_flash.arrays import ArrayContext, as_cupy_view
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.problem import ALGORITHMS, TENSOR_CORE_KIND
@@ -158,14 +158,6 @@ def simulated_seconds(problem, regime: str | None = None, tiles=None) -> float:
                                      block_m, block_n, problem.causal)
 
 
-def _slopes_argument(problem, kind: str):
-    """The kernels' ``alibi`` argument, of library ``kind``: the problem's slopes as
-    ``alibi.kernel_slopes`` makes them, or a placeholder a kernel without ALiBi never reads."""
-    if problem.alibi:
-        return kernel_slopes(problem.alibi_slopes, problem.batch, kind)
-    return no_slopes(kind, problem.device_id)
-
-
 def _mod_args(dev, problem, user) -> list:
     """The kernels' last argument with a user's mods: their arrays' tuple, as ``dev`` passes an
     input (``[]`` without mods)."""
@@ -200,7 +192,7 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv, user=None) 
     else:
         grid = (B * Hkv,)
     layout = bwd_layout(algorithm, D, block)
-    slopes = _slopes_argument(problem, ctx.kind)
+    slopes = slopes_argument(problem, ctx.kind)
     kernel = bwd_kernel(algorithm, D, block, problem.window, not deterministic or algorithm == "fa1", capped,
                         problem.alibi, user)
     mods = _mod_args(dev, problem, user)
@@ -267,7 +259,7 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
             grid = (B * Hkv,)
         layout = tc_bwd_layout(algorithm, kind, dim, block_m, block_n)
         cc = None if simulated() else cuda_device_capability()
-        slopes = _slopes_argument(problem, "numpy" if ctx.kind == "numpy" else "cupy")
+        slopes = slopes_argument(problem, "numpy" if ctx.kind == "numpy" else "cupy")
         kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, problem.window, not deterministic or algorithm == "fa1",
                                vector_reductions(cc), capped, problem.alibi, user)
         mods = _mod_args(dev, problem, user)

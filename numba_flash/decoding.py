@@ -26,6 +26,7 @@ import numpy as np
 from numba_flash import api, plans, tile_cache
 from numba_flash.tile_table import decode_pipeline, decode_tiles
 from numba_flash.alibi import check_slopes
+from numba_flash.user_mods import none_given
 from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, kind_of, pointer_reader
 from numba_flash.problem import describe
 from numba_flash.split_kv import check_num_splits
@@ -65,8 +66,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     if k_new is not None or v_new is not None:
         cache_seqlens = _append(k_cache, v_cache, k_new, v_new, cache_seqlens)
     key = None
-    no_mods = mask_mod is None and score_mod is None and isinstance(mod_args, (tuple, list)) and len(mod_args) == 0
-    if alibi_slopes is None and no_mods:  # (per-call arrays, and every check of mod_args: not planned)
+    if alibi_slopes is None and none_given(mask_mod, score_mod, mod_args):  # (per-call arrays: not planned)
         key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap)
     plan = _DECODE_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.alibi import kernel_slopes, no_slopes
+from numba_flash.alibi import no_slopes, slopes_argument
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tc_ops import check_tc_tiles, input_alignment, kernel_head_dim
 from numba_flash.launch import device_array, launch, numba_launch
@@ -201,7 +201,8 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     unread = _unread_lengths(ctx.kind, ctx.device_id)
     lengths = bits_view(seqlens, ctx.kind, False) if seqlens is not None else unread
     # the skeleton's arguments (kernels.forward), q_scale and the ints aside
-    arrays = [kq, kk, kv, o_kernel, lse_kernel, *state, unread, lengths, _alibi_argument(call, xp, ctx)]
+    arrays = [kq, kk, kv, o_kernel, lse_kernel, *state, unread, lengths,
+              slopes_argument(call.problem, "numpy" if xp is np else "cupy")]
     tail = [np.int32(n_splits), np.int32(rows_per_query), np.float32(call.softcap_log2)]
     grid = spec.grid(B, H, Nq, n_splits)
     if call.user_mods is not None:  # a user's mods: their arrays' tuple last (numba's own launch)
@@ -228,7 +229,7 @@ def _launch_in_place(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> bool:
         return False
     lengths = seqlens if seqlens is not None else _unread_lengths("cupy", ctx.device_id)
     unread = [device_array(x, "cupy") for x in (*_unread_state("cupy", ctx.device_id), _unread_lengths("cupy", ctx.device_id))]
-    slopes = device_array(_alibi_argument(call, ctx.kind, ctx), ctx.kind if call.alibi else "cupy")
+    slopes = device_array(slopes_argument(call.problem, ctx.kind), ctx.kind)
     args = in_place_arguments(spec, call, *inputs, device_array(o, ctx.kind), device_array(lse, ctx.kind),
                               device_array(lengths, "cupy" if seqlens is None else ctx.kind), n_splits, rows_per_query,
                               unread, slopes)
@@ -274,7 +275,7 @@ def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_spl
     """The tensor-core FA-2 kernel's arguments on the caller's arrays (``launch.DeviceArray``):
     the skeleton's (``kernels.forward``), 16-bit inputs (and a 16-bit final output) as uint16
     bit patterns; ``unread``: the device arrays passed as o_hbm, l_hbm, m_hbm and kv_order,
-    which a Q-outer walk never reads; ``slopes``: the ALiBi argument (:func:`_alibi_argument`).
+    which a Q-outer walk never reads; ``slopes``: the ALiBi argument (``alibi.slopes_argument``).
     ``None`` when the kernel cannot read the inputs
     where they are: FA-1, a head dim it pads, rows that are not 16-byte multiples (the
     pointers' alignment is the caller's check)."""
@@ -292,16 +293,6 @@ def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_spl
     o_hbm, l_hbm, m_hbm, kv_order = unread
     return [*inputs, o, lse, o_hbm, l_hbm, m_hbm, np.float32(call.scale * LOG2E), kv_order, lengths, np.int32(n_splits),
             np.int32(rows_per_query), np.float32(call.softcap_log2), slopes]
-
-
-def _alibi_argument(call: LaunchConfig, kind_or_xp, ctx):
-    """The kernels' ``alibi`` argument: the call's slopes as ``alibi.kernel_slopes`` makes them
-    (of library ``kind_or_xp``: a kind, or NumPy / CuPy), or a placeholder a kernel compiled
-    without ALiBi never reads."""
-    kind = kind_or_xp if isinstance(kind_or_xp, str) else ("numpy" if kind_or_xp is np else "cupy")
-    if not call.alibi:
-        return no_slopes("numpy" if kind == "numpy" else "cupy", ctx.device_id)
-    return kernel_slopes(call.problem.alibi_slopes, call.q_shape[0], kind)
 
 
 def _rows_laid_out(a, width: int) -> bool:

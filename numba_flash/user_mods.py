@@ -16,7 +16,7 @@ import contextlib
 from numba_flash.arrays import device_id_of, kind_of
 from numba_flash.kernels.score_mods import MAX_MOD_ARGS, UserMods
 
-__all__ = ["check_mods", "compiling", "user_mods_of"]
+__all__ = ["check_mods", "compiling", "none_given", "user_mods_of"]
 
 
 def check_mods(mask_mod, score_mod, mod_args, kind: str, device_id=None) -> tuple:
@@ -40,6 +40,12 @@ def check_mods(mask_mod, score_mod, mod_args, kind: str, device_id=None) -> tupl
         if device_id is not None and device_id_of(a, kind) != device_id:
             raise ValueError(f"mod_args[{i}] must be on the inputs' device (cuda:{device_id})")
     return mod_args
+
+
+def none_given(mask_mod, score_mod, mod_args) -> bool:
+    """No mod and no ``mod_args`` (an empty tuple or list): a call the plans may keep (with any
+    of them, each call is checked in full: ``mod_args`` alone is an error to raise every time)."""
+    return mask_mod is None and score_mod is None and isinstance(mod_args, (tuple, list)) and len(mod_args) == 0
 
 
 def user_mods_of(mask_mod, score_mod, mod_args, score_mod_grad=None):

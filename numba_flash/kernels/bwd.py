@@ -169,9 +169,6 @@ def bwd_ops(head_dim: int, block: int, user_mods=None):
                 acc += do_s[at(r * QS + d)] * o_s[at(r * QS + d)]
             stats[base + B + r] = acc
 
-    _, soft_cap_with_slope = score_mods.soft_capper(False)  # float32 accuracy: the exact tanh
-    USER = user_mods is not None
-    _, user_modded = score_mods.user_mod_calls(user_mods) if USER else (None, None)
 
     def make_probs(key_rows, write_p):
         """P = exp2(S - L) and dS = P * (dP - D) of this thread's micro-tile, into shared memory
@@ -186,6 +183,8 @@ def bwd_ops(head_dim: int, block: int, user_mods=None):
         a dP that a NaN in a hidden V row could make NaN)."""
 
         N_STATS = TN if key_rows else TM  # L and D of each column (key rows) or row (query rows)
+        # (float32 accuracy: the exact tanh)
+        p_and_ds = score_mods.backward_probs(False, user_mods, key_rows)
 
         @device_jit
         def probs(s, dp, stats, base, masked, lo, hi, window, capped, cap, biased, slope, diags, col0, p_s, ds_s, user):
@@ -205,26 +204,9 @@ def bwd_ops(head_dim: int, block: int, user_mods=None):
                 for j in range(TN):
                     c = tx + TX * j
                     stat = j if key_rows else i
-                    x = s[i, j]
-                    cap_slope = float32(1.0)
-                    if capped:  # the forward's soft cap (score_mods), and its slope for dS
-                        x, cap_slope = soft_cap_with_slope(x, cap)
-                    if biased:  # the forward's ALiBi bias (a constant of the score: no factor in dS)
-                        x += score_mods.alibi_bias(slope, diags[i], col0 + c)
-                    mod_slope = float32(1.0)
-                    if USER:  # a user's score_mod (and its slope for dS) and mask_mod; user: (b, h, row0, Nq, Nk, args)
-                        query, key = (col0 + c, user[2] + r) if key_rows else (user[2] + r, col0 + c)
-                        if query < user[3] and key < user[4]:
-                            x, mod_slope = user_modded(x, user[0], user[1], query, key, user[5])
-                    p = math.exp2(x - l2[stat])  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
-                    ds = p * (dp[i, j] - dd[stat])  # FA-2 line 14 (Alg. 4 line 20)
-                    if capped:
-                        ds *= cap_slope
-                    if USER:
-                        ds *= mod_slope
-                        if x == float32(NEG_INF):  # hidden by mask_mod (0, not 0 times a dP a NaN made)
-                            p = float32(0.0)
-                            ds = float32(0.0)
+                    # FA-2 Alg. 2 lines 11, 14 (Alg. 4 lines 13, 20), with the forward's modifications
+                    p, ds = p_and_ds(s[i, j], l2[stat], dp[i, j], dd[stat], capped, cap, biased, slope, diags[i], r,
+                                     col0 + c, user)
                     if masked:
                         if key_rows:
                             hidden = mask.query_hidden(col0 + c, lo[i], hi[i], window)
@@ -294,7 +276,6 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int, user_mods=None):
     memory of :func:`bwd_layout` (Q_i | dO_i | K_j | V_j | (O_i) | P^T | dS^T | L_i | D_i),
     synchronous copies, Q_i scaled into log2 units as it is loaded. ``user_mods``: a user's mods
     compiled into P and dS (``score_mods.UserMods``)."""
-    from types import ModuleType
 
     D, B = head_dim, block
     FA1 = order == "fa1"
@@ -385,9 +366,7 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int, user_mods=None):
     q_tile = row(lay.offset("q"), ROWS)
     do_tile = row(lay.offset("do"), ROWS)
     o_tile = row(lay.offset("o") if FA1 else 0, ROWS)
-    engine = ModuleType(f"numba_flash.kernels.ffma_bwd_engine_{order}_d{D}_b{B}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
-    engine.user_mods = user_mods
-    engine.uncacheable = user_mods is not None  # (kernels.jit.kernel_factory: never stored)
+    engine = score_mods.user_engine(f"numba_flash.kernels.ffma_bwd_engine_{order}_d{D}_b{B}", user_mods)
     for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=no_load_step, read_stats=no_read_stats,
                            write_stats=no_write_stats, commit=_nothing, wait_all=_nothing, kv_frags=no_frags,
                            rowdot=bops.rowdot_tile, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update,
@@ -433,7 +412,6 @@ def ffma_dq_engine(head_dim: int, block: int, user_mods=None):
     interface): S = Q_i K_j^T with queries as the micro-tile rows (the forward's orientation),
     dS through shared memory, synchronous copies; dynamic shared memory Q_i | dO_i | K_j | V_j |
     dS | L_i | D_i (:func:`bwd_layout` ``"dq"``); ``user_mods`` as :func:`ffma_bwd_engine`'s."""
-    from types import ModuleType
 
     D, B = head_dim, block
     bops = bwd_ops(D, B, user_mods)
@@ -483,9 +461,7 @@ def ffma_dq_engine(head_dim: int, block: int, user_mods=None):
     def no_row_stats(lse, dvec, b, h, row0, n_q, l2, dd):
         pass  # (L_i, D_i go to shared memory with Q_i: start)
 
-    engine = ModuleType(f"numba_flash.kernels.ffma_dq_engine_d{D}_b{B}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
-    engine.user_mods = user_mods
-    engine.uncacheable = user_mods is not None  # (kernels.jit.kernel_factory: never stored)
+    engine = score_mods.user_engine(f"numba_flash.kernels.ffma_dq_engine_d{D}_b{B}", user_mods)
     for name, func in dict(row_stats=no_row_stats, start=start, before_scores=before_scores, scores=scores, after_scores=after_scores,
                            dscores=dscores, dq_step=dq_step, write_dq=write_dq, row_key_bounds=ops.row_key_bounds,
                            row_alibi=ops.row_alibi,

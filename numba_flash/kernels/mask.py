@@ -86,6 +86,17 @@ def packed_last_visible_key(row, rows_per_query, n_rows, n_k, window):
 
 
 @device_jit
+def packed_query(row, rows_per_query, h):
+    """(query position, query head) of kernel row ``row`` of kernel head ``h`` when each position
+    owns ``rows_per_query`` consecutive rows, one per query head of KV head ``h`` (decoding's
+    packing: row = position * group + head); with 1, ``(row, h)`` (no division)."""
+    if rows_per_query == 1:
+        return row, h
+    pos = row // rows_per_query
+    return pos, h * rows_per_query + (row - pos * rows_per_query)
+
+
+@device_jit
 def packed_first_visible_key(row, rows_per_query, n_rows, n_k, window):
     """:func:`first_visible_key` of kernel row ``row`` (rows packed as for
     :func:`packed_last_visible_key`)."""

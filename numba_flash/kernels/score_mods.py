@@ -25,6 +25,7 @@ import math
 from numba_flash._cuda import float32
 from numba_flash._world import simulated
 
+from numba_flash.kernels import mask
 from numba_flash.kernels.jit import device_jit
 
 
@@ -117,8 +118,8 @@ def alibi_rows(rows: int, thread_row):
                 slopes[i] = alibi[b, h]
                 diags[i] = row + n_k - n_q
             else:
-                pos = row // rows_per_query
-                slopes[i] = alibi[b, h * rows_per_query + (row - pos * rows_per_query)]
+                pos, head = mask.packed_query(row, rows_per_query, h)
+                slopes[i] = alibi[b, head]
                 diags[i] = pos + n_k - n_q // rows_per_query
 
     return row_alibi
@@ -190,7 +191,7 @@ def tile_alibi_scaled(n_i: int, n_j: int, key_of, row_of):
 # rows past Nq and keys past Nk are skipped (the built-in mask hides those keys) -- so a mod may
 # index its arrays by ``q_idx`` and ``kv_idx``.
 
-MAX_MOD_ARGS = 4  # arrays a mod takes after its indices (each arity is a generated call)
+MAX_MOD_ARGS = 4  # arrays a mod takes after its indices
 
 
 class UserMods:
@@ -221,6 +222,17 @@ class UserMods:
                 f"score_mod_grad={self.score_mod_grad!r})")
 
 
+def user_engine(name: str, user_mods):
+    """The module of a backward engine made with ``user_mods`` (``None``: none): its name carries
+    them (the kernel's identity), and it is ``uncacheable`` with them (``kernels.jit``)."""
+    from types import ModuleType
+
+    engine = ModuleType(name + ("" if user_mods is None else f"_user_{user_mods!r}"))
+    engine.user_mods = user_mods
+    engine.uncacheable = user_mods is not None
+    return engine
+
+
 def _device(fn):
     """A user's function as an inlined device function (a numba device function as it is)."""
     if fn is None:
@@ -230,30 +242,14 @@ def _device(fn):
     return device_jit(fn)
 
 
-def _with_args(fn, n_args: int, has_score: bool):
+def _with_args(fn, has_score: bool):
     """``call(x, b, h, q, k, args)`` of a user's function (``has_score``: ``score_mod``'s signature,
-    else ``mask_mod``'s, which takes no ``x``) with the ``n_args`` arrays of the tuple ``args``
-    spread after the indices."""
+    else ``mask_mod``'s, which takes no ``x``) with the arrays of the tuple ``args`` spread after
+    the indices."""
     f = _device(fn)
-    if n_args == 0:
-        if has_score:
-            return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k))
-        return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k))
-    if n_args == 1:
-        if has_score:
-            return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k, args[0]))
-        return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k, args[0]))
-    if n_args == 2:
-        if has_score:
-            return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k, args[0], args[1]))
-        return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k, args[0], args[1]))
-    if n_args == 3:
-        if has_score:
-            return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k, args[0], args[1], args[2]))
-        return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k, args[0], args[1], args[2]))
     if has_score:
-        return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k, args[0], args[1], args[2], args[3]))
-    return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k, args[0], args[1], args[2], args[3]))
+        return device_jit(lambda x, b, h, q, k, args: f(x, b, h, q, k, *args))
+    return device_jit(lambda x, b, h, q, k, args: f(b, h, q, k, *args))
 
 
 LN2_F32 = 0.6931471805599453
@@ -282,10 +278,9 @@ def user_mod_calls(user: UserMods):
     it), then ``-inf`` where ``mask_mod`` says False; the second also returns d score_mod / d score
     (``score_mod_grad``; 1 without a ``score_mod``) for the backward's dS."""
     MASK, SCORE, GRAD = user.mask_mod is not None, user.score_mod is not None, user.score_mod_grad is not None
-    n = user.n_args
-    mask_call = _with_args(user.mask_mod, n, False) if MASK else _every_key
-    score_call = _with_args(user.score_mod, n, True) if SCORE else _same_score
-    grad_call = _with_args(user.score_mod_grad, n, True) if GRAD else _unit_slope
+    mask_call = _with_args(user.mask_mod, False) if MASK else _every_key
+    score_call = _with_args(user.score_mod, True) if SCORE else _same_score
+    grad_call = _with_args(user.score_mod_grad, True) if GRAD else _unit_slope
 
     @device_jit
     def modded(x, b, h, q, k, args):
@@ -326,9 +321,7 @@ def query_rows(rows: int, thread_row):
                 positions[i] = row
                 heads[i] = h
             else:
-                pos = row // rows_per_query
-                positions[i] = pos
-                heads[i] = h * rows_per_query + (row - pos * rows_per_query)
+                positions[i], heads[i] = mask.packed_query(row, rows_per_query, h)
             if row >= n_q:
                 positions[i] = -1
 
@@ -352,3 +345,48 @@ def tile_user_mods(n_i: int, n_j: int, key_of, row_of, user: UserMods):
                     s[i, j] = modded(s[i, j], b, heads[r], positions[r], key, args)
 
     return apply_user_mods
+
+
+@functools.lru_cache(maxsize=None)
+def backward_probs(fast: bool, user_mods=None, key_rows: bool = False):
+    """``p_and_ds(x, l2, dp, dd, capped, cap, biased, slope, diag, row, col, user)``: the
+    backward's P = exp2(x' - L) and dS = P (dP - D) (FA-2 Alg. 2 lines 11, 14) of one scaled score
+    ``x`` (log2 units), where ``x'`` is ``x`` with every modification the forward made -- the soft
+    cap (``capped``; :func:`soft_capper`'s, ``fast``: ``tanh.approx``), ALiBi's bias (``biased``:
+    ``slope`` and the ``diag`` of the entry's row, the column index ``col``), a user's mods (an
+    engine made with ``user_mods``: ``user = (b, h, row0, Nq, Nk, mod_args)``, the entry's row
+    ``row0 + row``) -- and dS carries the derivative of the cap and of ``score_mod``. ``key_rows``:
+    the engine's rows are keys and its columns queries (the dK/dV walk), else the reverse. An entry
+    a ``mask_mod`` hides gets P = dS = 0. The one place the three backward engines take a score's
+    modifications from."""
+    _, soft_cap_with_slope = soft_capper(fast)
+    USER, KEY_ROWS = user_mods is not None, bool(key_rows)
+    _, user_modded = user_mod_calls(user_mods) if USER else (None, None)
+
+    @device_jit
+    def p_and_ds(x, l2, dp, dd, capped, cap, biased, slope, diag, row, col, user):
+        cap_slope = float32(1.0)
+        if capped:  # the forward's soft cap, and its slope for dS
+            x, cap_slope = soft_cap_with_slope(x, cap)
+        if biased:  # the forward's ALiBi bias (a constant of the score: no factor in dS)
+            x += alibi_bias(slope, diag, col)
+        mod_slope = float32(1.0)
+        if USER:  # a user's score_mod (and its slope for dS) and mask_mod, on real (query, key) pairs only
+            if KEY_ROWS:
+                query, key = col, user[2] + row
+            else:
+                query, key = user[2] + row, col
+            if query < user[3] and key < user[4]:
+                x, mod_slope = user_modded(x, user[0], user[1], query, key, user[5])
+        p = math.exp2(x - l2)  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
+        ds = p * (dp - dd)  # FA-2 line 14 (Alg. 4 line 20)
+        if capped:
+            ds *= cap_slope
+        if USER:
+            ds *= mod_slope
+            if x == float32(-math.inf):  # hidden by mask_mod (0, not 0 times a dP a NaN made)
+                p = float32(0.0)
+                ds = float32(0.0)
+        return p, ds
+
+    return p_and_ds

@@ -353,15 +353,13 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     double-buffered by ``cp.async``, L and D of two steps in a static float32 array, P^T and dS^T
     in registers, dQ through dS^T in shared memory. ``vector_red``: FA-2's dQ atomics as
     ``red.global.add.v2.f32`` (sm_90 and later; else two float32 atomics: :func:`vector_reductions`)."""
-    from types import ModuleType
 
     if order not in ("fa1", "fa2"):
         raise ValueError(f"order must be 'fa1' or 'fa2'; got {order!r}")
     lay = tc_bwd_layout(order, kind, head_dim, block_m, block_n)
     FA1, VECTOR_RED = order == "fa1", bool(vector_red)
-    _, soft_cap_with_slope = score_mods.soft_capper(kind in HALF_KINDS)  # 16-bit: tanh.approx
-    USER = user_mods is not None  # a user's mods compiled into P and dS (score_mods.UserMods)
-    _, user_modded = score_mods.user_mod_calls(user_mods) if USER else (None, None)
+    # a score's P and dS with the forward's modifications (16-bit: tanh.approx; a user's mods)
+    p_and_ds = score_mods.backward_probs(kind in HALF_KINDS, user_mods, True)
     D, BM, BN = head_dim, block_m, block_n
     # The forward's tile ops with the roles swapped: their "Q tile" rows are keys (one warp per
     # 16: warp_row0, thread_row), their "K/V tile" rows queries, so pv_tile(P^T, dO_i) is
@@ -457,26 +455,9 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
         for nt in range(NQ):
             for e in range(4):
                 c = 8 * nt + 2 * t + (e & 1)  # the query (column) of this accumulator
-                x = s[nt, e] * q_scale
-                cap_slope = float32(1.0)
-                if capped:  # the forward's soft cap (score_mods), and its slope for dS
-                    x, cap_slope = soft_cap_with_slope(x, cap)
-                if biased:  # the forward's ALiBi bias (diags: the query on each key row's diagonal)
-                    x += score_mods.alibi_bias(slope, diags[e >> 1], row0 + c)
-                mod_slope = float32(1.0)
-                if USER:  # a user's score_mod (its slope for dS) and mask_mod; user: (b, h, col0, Nq, Nk, args)
-                    query, key = row0 + c, user[2] + ops.thread_row(e >> 1)
-                    if query < user[3] and key < user[4]:
-                        x, mod_slope = user_modded(x, user[0], user[1], query, key, user[5])
-                p = math.exp2(x - stats[base + c])
-                ds = p * (dp[nt, e] - stats[base + BM + c])
-                if capped:
-                    ds *= cap_slope
-                if USER:
-                    ds *= mod_slope
-                    if x == float32(-math.inf):  # hidden by mask_mod
-                        p = float32(0.0)
-                        ds = float32(0.0)
+                # (diags: the query on each key row's diagonal; user: (b, h, col0, Nq, Nk, args))
+                p, ds = p_and_ds(s[nt, e] * q_scale, stats[base + c], dp[nt, e], stats[base + BM + c], capped, cap, biased,
+                                 slope, diags[e >> 1], ops.thread_row(e >> 1), row0 + c, user)
                 if masked and mask.query_hidden(row0 + c, first_q[e >> 1], last_q[e >> 1], window):
                     p = float32(0.0)
                     ds = float32(0.0)
@@ -664,9 +645,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     def dk_factor(scale):
         return scale  # dK_j = scale dS^T Q_i (Q_i unscaled)
 
-    engine = ModuleType(f"numba_flash.kernels.mma_bwd_engine_{order}_{kind}_d{D}_m{BM}_n{BN}_red{int(VECTOR_RED)}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
-    engine.user_mods = user_mods
-    engine.uncacheable = user_mods is not None  # (kernels.jit.kernel_factory: never stored)
+    engine = score_mods.user_engine(f"numba_flash.kernels.mma_bwd_engine_{order}_{kind}_d{D}_m{BM}_n{BN}_red{int(VECTOR_RED)}", user_mods)
     for name, func in dict(load_kv=load_kv, step_inputs=step_inputs, load_step=load_step, read_stats=read_stats,
                            write_stats=write_stats, commit=ops.commit, wait_all=ops.wait_all, kv_frags=kv_frags,
                            rowdot=rowdot, scores_t=scores_t, probs_t=probs_t, dv_update=dv_update, dk_update=dk_update,
@@ -720,11 +699,8 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int, user_mod
     (the forward's P~ V), float32 in registers for the whole walk. K_j is double-buffered (read by
     the first product and the last): K_{j+1} is in flight during step j, V_{j+1} from the end of
     its products."""
-    from types import ModuleType
 
-    _, soft_cap_with_slope = score_mods.soft_capper(kind in HALF_KINDS)  # 16-bit: tanh.approx
-    USER = user_mods is not None
-    _, user_modded = score_mods.user_mod_calls(user_mods) if USER else (None, None)
+    p_and_ds = score_mods.backward_probs(kind in HALF_KINDS, user_mods, False)  # 16-bit: tanh.approx
 
     lay = tc_bwd_layout("dq", kind, head_dim, block_m, block_n)
     D, BM, BN = head_dim, block_m, block_n
@@ -783,25 +759,9 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int, user_mod
                 col0, ds_s, user):
         for nt in range(NS):  # P = exp2(S scale log2 e - L), dS = P (dP - D), in place
             for e in range(4):
-                x = s[nt, e] * q_scale
-                cap_slope = float32(1.0)
-                if capped:
-                    x, cap_slope = soft_cap_with_slope(x, cap)
-                if biased:  # (diags: each query row's diagonal key)
-                    x += score_mods.alibi_bias(slope, diags[e >> 1], col0 + ops.col_of(nt, e))
-                mod_slope = float32(1.0)
-                if USER:  # user: (b, h, row0, Nq, Nk, args)
-                    query, key = user[2] + ops.thread_row(e >> 1), col0 + ops.col_of(nt, e)
-                    if query < user[3] and key < user[4]:
-                        x, mod_slope = user_modded(x, user[0], user[1], query, key, user[5])
-                p = math.exp2(x - l2[e >> 1])
-                ds = p * (dp[nt, e] - dd[e >> 1])
-                if capped:
-                    ds *= cap_slope
-                if USER:
-                    ds *= mod_slope
-                    if x == float32(-math.inf):
-                        ds = float32(0.0)
+                # (diags: each query row's diagonal key; user: (b, h, row0, Nq, Nk, args))
+                _, ds = p_and_ds(s[nt, e] * q_scale, l2[e >> 1], dp[nt, e], dd[e >> 1], capped, cap, biased, slope,
+                                 diags[e >> 1], ops.thread_row(e >> 1), col0 + ops.col_of(nt, e), user)
                 if masked and mask.key_hidden(col0 + ops.col_of(nt, e), first_keys[e >> 1], last_keys[e >> 1], window):
                     ds = float32(0.0)
                 dp[nt, e] = ds
@@ -822,9 +782,7 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int, user_mod
                         if d < D:
                             dq[b, h, row, d] = acc[dt, 2 * i + e] * scale
 
-    engine = ModuleType(f"numba_flash.kernels.mma_dq_engine_{kind}_d{D}_m{BM}_n{BN}" + ("" if user_mods is None else f"_user_{user_mods!r}"))
-    engine.user_mods = user_mods
-    engine.uncacheable = user_mods is not None  # (kernels.jit.kernel_factory: never stored)
+    engine = score_mods.user_engine(f"numba_flash.kernels.mma_dq_engine_{kind}_d{D}_m{BM}_n{BN}", user_mods)
     for name, func in dict(row_stats=row_stats, start=start, before_scores=before_scores, scores=scores,
                            after_scores=after_scores, dscores=dscores, dq_step=dq_step, write_dq=write_dq,
                            row_key_bounds=ops.row_key_bounds, row_alibi=ops.row_alibi, zero=ops.zero,
