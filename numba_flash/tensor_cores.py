@@ -229,7 +229,8 @@ def _launch_in_place(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> bool:
         return False
     lengths = seqlens if seqlens is not None else _unread_lengths("cupy", ctx.device_id)
     unread = [device_array(x, "cupy") for x in (*_unread_state("cupy", ctx.device_id), _unread_lengths("cupy", ctx.device_id))]
-    slopes = device_array(slopes_argument(call.problem, ctx.kind), ctx.kind)
+    slopes_kind = ctx.kind if call.alibi else "cupy"  # (without ALiBi: the plans' placeholder, one per device)
+    slopes = device_array(slopes_argument(call.problem, slopes_kind), slopes_kind)
     args = in_place_arguments(spec, call, *inputs, device_array(o, ctx.kind), device_array(lse, ctx.kind),
                               device_array(lengths, "cupy" if seqlens is None else ctx.kind), n_splits, rows_per_query,
                               unread, slopes)
