@@ -32,6 +32,7 @@ from numba_flash.launch import launch as direct_launch
 from numba_flash.launch import numba_launch
 from numba_flash.launch_config import LaunchConfig
 from numba_flash.problem import Problem, describe
+from numba_flash.block_sparse import kernel_lists
 from numba_flash.user_mods import compiling, none_given
 from numba_flash.simulator import quiet_kernels
 from numba_flash.specs import kernel_spec
@@ -60,6 +61,7 @@ def attention(
     mask_mod=None,
     score_mod=None,
     mod_args=(),
+    block_mask=None,
 ):
     """Scaled dot-product attention, forward pass, by FlashAttention-1 or -2.
 
@@ -104,8 +106,11 @@ def attention(
     compilation per function object; never stored in the compilation cache); ``mod_args``: up to
     four arrays of the inputs' library, read-only. The order on a score: scale, softcap, ALiBi,
     ``score_mod``, then the masks (``causal``, ``window_size``, ``mask_mod``). Only real (query,
-    key) pairs reach the functions. A key a ``mask_mod`` hides still costs its tile (no block
-    sparsity yet).
+    key) pairs reach the functions. With a ``mask_mod`` the kernels walk its block mask: a tile
+    it hides entirely is neither loaded nor computed, and one it shows entirely skips it
+    (``numba_flash.block_sparse``). ``block_mask``: that mask precomputed
+    (``numba_flash.block_mask(mask_mod, B, H, Nq, Nk, ...)``, made from the same ``mask_mod``);
+    without one it is derived on the device once per function, shape and ``mod_args`` contents.
 
     ``algorithm``: ``"fa2"`` (default; FlashAttention-2 Algorithm 1) or ``"fa1"``
     (FlashAttention Algorithm 1). Both compute the same function.
@@ -135,7 +140,7 @@ def attention(
     o, lse = forward(
         q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n,
         precision=precision, num_splits=num_splits, window_size=window_size, softcap=softcap,
-        alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args,
+        alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args, block_mask=block_mask,
     )
     return (o, lse) if return_lse else o
 
@@ -162,6 +167,7 @@ def forward(
     mask_mod=None,
     score_mod=None,
     mod_args=(),
+    block_mask=None,
 ):
     """:func:`attention` with the research knobs; always returns ``(o, lse)``.
 
@@ -177,7 +183,8 @@ def forward(
     kind (tests poison them to prove every element is written).
     """
     key = None
-    if kv_tile_order is None and variant is None and alibi_slopes is None and none_given(mask_mod, score_mod, mod_args):
+    if (kv_tile_order is None and variant is None and alibi_slopes is None and block_mask is None
+            and none_given(mask_mod, score_mod, mod_args)):
         key = _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits,
                            window_size, softcap)
     plan = _FORWARD_PLANS.get(key)
@@ -191,7 +198,7 @@ def forward(
             mod_args = tuple(as_cupy_view(a, f"mod_args[{i}]") for i, a in enumerate(mod_args))
         ctx, call = _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision,
                                   num_splits, variant, window_size, softcap, alibi_slopes, mask_mod, score_mod,
-                                  mod_args)
+                                  mod_args, block_mask, block_sparse=kv_tile_order is None)
         if key is not None:
             tuned = call.regime == "ieee" and (block_m is None or block_n is None)  # tiles from the autotune cache
             tile_entries = tile_cache.load() if tuned else None
@@ -230,7 +237,8 @@ def _forward_key(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block
 
 
 def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, block_n, precision, num_splits, variant,
-                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=()):
+                  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
+                  block_mask=None, block_sparse=False):
     """Every check of a forward call that does not depend on pointers or ``kv_tile_order``:
     its array context and launch configuration (:func:`problem.describe`, :func:`configure`)."""
     variant = _check_variant(variant, precision)
@@ -238,7 +246,7 @@ def _checked_call(q, k, v, out, lse_out, causal, scale, algorithm, block_m, bloc
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
     checked = describe(q, k, v, causal=causal, scale=scale, algorithm=algorithm, precision=precision,
                        window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
-                       score_mod=score_mod, mod_args=mod_args)
+                       score_mod=score_mod, mod_args=mod_args, block_mask=block_mask, block_sparse=block_sparse)
     split_k = variant is not None and variant.warp_partition == "split_k"
     if split_k and checked.regime == "ieee" and block_m is None and block_n is None:
         from numba_flash.tile_table import comparison_tiles  # (the ablation's tiles: FA-2's own default
@@ -567,6 +575,8 @@ def _launch(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order, seqle
     kernel_args = [convert[a.role](a.array) if isinstance(a, _KernelArray) else a for a in args]
     if user:
         kernel_args.append(tuple(ctx.to_kernel(a) for a in call.problem.mod_args))
+        if call.user_mods.block_sparse:  # the tile lists the walk visits (numba_flash.block_sparse)
+            kernel_args += kernel_lists(ctx, call)
     # (tiles above 48 KiB: dynamic shared memory, the kernel opted in above 48 KiB)
     with compiling(call.user_mods):
         numba_launch(spec.kernel, grid, threads, ctx.stream(), kernel_args, shared_mem_bytes=spec.dynamic_smem)

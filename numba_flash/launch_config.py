@@ -40,7 +40,15 @@ class LaunchConfig:
     softcap = property(lambda self: self.problem.softcap)
     softcap_log2 = property(lambda self: self.problem.softcap * LOG2E)  # the kernels' unit
     alibi = property(lambda self: self.problem.alibi)
-    user_mods = property(lambda self: self.problem.user_mods)  # a user's mask_mod / score_mod (None: none)
+
+    @property
+    def user_mods(self):
+        """A user's mask_mod / score_mod (``score_mods.UserMods``; None: none). A ring of K/V
+        tiles or key warps (decode's) walk every tile: no block mask then."""
+        user = self.problem.user_mods
+        if user is not None and user.block_sparse and (self.kv_stages > 1 or self.key_warps > 1):
+            return user.dense()
+        return user
     scale = property(lambda self: self.problem.scale)
     algorithm = property(lambda self: self.problem.algorithm)
     regime = property(lambda self: self.problem.regime)

@@ -24,6 +24,7 @@ from numba_flash.arrays import device_id_of, dtype_name, kind_of
 from numba_flash.checks import softcap_value
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.tile_table import MAX_HEAD_DIM
+from numba_flash.block_sparse import check_block_mask
 from numba_flash.user_mods import check_mods, user_mods_of
 from numba_flash.masking import MaskSpec, window_spec
 
@@ -63,11 +64,15 @@ class Problem:
     score_mod: object = None
     mod_args: tuple = field(default=(), compare=False, repr=False)
     n_mod_args: int = 0
+    # The forward walks mask_mod's block mask (numba_flash.block_sparse): the caller's (checked), or
+    # derived from mask_mod (None). An object, so not part of the identity: ``block_sparse`` is.
+    block_mask: object = field(default=None, compare=False, repr=False)
+    block_sparse: bool = False
 
     @property
     def user_mods(self):
         """The kernels' ``score_mods.UserMods`` of the call's mods (``None``: none)."""
-        return user_mods_of(self.mask_mod, self.score_mod, self.mod_args)
+        return user_mods_of(self.mask_mod, self.score_mod, self.mod_args, block_sparse=self.block_sparse)
 
     def __post_init__(self):
         if self.alibi != (self.alibi_slopes is not None):
@@ -121,10 +126,13 @@ def regime(precision, dtype: str) -> str:
 
 def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=None, names=("q", "k", "v"),
              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None,
-             mod_args=()) -> Problem:
+             mod_args=(), block_mask=None, block_sparse=False) -> Problem:
     """The checked :class:`Problem` of ``attention(q, k, v, causal=..., scale=..., algorithm=...,
-    precision=..., window_size=..., softcap=..., alibi_slopes=...)``; raises before anything runs, with a message naming the argument as the
-    caller's signature spells it (``names``: ``decode``'s are ``q``, ``k_cache``, ``v_cache``)."""
+    precision=..., window_size=..., softcap=..., alibi_slopes=..., mask_mod=..., ...)``; raises
+    before anything runs, with a message naming the argument as the caller's signature spells it
+    (``names``: ``decode``'s are ``q``, ``k_cache``, ``v_cache``). ``block_sparse``: the kernels
+    may walk ``mask_mod``'s block mask (``block_mask``, checked, or derived at launch); the paths
+    that cannot say ``False`` and refuse a ``block_mask``."""
     nq, nk, nv = names
     kinds = [kind_of(x, name) for x, name in zip((q, k, v), names)]
     if len(set(kinds)) != 1:
@@ -167,12 +175,15 @@ def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=No
     if alibi_slopes is not None:
         check_slopes(alibi_slopes, kind, B, H, device_id)
     mod_args = check_mods(mask_mod, score_mod, mod_args, kind, device_id)
+    mask = window_spec(bool(causal), window_size)
+    if block_mask is not None:
+        check_block_mask(block_mask, mask_mod, mask, B, H, Nq, Nk)
     return Problem(
         kind=kind, batch=B, heads=H, kv_heads=Hkv, n_q=Nq, n_k=Nk, head_dim=D, dtype=dtypes[0], scale=float(scale),
-        mask=window_spec(bool(causal), window_size), algorithm=algorithm, regime=regime(precision, dtypes[0]),
+        mask=mask, algorithm=algorithm, regime=regime(precision, dtypes[0]),
         device_id=device_id, softcap=_kernel_softcap(softcap), alibi_slopes=alibi_slopes,
         alibi=alibi_slopes is not None, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args,
-        n_mod_args=len(mod_args),
+        n_mod_args=len(mod_args), block_mask=block_mask, block_sparse=bool(block_sparse) and mask_mod is not None,
     )
 
 

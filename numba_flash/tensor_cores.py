@@ -36,6 +36,7 @@ from numba_flash.kernels.tc_ops import check_tc_tiles, input_alignment, kernel_h
 from numba_flash.launch import device_array, launch, numba_launch
 from numba_flash.problem import TENSOR_CORE_KIND
 from numba_flash.specs import kernel_spec
+from numba_flash.block_sparse import kernel_lists
 from numba_flash.user_mods import compiling
 from numba_flash.tile_table import forward_tc_tiles
 
@@ -207,7 +208,8 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     grid = spec.grid(B, H, Nq, n_splits)
     if call.user_mods is not None:  # a user's mods: their arrays' tuple last (numba's own launch)
         with compiling(call.user_mods):
-            _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, _mod_args(ctx, call.problem.mod_args))
+            lists = kernel_lists(ctx, call) if call.user_mods.block_sparse else []  # (numba_flash.block_sparse)
+            _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, _mod_args(ctx, call.problem.mod_args), lists)
     elif ctx.direct_launch:
         args = [device_array(x, "cupy") for x in arrays]
         launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(), _ordered(args, q_scale, tail),
@@ -342,9 +344,10 @@ def _mod_args(ctx, mod_args) -> tuple:
     return tuple(cuda.as_cuda_array(a.detach() if ctx.kind == "torch" else a) for a in mod_args)
 
 
-def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, mods=None) -> None:
+def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, mods=None, lists=()) -> None:
     """numba's own launch: NumPy arrays (the simulator, or copied to and from a GPU); ``mods``: a
-    user's ``mod_args`` (:func:`_mod_args`), the last argument of a kernel with user mods."""
+    user's ``mod_args`` (:func:`_mod_args`), the last argument of a kernel with user mods but for
+    a block-sparse walk's tile ``lists`` (``block_sparse.kernel_lists``)."""
     from numba_flash._cuda import cuda
 
     host = ctx.kind == "numpy"
@@ -358,7 +361,7 @@ def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, mods=None) ->
     else:
         dev = [cuda.as_cuda_array(x) for x in arrays]
     stream = ctx.stream()
-    args = _ordered(dev, q_scale, tail) + ([] if mods is None else [mods])
+    args = _ordered(dev, q_scale, tail) + ([] if mods is None else [mods]) + list(lists)
     numba_launch(spec.kernel, grid, spec.threads, stream, args, shared_mem_bytes=spec.dynamic_smem)
     if host and not simulated():
         for x, d in zip(arrays, dev):

@@ -42,6 +42,10 @@ class BlockMask:
     seq_lengths: tuple[int, int]  # (Nq, Nk)
     block_m: int
     block_n: int
+    # what it was made from: the mask_mod (None: the built-ins alone) and the built-in masks
+    # (numba_flash.block_sparse checks them against a call that takes it)
+    mask_mod: object = field(default=None, repr=False)
+    builtins: MaskSpec = field(default_factory=MaskSpec.of, repr=False)
     _made: dict = field(default_factory=dict, init=False, repr=False)  # the walks' lists, made once each
 
     @property
@@ -124,20 +128,20 @@ def block_mask(mask_mod=None, B=None, H=None, Nq=None, Nk=None, *, block_m: int 
     spec = mask_spec(bool(causal), tuple(window_size))
     if not isinstance(mod_args, tuple):
         raise TypeError(f"mod_args must be a tuple of arrays, got {type(mod_args).__name__}")
-    fn = getattr(mask_mod, "py_func", mask_mod)  # a numba device function: its Python source
     if mod_args:
-        return _derive(fn, batch, heads, n_q, n_k, bm, bn, spec, mod_args)
-    return _derive_cached(fn, batch, heads, n_q, n_k, bm, bn, spec)
+        return _derive(mask_mod, batch, heads, n_q, n_k, bm, bn, spec, mod_args)
+    return _derive_cached(mask_mod, batch, heads, n_q, n_k, bm, bn, spec)
 
 
 @functools.lru_cache(maxsize=64)
-def _derive_cached(fn, batch, heads, n_q, n_k, bm, bn, spec: MaskSpec) -> BlockMask:
-    return _derive(fn, batch, heads, n_q, n_k, bm, bn, spec, ())
+def _derive_cached(mask_mod, batch, heads, n_q, n_k, bm, bn, spec: MaskSpec) -> BlockMask:
+    return _derive(mask_mod, batch, heads, n_q, n_k, bm, bn, spec, ())
 
 
-def _derive(fn, batch, heads, n_q, n_k, bm, bn, spec: MaskSpec, mod_args) -> BlockMask:
+def _derive(mask_mod, batch, heads, n_q, n_k, bm, bn, spec: MaskSpec, mod_args) -> BlockMask:
     """Evaluate the masks one Q tile's rows at a time (memory: B x H x block_m x Nk booleans)
     and reduce each tile to its kind."""
+    fn = getattr(mask_mod, "py_func", mask_mod)  # a numba device function: its Python source
     n_qt, n_kt = -(-n_q // bm), -(-n_k // bn)
     kinds = np.zeros((batch, heads, n_qt, n_kt), dtype=np.int8)
     b_idx = np.arange(batch).reshape(batch, 1, 1, 1)
@@ -164,4 +168,4 @@ def _derive(fn, batch, heads, n_q, n_k, bm, bn, spec: MaskSpec, mod_args) -> Blo
         all_seen = seen_all.reshape(tiles).all(axis=(2, 4))
         kinds[:, :, t] = np.where(all_seen, FULL, np.where(any_seen, PARTIAL, HIDDEN))
     kinds.flags.writeable = False
-    return BlockMask(kinds, (n_q, n_k), bm, bn)
+    return BlockMask(kinds, (n_q, n_k), bm, bn, mask_mod, spec)

@@ -48,11 +48,12 @@ def none_given(mask_mod, score_mod, mod_args) -> bool:
     return mask_mod is None and score_mod is None and isinstance(mod_args, (tuple, list)) and len(mod_args) == 0
 
 
-def user_mods_of(mask_mod, score_mod, mod_args, score_mod_grad=None):
-    """The kernels' compile-time ``score_mods.UserMods`` of a call, or ``None`` without mods."""
+def user_mods_of(mask_mod, score_mod, mod_args, score_mod_grad=None, block_sparse=False):
+    """The kernels' compile-time ``score_mods.UserMods`` of a call, or ``None`` without mods
+    (``block_sparse``: the kernel walks ``mask_mod``'s block mask, if there is a ``mask_mod``)."""
     if mask_mod is None and score_mod is None:
         return None
-    return UserMods(mask_mod, score_mod, len(mod_args), score_mod_grad)
+    return UserMods(mask_mod, score_mod, len(mod_args), score_mod_grad, block_sparse and mask_mod is not None)
 
 
 @contextlib.contextmanager

@@ -79,3 +79,47 @@ def valid_keys(seqlens, b, n_k, ragged):
     if ragged:
         return max(0, min(seqlens[b], n_k))
     return n_k
+
+
+# ---------------------------------------------------------------- block-sparse walks (issue 24)
+#
+# A block mask's tile lists (``numba_flash.block_sparse``): for each Q tile (a Q-outer walk) or
+# each K/V tile (a K/V-outer walk) of each (batch, head), ``counts[b, h, t]`` tiles of the other
+# kind are listed, ascending, as ``listed[b, h, t, i] = tile * 2 + partial`` (``partial``: some
+# of the pair's entries are hidden, the elementwise mask applies; else every entry is visible).
+# A mask that depends on neither the batch nor the head has lists of batch or head size 1.
+
+
+@device_jit
+def listed_tile(entry):
+    """The tile of a tile list's ``entry``."""
+    return entry >> 1
+
+
+@device_jit
+def listed_partial(entry):
+    """Whether the pair of a tile list's ``entry`` is partial (else full)."""
+    return (entry & 1) != 0
+
+
+@device_jit
+def list_row(counts, listed, b, h, t):
+    """(count, list) of tile ``t`` of (batch ``b``, head ``h``): the lists' batch or head of size
+    1 stands for every one."""
+    bb = b if counts.shape[0] > 1 else 0
+    hh = h if counts.shape[1] > 1 else 0
+    return counts[bb, hh, t], listed[bb, hh, t]
+
+
+@device_jit
+def listed_from(row, n_listed, tile):
+    """The first index of a tile list ``row`` (``n_listed`` entries, ascending) whose tile is at
+    least ``tile`` (``n_listed`` if none): a binary search."""
+    lo, hi = 0, n_listed
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if listed_tile(row[mid]) < tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo

@@ -54,7 +54,8 @@ from numba_flash._cuda import cuda, float32, int32
 
 from numba_flash.kernels import mask, mma, score_mods, softmax
 from numba_flash.kernels.mask import window_of
-from numba_flash.kernels.block_info import batch_and_head, split_of_block, split_tiles, tile_of_block, valid_keys
+from numba_flash.kernels.block_info import (batch_and_head, list_row, listed_from, listed_partial, listed_tile,
+                                            split_of_block, split_tiles, tile_of_block, valid_keys)
 from numba_flash.kernels.engines import CudaCores, TensorCores, ffma_engine, key_warp_merge, mma_engine
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit, shared_tile
 from numba_flash.kernels.pipeline import cp_async, synchronous
@@ -161,6 +162,11 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     WINDOW = window_of(window)
     PERMUTED, RAGGED, F32_OUT, SOFTCAP, ALIBI = bool(permuted), bool(ragged), bool(f32_out), bool(softcap), bool(alibi)
     HAS_USER = user_mods is not None  # a user's mask_mod / score_mod (score_mods.UserMods)
+    # a block mask's tile lists (block_info): the walks visit the listed tiles only, and mask_mod
+    # runs on the partial ones
+    SPARSE = HAS_USER and user_mods.block_sparse
+    if SPARSE and PERMUTED:
+        raise ValueError("a block-sparse walk visits its listed tiles in order (no kv_tile_order)")
     KV_OUTER = variant.loop_order == "kv_outer"
     PER_TILE = variant.grid == "heads_x_qtiles"
     EVERY_STEP = variant.rescale == "every_step"
@@ -174,6 +180,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
             raise ValueError("the tensor-core engine walks the K/V tiles in order (its copies run ahead of the walk)")
         if KW < 1 or BN % KW or BN // KW < 16:
             raise ValueError(f"key_warps must divide block_n into parts of >= 16 keys; got {KW} for {BN}")
+        if SPARSE and (STAGES > 1 or KW > 1):
+            raise ValueError("a block-sparse walk copies one K/V tile ahead (kv_stages = key_warps = 1)")
         if KW > 1 and (STAGES < 2 or BM != 16):
             raise ValueError(f"key_warps={KW} needs a ring (kv_stages > 1) and block_m = 16")
         if (KV_OUTER or variant != FA2) and (STAGES > 1 or KW > 1):
@@ -217,6 +225,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         k_tile = shared_tile(Q_FLOATS, K_FLOATS)
         v_tile = shared_tile(Q_FLOATS + K_FLOATS, V_FLOATS)
         p_tile = shared_tile(Q_FLOATS + K_FLOATS + V_FLOATS, P_FLOATS)
+    # FA-1 block-sparse: a block of one Q tile walks its list; a block of every Q tile, each K/V tile's
+    SPARSE_OWN, SPARSE_EACH = SPARSE and PER_TILE, SPARSE and not PER_TILE
     SKIPS_TILES = pipe.SYNCHRONOUS  # a walk may skip tiles only where no copy runs ahead of it
     # a ring (or tensor-core split_k): the products read this stage's tiles, this group's keys of them
     SLICED, OPERAND_ELEMS = pipe.SLICED, pipe.OPERAND_ELEMS
@@ -240,12 +250,13 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
 
     @device_jit
     def scores_modded(s, q_scale, colg, first_keys, last_keys, masked, cap, slopes, diags, n_k, b, positions, heads,
-                      mod_args):
+                      mod_args, partial):
         """S in log2 units with every modification (API.md 2c's order): the scale, softcap and ALiBi
-        (the engine's), a user's score_mod and mask_mod, then the built-in mask."""
+        (the engine's), a user's score_mod and mask_mod (``partial``: a tile mask_mod may hide
+        entries of; a block mask's full tile skips it), then the built-in mask."""
         if HAS_USER:
             E.scale_mask(s, q_scale, colg, first_keys, last_keys, False, WINDOW, SOFTCAP, cap, ALIBI, slopes, diags)
-            user_tile(s, colg, n_k, b, positions, heads, mod_args)
+            user_tile(s, colg, n_k, b, positions, heads, mod_args, partial)
             if masked:
                 E.mask_tile(s, colg, first_keys, last_keys, WINDOW)
         else:
@@ -294,10 +305,11 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     def walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob, n_q, n_k,
                     n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s, acc,
                     tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, cap, slopes, diags,
-                    alibi, positions, heads, mod_args):
+                    alibi, positions, heads, mod_args, walk_counts, walk_lists):
         """FA-2 lines 4-15 for Q tile ``i_tile``: its whole K/V walk with O~, l, m on chip.
         split_k: this thread's group walks its keys of every K/V tile (``k_s``, ``v_s``, ``p_s``:
-        its part), and the groups' states are merged at the end."""
+        its part), and the groups' states are merged at the end. Block-sparse: the K/V tiles
+        listed for this Q tile (``walk_counts``, ``walk_lists``: block_info) among those."""
         row0 = i_tile * BM
         lead = E.group() == 0  # split_k: the group that holds the merged state (else everyone)
         key0 = E.first_key()  # this thread's first key of every K/V tile (split_k, key warps)
@@ -321,13 +333,23 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         tile0, n_visible = 0, n_kv_tiles
         if not PERMUTED:
             tile0, n_visible = mask.kv_tile_range(tile_first_key, tile_last_key, n_kv_tiles, BN, WINDOW)
-        first, end = split_tiles(n_visible, n_splits, split)
-        first += tile0
-        end += tile0
+        if SPARSE:  # [first, end) index the block mask's list: its tiles in the range above
+            n_listed, listed = list_row(walk_counts, walk_lists, b, h, i_tile)
+            lo = listed_from(listed, n_listed, tile0)
+            hi = listed_from(listed, n_listed, tile0 + n_visible)
+            first, end = split_tiles(hi - lo, n_splits, split)
+            first += lo
+            end += lo
+            col_first = listed_tile(listed[first]) * BN if first < end else 0
+        else:
+            listed = kv_order  # (not read)
+            first, end = split_tiles(n_visible, n_splits, split)
+            first += tile0
+            end += tile0
+            col_first = (kv_order[first] if PERMUTED and first < end else first) * BN
         if not pipe.Q_BEFORE_RANGE:  # Line 4: Q_i, issued with the first K/V copies (one commit group)
             pipe.load_q(q, b, h, row0, n_q, q_scale, q_s, lead)
         # The pipeline's first K/V copies.
-        col_first = (kv_order[first] if PERMUTED and first < end else first) * BN
         pipe.start(k, v, b, hk, n_k, col_first, end - first, smem, k_s, v_s)
         # Line 5: O~ = 0, l = 0, m = -inf, on chip.
         E.zero(acc)
@@ -336,14 +358,22 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
             l_run[i] = float32(0.0)
 
         for jj in range(first, end):  # Line 6: for 1 <= j <= Tc
-            j = kv_order[jj] if PERMUTED else jj
-            col0 = j * BN
+            partial = True  # (mask_mod applies: no block mask says the tile is full)
+            if SPARSE:
+                entry = listed[jj]
+                col0 = listed_tile(entry) * BN
+                partial = listed_partial(entry)
+                col_next = listed_tile(listed[jj + 1]) * BN if jj + 1 < end else col0
+            else:
+                j = kv_order[jj] if PERMUTED else jj
+                col0 = j * BN
+                col_next = col0 + BN
             if SKIPS_TILES:
                 if mask.tile_hidden(col0, BN, tile_first_key, tile_last_key, WINDOW):
                     continue  # permuted order, a mask: every score of this tile is masked
             step = jj - first
             colg = col0 + key0  # this thread's keys of the tile
-            pipe.before_scores(k, v, b, hk, col0, step, end - first, n_k, smem, k_s, v_s, k_split, kv_reg)  # Line 7
+            pipe.before_scores(k, v, b, hk, col0, col_next, step, end - first, n_k, smem, k_s, v_s, k_split, kv_reg)  # Line 7
             if jj == first:
                 E.q_frags(q_s, qf, qf_small)
             if SLICED:  # this stage's K_j (this warp's keys of it)
@@ -353,7 +383,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
             E.score_tile(qf, qf_small, q_s, k_op, s, mscratch)  # Line 8: S_i^(j) = Q_i K_j^T
             masked = E.tile_needs_mask(colg, first_row_last_key, last_row_first_key, WINDOW)
             scores_modded(s, q_scale, colg, first_keys, last_keys, masked, cap, slopes, diags, n_k, b, positions, heads,
-                          mod_args)
+                          mod_args, partial)
             # Line 9: m^(j) = max(m^(j-1), rowmax(S_i^(j))).
             E.row_max(s, tile_max, rscratch)
             # Lines 9-10: m, l and O~ rescaled where the max moved (every_step: O is kept
@@ -368,7 +398,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                 E.allreduce_sum(row_sums, rscratch)
                 for i in range(TM):
                     E.rescale_row(acc, i, l_run[i])  # diag(l) O_i
-                pipe.before_pv(k, v, b, hk, col0, step, end - first, n_k, smem, k_s, v_s, v_split)
+                pipe.before_pv(k, v, b, hk, col0, col_next, step, end - first, n_k, smem, k_s, v_s, v_split)
                 if SLICED:
                     v_op = smem[pipe.v_offset(step) : pipe.v_offset(step) + OPERAND_ELEMS]
                 else:
@@ -381,7 +411,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
             else:
                 for i in range(TM):
                     l_run[i] += row_sums[i]
-                pipe.before_pv(k, v, b, hk, col0, step, end - first, n_k, smem, k_s, v_s, v_split)
+                pipe.before_pv(k, v, b, hk, col0, col_next, step, end - first, n_k, smem, k_s, v_s, v_split)
                 if SLICED:
                     v_op = smem[pipe.v_offset(step) : pipe.v_offset(step) + OPERAND_ELEMS]
                 else:
@@ -415,9 +445,11 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     def walk_kv_tiles(i_first, i_end, q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, b, h, hk, n_q, n_k,
                       n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s, acc,
                       tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, o_old, merge_s, cap, slopes,
-                      diags, alibi, positions, heads, mod_args):
+                      diags, alibi, positions, heads, mod_args, walk_counts, walk_lists):
         """FA-1 lines 2-16 for Q tiles ``i_first ..`` of one (batch, head): the K/V tiles outside,
-        the state O, l, m of every row in global memory between steps."""
+        the state O, l, m of every row in global memory between steps. Block-sparse: a block of
+        one Q tile walks the K/V tiles listed for it; a block of every Q tile walks, for each K/V
+        tile, the Q tiles listed for it (``walk_counts``, ``walk_lists``: block_info)."""
         lead = E.group() == 0  # split_k: the group that holds the merged state (else everyone)
         first_of_row = E.first_of_row()
         key0 = E.first_key()
@@ -441,15 +473,39 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         tile0, n_kv_walk = 0, n_kv_tiles
         if PER_TILE and not PERMUTED:
             tile0, n_kv_walk = mask.kv_tile_range(own_first_key, own_last_key, n_kv_tiles, BN, WINDOW)
+        own_listed = kv_order  # (block-sparse, one Q tile: its listed K/V tiles in the range above)
+        if SPARSE_OWN:
+            n_own, own_listed = list_row(walk_counts, walk_lists, b, h, i_first)
+            lo = listed_from(own_listed, n_own, tile0)
+            n_kv_walk = listed_from(own_listed, n_own, tile0 + n_kv_walk) - lo
+            tile0 = lo
         for jj in range(tile0, tile0 + n_kv_walk):  # Line 5: for 1 <= j <= Tc
-            j = kv_order[jj] if PERMUTED else jj
+            own_partial = True  # (mask_mod applies: no block mask says the pair is full)
+            if SPARSE_OWN:
+                j = listed_tile(own_listed[jj])
+                own_partial = listed_partial(own_listed[jj])
+            else:
+                j = kv_order[jj] if PERMUTED else jj
             col0 = j * BN
             if PER_TILE and mask.tile_hidden(col0, BN, own_first_key, own_last_key, WINDOW):
                 continue  # permuted order, a mask: the block's one Q tile sees nothing of K_j
+            # The Q tiles to visit: i_first .., or (block-sparse, every Q tile) those listed for K_j
+            ii_first, ii_end = i_first, i_end
+            q_listed = kv_order
+            if SPARSE_EACH:
+                n_q_listed, q_listed = list_row(walk_counts, walk_lists, b, h, j)
+                if n_q_listed == 0:
+                    continue  # K_j is hidden from every row: not even loaded
+                ii_first, ii_end = 0, n_q_listed
             colg = col0 + key0  # this thread's keys of the tile
             pipe.kv_tile(k, v, b, hk, col0, n_k, smem, k_s, v_s, k_split, v_split, kv_reg)  # Line 6
 
-            for i_tile in range(i_first, i_end):  # Line 7: for 1 <= i <= Tr
+            for ii in range(ii_first, ii_end):  # Line 7: for 1 <= i <= Tr
+                i_tile = ii
+                partial = own_partial
+                if SPARSE_EACH:
+                    i_tile = listed_tile(q_listed[ii])
+                    partial = listed_partial(q_listed[ii])
                 row0 = i_tile * BM
                 # causal, a window: skip Q tiles for which every key of K_j is masked (block-uniform)
                 row_last = min(row0 + BM, n_q) - 1
@@ -483,7 +539,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                 last_row_first_key = mask.first_visible_key(row_last, n_q, n_k, WINDOW)
                 masked = E.tile_needs_mask(colg, first_row_last_key, last_row_first_key, WINDOW)
                 scores_modded(s, q_scale, colg, first_keys, last_keys, masked, cap, slopes, diags, n_k, b, positions, heads,
-                              mod_args)
+                              mod_args, partial)
                 # Line 10: m~_ij = rowmax(S_ij), P~_ij = exp(S_ij - m~_ij), l~_ij = rowsum(P~_ij).
                 E.row_max(s, tile_max, rscratch)
                 for i in range(TM):
@@ -562,8 +618,9 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
 
     @device_jit
     def forward_body(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
-                     softcap_log2, alibi, mod_args):
-        """The kernel (one body for both signatures below: with user mods, their arrays' tuple)."""
+                     softcap_log2, alibi, mod_args, walk_counts, walk_lists):
+        """The kernel (one body for the signatures below: with user mods, their arrays' tuple; with
+        a block mask, its tile lists too)."""
         n_batch = q.shape[0]
         n_heads = q.shape[1]
         n_q = q.shape[2]
@@ -652,34 +709,40 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
             walk_kv_tiles(i_first, i_end, q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, b, h, hk, n_q, n_k,
                           n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf, qf_small, s,
                           acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, o_old, merge_s, softcap_log2,
-                          slopes, diags, alibi, positions, heads, mod_args)
+                          slopes, diags, alibi, positions, heads, mod_args, walk_counts, walk_lists)
         else:  # -------------------------------------------------------------------- FA-2's loop nest
             # Line 3: for 1 <= i <= Tr -- the grid (one Q tile per block), or this block's loop.
             if PER_TILE:
                 walk_q_tile(i_first, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk, ob,
                             n_q, n_k, n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch, qf,
                             qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, softcap_log2,
-                            slopes, diags, alibi, positions, heads, mod_args)
+                            slopes, diags, alibi, positions, heads, mod_args, walk_counts, walk_lists)
             else:
                 for i_tile in range(n_q_tiles):
                     cuda.syncthreads()  # the previous Q tile's last P~ and V_j are no longer read
                     walk_q_tile(i_tile, q, k, v, o, lse, q_scale, kv_order, rows_per_query, n_splits, split, b, h, hk,
                                 ob, n_q, n_k, n_kv_tiles, smem, q_s, k_s, v_s, p_s, k_split, v_split, rscratch, mscratch,
                                 qf, qf_small, s, acc, tile_max, m_ref, row_sums, m, l_run, first_keys, last_keys, kv_reg, merge_s, softcap_log2,
-                            slopes, diags, alibi, positions, heads, mod_args)
+                            slopes, diags, alibi, positions, heads, mod_args, walk_counts, walk_lists)
 
     if not HAS_USER:
         @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
         def forward(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
                     softcap_log2, alibi):
             forward_body(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
-                         softcap_log2, alibi, ())
-    else:
+                         softcap_log2, alibi, (), (), ())
+    elif not SPARSE:
         @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
         def forward(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
                     softcap_log2, alibi, mod_args):
             forward_body(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
-                         softcap_log2, alibi, mod_args)
+                         softcap_log2, alibi, mod_args, (), ())
+    else:  # a block mask's lists (int32 (B or 1, H or 1, tiles) counts and (.., tiles, tiles) entries) after mod_args
+        @kernel_jit(fastmath={"contract", "afn", "arcp"}, **cap)
+        def forward(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
+                    softcap_log2, alibi, mod_args, walk_counts, walk_lists):
+            forward_body(q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
+                         softcap_log2, alibi, mod_args, walk_counts, walk_lists)
 
     return forward
 

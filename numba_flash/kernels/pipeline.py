@@ -13,11 +13,13 @@ how it gets there and what is in flight meanwhile. One policy per way of copying
 
 Every policy is a module of device functions with the same signatures:
 
-Q-outer walk (FA-2 lines 4-11), tile ``step`` of ``n_steps`` at key ``col0``:
+Q-outer walk (FA-2 lines 4-11), tile ``step`` of ``n_steps`` at key ``col0``, the walk's next
+tile at key ``col_next`` (``col0 + block_n`` in a walk over consecutive tiles; a block-sparse
+walk's next listed tile: a ring, ``stages > 1``, walks consecutive tiles only):
   ``load_q(q, b, h, row0, n_q, q_scale, q_s, lead)`` (line 4), then, the walk's range known,
   ``start(k, v, b, hk, n_k, col_first, n_steps, smem, k_s, v_s)`` (the first K/V copies),
-  ``before_scores(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, k_split, kv_reg)``,
-  ``before_pv(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, v_split)``, ``finish()``;
+  ``before_scores(k, v, b, hk, col0, col_next, step, n_steps, n_k, smem, k_s, v_s, k_split, kv_reg)``,
+  ``before_pv(k, v, b, hk, col0, col_next, step, n_steps, n_k, smem, k_s, v_s, v_split)``, ``finish()``;
   ``k_operand(smem, k_s, k_split, step)`` and ``v_operand(smem, v_s, v_split, step)``: the
   shared-memory tiles the products read at ``step``; a ring, or key warps (``SLICED``: each
   warp's part of a tile), instead give their offsets in the dynamic buffer, ``k_offset(step)``
@@ -74,13 +76,13 @@ def synchronous(engine) -> ModuleType:
         pass
 
     @device_jit
-    def before_scores(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, k_split, kv_reg):
+    def before_scores(k, v, b, hk, col0, col_next, step, n_steps, n_k, smem, k_s, v_s, k_split, kv_reg):
         cuda.syncthreads()  # everyone is done with the previous K_j, V_j and P~
         ops.load_kv_tile(k, v, b, hk, col0 + engine.first_key(), n_k, k_s, v_s, kv_reg)  # FA-2 line 7
         cuda.syncthreads()  # Q_i, K_j, V_j are in shared memory before anyone reads them
 
     @device_jit
-    def before_pv(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, v_split):
+    def before_pv(k, v, b, hk, col0, col_next, step, n_steps, n_k, smem, k_s, v_s, v_split):
         cuda.syncthreads()  # P~ of every row is in shared memory
 
     @device_jit
@@ -147,7 +149,7 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
                 commit()
 
         @device_jit
-        def before_scores(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, k_split, kv_reg):
+        def before_scores(k, v, b, hk, col0, col_next, step, n_steps, n_k, smem, k_s, v_s, k_split, kv_reg):
             if SPLIT_V:  # four barriers per tile too; V_j was issued after V_{j-1}'s split
                 wait_one()  # this thread's copies of Q_i and K_j have landed (V_j may not)
                 cuda.syncthreads()  # ... and everyone's; everyone is done with tile j-1
@@ -155,7 +157,7 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
                     ops.split_k_tile(k_s, k_split)
                     cuda.syncthreads()  # K_j's fragments are visible; k_s is free
                     if step + 1 < n_steps:
-                        copies.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight a whole step
+                        copies.load_kv_tile(k, b, hk, col_next, n_k, k_s)  # K_{j+1}, in flight a whole step
                         commit()
             else:
                 cuda.syncthreads()  # everyone is done reading V_{j-1}
@@ -165,12 +167,12 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
                 cuda.syncthreads()  # ... and everyone's
 
         @device_jit
-        def before_pv(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, v_split):
+        def before_pv(k, v, b, hk, col0, col_next, step, n_steps, n_k, smem, k_s, v_s, v_split):
             if SPLIT_V:
                 if not SPLIT_K:
                     cuda.syncthreads()  # everyone is done reading K_j
                     if step + 1 < n_steps:
-                        copies.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}
+                        copies.load_kv_tile(k, b, hk, col_next, n_k, k_s)  # K_{j+1}
                         commit()
                 if step + 1 < n_steps:
                     wait_one()  # V_j has landed (K_{j+1} may not)
@@ -180,12 +182,12 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
                 ops.split_v_tile(v_s, v_split)
                 cuda.syncthreads()  # V_j's fragments are visible; v_s is free
                 if step + 1 < n_steps:
-                    copies.load_kv_tile(v, b, hk, col0 + BN, n_k, v_s)  # V_{j+1}, in flight during P~V and S
+                    copies.load_kv_tile(v, b, hk, col_next, n_k, v_s)  # V_{j+1}, in flight during P~V and S
                     commit()
             else:
                 cuda.syncthreads()  # everyone is done reading K_j
                 if step + 1 < n_steps:
-                    copies.load_kv_tile(k, b, hk, col0 + BN, n_k, k_s)  # K_{j+1}, in flight during P~V
+                    copies.load_kv_tile(k, b, hk, col_next, n_k, k_s)  # K_{j+1}, in flight during P~V
                     commit()
                     wait_one()  # V_j has landed
                 else:
@@ -215,7 +217,7 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
                 commit()
 
         @device_jit
-        def before_scores(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, k_split, kv_reg):
+        def before_scores(k, v, b, hk, col0, col_next, step, n_steps, n_k, smem, k_s, v_s, k_split, kv_reg):
             wait_ring()  # this thread's copies of tile j (and Q_i) have landed
             cuda.syncthreads()  # ... and everyone's; and everyone is done with tile j - 1
             if step + STAGES - 1 < n_steps:  # FA-2 line 7, STAGES - 1 tiles ahead, into tile j - 1's stage
@@ -223,7 +225,7 @@ def cp_async(engine, block_n: int, stages: int = 1) -> ModuleType:
             commit()  # a group per tile, empty past the end: the wait above counts groups
 
         @device_jit
-        def before_pv(k, v, b, hk, col0, step, n_steps, n_k, smem, k_s, v_s, v_split):
+        def before_pv(k, v, b, hk, col0, col_next, step, n_steps, n_k, smem, k_s, v_s, v_split):
             pass  # V_j landed with K_j
 
         @device_jit

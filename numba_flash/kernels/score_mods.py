@@ -202,14 +202,19 @@ class UserMods:
 
     uncacheable = True  # (kernels.jit.kernel_factory: a kernel of a user's functions is never stored)
 
-    def __init__(self, mask_mod=None, score_mod=None, n_args: int = 0, score_mod_grad=None):
+    def __init__(self, mask_mod=None, score_mod=None, n_args: int = 0, score_mod_grad=None, block_sparse: bool = False):
         self.mask_mod, self.score_mod, self.score_mod_grad = mask_mod, score_mod, score_mod_grad
         self.n_args = int(n_args)
+        # block_sparse: the kernel walks a block mask's tile lists (``numba_flash.block_sparse``):
+        # two more arguments, and mask_mod evaluated on its partial tiles only
+        self.block_sparse = bool(block_sparse)
         if not 0 <= self.n_args <= MAX_MOD_ARGS:
             raise ValueError(f"mod_args takes at most {MAX_MOD_ARGS} arrays; got {self.n_args}")
+        if self.block_sparse and mask_mod is None:
+            raise ValueError("a block-sparse walk comes with a mask_mod (its partial tiles apply it)")
 
     def _key(self):
-        return (self.mask_mod, self.score_mod, self.n_args, self.score_mod_grad)
+        return (self.mask_mod, self.score_mod, self.n_args, self.score_mod_grad, self.block_sparse)
 
     def __eq__(self, other):
         return isinstance(other, UserMods) and self._key() == other._key()
@@ -219,7 +224,11 @@ class UserMods:
 
     def __repr__(self):
         return (f"UserMods(mask_mod={self.mask_mod!r}, score_mod={self.score_mod!r}, n_args={self.n_args}, "
-                f"score_mod_grad={self.score_mod_grad!r})")
+                f"score_mod_grad={self.score_mod_grad!r}" + (", block_sparse=True)" if self.block_sparse else ")"))
+
+    def dense(self) -> "UserMods":
+        """The same mods for a kernel that walks every tile (no block mask)."""
+        return UserMods(self.mask_mod, self.score_mod, self.n_args, self.score_mod_grad) if self.block_sparse else self
 
 
 def user_engine(name: str, user_mods):
@@ -308,6 +317,19 @@ def user_mod_calls(user: UserMods):
 
 
 @functools.lru_cache(maxsize=None)
+def user_mask_call(user: UserMods):
+    """``visible(b, h, q, k, args)``: a kernel's user ``mask_mod`` alone (the block mask's
+    derivation, ``kernels.block_kinds``)."""
+    call = _with_args(user.mask_mod, False)
+
+    @device_jit
+    def visible(b, h, q, k, args):
+        return bool(call(float32(0.0), b, h, q, k, args))
+
+    return visible
+
+
+@functools.lru_cache(maxsize=None)
 def query_rows(rows: int, thread_row):
     """``row_queries(h, row0, n_q, rows_per_query, positions, heads)``: the query position and
     query head of each of a thread's ``rows`` rows (rows packed as in :func:`alibi_rows`);
@@ -330,19 +352,26 @@ def query_rows(rows: int, thread_row):
 
 @functools.lru_cache(maxsize=None)
 def tile_user_mods(n_i: int, n_j: int, key_of, row_of, user: UserMods):
-    """``apply_user_mods(s, col0, n_k, b, positions, heads, args)``: a kernel's user mods on each
-    entry of an engine's register tile (layout as ``mask.tile_masker`` takes it) whose row and key
-    are real (``positions[r] >= 0``, key below ``n_k``)."""
+    """``apply_user_mods(s, col0, n_k, b, positions, heads, args, partial)``: a kernel's user mods
+    on each entry of an engine's register tile (layout as ``mask.tile_masker`` takes it) whose row
+    and key are real (``positions[r] >= 0``, key below ``n_k``). ``partial``: the tile's entries
+    may be hidden, ``mask_mod`` is called; else (a block mask's full tile) ``score_mod`` only."""
     modded, _ = user_mod_calls(user)
+    SCORE = user.score_mod is not None
+    scored = user_mod_calls(UserMods(None, user.score_mod, user.n_args))[0] if SCORE else modded  # (unused without)
 
     @device_jit
-    def apply_user_mods(s, col0, n_k, b, positions, heads, args):
-        for i in range(n_i):
-            for j in range(n_j):
-                r = row_of(i, j)
-                key = col0 + key_of(i, j)
-                if positions[r] >= 0 and key < n_k:
-                    s[i, j] = modded(s[i, j], b, heads[r], positions[r], key, args)
+    def apply_user_mods(s, col0, n_k, b, positions, heads, args, partial):
+        if partial or SCORE:
+            for i in range(n_i):
+                for j in range(n_j):
+                    r = row_of(i, j)
+                    key = col0 + key_of(i, j)
+                    if positions[r] >= 0 and key < n_k:
+                        if partial:
+                            s[i, j] = modded(s[i, j], b, heads[r], positions[r], key, args)
+                        else:
+                            s[i, j] = scored(s[i, j], b, heads[r], positions[r], key, args)
 
     return apply_user_mods
 
