@@ -3,8 +3,8 @@
     python scripts/mask_gallery.py [--seq 32768] [--heads 16] [--head-dim 128] [--dtype float16]
                                    [--backward] [--json out.json] [--only ALiBi ...]
 
-For every entry (no mask, causal, sliding windows, tanh softcap, ALiBi), in one process on the GPU
-at hand:
+For every entry (no mask, causal, sliding windows, tanh softcap, ALiBi, a causal ``mask_mod``,
+document masking by ``mask_mod``), in one process on the GPU at hand:
 
 1. correctness at a small shape (B1 H4 N1000, the entry's mask scaled to it) against float64
    torch with the same mask as a boolean matrix: FlashAttention's rule, the error at most twice a
@@ -20,7 +20,11 @@ at hand:
 3. peers in the same run: PyTorch SDPA with ``is_causal`` (its default backend: cuDNN or flash)
    for the causal entry, and with a dense boolean mask (its memory-efficient kernel: the only
    SDPA path that takes one) for every masked entry, so a mask's price in each library is on
-   one line.
+   one line; for a ``mask_mod`` entry, PyTorch FlexAttention (``torch.compile``, its default 128 x
+   128 block mask) on the same function, and for the causal ``mask_mod`` its time over the built-in
+   ``causal=True`` (``vs_builtin``; issue 24: at most 1.05). The ``mask_mod`` entries walk their
+   block mask: derived by the kernels at their own tiles, or (``block_mask 128``) FlexAttention's
+   block size, made on the host with ``numba_flash.block_mask`` and carried to the kernel's tiles.
 
 One line per measurement goes to stderr as it runs; the table is printed at the end (Markdown)
 and written with ``--json``. Needs a GPU, CuPy and torch.
@@ -49,7 +53,9 @@ def entries(n: int):
         ("causal, softcap 50", {"causal": True, "softcap": 50.0}, (-1, 0)),
         ("ALiBi", {"alibi_slopes": "standard"}, None),
         ("causal, ALiBi", {"causal": True, "alibi_slopes": "standard"}, (-1, 0)),
+        ("causal (mask_mod)", {"mask_mod": "causal"}, None),
         (f"documents ({DOCUMENTS}, mask_mod)", {"mask_mod": "documents"}, None),
+        (f"documents ({DOCUMENTS}, mask_mod, block_mask 128)", {"mask_mod": "documents", "block_mask": 128}, None),
     ]
 
 
@@ -59,6 +65,11 @@ DOCUMENTS = 8  # the document-masking entry: equal documents, each query sees it
 def same_document(b, h, q_idx, kv_idx, doc):
     """FlexAttention's document mask: a query sees the keys of its own document (ids in mod_args)."""
     return doc[q_idx] == doc[kv_idx]
+
+
+def causal_mod(b, h, q_idx, kv_idx):
+    """The causal mask as a mask_mod (issue 24: within 5% of the built-in ``causal=True``)."""
+    return q_idx >= kv_idx
 
 
 def document_ids(n: int, torch):
@@ -83,11 +94,43 @@ def resolved(kwargs: dict, heads: int, torch) -> dict:
 
 
 def with_documents(kwargs: dict, n: int, torch) -> dict:
-    """``kwargs`` with ``"documents"`` made the document mask of length ``n`` (mask_mod, mod_args)."""
+    """``kwargs`` with ``"documents"`` made the document mask of length ``n`` (mask_mod, mod_args),
+    ``"causal"`` the causal mask_mod, and ``block_mask: size`` the mask's block mask at size x size
+    tiles (``numba_flash.block_mask``, on the host; else the kernels derive theirs)."""
+    import numba_flash
+
     out = dict(kwargs)
     if out.get("mask_mod") == "documents":
         out["mask_mod"], out["mod_args"] = same_document, (document_ids(n, torch),)
+    elif out.get("mask_mod") == "causal":
+        out["mask_mod"] = causal_mod
+    if "block_mask" in out:
+        size = out["block_mask"]
+        host_args = tuple(a.cpu().numpy() for a in out.get("mod_args", ()))
+        out["block_mask"] = numba_flash.block_mask(out["mask_mod"], None, None, n, n, block_m=size, block_n=size,
+                                                   mod_args=host_args)
     return out
+
+
+def flex_ms(kwargs: dict, q, k, v, n: int, torch):
+    """PyTorch FlexAttention (torch.compile, its default 128 x 128 blocks) on the same mask_mod: a
+    time in ms, or why it could not run."""
+    try:
+        from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+        if kwargs["mask_mod"] is causal_mod:
+            def mod(b, h, q_idx, kv_idx):
+                return q_idx >= kv_idx
+        else:
+            doc = kwargs["mod_args"][0]
+
+            def mod(b, h, q_idx, kv_idx):
+                return doc[q_idx] == doc[kv_idx]
+        block = create_block_mask(mod, None, None, n, n, device="cuda")
+        flex = torch.compile(flex_attention)
+        return median_ms(lambda: flex(q, k, v, block_mask=block), torch)
+    except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
+        return f"failed: {type(e).__name__}: {str(e)[:80]}"
 
 
 def document_visible(n: int, torch):
@@ -124,6 +167,9 @@ def check(kwargs, window, dtype, backward, seq, torch) -> str:
     seen, _ = visible(win, n, n, torch, "cuda")
     if kwargs.get("mask_mod") == "documents":
         seen = seen & document_visible(n, torch)
+    elif kwargs.get("mask_mod") == "causal":
+        seen = seen & visible((-1, 0), n, n, torch, "cuda")[0]
+    if "mask_mod" in kwargs:
         scaled = with_documents(scaled, n, torch)
 
     cap = kwargs.get("softcap", 0.0)
@@ -212,23 +258,28 @@ def main(argv=None) -> int:
         t0 = time.time()
         status = check(kwargs, window, args.dtype, args.backward, n, torch)
         documents = kwargs.get("mask_mod") == "documents"
+        mod_causal = kwargs.get("mask_mod") == "causal"
         kwargs = with_documents(resolved(kwargs, args.heads, torch), n, torch)
-        pairs = _pairs(window, n) if not documents else int(document_visible(n, torch).sum())
+        pairs = _pairs((-1, 0) if mod_causal else window, n) if not documents else int(document_visible(n, torch).sum())
         ms = median_ms(lambda kw=kwargs: numba_flash.attention(q, k, v, **kw), torch)
         row = dict(mask=name, check=status, ms=ms, visible=pairs / (n * n),
                    tflops=4 * args.head_dim * args.heads * pairs / ms / 1e9)
         capped = any(m in kwargs for m in MODS)
         if name == "causal":
             causal_ms = ms
+        if mod_causal:  # issue 24: within 5% of the built-in causal=True
+            row["vs_builtin"] = ms / causal_ms
+        if "mask_mod" in kwargs:  # FlexAttention on the same mask, same run
+            row["flex_ms"] = flex_ms(kwargs, q, k, v, n, torch)
         if capped:  # issue 24: softcap and ALiBi within 10% of the same call without them
             row["mod_cost"] = ms / uncapped_ms[window]
-        else:
+        elif "mask_mod" not in kwargs:
             uncapped_ms[window] = ms
             if causal_ms is not None and window is not None:  # issue 24: <= 1.2
                 row["cost_rule"] = ms / (pairs / causal_pairs * causal_ms)
         if window == (-1, 0) and not capped:
             row["sdpa_causal_ms"] = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), torch)
-        if (window is not None or documents) and not capped:
+        if (window is not None or documents) and not capped and "block_mask" not in kwargs:
             try:
                 seen = document_visible(n, torch) if documents else visible(window, n, n, torch, "cuda")[0]
                 row["sdpa_dense_mask_ms"] = median_ms(lambda m=seen: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
@@ -236,14 +287,15 @@ def main(argv=None) -> int:
                 del seen
             except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
                 row["sdpa_dense_mask_ms"] = f"failed: {type(e).__name__}"
-        if args.backward and not documents:  # (a user's mods: the backward is timed without them here)
+        if args.backward and "mask_mod" not in kwargs:  # (a user's mods: the backward is timed without them here)
             o, lse = numba_flash.attention(q, k, v, return_lse=True, **kwargs)
             row["backward_ms"] = median_ms(
                 lambda o=o, lse=lse, kw=kwargs: attention_backward(do, q, k, v, o, lse, **kw), torch)
         rows.append(row)
         print(f"[{time.time() - t0:6.1f} s] {json.dumps(row)}", file=sys.stderr, flush=True)
     print(f"\nB1 H{args.heads} N{n} D{args.head_dim} {args.dtype} ({torch.cuda.get_device_name()})\n")
-    cols = ["mask", "check", "visible", "ms", "tflops", "cost_rule", "mod_cost", "sdpa_causal_ms", "sdpa_dense_mask_ms"]
+    cols = ["mask", "check", "visible", "ms", "tflops", "cost_rule", "mod_cost", "vs_builtin", "sdpa_causal_ms",
+            "sdpa_dense_mask_ms", "flex_ms"]
     if args.backward:
         cols.append("backward_ms")
     print("| " + " | ".join(cols) + " |")

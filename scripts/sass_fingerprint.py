@@ -351,6 +351,11 @@ def mask_configs():
         bm, bn = default_tc_tiles("f16", d)
         spec = kernel_spec("fa2", d, "float16", bm, bn, (-1, -1), regime="f16", user_mods=user)
         yield f"mask-tc-f16-fa2-d{d}-user-documents", Raw(spec.kernel, spec.signature() + (ids,), spec.register_cap)
+        sparse = kernel_spec("fa2", d, "float16", bm, bn, (-1, -1), regime="f16",
+                             user_mods=UserMods(same_document, None, 2, block_sparse=True))
+        lists = (types.Array(types.int32, 3, "C"), types.Array(types.int32, 4, "C"))
+        yield f"mask-tc-f16-fa2-d{d}-user-documents-block-sparse", Raw(sparse.kernel, sparse.signature() + (ids,) + lists,
+                                                                       sparse.register_cap)
         m, n = backward_tc_tiles(d, "f16")
         yield f"mask-bwd-f16-fa2det-d{d}-user-documents", Raw(
             tc_bwd.tc_bwd_kernel("fa2", "f16", d, m, n, (-1, -1), False, user_mods=user),

@@ -633,8 +633,9 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         block = cuda.blockIdx.x
         if not KV_OUTER:
             split, block = split_of_block(cuda.blockIdx.x, (n_q_tiles if PER_TILE else 1) * n_batch * n_heads)
-        # (q_outer, a right edge (causal): the longest walks, the last Q tiles, first)
-        i_first, i_end, bh = tile_of_block(block, n_q_tiles, PER_TILE, WINDOW[1] >= 0 and not KV_OUTER)
+        # (q_outer, a right edge (causal) or a block mask (a causal mask_mod's, say): the longest
+        # walks, the last Q tiles, first)
+        i_first, i_end, bh = tile_of_block(block, n_q_tiles, PER_TILE, (WINDOW[1] >= 0 or SPARSE) and not KV_OUTER)
         b, h = batch_and_head(bh, n_heads)
         hk = h // group
         ob = split * n_batch + b  # where a split's partial result goes

@@ -336,3 +336,55 @@ def test_user_mods_forward_and_backward(algorithm, dtype, precision):
         for name, got, want in zip(("dq", "dk", "dv"), grads, refs):
             rel = float((got.double() - want).abs().max() / want.abs().max())
             assert rel < tol, (name, deterministic, rel)
+
+
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+@pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee"),
+                                              ("float32", "tf32x3")])
+def test_block_sparse_walks(algorithm, dtype, precision):
+    """The block-sparse forward on the GPU (issue 24): documents of random lengths by mask_mod,
+    NaN in the keys and values no query sees (a walk that loaded them would spread it), the
+    block mask derived by the kernels, given at FlexAttention's 128 x 128 (carried to the
+    kernel's tiles), and split over the listed tiles; a causal mask_mod matches causal=True."""
+    torch = pytest.importorskip("torch")
+    import numba_flash
+
+    B, H, Hkv, Nq, Nk, D = 2, 4, 2, 1500, 2300, 64
+    dt = getattr(torch, dtype)
+    q, k, v, gen = _inputs(B, H, Hkv, Nq, Nk, D, dtype, 29)
+    bounds = torch.randint(1, Nk, (6,), device="cuda", generator=gen)
+    bounds = torch.sort(torch.cat([bounds, torch.tensor([500], device="cuda")])).values  # keys < 500: no query's
+    doc = torch.searchsorted(bounds, torch.arange(Nk, device="cuda"), right=True).to(torch.int32)
+    offset = Nk - Nq  # (queries are the last Nq positions)
+
+    def same_doc(b, h, q_idx, kv_idx, doc):
+        return doc[q_idx + 800] == doc[kv_idx]
+
+    i = torch.arange(Nq, device="cuda")[:, None]
+    j = torch.arange(Nk, device="cuda")[None, :]
+    seen = doc[i + offset] == doc[j]
+    unseen_keys = ~seen.any(0)
+    assert int(unseen_keys.sum()) > 256  # whole K/V tiles no query sees
+    ref = _attention64(q, k, v, seen)
+    k, v = k.clone(), v.clone()
+    k[:, :, unseen_keys] = float("nan")
+    v[:, :, unseen_keys] = float("nan")
+    mods = dict(mask_mod=same_doc, mod_args=(doc,))
+    given = numba_flash.block_mask(same_doc, None, None, Nq, Nk, block_m=128, block_n=128, mod_args=(doc.cpu().numpy(),))
+    runs = [{}, {"block_mask": given}] + ([{"num_splits": 3}] if algorithm == "fa2" else [])
+    for extra in runs:
+        o = numba_flash.attention(q, k, v, algorithm=algorithm, precision=precision, **mods, **extra)
+        err = float((o.double() - ref).abs().max())
+        if dtype == "float32":
+            assert err < 1e-4, (extra.keys(), err)
+        else:
+            base = float((_attention64(q, k, v.nan_to_num(0.0), seen, dtype=dt).double() - ref).abs().max())
+            assert err <= 2 * base + 1e-6, (extra.keys(), err, base)
+
+    def causal_mod(b, h, q_idx, kv_idx):
+        return q_idx + 800 >= kv_idx
+
+    q, k, v, _ = _inputs(B, H, Hkv, Nq, Nk, D, dtype, 31)
+    by_mod = numba_flash.attention(q, k, v, algorithm=algorithm, precision=precision, mask_mod=causal_mod)
+    builtin = numba_flash.attention(q, k, v, algorithm=algorithm, precision=precision, causal=True)
+    assert float((by_mod.double() - builtin.double()).abs().max()) < (1e-5 if dtype == "float32" else 1e-2)
