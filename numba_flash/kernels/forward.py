@@ -335,14 +335,18 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
             tile0, n_visible = mask.kv_tile_range(tile_first_key, tile_last_key, n_kv_tiles, BN, WINDOW)
         if SPARSE:  # [first, end) index the block mask's list: its tiles in the range above
             n_listed, listed = list_row(walk_counts, walk_lists, b, h, i_tile)
-            lo = listed_from(listed, n_listed, tile0)
-            hi = listed_from(listed, n_listed, tile0 + n_visible)
+            lo, hi = 0, n_listed
+            if WINDOW[0] >= 0 or WINDOW[1] >= 0:  # (a built-in mask: its range of the list, by bisection)
+                lo = listed_from(listed, n_listed, tile0)
+                hi = listed_from(listed, n_listed, tile0 + n_visible)
             first, end = split_tiles(hi - lo, n_splits, split)
             first += lo
             end += lo
-            col_first = listed_tile(listed[first]) * BN if first < end else 0
+            next_entry = listed[first] if first < end else 0  # (each step reads the entry after its own)
+            col_first = listed_tile(next_entry) * BN
         else:
             listed = kv_order  # (not read)
+            next_entry = 0
             first, end = split_tiles(n_visible, n_splits, split)
             first += tile0
             end += tile0
@@ -359,11 +363,12 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
 
         for jj in range(first, end):  # Line 6: for 1 <= j <= Tc
             partial = True  # (mask_mod applies: no block mask says the tile is full)
-            if SPARSE:
-                entry = listed[jj]
+            if SPARSE:  # this tile's entry, read by the step before; the next one's, for the copies ahead
+                entry = next_entry
                 col0 = listed_tile(entry) * BN
                 partial = listed_partial(entry)
-                col_next = listed_tile(listed[jj + 1]) * BN if jj + 1 < end else col0
+                next_entry = listed[jj + 1] if jj + 1 < end else entry
+                col_next = listed_tile(next_entry) * BN
             else:
                 j = kv_order[jj] if PERMUTED else jj
                 col0 = j * BN
