@@ -294,3 +294,25 @@ def gpu_count(kind: str) -> int:
 def numba_stream(ptr: int):
     """numba's stream object for a raw stream handle (0: the default stream)."""
     return cuda.external_stream(ptr) if ptr else cuda.default_stream()
+
+
+class _StreamHandle:
+    """A raw stream handle as an object of the CUDA stream protocol."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self):
+        return (0, self.ptr)
+
+
+@functools.lru_cache(maxsize=64)
+def cupy_stream(ptr: int):
+    """A CuPy stream for a foreign handle (CuPy 14 deprecates ``ExternalStream`` for
+    ``Stream.from_external``; older CuPy has only the former)."""
+    import cupy
+
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamHandle(ptr))
+    return cupy.cuda.ExternalStream(ptr)

@@ -123,8 +123,8 @@ def kernel_lists(ctx, call) -> list:
     tiles, over = (call.block_m, call.block_n), _walk_over(call)
     host = ctx.kind == "numpy"
     with _on_stream(ctx):
-        if problem.block_mask is not None:
-            bm = problem.block_mask
+        if problem.mask_table is not None:
+            bm = problem.mask_table
             key = ("kernel_lists", tiles, over, None if host else ctx.device_id)
             if key not in bm._made:
                 kinds = retile(bm.kinds, (bm.block_m, bm.block_n), bm.seq_lengths, tiles)
@@ -149,7 +149,7 @@ def _on_stream(ctx):
 
     if ctx.kind == "numpy":
         return contextlib.nullcontext()
-    from numba_flash.tensor_cores import cupy_stream
+    from numba_flash.arrays import cupy_stream
 
     stack = contextlib.ExitStack()
     stack.enter_context(_cupy().cuda.Device(ctx.device_id))

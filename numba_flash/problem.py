@@ -64,15 +64,16 @@ class Problem:
     score_mod: object = None
     mod_args: tuple = field(default=(), compare=False, repr=False)
     n_mod_args: int = 0
-    # The forward walks mask_mod's block mask (numba_flash.block_sparse): the caller's (checked), or
-    # derived from mask_mod (None). An object, so not part of the identity: ``block_sparse`` is.
-    block_mask: object = field(default=None, compare=False, repr=False)
-    block_sparse: bool = False
+    # The forward walks mask_mod's block mask (numba_flash.block_sparse: ``sparse_walk``), the caller's
+    # (``mask_table``, a checked BlockMask), or derived from mask_mod (None). An object, so not part of
+    # the identity: ``sparse_walk`` is.
+    mask_table: object = field(default=None, compare=False, repr=False)
+    sparse_walk: bool = False
 
     @property
     def user_mods(self):
         """The kernels' ``score_mods.UserMods`` of the call's mods (``None``: none)."""
-        return user_mods_of(self.mask_mod, self.score_mod, self.mod_args, block_sparse=self.block_sparse)
+        return user_mods_of(self.mask_mod, self.score_mod, self.mod_args, block_sparse=self.sparse_walk)
 
     def __post_init__(self):
         if self.alibi != (self.alibi_slopes is not None):
@@ -183,7 +184,7 @@ def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=No
         mask=mask, algorithm=algorithm, regime=regime(precision, dtypes[0]),
         device_id=device_id, softcap=_kernel_softcap(softcap), alibi_slopes=alibi_slopes,
         alibi=alibi_slopes is not None, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args,
-        n_mod_args=len(mod_args), block_mask=block_mask, block_sparse=bool(block_sparse) and mask_mod is not None,
+        n_mod_args=len(mod_args), mask_table=block_mask, sparse_walk=bool(block_sparse) and mask_mod is not None,
     )
 
 

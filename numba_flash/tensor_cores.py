@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from numba_flash._world import simulated
+from numba_flash.arrays import cupy_stream
 from numba_flash.alibi import no_slopes, slopes_argument
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tc_ops import check_tc_tiles, input_alignment, kernel_head_dim
@@ -152,28 +153,6 @@ def launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, seqlens=None, n_splits=1
             _launch_tc(ctx, call, q, k, v, o, lse, walk)
     else:  # CuPy: its current stream is the caller's already
         _launch_tc(ctx, call, q, k, v, o, lse, walk)
-
-
-class _StreamHandle:
-    """A raw stream handle as an object of the CUDA stream protocol."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self):
-        return (0, self.ptr)
-
-
-@functools.lru_cache(maxsize=64)
-def cupy_stream(ptr: int):
-    """A CuPy stream for a foreign handle (CuPy 14 deprecates ``ExternalStream`` for
-    ``Stream.from_external``; older CuPy has only the former)."""
-    import cupy
-
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        return from_external(_StreamHandle(ptr))
-    return cupy.cuda.ExternalStream(ptr)
 
 
 def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:

@@ -57,7 +57,8 @@ def _window(causal, window_size) -> list:
     return [int(window_size[0]), int(window_size[1])]
 
 
-def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              mask_mod=None, score_mod=None, mod_args=(), score_mod_grad=None, block_mask=None):
     """Differentiable attention over torch CUDA tensors, returning ``o``.
 
     Shapes, dtypes, the causal mask and ``window_size`` (bottom-right aligned), ``softcap``,
@@ -69,8 +70,22 @@ def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-
     :func:`numba_flash.attention_backward` with the same ``algorithm`` and gives gradients
     of the inputs' dtypes (those of a GQA kv head summed over its query heads; rows that see
     no key give zero gradients).
+
+    ``mask_mod``, ``score_mod``, ``mod_args`` (tensors on q's device, no gradient) and
+    ``block_mask``: FlexAttention's hooks as :func:`numba_flash.attention` takes them (API.md 2c);
+    the backward needs ``score_mod_grad`` (d score_mod / d score, same signature) with a
+    ``score_mod``. A call with them runs as a ``torch.autograd.Function``, not as the custom
+    operators (an operator's schema takes no Python function): ``torch.compile`` breaks its graph
+    there.
     """
     _check_tensors(q=q, k=k, v=v, **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}))
+    if mask_mod is not None or score_mod is not None or block_mask is not None or len(tuple(mod_args)):
+        _check_tensors(**{f"mod_args[{i}]": a for i, a in enumerate(mod_args)})
+        options = dict(causal=bool(causal), scale=None if scale is None else float(scale), algorithm=str(algorithm),
+                       window_size=tuple(_window(causal, window_size)), softcap=softcap_value(softcap))
+        mods = dict(mask_mod=mask_mod, score_mod=score_mod, score_mod_grad=score_mod_grad, block_mask=block_mask)
+        o, _ = _ModdedAttention.apply(q, k, v, alibi_slopes, options, mods, *mod_args)
+        return o
     o, _ = _OPS.attention_forward(q, k, v, bool(causal), None if scale is None else float(scale), str(algorithm),
                                   _window(causal, window_size), softcap_value(softcap), alibi_slopes)
     return o
@@ -88,6 +103,32 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
                          None if num_splits is None else int(num_splits), _window(causal, window_size),
                          softcap_value(softcap), alibi_slopes)
     return (o, lse) if return_lse else o
+
+
+class _ModdedAttention(torch.autograd.Function):
+    """:func:`attention` with a user's mods: the forward and backward of ``numba_flash`` called
+    directly (the mods are Python functions, which no operator schema takes)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, options, mods, *mod_args):
+        from numba_flash.api import forward
+
+        o, lse = forward(q.detach(), k.detach(), v.detach(), alibi_slopes=alibi_slopes, mask_mod=mods["mask_mod"],
+                         score_mod=mods["score_mod"], mod_args=mod_args, block_mask=mods["block_mask"], **options)
+        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes, *mod_args)
+        ctx.options, ctx.mods = options, mods
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        from numba_flash.backward import attention_backward as gradients
+
+        q, k, v, o, lse, alibi_slopes, *mod_args = ctx.saved_tensors
+        dq, dk, dv = gradients(do.contiguous(), q, k, v, o, lse, alibi_slopes=alibi_slopes,
+                               mask_mod=ctx.mods["mask_mod"], score_mod=ctx.mods["score_mod"], mod_args=tuple(mod_args),
+                               score_mod_grad=ctx.mods["score_mod_grad"], **ctx.options)
+        return (dq, dk, dv, None, None, None) + (None,) * len(mod_args)  # (no gradient for slopes, mods, arrays)
 
 
 def _register():

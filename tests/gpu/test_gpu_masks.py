@@ -393,3 +393,58 @@ def test_block_sparse_walks(algorithm, dtype, precision):
     by_mod = numba_flash.attention(q, k, v, algorithm=algorithm, precision=precision, mask_mod=causal_mod)
     builtin = numba_flash.attention(q, k, v, algorithm=algorithm, precision=precision, causal=True)
     assert float((by_mod.double() - builtin.double()).abs().max()) < (1e-5 if dtype == "float32" else 1e-2)
+
+
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+def test_torch_attention_takes_the_mods(algorithm):
+    """``numba_flash.torch.attention`` with a mask_mod, a score_mod and its gradient, mod_args
+    tensors and a given block mask: o and the gradients of q, k, v against float64 autograd
+    (float16; FlashAttention's 2x rule on o); without score_mod_grad the backward says so."""
+    torch = pytest.importorskip("torch")
+    import numba_flash
+    import numba_flash.torch as nft
+
+    B, H, Hkv, Nq, Nk, D = 1, 4, 2, 300, 400, 64
+    q, k, v, gen = _inputs(B, H, Hkv, Nq, Nk, D, "float16", 37)
+    doc = torch.sort(torch.randint(0, 4, (Nk,), device="cuda", generator=gen)).values.to(torch.int32)
+    table = 0.3 * torch.randn(H, Nq + Nk + 1, device="cuda", generator=gen)
+
+    def mask(b, h, q_idx, kv_idx, doc, table):
+        return doc[q_idx + 100] == doc[kv_idx]
+
+    def score(s, b, h, q_idx, kv_idx, doc, table):
+        return s + table[h, q_idx - kv_idx + 400]
+
+    def grad(s, b, h, q_idx, kv_idx, doc, table):
+        return 1.0
+
+    i = torch.arange(Nq, device="cuda")[:, None]
+    j = torch.arange(Nk, device="cuda")[None, :]
+    seen = doc[i + 100] == doc[j]
+    bias = table[:, (i - j + 400)].double()
+    given = numba_flash.block_mask(mask, None, None, Nq, Nk, block_m=128, block_n=128,
+                                   mod_args=(doc.cpu().numpy(), table.cpu().numpy()))
+
+    def plain(t, qq, kk, vv):
+        g = H // Hkv
+        s = (qq.to(t) @ kk.to(t).repeat_interleave(g, 1).transpose(-1, -2)) / math.sqrt(D) + bias.to(t)
+        p = torch.softmax(s.masked_fill(~seen, -math.inf).double(), dim=-1).nan_to_num(0.0).to(t)
+        return p @ vv.to(t).repeat_interleave(g, 1)
+
+    do = torch.randn(q.shape, device="cuda", generator=gen).half()
+    for extra in ({}, {"block_mask": given}):
+        qq, kk, vv = (x.detach().clone().requires_grad_() for x in (q, k, v))
+        o = nft.attention(qq, kk, vv, algorithm=algorithm, mask_mod=mask, score_mod=score, score_mod_grad=grad,
+                          mod_args=(doc, table), **extra)
+        o.backward(do)
+        q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+        ref = plain(torch.float64, q64, k64, v64)
+        ref.backward(do.double())
+        base = float((plain(torch.float16, q, k, v).double() - ref).abs().max())
+        assert float((o.double() - ref).abs().max()) <= 2 * base + 1e-6
+        for name, got, want in (("dq", qq.grad, q64.grad), ("dk", kk.grad, k64.grad), ("dv", vv.grad, v64.grad)):
+            assert float((got.double() - want).abs().max() / want.abs().max()) < 2e-2, (name, extra.keys())
+    qq = q.detach().clone().requires_grad_()
+    o = nft.attention(qq, k, v, algorithm=algorithm, mask_mod=mask, score_mod=score, mod_args=(doc, table))
+    with pytest.raises(ValueError, match="score_mod_grad"):
+        o.backward(do)
