@@ -116,9 +116,6 @@ def kernel_lists(ctx, call) -> list:
     """The two tile-list arguments of a block-sparse forward launch of ``call``, as the kernel
     takes them (numba views of CuPy arrays on the call's device; NumPy in the simulator): the
     caller's block mask carried to the kernel's tiles, or ``mask_mod``'s derived on the device."""
-    from numba_flash._cuda import cuda
-    from numba_flash._world import simulated
-
     problem = call.problem
     tiles, over = (call.block_m, call.block_n), _walk_over(call)
     host = ctx.kind == "numpy"
@@ -128,13 +125,23 @@ def kernel_lists(ctx, call) -> list:
             key = ("kernel_lists", tiles, over, None if host else ctx.device_id)
             if key not in bm._made:
                 kinds = retile(bm.kinds, (bm.block_m, bm.block_n), bm.seq_lengths, tiles)
-                bm._made[key] = walk_lists(kinds, over) if host else walk_lists(_cupy().asarray(kinds), over, _cupy())
+                bm._made[key] = _kernel_views(walk_lists(kinds, over) if host else
+                                              walk_lists(_cupy().asarray(kinds), over, _cupy()), host)
             lists = bm._made[key]
         else:
             lists = _derived(ctx, problem, tiles, over)
+    return list(lists)
+
+
+def _kernel_views(lists, host: bool) -> tuple:
+    """The lists as a kernel takes them, made once: NumPy in the simulator, a device copy of
+    NumPy on a GPU, numba views of CuPy arrays (which keep them alive)."""
+    from numba_flash._cuda import cuda
+    from numba_flash._world import simulated
+
     if host:
-        return [a if simulated() else cuda.to_device(a) for a in lists]
-    return [cuda.as_cuda_array(a) for a in lists]
+        return tuple(a if simulated() else cuda.to_device(a) for a in lists)
+    return tuple(cuda.as_cuda_array(a, sync=False) for a in lists)  # (the call's stream made them)
 
 
 def _cupy():
@@ -188,8 +195,8 @@ def _derived(ctx, problem, tiles, over):
             _DERIVED.popitem(last=False)
     _DERIVED.move_to_end(key)
     if over not in entry:
-        xp = np if ctx.kind == "numpy" else _cupy()
-        entry[over] = walk_lists(entry["kinds"], over, xp)
+        host = ctx.kind == "numpy"
+        entry[over] = _kernel_views(walk_lists(entry["kinds"], over, np if host else _cupy()), host)
     return entry[over]
 
 
@@ -224,8 +231,8 @@ def _derive_kinds(ctx, problem, tiles):
         return kinds
     kinds = _cupy().zeros(shape, np.int8)  # (on the caller's device and stream: kernel_lists)
     if grid:
-        args = tuple(cuda.as_cuda_array(a.detach() if ctx.kind == "torch" else a) for a in problem.mod_args)
+        args = tuple(cuda.as_cuda_array(a.detach() if ctx.kind == "torch" else a, sync=False) for a in problem.mod_args)
         with compiling(user):
-            numba_launch(kernel, (grid,), threads, ctx.stream(), [cuda.as_cuda_array(kinds), np.int32(problem.n_q),
+            numba_launch(kernel, (grid,), threads, ctx.stream(), [cuda.as_cuda_array(kinds, sync=False), np.int32(problem.n_q),
                                                                    np.int32(problem.n_k), args])
     return kinds

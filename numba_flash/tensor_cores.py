@@ -320,7 +320,7 @@ def _mod_args(ctx, mod_args) -> tuple:
 
     if ctx.kind == "numpy":
         return tuple(np.array(a, order="C") if simulated() else cuda.to_device(np.ascontiguousarray(a)) for a in mod_args)
-    return tuple(cuda.as_cuda_array(a.detach() if ctx.kind == "torch" else a) for a in mod_args)
+    return tuple(cuda.as_cuda_array(a.detach() if ctx.kind == "torch" else a, sync=False) for a in mod_args)
 
 
 def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, mods=None, lists=()) -> None:
@@ -338,7 +338,9 @@ def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, mods=None, li
         # works; ``np.array`` alone keeps a strided view's order, which the simulator refuses).
         dev = [x if any(x is w for w in written) else np.array(x, order="C") for x in arrays]
     else:
-        dev = [cuda.as_cuda_array(x) for x in arrays]
+        # (sync=False: every array is the caller's stream's, as the launch is; numba's default waits
+        # for a CuPy array's stream, which serialised each call with the one before)
+        dev = [cuda.as_cuda_array(x, sync=False) for x in arrays]
     stream = ctx.stream()
     args = _ordered(dev, q_scale, tail) + ([] if mods is None else [mods]) + list(lists)
     numba_launch(spec.kernel, grid, spec.threads, stream, args, shared_mem_bytes=spec.dynamic_smem)

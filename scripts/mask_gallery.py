@@ -10,8 +10,9 @@ document masking by ``mask_mod``), in one process on the GPU at hand:
    torch with the same mask as a boolean matrix: FlashAttention's rule, the error at most twice a
    plain implementation's in the input dtype (forward; with ``--backward`` the gradients within
    2e-2 of the largest);
-2. time at ``B1 H{heads} N{seq} D{head_dim}`` (CUDA events, median of 10 queued calls after
-   warm-up, compilation excluded), TFLOP/s over the *visible* (query, key) pairs
+2. time at ``B1 H{heads} N{seq} D{head_dim}`` (CUDA events around each of 10 calls queued back to
+   back after warm-up, their median; compilation excluded; until 2026-12-02's block-sparse run each
+   call was synchronised, which counted a call's host work as GPU time), TFLOP/s over the *visible* (query, key) pairs
    (4 * D * pairs; FLOPs the mask hides are not counted), and the cost rule of issue 24: the
    time over (visible fraction of the causal mask's pairs x the causal time), which the issue
    wants at most 1.2 -- the cost follows the visible tiles; for the score modifications (softcap,
@@ -212,17 +213,18 @@ def check(kwargs, window, dtype, backward, seq, torch) -> str:
 
 
 def median_ms(fn, torch, repeats=10):
+    """The median GPU time of ``repeats`` calls queued back to back (events around each, one
+    synchronisation at the end: the host's launch work overlaps the GPU's, as in a model's step)."""
     fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
+    for a, b in events:
         a.record()
         fn()
         b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[len(times) // 2]
+    torch.cuda.synchronize()
+    times = sorted(a.elapsed_time(b) for a, b in events)
+    return times[len(times) // 2]
 
 
 def main(argv=None) -> int:
