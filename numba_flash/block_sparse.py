@@ -51,6 +51,10 @@ def check_block_mask(block_mask, mask_mod, mask: MaskSpec, batch: int, heads: in
         raise TypeError(f"block_mask must be a numba_flash.BlockMask (numba_flash.block_mask(...)); "
                         f"got {type(block_mask).__name__}")
     b, h, bm_q, bm_k = block_mask.shape
+    tiles = (-(-bm_q // block_mask.block_m), -(-bm_k // block_mask.block_n))
+    if tuple(block_mask.kinds.shape[2:]) != tiles:
+        raise ValueError(f"block_mask's kinds have {tuple(block_mask.kinds.shape[2:])} tiles; Nq={bm_q}, Nk={bm_k} in "
+                         f"{block_mask.block_m} x {block_mask.block_n} tiles make {tiles}")
     if (bm_q, bm_k) != (n_q, n_k):
         raise ValueError(f"block_mask was made for Nq={bm_q}, Nk={bm_k}; the call has Nq={n_q}, Nk={n_k}")
     if b not in (1, batch) or h not in (1, heads):
@@ -122,15 +126,35 @@ def kernel_lists(ctx, call) -> list:
     with _on_stream(ctx):
         if problem.mask_table is not None:
             bm = problem.mask_table
-            key = ("kernel_lists", tiles, over, None if host else ctx.device_id)
+            key = ("kernel_lists", tiles, over, _device_key(ctx))
             if key not in bm._made:
                 kinds = retile(bm.kinds, (bm.block_m, bm.block_n), bm.seq_lengths, tiles)
-                bm._made[key] = _kernel_views(walk_lists(kinds, over) if host else
-                                              walk_lists(_cupy().asarray(kinds), over, _cupy()), host)
+                bm._made[key] = _made_once(_kernel_views(walk_lists(kinds, over) if host else
+                                                         walk_lists(_cupy().asarray(kinds), over, _cupy()), host), ctx)
             lists = bm._made[key]
         else:
             lists = _derived(ctx, problem, tiles, over)
     return list(lists)
+
+
+def _device_key(ctx):
+    """The device the kernels' lists live on: the inputs' (CuPy, torch), or numba's current one
+    (NumPy inputs copied to a GPU); ``None`` in the simulator."""
+    from numba_flash._cuda import cuda
+    from numba_flash._world import simulated
+
+    if simulated():
+        return None
+    return ctx.device_id if ctx.kind != "numpy" else cuda.get_current_device().id
+
+
+def _made_once(lists, ctx):
+    """``lists``, once the call's stream has finished making them: they are kept, and a later
+    call on another stream reads them with nothing else ordering the two streams (rare: once per
+    mask, tiles and walk)."""
+    if ctx.kind != "numpy":
+        _cupy().cuda.get_current_stream().synchronize()  # (under _on_stream: the call's stream)
+    return lists
 
 
 def _kernel_views(lists, host: bool) -> tuple:
@@ -186,7 +210,7 @@ def _digest(ctx, arrays) -> tuple:
 def _derived(ctx, problem, tiles, over):
     """``mask_mod``'s lists at ``tiles`` for the walk ``over``, derived on the device (kept)."""
     key = (_function(problem.mask_mod), problem.n_mod_args, problem.batch, problem.heads, problem.n_q, problem.n_k,
-           tiles, ctx.kind == "numpy", ctx.device_id, _digest(ctx, problem.mod_args))
+           tiles, ctx.kind == "numpy", _device_key(ctx), _digest(ctx, problem.mod_args))
     entry = _DERIVED.get(key)
     if entry is None:
         entry = {"kinds": _derive_kinds(ctx, problem, tiles)}
@@ -196,7 +220,7 @@ def _derived(ctx, problem, tiles, over):
     _DERIVED.move_to_end(key)
     if over not in entry:
         host = ctx.kind == "numpy"
-        entry[over] = _kernel_views(walk_lists(entry["kinds"], over, np if host else _cupy()), host)
+        entry[over] = _made_once(_kernel_views(walk_lists(entry["kinds"], over, np if host else _cupy()), host), ctx)
     return entry[over]
 
 
