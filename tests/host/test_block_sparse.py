@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import numba_flash
 from numba_flash import api, reference
+from numba_flash._world import simulated
 from numba_flash.block_sparse import retile, walk_lists
 from numba_flash.masking import MaskSpec
 from numba_flash.tile_visibility import FULL, HIDDEN, PARTIAL, BlockMask
@@ -77,6 +78,26 @@ def test_hidden_tiles_are_never_read(algorithm, precision, dtype, tiles, tol, xp
     assert np.abs(to_numpy(o).astype(np.float64) - ref_o).max() < tol
 
 
+COUNTING = pytest.mark.skipif(not simulated(), reason="counts a mod's calls as Python (the simulator runs mods so)")
+
+
+def _partial_entries(kinds, tiles) -> int:
+    """Real (query, key) entries of the partial tiles of one (batch, head) of ``kinds``."""
+    entries = 0
+    for i, j in zip(*np.nonzero(kinds == PARTIAL)):
+        entries += (min(N_Q, (i + 1) * tiles[0]) - i * tiles[0]) * (min(N_K, (j + 1) * tiles[1]) - j * tiles[1])
+    return entries
+
+
+def _counted_documents(calls):
+    def counted(b, h, q_idx, kv_idx, q_doc, kv_doc):
+        calls.append(1)
+        return q_doc[q_idx] == kv_doc[kv_idx]
+
+    return counted
+
+
+@COUNTING
 @pytest.mark.parametrize("algorithm, precision, dtype, tiles, tol", CASES)
 def test_mask_mod_runs_on_partial_tiles_only(algorithm, precision, dtype, tiles, tol, rng):
     """The simulator runs a mod as Python, so its calls can be counted: with a block mask the
@@ -85,16 +106,10 @@ def test_mask_mod_runs_on_partial_tiles_only(algorithm, precision, dtype, tiles,
     q, k, v = random_qkv(rng, 1, 2, 1, N_Q, N_K, 16, dtype)
     q_doc, kv_doc = _documents()
     calls = []
-
-    def counted(b, h, q_idx, kv_idx, q_doc, kv_doc):
-        calls.append(1)
-        return q_doc[q_idx] == kv_doc[kv_idx]
-
+    counted = _counted_documents(calls)
     bm = numba_flash.block_mask(counted, None, None, N_Q, N_K, block_m=tiles[0], block_n=tiles[1],
                                 mod_args=(q_doc, kv_doc))
-    partial = 0
-    for i, j in zip(*np.nonzero(bm.kinds[0, 0] == PARTIAL)):
-        partial += (min(N_Q, (i + 1) * tiles[0]) - i * tiles[0]) * (min(N_K, (j + 1) * tiles[1]) - j * tiles[1])
+    partial = _partial_entries(bm.kinds[0, 0], tiles)
     assert 0 < partial < N_Q * N_K
     calls.clear()
     o = numba_flash.attention(q, k, v, algorithm=algorithm, precision=precision, block_m=tiles[0], block_n=tiles[1],
@@ -137,12 +152,41 @@ def test_a_given_block_mask_at_other_tiles(mask_tiles, xp, rng):
         assert np.abs(to_numpy(o).astype(np.float64) - ref_o).max() < 2e-3
 
 
-def test_variants_and_splits_walk_the_lists(xp, rng):
+@COUNTING
+@pytest.mark.parametrize("mask_tiles", [(8, 24), (32, 32)])
+def test_a_carried_mask_is_what_the_kernels_walk(mask_tiles, rng):
+    """A block mask at other tiles than the kernel's is walked as ``retile`` carries it: mask_mod
+    is called on exactly the entries of the carried mask's partial tiles (a kernel ignoring the
+    given mask would call it on its own derived mask's, or on every entry)."""
+    q, k, v = random_qkv(rng, 1, 1, 1, N_Q, N_K, 16, "float32")
+    q_doc, kv_doc = _documents()
+    calls = []
+    counted = _counted_documents(calls)
+    bm = numba_flash.block_mask(counted, None, None, N_Q, N_K, block_m=mask_tiles[0], block_n=mask_tiles[1],
+                                mod_args=(q_doc, kv_doc))
+    carried = retile(bm.kinds, mask_tiles, (N_Q, N_K), (8, 8))
+    own = numba_flash.block_mask(same_document, None, None, N_Q, N_K, block_m=8, block_n=8, mod_args=(q_doc, kv_doc))
+    expected = _partial_entries(carried[0, 0], (8, 8))
+    assert expected != _partial_entries(own.kinds[0, 0], (8, 8))  # the test can tell the two masks apart
+    for algorithm in ("fa2", "fa1"):
+        calls.clear()
+        o = numba_flash.attention(q, k, v, algorithm=algorithm, precision="ieee", block_m=8, block_n=8, mask_mod=counted,
+                                  mod_args=(q_doc, kv_doc), block_mask=bm)
+        assert len(calls) == expected, algorithm
+        ref_o, _ = reference.attention(q, k, v, mask_mod=same_document, mod_args=(q_doc, kv_doc))
+        assert np.abs(o - ref_o).max() < 1e-5
+
+
+@COUNTING
+def test_variants_and_splits_walk_the_lists(rng):
     """The K/V-outer walk of one Q tile per block (FA-1's loop order on FA-2's grid), split_k's
-    two warp groups, and split-KV over the listed tiles: each the reference's result."""
+    two warp groups, and split-KV over the listed tiles: each the reference's result, calling
+    mask_mod on the partial tiles' entries only (counted, as in the simulator a mod is Python)."""
+    xp = np
     q, k, v = random_qkv(rng, 1, 2, 1, N_Q, N_K, 16, "float32", xp)
     q_doc, kv_doc = _documents()
-    args = (xp.asarray(q_doc), xp.asarray(kv_doc))
+    calls = []
+    counted = _counted_documents(calls)
     ref_o, _ = reference.attention(*(to_numpy(x) for x in (q, k, v)), mask_mod=same_document, mod_args=(q_doc, kv_doc))
     runs = [dict(variant=dict(loop_order="kv_outer", grid="heads_x_qtiles", rescale="every_step")),
             dict(variant=dict(loop_order="q_outer", grid="heads_x_qtiles", rescale="deferred", warp_partition="split_k"),
@@ -150,8 +194,13 @@ def test_variants_and_splits_walk_the_lists(xp, rng):
             dict(num_splits=3)]
     for extra in runs:
         tiles = {} if "block_m" in extra else dict(block_m=8, block_n=8)
-        o, _ = api.forward(q, k, v, precision="ieee", mask_mod=same_document, mod_args=args, **tiles, **extra)
+        bm_, bn_ = extra.get("block_m", 8), extra.get("block_n", 8)
+        made = numba_flash.block_mask(counted, None, None, N_Q, N_K, block_m=bm_, block_n=bn_, mod_args=(q_doc, kv_doc))
+        calls.clear()
+        o, _ = api.forward(q, k, v, precision="ieee", mask_mod=counted, mod_args=(q_doc, kv_doc), block_mask=made,
+                           **tiles, **extra)
         assert np.abs(to_numpy(o) - ref_o).max() < 1e-5, extra
+        assert len(calls) == 2 * _partial_entries(made.kinds[0, 0], (bm_, bn_)), extra  # (two heads)
 
 
 def test_a_derived_mask_follows_its_arrays(xp, rng):
