@@ -95,6 +95,8 @@ def _numba_array_type(dtype: str, ndim: int, c_contiguous: bool):
 
 
 def _signature(args) -> tuple:
+    """numba's types of a direct launch's arguments, as ``numba.typeof`` gives them (a tuple of
+    one array type: ``UniTuple``; else ``Tuple``, ``Tuple(())`` when empty)."""
     from numba.cuda import types
 
     sig = []
@@ -105,9 +107,22 @@ def _signature(args) -> tuple:
             sig.append(types.float32)
         elif isinstance(a, np.int32):
             sig.append(types.int32)
+        elif isinstance(a, tuple):
+            inner = _signature(a)
+            same = len(inner) > 0 and all(t == inner[0] for t in inner)
+            sig.append(types.UniTuple(inner[0], len(inner)) if same else types.Tuple(inner))
         else:
             raise TypeError(f"no direct launch for an argument of type {type(a).__name__}")
     return tuple(sig)
+
+
+def _argument_key(a):
+    """What a compiled specialisation depends on in one direct-launch argument."""
+    if isinstance(a, DeviceArray):
+        return (a.dtype, len(a.shape), a.c_contiguous)
+    if isinstance(a, tuple):
+        return ("tuple", *(_argument_key(x) for x in a))
+    return type(a)
 
 
 _KERNELS: dict = {}  # (dispatcher id, device id, argument kinds) -> (dispatcher, cuda.core kernel, smem allowed, numba function)
@@ -189,8 +204,7 @@ def compiled_kernel(dispatcher, args, shared_mem_bytes: int = 0, device_id: int 
     shared memory; compiled, loaded and opted in once per (kernel, device)."""
     if device_id is None:
         device_id = _current_device_id()
-    key = (id(dispatcher), device_id,
-           *((a.dtype, len(a.shape), a.c_contiguous) if isinstance(a, DeviceArray) else type(a) for a in args))
+    key = (id(dispatcher), device_id, *(_argument_key(a) for a in args))
     hit = _KERNELS.get(key)
     if hit is None or hit[0] is not dispatcher or hit[2] < shared_mem_bytes:
         with _on_numba_device(device_id):
@@ -282,6 +296,13 @@ def prepare_launch(dispatcher, grid, block, args, shared_mem_bytes: int = 0,
         device_id = _current_device_id()
     kernel = compiled_kernel(dispatcher, args, shared_mem_bytes, device_id)
     params, slots = [], []
+    _pack(args, params, slots)
+    return PreparedLaunch(kernel, _config(grid, block, shared_mem_bytes), tuple(params), tuple(slots), device_id)
+
+
+def _pack(args, params: list, slots: list) -> None:
+    """numba's kernel ABI of ``args`` appended to ``params`` (a tuple's members in order, as
+    numba's ``_Kernel._prepare_args`` flattens them), pointer slots to ``slots``."""
     for a in args:
         if isinstance(a, DeviceArray):
             fields = a.abi_fields()
@@ -289,11 +310,12 @@ def prepare_launch(dispatcher, grid, block, args, shared_mem_bytes: int = 0,
                 slots.append((len(params) + POINTER_FIELD, a.ptr.index))
                 fields[POINTER_FIELD] = 0
             params.extend(fields)
+        elif isinstance(a, tuple):
+            _pack(a, params, slots)
         elif isinstance(a, np.int32):
             params.append(ctypes.c_int32(a))
         else:
             params.append(ctypes.c_float(a))
-    return PreparedLaunch(kernel, _config(grid, block, shared_mem_bytes), tuple(params), tuple(slots), device_id)
 
 
 def launch(dispatcher, grid, block, stream_ptr: int, args, shared_mem_bytes: int = 0,
@@ -337,14 +359,20 @@ def numba_launch(dispatcher, grid, block, stream, args, shared_mem_bytes: int = 
 
 
 def _direct_arguments(args) -> list | None:
-    """``args`` as :func:`launch` takes them (numba device arrays as ``DeviceArray``), or
-    ``None`` when one of them is something else (a host array, a Python number)."""
+    """``args`` as :func:`launch` takes them (numba device arrays as ``DeviceArray``; a tuple of
+    them, a user's ``mod_args``, as a tuple of those), or ``None`` when one of them is something
+    else (a host array, a Python number)."""
     out = []
     for a in args:
-        if isinstance(a, (np.float32, np.int32)):
+        if isinstance(a, (np.float32, np.int32, DeviceArray)):
             out.append(a)
         elif hasattr(a, "device_ctypes_pointer") and hasattr(a, "is_c_contiguous"):
             out.append(device_array(a, "numba"))
+        elif isinstance(a, tuple):
+            inner = _direct_arguments(a)
+            if inner is None:
+                return None
+            out.append(tuple(inner))
         else:
             return None
     return out

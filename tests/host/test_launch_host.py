@@ -151,3 +151,25 @@ def test_a_larger_opt_in_reuses_the_loaded_kernel(fake_gpu):
         L.launch(dispatcher, (1,), (32,), 0, _args(), shared_mem_bytes=nbytes, device_id=0)
     assert len(dispatcher.compiles) == 1
     assert record.attributes == [(60 * 1024, "handle@0", 0), (100 * 1024, "handle@0", 0)]
+
+
+def test_a_tuple_of_arrays_is_flattened_as_numba_does(fake_gpu):
+    """A user's ``mod_args`` (a tuple of arrays) go the direct way too: typed as ``numba.typeof``
+    types a tuple (``UniTuple`` of one array type, ``Tuple`` otherwise, ``Tuple(())`` empty), and
+    packed member by member after the arguments before it, as numba's ``_prepare_args`` packs a
+    tuple; a different tuple is another specialisation."""
+    from numba import typeof
+
+    record, dispatcher = fake_gpu
+    ids = L.DeviceArray(8192, (5,), (4,), "int32", 4, 5, True)
+    table = L.DeviceArray(16384, (2, 3), (12, 4), "float32", 4, 6, True)
+    a, half = _args()
+    L.launch(dispatcher, (1,), (32,), 0, [a, half, (ids, ids), (ids, table), ()], device_id=0)
+    sig = dispatcher.compiles[-1]
+    host = (np.zeros(5, np.int32), np.zeros((2, 3), np.float32))
+    assert sig[2] == typeof((host[0], host[0])) and sig[3] == typeof(host) and sig[4] == typeof(())
+    params = record.launches[-1][2]
+    fields = a.abi_fields() + [half] + ids.abi_fields() * 2 + ids.abi_fields() + table.abi_fields()
+    assert [p.value if hasattr(p, "value") else p for p in params] == fields
+    L.launch(dispatcher, (1,), (32,), 0, [a, half, (ids,), (ids, table), ()], device_id=0)
+    assert len(dispatcher.compiles) == 2
