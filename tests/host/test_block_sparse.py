@@ -136,7 +136,7 @@ def test_full_tiles_skip_the_mask_mod(xp, rng):
         assert np.abs(to_numpy(o) - masked).max() > 0.1
 
 
-@pytest.mark.parametrize("mask_tiles", [(8, 24), (32, 32), (16, 16)])
+@pytest.mark.parametrize("mask_tiles", [(8, 24), (32, 32)])
 def test_a_given_block_mask_at_other_tiles(mask_tiles, xp, rng):
     """A block mask made at tiles other than the kernel's (finer, coarser, not nested) is carried
     over to the kernel's (``retile``): the result is the reference's, both loop orders, causal."""
@@ -183,7 +183,7 @@ def test_variants_and_splits_walk_the_lists(rng):
     two warp groups, and split-KV over the listed tiles: each the reference's result, calling
     mask_mod on the partial tiles' entries only (counted, as in the simulator a mod is Python)."""
     xp = np
-    q, k, v = random_qkv(rng, 1, 2, 1, N_Q, N_K, 16, "float32", xp)
+    q, k, v = random_qkv(rng, 1, 1, 1, N_Q, N_K, 16, "float32", xp)
     q_doc, kv_doc = _documents()
     calls = []
     counted = _counted_documents(calls)
@@ -200,7 +200,7 @@ def test_variants_and_splits_walk_the_lists(rng):
         o, _ = api.forward(q, k, v, precision="ieee", mask_mod=counted, mod_args=(q_doc, kv_doc), block_mask=made,
                            **tiles, **extra)
         assert np.abs(to_numpy(o) - ref_o).max() < 1e-5, extra
-        assert len(calls) == 2 * _partial_entries(made.kinds[0, 0], (bm_, bn_)), extra  # (two heads)
+        assert len(calls) == _partial_entries(made.kinds[0, 0], (bm_, bn_)), extra
 
 
 def test_a_derived_mask_follows_its_arrays(xp, rng):
