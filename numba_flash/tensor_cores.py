@@ -185,25 +185,19 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
               slopes_argument(call.problem, "numpy" if xp is np else "cupy")]
     tail = [np.int32(n_splits), np.int32(rows_per_query), np.float32(call.softcap_log2)]
     grid = spec.grid(B, H, Nq, n_splits)
-    if call.user_mods is not None:  # a user's mods: their arrays' tuple last (and a block-sparse walk's lists)
-        with compiling(call.user_mods):
-            lists = kernel_lists(ctx, call) if call.user_mods.block_sparse else []  # (numba_flash.block_sparse)
-            if ctx.direct_launch:  # (the tuple flattened as numba does: launch._pack)
-                mods = tuple(device_array(a.detach() if ctx.kind == "torch" else a, ctx.kind)
-                             for a in call.problem.mod_args)
-                tail_args = [mods, *(device_array(x, "numba") for x in lists)]
-                launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(),
-                       _ordered([device_array(x, "cupy") for x in arrays], q_scale, tail) + tail_args,
-                       shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
-            else:
-                _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, _mod_args(ctx, call.problem.mod_args),
-                              lists)
-    elif ctx.direct_launch:
-        args = [device_array(x, "cupy") for x in arrays]
-        launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(), _ordered(args, q_scale, tail),
-               shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
-    else:
-        _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail)
+    user = call.user_mods  # a user's mods: their arrays' tuple last (and a block-sparse walk's lists)
+    with compiling(user):
+        lists = kernel_lists(ctx, call) if user is not None and user.block_sparse else []  # (numba_flash.block_sparse)
+        if ctx.direct_launch:  # (a tuple flattened as numba does: launch._pack)
+            extra = [] if user is None else [
+                tuple(device_array(a.detach() if ctx.kind == "torch" else a, ctx.kind) for a in call.problem.mod_args),
+                *(device_array(x, "numba") for x in lists)]
+            launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(),
+                   _ordered([device_array(x, "cupy") for x in arrays], q_scale, tail) + extra,
+                   shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
+        else:
+            mods = None if user is None else _mod_args(ctx, call.problem.mod_args)
+            _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, mods, lists)
     if o_kernel is not o_view:
         o_view[...] = o_kernel[..., :D]
 

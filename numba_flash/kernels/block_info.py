@@ -123,3 +123,10 @@ def listed_from(row, n_listed, tile):
         else:
             hi = mid
     return lo
+
+
+@device_jit
+def listed_range(row, n_listed, tile0, n_tiles):
+    """``[lo, hi)``: the indices of a tile list ``row`` (``n_listed`` entries, ascending) whose
+    tiles lie in ``[tile0, tile0 + n_tiles)`` (a built-in mask's range of them)."""
+    return listed_from(row, n_listed, tile0), listed_from(row, n_listed, tile0 + n_tiles)

@@ -54,7 +54,7 @@ from numba_flash._cuda import cuda, float32, int32
 
 from numba_flash.kernels import mask, mma, score_mods, softmax
 from numba_flash.kernels.mask import window_of
-from numba_flash.kernels.block_info import (batch_and_head, list_row, listed_from, listed_partial, listed_tile,
+from numba_flash.kernels.block_info import (batch_and_head, list_row, listed_partial, listed_range, listed_tile,
                                             split_of_block, split_tiles, tile_of_block, valid_keys)
 from numba_flash.kernels.engines import CudaCores, TensorCores, ffma_engine, key_warp_merge, mma_engine
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit, shared_tile
@@ -337,8 +337,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
             n_listed, listed = list_row(walk_counts, walk_lists, b, h, i_tile)
             lo, hi = 0, n_listed
             if WINDOW[0] >= 0 or WINDOW[1] >= 0:  # (a built-in mask: its range of the list, by bisection)
-                lo = listed_from(listed, n_listed, tile0)
-                hi = listed_from(listed, n_listed, tile0 + n_visible)
+                lo, hi = listed_range(listed, n_listed, tile0, n_visible)
             first, end = split_tiles(hi - lo, n_splits, split)
             first += lo
             end += lo
@@ -481,9 +480,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         own_listed = kv_order  # (block-sparse, one Q tile: its listed K/V tiles in the range above)
         if SPARSE_OWN:
             n_own, own_listed = list_row(walk_counts, walk_lists, b, h, i_first)
-            lo = listed_from(own_listed, n_own, tile0)
-            n_kv_walk = listed_from(own_listed, n_own, tile0 + n_kv_walk) - lo
-            tile0 = lo
+            tile0, end = listed_range(own_listed, n_own, tile0, n_kv_walk)
+            n_kv_walk = end - tile0
         for jj in range(tile0, tile0 + n_kv_walk):  # Line 5: for 1 <= j <= Tc
             own_partial = True  # (mask_mod applies: no block mask says the pair is full)
             if SPARSE_OWN:
