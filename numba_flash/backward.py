@@ -27,6 +27,7 @@ from numba_flash import tile_table
 from numba_flash._world import simulated
 from numba_flash.alibi import slopes_argument
 from numba_flash.arrays import ArrayContext, as_cupy_view
+from numba_flash.block_sparse import lists_at
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.problem import ALGORITHMS, TENSOR_CORE_KIND
 from numba_flash.user_mods import compiling, user_mods_of
@@ -112,7 +113,8 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
                        softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
                        mod_args=mod_args)
     kind = problem.kind
-    user = user_mods_of(mask_mod, score_mod, problem.mod_args, score_mod_grad)  # (compiled into the kernels)
+    # (compiled into the kernels; with a mask_mod, the walks visit its block mask's tiles: block_sparse)
+    user = user_mods_of(mask_mod, score_mod, problem.mod_args, score_mod_grad, block_sparse=True)
     B, H, Nq, D = problem.q_shape
     Hkv, Nk = int(k.shape[1]), problem.n_k
     api.check_like(do, "do", (B, H, Nq, D), problem.dtype, kind)
@@ -158,12 +160,14 @@ def simulated_seconds(problem, regime: str | None = None, tiles=None) -> float:
                                      block_m, block_n, problem.causal)
 
 
-def _mod_args(dev, problem, user) -> list:
-    """The kernels' last argument with a user's mods: their arrays' tuple, as ``dev`` passes an
-    input (``[]`` without mods)."""
+def _mod_args(dev, problem, user, ctx=None, tiles=None, over="kv") -> list:
+    """The kernels' last arguments with a user's mods: their arrays' tuple, as ``dev`` passes an
+    input (``[]`` without mods), and with a mask_mod a block-sparse walk's two lists at the
+    kernel's ``tiles`` for the walk ``over`` (``block_sparse.lists_at``)."""
     if user is None:
         return []
-    return [tuple(dev(("in", a))[0] for a in problem.mod_args)]
+    lists = lists_at(ctx, problem, tiles, over) if user.block_sparse else []
+    return [tuple(dev(("in", a))[0] for a in problem.mod_args), *lists]
 
 
 def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv, user=None) -> None:
@@ -195,13 +199,14 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv, user=None) 
     slopes = slopes_argument(problem, ctx.kind)
     kernel = bwd_kernel(algorithm, D, block, problem.window, not deterministic or algorithm == "fa1", capped,
                         problem.alibi, user)
-    mods = _mod_args(dev, problem, user)
+    mods = _mod_args(dev, problem, user, ctx, (block, block), "kv")
     numba_launch(kernel, grid, layout.threads, stream,
                  dev(("in", q), ("in", k), ("in", v), ("in", o), ("in", do), ("in", lse), ("in", dvec),
                      ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale, cap, ("in", slopes)) + mods,
                  shared_mem_bytes=layout.smem_bytes)
     if deterministic and algorithm == "fa2":
         dq_layout = bwd_layout("dq", D, block)
+        mods = _mod_args(dev, problem, user, ctx, (block, block), "q")
         numba_launch(bwd_dq_kernel(D, block, problem.window, capped, problem.alibi, user), (-(-Nq // block) * B * H,),
                      dq_layout.threads, stream,
                      dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale, cap,
@@ -262,7 +267,7 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
         slopes = slopes_argument(problem, "numpy" if ctx.kind == "numpy" else "cupy")
         kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, problem.window, not deterministic or algorithm == "fa1",
                                vector_reductions(cc), capped, problem.alibi, user)
-        mods = _mod_args(dev, problem, user)
+        mods = _mod_args(dev, problem, user, ctx, (block_m, block_n), "kv")
         numba_launch(kernel, grid, layout.threads, stream,
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
                          ("out", dq_b), ("out", dk_b), ("out", dv_b), scale, cap, ("in", slopes)) + mods,
@@ -270,6 +275,7 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
         if deterministic and algorithm == "fa2":
             dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind)
             dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
+            mods = _mod_args(dev, problem, user, ctx, (dq_m, dq_n), "q")
             numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window, capped, problem.alibi, user),
                          (-(-Nq // dq_m) * B * H,), dq_layout.threads, stream,
                          dev(("in", kq), ("in", kk), ("in", kv), ("in", kdo), ("in", lse_b), ("in", dvec_b), ("out", dq_b),

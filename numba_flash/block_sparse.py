@@ -120,8 +120,13 @@ def kernel_lists(ctx, call) -> list:
     """The two tile-list arguments of a block-sparse forward launch of ``call``, as the kernel
     takes them (numba views of CuPy arrays on the call's device; NumPy in the simulator): the
     caller's block mask carried to the kernel's tiles, or ``mask_mod``'s derived on the device."""
-    problem = call.problem
-    tiles, over = (call.block_m, call.block_n), _walk_over(call)
+    return lists_at(ctx, call.problem, (call.block_m, call.block_n), _walk_over(call))
+
+
+def lists_at(ctx, problem, tiles: tuple, over: str) -> list:
+    """:func:`kernel_lists` of ``problem`` at a kernel's ``tiles`` for the walk ``over`` (``"q"``:
+    each Q tile's K/V tiles; ``"kv"``: each K/V tile's Q tiles): the forward's, the backward's
+    dK/dV walk (``"kv"``) and its dQ walk (``"q"``)."""
     host = ctx.kind == "numpy"
     with _on_stream(ctx):
         if problem.mask_table is not None:

@@ -63,7 +63,8 @@ from numba_flash._cuda import cuda, float32, int32
 
 from numba_flash.kernels import mask, mma
 from numba_flash.kernels.mask import window_of
-from numba_flash.kernels.block_info import batch_and_head, tile_of_block
+from numba_flash.kernels.block_info import (batch_and_head, list_row, listed_from, listed_partial, listed_tile,
+                                            tile_of_block)
 from numba_flash.kernels.jit import LOG2E, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit
 
 ORDERS = ("fa1", "fa2")
@@ -103,9 +104,24 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
     Q_PAIR, DO_PAIR, O_PAIR = E.q_pair, E.do_pair, E.o_pair
 
     HAS_USER = getattr(E, "user_mods", None) is not None  # a user's mods (the engine's; their arrays: mod_args)
+    SPARSE = HAS_USER and E.user_mods.block_sparse  # the Q tiles a block mask lists for each K/V tile and head
 
     @device_jit
-    def bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args):
+    def first_listed(walk_counts, walk_lists, b, h, h_end, j, i_first, i_end):
+        """Block-sparse: ``(h, index, end)`` of the first query head from ``h`` (below ``h_end``)
+        whose list for K/V tile ``j`` has Q tiles in ``[i_first, i_end)``: its first index and
+        end in the list; ``(h_end, 0, 0)`` if none."""
+        while h < h_end:
+            n_listed, listed = list_row(walk_counts, walk_lists, b, h, j)
+            lo = listed_from(listed, n_listed, i_first)
+            hi = listed_from(listed, n_listed, i_end)
+            if lo < hi:
+                return h, lo, hi
+            h += 1
+        return h_end, 0, 0
+
+    @device_jit
+    def bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_kv_heads, n_k = k.shape[1], k.shape[2]
         group = n_heads // n_kv_heads
@@ -148,12 +164,26 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
             i_first = mask.first_q_tile(col0, n_q, n_k, BM, WINDOW)
             i_end = mask.q_tiles_end(min(col0 + BN, n_k) - 1, n_q, n_k, BM, n_q_tiles, WINDOW)
             n_steps = group * max(0, i_end - i_first)  # (query head, Q tile) steps
+            h = hk * group  # this step's query head and Q tile (counters: no division in the loop)
+            i = i_first
+            partial = True  # (mask_mod applies: no block mask says the pair is full)
+            at, end = 0, 0  # block-sparse: this step's index in its head's list, and the list's end
+            if SPARSE:  # the (query head, listed Q tile) steps, head by head (block_info)
+                n_steps = 0
+                for g in range(group):
+                    n_listed, listed = list_row(walk_counts, walk_lists, b, hk * group + g, j)
+                    n_steps += listed_from(listed, n_listed, i_end) - listed_from(listed, n_listed, i_first)
+                h, at, end = first_listed(walk_counts, walk_lists, b, h, hk * group + group, j, i_first, i_end)
+                if n_steps > 0:
+                    n_listed, listed = list_row(walk_counts, walk_lists, b, h, j)
+                    i = listed_tile(listed[at])
+                    partial = listed_partial(listed[at])
             cuda.syncthreads()  # everyone is done with the previous K_j, V_j (buffers, L, D)
             E.load_kv(k, v, b, hk, col0, n_k, k_s, v_s)  # line 6: K_j, V_j to shared memory
             if PREFETCH:  # the first step's Q_i, dO_i (O_i), L_i, D_i, in flight with K_j, V_j
                 if n_steps > 0:
-                    E.load_step(q, do, o, b, hk * group, i_first * BM, n_q, q0_s, do0_s, o0_s)
-                    E.read_stats(lse, dvec, b, hk * group, i_first * BM, n_q, nxt)
+                    E.load_step(q, do, o, b, h, i * BM, n_q, q0_s, do0_s, o0_s)
+                    E.read_stats(lse, dvec, b, h, i * BM, n_q, nxt)
                     E.write_stats(stats, 0, nxt)
                 E.commit()
             E.zero(dk_acc)  # line 7: dK_j = 0, dV_j = 0 on chip (registers)
@@ -161,8 +191,6 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
             E.key_bounds(col0, n_q, n_k, WINDOW, first_q, last_q)
             if ALIBI:
                 E.key_diagonals(col0, n_q, n_k, diags)
-            h = hk * group  # this step's query head and Q tile (counters: no division in the loop)
-            i = i_first
             for st in range(n_steps):  # line 8: for 1 <= i <= Tr (and the query heads of this KV head)
                 buf = st & 1 if PREFETCH else 0
                 row0 = i * BM
@@ -175,7 +203,17 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
                 base = buf * 2 * BM
                 i_next = i + 1  # the next step: the next Q tile, or the first of the next query head
                 h_next = h
-                if i_next == i_end:
+                at_next, end_next, partial_next = at, end, partial
+                if SPARSE:  # the next listed Q tile of this head, or the first of the next head with one
+                    at_next = at + 1
+                    if at_next == end:
+                        h_next, at_next, end_next = first_listed(walk_counts, walk_lists, b, h + 1, hk * group + group,
+                                                                 j, i_first, i_end)
+                    if st + 1 < n_steps:
+                        n_listed, listed = list_row(walk_counts, walk_lists, b, h_next, j)
+                        i_next = listed_tile(listed[at_next])
+                        partial_next = listed_partial(listed[at_next])
+                elif i_next == i_end:
                     i_next = i_first
                     h_next = h + 1
                 if PREFETCH:
@@ -202,7 +240,12 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
                                                mask.first_visible_key(min(row0 + BM, n_q) - 1, n_q, n_k, WINDOW), WINDOW)
                 # FA-2 lines 11, 14 (Alg. 4 lines 13, 20): P^T = exp(S^T - L_i), dS^T = P^T * (dP^T - D_i)
                 slope = alibi[b, h] if ALIBI else float32(0.0)  # this step's query head's
-                user = (b, h, col0, n_q, n_k, mod_args) if HAS_USER else ()  # (the rows: keys from col0)
+                if SPARSE:  # (the rows: keys from col0; the pair's kind)
+                    user = (b, h, col0, n_q, n_k, mod_args, partial)
+                elif HAS_USER:
+                    user = (b, h, col0, n_q, n_k, mod_args)
+                else:
+                    user = ()
                 E.probs_t(s, dp, stats, base, q_scale, masked, first_q, last_q, WINDOW, SOFTCAP, softcap_log2, ALIBI, slope,
                           diags, row0, pt_s, ds_s, user)
                 if P_IN_SMEM:
@@ -215,6 +258,7 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
                     E.write_stats(stats, 2 * BM - base, nxt)  # the other buffer: read after the next top barrier
                 h = h_next
                 i = i_next
+                at, end, partial = at_next, end_next, partial_next
             E.wait_all()  # no copy outlives the block (a tile with no step: K_j, V_j's)
             # Line 24 (FA-2 line 18): write dK_j (= scale dS^T Q), dV_j
             E.write_grad(dk, b, hk, col0, n_k, dk_acc, E.dk_factor(scale))
@@ -223,11 +267,16 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
     if not HAS_USER:
         @kernel_jit(fastmath={"contract", "afn", "arcp"})
         def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi):
-            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, ())
-    else:
+            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, (), (), ())
+    elif not SPARSE:
         @kernel_jit(fastmath={"contract", "afn", "arcp"})
         def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args):
-            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args)
+            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, (), ())
+    else:  # a block mask's lists (block_info; for each K/V tile and query head, its Q tiles) after mod_args
+        @kernel_jit(fastmath={"contract", "afn", "arcp"})
+        def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, walk_counts,
+                          walk_lists):
+            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists)
 
     return attention_bwd
 
@@ -249,11 +298,12 @@ def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
     k_s, v_s, stats, l2, dd)``
         Q_i, dO_i (an engine with L_i, D_i in shared memory: them too), and a prefetching
         engine's first K_j, V_j.
-    ``before_scores(k, v, b, hk, col0, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof)``
+    ``before_scores(k, v, b, hk, col0, col_next, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof)``
         K_j, V_j in shared memory and visible (a prefetching engine: K_{j+1} issued); ``j`` counts
         the walk's steps from 0, ``col0`` is the tile's first key.
     ``scores(af, a_s, b_s, out, scratch)``: S = Q_i K_j^T, dP = dO_i V_j^T.
-    ``after_scores(v, b, hk, col0, j, n_walk, n_k, v_s)``: a prefetching engine issues V_{j+1}.
+    ``after_scores(v, b, hk, col0, col_next, j, n_walk, n_k, v_s)``: a prefetching engine issues V_{j+1}
+        (``col_next``: the walk's next tile's first key, ``col0 + block_n`` but in a block-sparse walk).
     ``dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, window, capped, cap, biased, slope, diags,
     col0, ds_s)``: dS = P (dP - D) (times the soft cap's slope when ``capped``; P with ALiBi's bias
     when ``biased``: ``slope`` the head's, ``diags`` each row's diagonal key from ``row_alibi``).
@@ -279,9 +329,10 @@ def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
     K0_TILE, K1_TILE = E.k_tiles
 
     HAS_USER = getattr(E, "user_mods", None) is not None
+    SPARSE = HAS_USER and E.user_mods.block_sparse  # the K/V tiles a block mask lists for each Q tile
 
     @device_jit
-    def dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args):
+    def dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_k = k.shape[2]
         group = n_heads // k.shape[1]
@@ -320,22 +371,41 @@ def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
         # the K/V tiles this Q tile sees: n_walk of them from j_first
         j_first, n_walk = mask.kv_tile_range(mask.first_visible_key(row0, n_q, n_k, WINDOW),
                                               mask.last_visible_key(row_last, n_q, n_k, WINDOW), n_kv_tiles, BN, WINDOW)
+        listed = walk_lists  # (block-sparse: this Q tile's list, from index lo)
+        lo = 0
+        if SPARSE:  # of those, the listed ones (block_info)
+            n_listed, listed = list_row(walk_counts, walk_lists, b, h, i_tile)
+            lo = listed_from(listed, n_listed, j_first)
+            n_walk = listed_from(listed, n_listed, j_first + n_walk) - lo
+            j_first = listed_tile(listed[lo]) if n_walk > 0 else 0
         # Q_i (the CUDA-core engine: in log2 units), dO_i, L_i, D_i
         E.start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, j_first * BN, n_walk, q_s, do_s, k0_s, v_s,
                 stats, l2, dd)
         E.zero(acc)
+        partial = True  # (mask_mod applies: no block mask says the tile is full)
         for j in range(n_walk):  # FA-2 Alg. 2 line 6 in the forward's order: the K/V tiles this Q tile sees
-            col0 = (j_first + j) * BN
+            if SPARSE:
+                col0 = listed_tile(listed[lo + j]) * BN
+                partial = listed_partial(listed[lo + j])
+                col_next = listed_tile(listed[lo + j + 1]) * BN if j + 1 < n_walk else col0
+            else:
+                col0 = (j_first + j) * BN
+                col_next = col0 + BN
             if DOUBLE_K:
                 k_s = k0_s if (j & 1) == 0 else k1_s
             else:
                 k_s = k0_s
-            E.before_scores(k, v, b, hk, col0, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof)  # line 7: K_j, V_j
+            E.before_scores(k, v, b, hk, col0, col_next, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof)  # line 7
             E.scores(qf, q_s, k_s, s, scratch)  # line 10: S_ij = Q_i K_j^T
             E.scores(dof, do_s, v_s, dp, scratch)  # line 13: dP_ij = dO_i V_j^T
-            E.after_scores(v, b, hk, col0, j, n_walk, n_k, v_s)
+            E.after_scores(v, b, hk, col0, col_next, j, n_walk, n_k, v_s)
             masked = mask.tile_needs_mask(col0, BN, first_row_last_key, last_row_first_key, WINDOW)
-            user = (b, h, row0, n_q, n_k, mod_args) if HAS_USER else ()
+            if SPARSE:
+                user = (b, h, row0, n_q, n_k, mod_args, partial)
+            elif HAS_USER:
+                user = (b, h, row0, n_q, n_k, mod_args)
+            else:
+                user = ()
             E.dscores(s, dp, stats, l2, dd, q_scale, masked, first_keys, last_keys, WINDOW, SOFTCAP, softcap_log2, ALIBI,
                       slopes[0], diags, col0, ds_s, user)  # lines 11, 14: P, dS = P (dP - D)
             if DS_IN_SMEM:
@@ -347,10 +417,14 @@ def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
     if not HAS_USER:
         @kernel_jit(fastmath={"contract", "afn", "arcp"})
         def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi):
-            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, ())
-    else:
+            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, (), (), ())
+    elif not SPARSE:
         @kernel_jit(fastmath={"contract", "afn", "arcp"})
         def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args):
-            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args)
+            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, (), ())
+    else:  # a block mask's lists (block_info) after mod_args
+        @kernel_jit(fastmath={"contract", "afn", "arcp"})
+        def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists):
+            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists)
 
     return attention_bwd_dq

@@ -429,7 +429,7 @@ def ffma_dq_engine(head_dim: int, block: int, user_mods=None):
         bops.load_row_stats(lse, dvec, b, h, row0, n_q, stats, True)
 
     @device_jit
-    def before_scores(k, v, b, hk, col0, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof):
+    def before_scores(k, v, b, hk, col0, col_next, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof):
         cuda.syncthreads()  # everyone is done with the previous K_j, V_j, dS
         ops.load_rows(k, b, hk, col0, n_k, one, k0_s)
         ops.load_rows(v, b, hk, col0, n_k, one, v_s)
@@ -440,7 +440,7 @@ def ffma_dq_engine(head_dim: int, block: int, user_mods=None):
         ops.score_tile(a_s, b_s, out)
 
     @device_jit
-    def after_scores(v, b, hk, col0, j, n_walk, n_k, v_s):
+    def after_scores(v, b, hk, col0, col_next, j, n_walk, n_k, v_s):
         pass
 
     @device_jit

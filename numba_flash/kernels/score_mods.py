@@ -383,7 +383,7 @@ def backward_probs(fast: bool, user_mods=None, key_rows: bool = False):
     ``x`` (log2 units), where ``x'`` is ``x`` with every modification the forward made -- the soft
     cap (``capped``; :func:`soft_capper`'s, ``fast``: ``tanh.approx``), ALiBi's bias (``biased``:
     ``slope`` and the ``diag`` of the entry's row, the column index ``col``), a user's mods (an
-    engine made with ``user_mods``: ``user = (b, h, row0, Nq, Nk, mod_args)``, the entry's row
+    engine made with ``user_mods``: ``user = (b, h, row0, Nq, Nk, mod_args)`` and, block-sparse, the tile's ``partial``, the entry's row
     ``row0 + row``) -- and dS carries the derivative of the cap and of ``score_mod``. ``key_rows``:
     the engine's rows are keys and its columns queries (the dK/dV walk), else the reverse. An entry
     a ``mask_mod`` hides gets P = dS = 0. The one place the three backward engines take a score's
@@ -391,6 +391,11 @@ def backward_probs(fast: bool, user_mods=None, key_rows: bool = False):
     _, soft_cap_with_slope = soft_capper(fast)
     USER, KEY_ROWS = user_mods is not None, bool(key_rows)
     _, user_modded = user_mod_calls(user_mods) if USER else (None, None)
+    # a block-sparse walk's full tiles: score_mod alone (``user[6]``: the tile is partial)
+    SPARSE = USER and user_mods.block_sparse
+    SCORE = USER and user_mods.score_mod is not None
+    scored_only = (user_mod_calls(UserMods(None, user_mods.score_mod, user_mods.n_args, user_mods.score_mod_grad))[1]
+                   if SPARSE and SCORE else user_modded)
 
     @device_jit
     def p_and_ds(x, l2, dp, dd, capped, cap, biased, slope, diag, row, col, user):
@@ -406,7 +411,11 @@ def backward_probs(fast: bool, user_mods=None, key_rows: bool = False):
             else:
                 query, key = user[2] + row, col
             if query < user[3] and key < user[4]:
-                x, mod_slope = user_modded(x, user[0], user[1], query, key, user[5])
+                if SPARSE and not user[6]:  # a full tile: no mask_mod
+                    if SCORE:
+                        x, mod_slope = scored_only(x, user[0], user[1], query, key, user[5])
+                else:
+                    x, mod_slope = user_modded(x, user[0], user[1], query, key, user[5])
         p = math.exp2(x - l2)  # FA-2 Alg. 2 line 11 (Alg. 4 line 13)
         ds = p * (dp - dd)  # FA-2 line 14 (Alg. 4 line 20)
         if capped:

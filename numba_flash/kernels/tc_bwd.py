@@ -734,7 +734,7 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int, user_mod
         ops.commit()
 
     @device_jit
-    def before_scores(k, v, b, hk, col0, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof):
+    def before_scores(k, v, b, hk, col0, col_next, j, n_walk, n_k, k0_s, k1_s, v_s, q_s, do_s, qf, dof):
         ops.wait_all()  # K_j, V_j (and Q_i, dO_i) have landed
         cuda.syncthreads()  # ... for everyone; everyone is done with K_{j-1}
         if j == 0:
@@ -742,16 +742,16 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int, user_mod
             load_frags(do_s, dof)
         if j + 1 < n_walk:  # K_{j+1} into the other buffer, in flight during this step
             if (j & 1) == 0:
-                ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k1_s)
+                ops.load_kv_tile(k, b, hk, col_next, n_k, k1_s)
             else:
-                ops.load_kv_tile(k, b, hk, col0 + BN, n_k, k0_s)
+                ops.load_kv_tile(k, b, hk, col_next, n_k, k0_s)
             ops.commit()
 
     @device_jit
-    def after_scores(v, b, hk, col0, j, n_walk, n_k, v_s):
+    def after_scores(v, b, hk, col0, col_next, j, n_walk, n_k, v_s):
         cuda.syncthreads()  # everyone is done reading V_j
         if j + 1 < n_walk:
-            ops.load_kv_tile(v, b, hk, col0 + BN, n_k, v_s)  # V_{j+1}, in flight during dS and dQ
+            ops.load_kv_tile(v, b, hk, col_next, n_k, v_s)  # V_{j+1}, in flight during dS and dQ
             ops.commit()
 
     @device_jit

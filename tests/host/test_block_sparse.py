@@ -304,3 +304,85 @@ def test_block_mask_errors_name_the_mismatch(rng):
     three_heads = numba_flash.block_mask(same_document, 1, 3, N_Q, N_K, mod_args=args)
     with pytest.raises(ValueError, match="B=1, H=3"):
         numba_flash.attention(q, k, v, mask_mod=same_document, mod_args=args, block_mask=three_heads)
+
+
+# ------------------------------------------------------------------------------- the backward
+
+
+def _backward_tiles(precision, dtype):
+    """(dK/dV kernel tiles, dQ kernel tiles) the backward runs at, for the counts."""
+    from numba_flash import tile_table
+    from numba_flash.kernels.tc_bwd import dq_kernel_tiles
+
+    if precision == "ieee":
+        block = tile_table.backward_block(16)
+        return (block, block), (block, block)
+    kind = {"float16": "f16", "bfloat16": "bf16"}.get(dtype, "tf32x3")
+    tiles = tile_table.backward_tc_tiles(16, kind)
+    return tiles, dq_kernel_tiles(*tiles, kind)
+
+
+BACKWARD_CASES = [("ieee", "float32", "fa2", False), ("ieee", "float32", "fa1", False),
+                  ("ieee", "float32", "fa2", True), (None, "float16", "fa2", True), (None, "float16", "fa1", False)]
+
+
+@COUNTING
+@pytest.mark.parametrize("precision, dtype, algorithm, deterministic", BACKWARD_CASES)
+def test_the_backward_walks_the_lists(precision, dtype, algorithm, deterministic, rng):
+    """The backward's dK/dV walk (each K/V tile's listed Q tiles, head by head: two query heads
+    on one KV head) and its deterministic dQ walk (each Q tile's listed K/V tiles) call mask_mod
+    on exactly the partial tiles' entries, with a causal mask beside it; the gradients are the
+    reference's."""
+    from numba_flash.backward import gradients
+    from helpers import backward_problem, gradient_error
+
+    do, q, k, v, _, _ = backward_problem(rng, 1, 2, 1, N_Q, N_K, 16, dtype, True)
+    q_doc, kv_doc = _documents()
+    calls = []
+    counted = _counted_documents(calls)
+    mods = dict(mask_mod=counted, mod_args=(q_doc, kv_doc), causal=True)
+    o, lse = numba_flash.attention(q, k, v, return_lse=True, precision="ieee", **mods)
+    run = dict(algorithm=algorithm, deterministic=deterministic, precision=precision, **mods)
+    gradients(do, q, k, v, o, lse, **run)  # (derives the block masks at the backward's tiles: kept)
+    calls.clear()
+    grads = gradients(do, q, k, v, o, lse, **run)
+    kv_tiles, dq_tiles = _backward_tiles(precision, dtype)
+    expected = 0
+    for tiles, walks in ((kv_tiles, True), (dq_tiles, deterministic and algorithm == "fa2")):
+        if walks:  # the mod's partial tiles (its mask alone: the kernels derive that) which causal leaves a key in
+            made = numba_flash.block_mask(same_document, None, None, N_Q, N_K, block_m=tiles[0], block_n=tiles[1],
+                                          mod_args=(q_doc, kv_doc))
+            causal = numba_flash.block_mask(None, None, None, N_Q, N_K, block_m=tiles[0], block_n=tiles[1], causal=True)
+            visited = np.where(causal.kinds[0, 0] != HIDDEN, made.kinds[0, 0], HIDDEN)
+            expected += 2 * _partial_entries(visited, tiles)  # (two query heads)
+    assert 0 < len(calls) == expected
+    host = [x.astype(np.float64) for x in (do, q, k, v)]
+    refs = reference.attention_backward(*host, mask_mod=same_document, mod_args=(q_doc, kv_doc), causal=True)
+    bound = 1e-4 if dtype == "float32" else 5e-3
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+        assert gradient_error(got, ref, refs) < bound, name
+
+
+@pytest.mark.parametrize("precision, dtype, algorithm, deterministic", BACKWARD_CASES[2:4])
+def test_the_backward_never_reads_hidden_tiles(precision, dtype, algorithm, deterministic, rng):
+    """NaN in the keys and values no query sees: a walk that visited their tiles would carry it
+    into dQ (dS = 0 times K = NaN); the block-sparse walks never load them."""
+    from numba_flash.backward import gradients
+    from helpers import backward_problem, gradient_error
+
+    do, q, k, v, _, _ = backward_problem(rng, 1, 2, 1, N_Q, N_K, 16, dtype, False)
+    q_doc, kv_doc = _documents()
+    mods = dict(mask_mod=same_document, mod_args=(q_doc, kv_doc))
+    host = [x.astype(np.float64) for x in (do, q, k, v)]
+    refs = reference.attention_backward(*host, **mods)
+    o, lse = numba_flash.attention(q, k, v, return_lse=True, precision="ieee", **mods)
+    n_hidden, k, v = _nan_in_hidden_tiles(k, v, q_doc, kv_doc, 16, 16, np)  # (16 keys: a tile of every kernel here)
+    assert n_hidden >= 16
+    dq, dk, dv = gradients(do, q, k, v, o, lse, algorithm=algorithm, deterministic=deterministic, precision=precision,
+                           **mods)
+    bound = 1e-4 if dtype == "float32" else 5e-3
+    assert gradient_error(dq, refs[0], refs) < bound
+    seen = ~np.isnan(k[0, 0, :, 0])
+    for got, ref in ((dk, refs[1]), (dv, refs[2])):
+        assert np.all(got[:, :, ~seen] == 0)
+        assert gradient_error(got[:, :, seen], ref[:, :, seen], refs) < bound
