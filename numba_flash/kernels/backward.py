@@ -63,7 +63,7 @@ from numba_flash._cuda import cuda, float32, int32
 
 from numba_flash.kernels import mask, mma
 from numba_flash.kernels.mask import window_of
-from numba_flash.kernels.block_info import (batch_and_head, list_row, listed_from, listed_partial, listed_tile,
+from numba_flash.kernels.block_info import (batch_and_head, list_row, listed_partial, listed_range, listed_tile,
                                             tile_of_block)
 from numba_flash.kernels.jit import LOG2E, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit
 
@@ -113,8 +113,7 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
         end in the list; ``(h_end, 0, 0)`` if none."""
         while h < h_end:
             n_listed, listed = list_row(walk_counts, walk_lists, b, h, j)
-            lo = listed_from(listed, n_listed, i_first)
-            hi = listed_from(listed, n_listed, i_end)
+            lo, hi = listed_range(listed, n_listed, i_first, i_end - i_first)
             if lo < hi:
                 return h, lo, hi
             h += 1
@@ -172,7 +171,8 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
                 n_steps = 0
                 for g in range(group):
                     n_listed, listed = list_row(walk_counts, walk_lists, b, hk * group + g, j)
-                    n_steps += listed_from(listed, n_listed, i_end) - listed_from(listed, n_listed, i_first)
+                    lo, hi = listed_range(listed, n_listed, i_first, i_end - i_first)
+                    n_steps += hi - lo
                 h, at, end = first_listed(walk_counts, walk_lists, b, h, hk * group + group, j, i_first, i_end)
                 if n_steps > 0:
                     n_listed, listed = list_row(walk_counts, walk_lists, b, h, j)
@@ -375,8 +375,8 @@ def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
         lo = 0
         if SPARSE:  # of those, the listed ones (block_info)
             n_listed, listed = list_row(walk_counts, walk_lists, b, h, i_tile)
-            lo = listed_from(listed, n_listed, j_first)
-            n_walk = listed_from(listed, n_listed, j_first + n_walk) - lo
+            lo, hi = listed_range(listed, n_listed, j_first, n_walk)
+            n_walk = hi - lo
             j_first = listed_tile(listed[lo]) if n_walk > 0 else 0
         # Q_i (the CUDA-core engine: in log2 units), dO_i, L_i, D_i
         E.start(q, do, k, v, lse, dvec, b, h, hk, row0, n_q, n_k, q_scale, j_first * BN, n_walk, q_s, do_s, k0_s, v_s,

@@ -395,6 +395,50 @@ def test_block_sparse_walks(algorithm, dtype, precision):
     assert float((by_mod.double() - builtin.double()).abs().max()) < (1e-5 if dtype == "float32" else 1e-2)
 
 
+@pytest.mark.parametrize("variant", [("fa2", False), ("fa2", True), ("fa1", False)])
+@pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee")])
+def test_block_sparse_backward(variant, dtype, precision):
+    """The block-sparse backward on the GPU (issue 24): documents of random lengths by mask_mod,
+    NaN in the keys and values no query sees (a dK/dV walk that visited their tiles' Q tiles, or
+    a dQ walk that loaded them, would spread it); dq, dk, dv against float64 autograd, dk and dv
+    zero on the hidden keys, with the block masks derived at the backward's own tiles."""
+    torch = pytest.importorskip("torch")
+    import numba_flash
+    from numba_flash.backward import gradients
+
+    algorithm, deterministic = variant
+    B, H, Hkv, Nq, Nk, D = 1, 4, 2, 900, 1400, 64
+    dt = getattr(torch, dtype)
+    q, k, v, gen = _inputs(B, H, Hkv, Nq, Nk, D, dtype, 41)
+    bounds = torch.randint(600, Nk, (4,), device="cuda", generator=gen)
+    bounds = torch.sort(torch.cat([bounds, torch.tensor([512], device="cuda")])).values  # keys < 512: no query's
+    doc = torch.searchsorted(bounds, torch.arange(Nk, device="cuda"), right=True).to(torch.int32)
+    offset = Nk - Nq
+
+    def same_doc(b, h, q_idx, kv_idx, doc):
+        return doc[q_idx + 500] == doc[kv_idx]
+
+    i = torch.arange(Nq, device="cuda")[:, None]
+    j = torch.arange(Nk, device="cuda")[None, :]
+    seen = doc[i + offset] == doc[j]
+    assert not bool(seen[:, :512].any())
+    mods = dict(mask_mod=same_doc, mod_args=(doc,))
+    o, lse = numba_flash.attention(q, k, v, algorithm=algorithm, precision=precision, return_lse=True, **mods)
+    do = torch.randn(o.shape, device="cuda", generator=gen).to(dt)
+    refs = _attention64(q, k, v, seen, do=do)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[:, :, :512] = float("nan")  # (whole tiles of every backward kernel: hidden, never loaded)
+    v_nan[:, :, :512] = float("nan")
+    grads = gradients(do, q, k_nan, v_nan, o, lse, algorithm=algorithm, deterministic=deterministic,
+                      precision=precision, **mods)
+    tol = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
+    for name, got, want in zip(("dq", "dk", "dv"), grads, refs):
+        assert bool(torch.isfinite(got).all()), name
+        rel = float((got.double() - want).abs().max() / want.abs().max())
+        assert rel < tol, (name, rel)
+    assert float(grads[1][:, :, :512].abs().max()) == 0.0 and float(grads[2][:, :, :512].abs().max()) == 0.0
+
+
 @pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
 def test_torch_attention_takes_the_mods(algorithm):
     """``numba_flash.torch.attention`` with a mask_mod, a score_mod and its gradient, mod_args
