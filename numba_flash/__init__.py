@@ -2,6 +2,7 @@
 
 ``numba_flash.attention`` is the entry point (see ``numba_flash.api``), ``numba_flash.decode``
 its form for a few queries against a KV cache (``numba_flash.decoding``),
+``numba_flash.attention_varlen`` its form for a packed batch of sequences (``numba_flash.varlen``),
 ``numba_flash.attention_backward`` its gradients (``numba_flash.backward``) and
 ``numba_flash.torch.attention`` the PyTorch autograd function over both;
 ``numba_flash.online`` states the online-softmax algebra in NumPy and
@@ -20,7 +21,7 @@ try:
     __version__ = _metadata.version("numba-flash")  # the installed distribution's version
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
-__all__ = ["attention", "attention_backward", "decode", "block_mask", "BlockMask", "online", "reference", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "decode", "block_mask", "BlockMask", "online", "reference", "__version__"]
 
 
 def __getattr__(name):
@@ -30,6 +31,8 @@ def __getattr__(name):
         from numba_flash.api import attention as value
     elif name == "attention_backward":
         from numba_flash.backward import attention_backward as value
+    elif name == "attention_varlen":
+        from numba_flash.varlen import attention_varlen as value
     elif name == "decode":
         from numba_flash.decoding import decode as value
     elif name == "block_mask":

@@ -46,6 +46,8 @@ def kernel_slopes(alibi_slopes, batch: int, kind: str):
     kernels index the slopes by query head). A torch tensor is read as a CuPy array for
     ``kind="cupy"`` (the tensor-core launch's library)."""
     heads = int(alibi_slopes.shape[-1])
+    if len(alibi_slopes.shape) == 2:  # (batch, heads) as given (a packed batch's: a row per sequence)
+        batch = int(alibi_slopes.shape[0])
     if kind == "torch":
         return (alibi_slopes.float().expand(batch, heads) * LOG2E).contiguous()
     if kind == "cupy":

@@ -332,7 +332,7 @@ def run(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order=None, seql
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
                        key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
-                       user_mods=call.user_mods)
+                       user_mods=call.user_mods, varlen=call.varlen is not None)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, ctx.device_id)
     walk = dict(seqlens=seqlens, n_splits=splits, rows_per_query=rows_per_query)
     if splits == 1:
@@ -366,7 +366,7 @@ def plan_run(builder: plans.PlanBuilder, call: LaunchConfig, q, k, v, o, lse, se
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
                        key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
-                       user_mods=call.user_mods)
+                       user_mods=call.user_mods, varlen=call.varlen is not None)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, builder.ctx.device_id)
     kernel_o, kernel_lse = o, lse
     if splits > 1:  # float32 partials (kernels.block_info), merged by kernels.combine
@@ -558,7 +558,7 @@ def _launch(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order, seqle
     if permuted and not simulated():
         order = cuda.to_device(order, stream=ctx.stream())  # ordered before the launch
     spec = _cuda_core_spec(call, permuted=permuted, ragged=seqlens is not None)
-    grid, threads = spec.grid(*call.q_shape[:3], n_splits), spec.threads
+    grid, threads = spec.grid(*call.grid_dims, n_splits), spec.threads
     args = _cuda_core_arguments(spec, call, q, k, v, o, lse, order if permuted else None, seqlens,
                                 lambda shape, dtype: ctx.empty(shape, dtype),
                                 lambda shape, dtype: _placeholder(shape, dtype, ctx.device_id),
@@ -604,7 +604,7 @@ def _cuda_core_spec(call: LaunchConfig, permuted: bool, ragged: bool):
     D = call.q_shape[3]
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, "ieee",
                        ragged=ragged, permuted=permuted, variant=call.variant, softcap=call.softcap > 0, alibi=call.alibi,
-                       user_mods=call.user_mods)
+                       user_mods=call.user_mods, varlen=call.varlen is not None)
 
 
 class _KernelArray(NamedTuple):

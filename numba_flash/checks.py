@@ -8,7 +8,7 @@ import operator
 
 import numpy as np
 
-__all__ = ["softcap_value", "whole_number"]
+__all__ = ["integer_array", "sequence_bounds", "softcap_value", "whole_number"]
 
 
 def whole_number(value, name: str, minimum: int | None = 0) -> int:
@@ -34,3 +34,41 @@ def softcap_value(softcap) -> float:
     if not (math.isfinite(value) and value >= 0.0):
         raise ValueError(f"softcap must be a finite number >= 0 (0: off), got {value}")
     return value
+
+
+def integer_array(x, name: str) -> np.ndarray:
+    """An integer array-like on the host as an int64 NumPy array (``TypeError`` naming ``name``
+    otherwise; an empty float array counts as integers)."""
+    arr = np.asarray(x)
+    if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
+        raise TypeError(f"{name} must hold integers (int32), got dtype {arr.dtype}")
+    return arr.astype(np.int64)
+
+
+def sequence_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int):
+    """A packed batch's prefix sums (API.md 2d; host array-likes) checked, as two lists of ``B +
+    1`` ints: each starts at 0, never decreases and ends at its total; the maxima are at least
+    the longest lengths (``TypeError`` / ``ValueError`` naming the argument)."""
+    bounds = []
+    for name, cu, max_name, max_len, total, rows in (
+        ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, total_q, "q's total_q"),
+        ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, total_k, "k's total_k"),
+    ):
+        cu = integer_array(cu, name)
+        if cu.ndim != 1 or cu.size < 1:
+            raise ValueError(f"{name} must be 1-D of length B + 1 >= 1 (prefix sums), got shape {cu.shape}")
+        if cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
+            raise ValueError(
+                f"{name} must start at 0, never decrease and end at {rows} = {total}; got {cu.tolist()}"
+            )
+        longest = int(np.diff(cu).max(initial=0))
+        max_len = whole_number(max_len, max_name)
+        if max_len < longest:
+            raise ValueError(f"{max_name} = {max_len} is below the longest sequence in {name} ({longest})")
+        bounds.append(cu.tolist())
+    cu_q, cu_k = bounds
+    if len(cu_q) != len(cu_k):
+        raise ValueError(
+            f"cu_seqlens_k must have cu_seqlens_q's length B + 1 = {len(cu_q)}, got {len(cu_k)}"
+        )
+    return cu_q, cu_k

@@ -30,6 +30,7 @@ class LaunchConfig:
     variant: object = None
     kv_stages: int = 1
     key_warps: int = 1
+    varlen: tuple | None = None  # a packed batch (numba_flash.varlen): (sequences, max_seqlen_q)
 
     kind = property(lambda self: self.problem.kind)
     q_shape = property(lambda self: self.problem.q_shape)
@@ -52,6 +53,14 @@ class LaunchConfig:
     scale = property(lambda self: self.problem.scale)
     algorithm = property(lambda self: self.problem.algorithm)
     regime = property(lambda self: self.problem.regime)
+
+    @property
+    def grid_dims(self) -> tuple:
+        """(batch, heads, Nq) the grid is laid over: the problem's, or a packed batch's
+        (sequences, heads, longest sequence): its arrays are ``(1, heads, total, ...)`` views."""
+        if self.varlen is None:
+            return self.q_shape[:3]
+        return (self.varlen[0], self.q_shape[1], self.varlen[1])
 
     def with_dtype(self, dtype: str) -> LaunchConfig:
         """The same launch on inputs of another dtype (bfloat16 widened to float32)."""

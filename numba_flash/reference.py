@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from numba_flash.checks import softcap_value, whole_number
+from numba_flash.checks import integer_array, sequence_bounds, softcap_value, whole_number
 from numba_flash.masking import MaskSpec, evaluate_mask_mod, window_spec
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_backward_varlen", "decode"]
@@ -440,29 +440,9 @@ def _packed_rows(x: np.ndarray) -> np.ndarray:
 
 def _sequences(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int, total_k: int):
     """``[(rows, keys)]``: sequence ``b``'s slices of the packed queries and keys, the prefix
-    sums and maxima checked (TypeError / ValueError naming the argument)."""
-    bounds = []
-    for name, cu, max_name, max_len, total, rows in (
-        ("cu_seqlens_q", cu_seqlens_q, "max_seqlen_q", max_seqlen_q, total_q, "q's total_q"),
-        ("cu_seqlens_k", cu_seqlens_k, "max_seqlen_k", max_seqlen_k, total_k, "k's total_k"),
-    ):
-        cu = _integers(cu, name)
-        if cu.ndim != 1 or cu.size < 1:
-            raise ValueError(f"{name} must be 1-D of length B + 1 >= 1 (prefix sums), got shape {cu.shape}")
-        if cu[0] != 0 or cu[-1] != total or np.any(np.diff(cu) < 0):
-            raise ValueError(
-                f"{name} must start at 0, never decrease and end at {rows} = {total}; got {cu.tolist()}"
-            )
-        longest = int(np.diff(cu).max(initial=0))
-        max_len = whole_number(max_len, max_name)
-        if max_len < longest:
-            raise ValueError(f"{max_name} = {max_len} is below the longest sequence in {name} ({longest})")
-        bounds.append(cu.tolist())
-    (cu_q, cu_k) = bounds
-    if len(cu_q) != len(cu_k):
-        raise ValueError(
-            f"cu_seqlens_k must have cu_seqlens_q's length B + 1 = {len(cu_q)}, got {len(cu_k)}"
-        )
+    sums and maxima checked (``checks.sequence_bounds``: TypeError / ValueError naming the argument)."""
+    cu_q, cu_k = sequence_bounds(_on_host(cu_seqlens_q), _on_host(cu_seqlens_k), max_seqlen_q, max_seqlen_k,
+                                 total_q, total_k)
     return [(slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])) for b in range(len(cu_q) - 1)]
 
 
@@ -476,10 +456,7 @@ def _sequence_slopes(alibi_slopes, batch: int, heads: int) -> list:
 
 def _integers(x, name: str) -> np.ndarray:
     """An integer array-like as an int64 NumPy array (TypeError naming ``name`` otherwise)."""
-    arr = np.asarray(_on_host(x))
-    if arr.dtype.kind not in "iu" and not (arr.size == 0 and arr.dtype.kind == "f"):
-        raise TypeError(f"{name} must hold integers (int32), got dtype {arr.dtype}")
-    return arr.astype(np.int64)
+    return integer_array(_on_host(x), name)
 
 
 # --------------------------------------------------------------------------- KV caches

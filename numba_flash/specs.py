@@ -54,6 +54,7 @@ class KernelSpec:
     softcap: bool = False  # the scores are soft-capped (``kernels.score_mods``; the cap is an argument)
     alibi: bool = False  # the scores gain ALiBi's bias (``kernels.score_mods``; the slopes are an argument)
     user_mods: object = None  # a user's mask_mod / score_mod (``kernels.score_mods.UserMods``; one more argument)
+    varlen: bool = False  # a packed batch (``numba_flash.varlen``): seqlens holds cu_seqlens_q and cu_seqlens_k
 
     @property
     def causal(self) -> bool:
@@ -105,18 +106,19 @@ class KernelSpec:
                                 self.kv_stages, self.key_warps)
             return forward_kernel(point, tiles, self.window, False, self.ragged, cast_out=self.kv_outer,
                                   f32_out=self.split_out, max_registers=self.register_cap, softcap=self.softcap,
-                                  alibi=self.alibi, user_mods=self.user_mods)
+                                  alibi=self.alibi, user_mods=self.user_mods, varlen=self.varlen)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
 
-        if self.variant is not None:
+        if self.variant is not None or self.varlen:  # (a named point's factory has no varlen switch)
             from numba_flash.kernels.engines import CudaCores
-            from numba_flash.kernels.forward import forward_kernel
+            from numba_flash.kernels.forward import FA1, FA2, forward_kernel
 
+            point = self.variant if self.variant is not None else (FA1 if self.algorithm == "fa1" else FA2)
             tiles = CudaCores(self.head_dim, self.block_m, self.block_n, self.rows_per_thread)
-            return forward_kernel(self.variant, tiles, self.window, self.permuted, self.ragged,
+            return forward_kernel(point, tiles, self.window, self.permuted, self.ragged,
                                   self.kv_outer and casts_output(self.dtype), max_registers=self.register_cap,
-                                  softcap=self.softcap, alibi=self.alibi, user_mods=self.user_mods)
+                                  softcap=self.softcap, alibi=self.alibi, user_mods=self.user_mods, varlen=self.varlen)
         options = {} if self.rows_per_thread == ROWS_PER_THREAD else {"rows_per_thread": self.rows_per_thread}
         if self.softcap:
             options["softcap"] = True
@@ -159,7 +161,7 @@ class KernelSpec:
 @functools.lru_cache(maxsize=1024)
 def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regime="ieee", ragged=False,
                 split_out=False, permuted=False, variant=None, kv_stages=1, key_warps=1,
-                rows_per_thread=None, softcap=False, alibi=False, user_mods=None) -> KernelSpec:
+                rows_per_thread=None, softcap=False, alibi=False, user_mods=None, varlen=False) -> KernelSpec:
     """The launch specification of one configuration (tiles as the caller gives them; ``api``
     checks them). ``window``: the mask's ``(left, right)`` (``kernels.mask``; a bool: the
     public ``causal``). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
@@ -171,7 +173,8 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regi
     ``tc_fa2_kernel`` and its warps per 16 rows. ``rows_per_thread`` (CUDA cores): the
     micro-tile height; ``None``: ``tile_table.forward_rows_per_thread``'s for the tiles (read once
     per configuration: this is memoised). ``softcap``: the kernel soft-caps the scores;
-    ``alibi``: it adds ALiBi's bias; ``user_mods``: a ``score_mods.UserMods`` compiled in."""
+    ``alibi``: it adds ALiBi's bias; ``user_mods``: a ``score_mods.UserMods`` compiled in;
+    ``varlen``: the kernel walks the sequences of a packed batch (``numba_flash.varlen``)."""
     window = window_of(window)
     if variant is not None:
         from numba_flash.kernels.forward import FA1, FA2
@@ -179,7 +182,8 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regi
         algorithm = "fa1" if variant.loop_order == "kv_outer" else "fa2"
         if variant in (FA1, FA2):
             variant = None  # a named point: its own factory
-    ragged, split_out = bool(ragged) and algorithm == "fa2", bool(split_out) and algorithm == "fa2"
+    # (a packed batch's seqlens are its cu_seqlens: not cache lengths)
+    ragged, split_out = bool(ragged) and algorithm == "fa2" and not varlen, bool(split_out) and algorithm == "fa2"
     if regime != "ieee":
         from numba_flash.kernels.forward import SPLIT_K_GROUPS, check_tensor_core_variant, tc_split_k_smem_bytes
         from numba_flash.kernels.tc_ops import kernel_head_dim, tc_layout, tc_register_cap
@@ -207,7 +211,7 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regi
                           cap, ragged and (variant is None or variant.loop_order == "q_outer"), split_out,
                           variant=variant, kv_stages=stages, key_warps=warps,
                           presplit=None if mode is None else layout.presplit, softcap=bool(softcap),
-                          alibi=bool(alibi), user_mods=user_mods)
+                          alibi=bool(alibi), user_mods=user_mods, varlen=bool(varlen))
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
     from numba_flash.kernels.forward import (FA1, FA2, variant_dynamic_smem_bytes, variant_smem_bytes,
@@ -226,5 +230,5 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regi
     return KernelSpec(
         algorithm, "ieee", head_dim, dtype, block_m, block_n, window, threads, smem - dynamic, dynamic,
         register_cap(head_dim, rows, maxreg), ragged, split_out, bool(permuted), variant, rows_per_thread=rows,
-        maxreg=maxreg, softcap=bool(softcap), alibi=bool(alibi), user_mods=user_mods,
+        maxreg=maxreg, softcap=bool(softcap), alibi=bool(alibi), user_mods=user_mods, varlen=bool(varlen),
     )

@@ -162,7 +162,7 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, split_out=partial, variant=call.variant, kv_stages=call.kv_stages,
                        key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
-                       user_mods=call.user_mods)
+                       user_mods=call.user_mods, varlen=call.varlen is not None)
     sixteen = spec.regime in TENSOR_CORE_KIND.values()
     dim, xp = spec.head_dim, _xp(ctx.kind)
     kq, kk, kv = kernel_inputs(spec.regime, ctx.kind, q, k, v)
@@ -184,7 +184,7 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     arrays = [kq, kk, kv, o_kernel, lse_kernel, *state, unread, lengths,
               slopes_argument(call.problem, "numpy" if xp is np else "cupy")]
     tail = [np.int32(n_splits), np.int32(rows_per_query), np.float32(call.softcap_log2)]
-    grid = spec.grid(B, H, Nq, n_splits)
+    grid = spec.grid(*call.grid_dims, n_splits)
     user = call.user_mods  # a user's mods: their arrays' tuple last (and a block-sparse walk's lists)
     with compiling(user):
         lists = kernel_lists(ctx, call) if user is not None and user.block_sparse else []  # (numba_flash.block_sparse)
@@ -220,8 +220,7 @@ def _launch_in_place(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> bool:
                               unread, slopes)
     if args is None:
         return False
-    B, H, Nq, _ = call.q_shape
-    launch(spec.kernel, spec.grid(B, H, Nq, n_splits), (spec.threads,), ctx.stream_ptr(), args,
+    launch(spec.kernel, spec.grid(*call.grid_dims, n_splits), (spec.threads,), ctx.stream_ptr(), args,
            shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
     return True
 
@@ -253,7 +252,7 @@ def _in_place_spec(call: LaunchConfig, ragged: bool, n_splits: int):
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=ragged, split_out=n_splits > 1, variant=call.variant, kv_stages=call.kv_stages,
                        key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
-                       user_mods=call.user_mods)
+                       user_mods=call.user_mods, varlen=call.varlen is not None)
 
 
 def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_splits, rows_per_query, unread, slopes):

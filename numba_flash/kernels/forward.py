@@ -55,7 +55,7 @@ from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mask, mma, score_mods, softmax
 from numba_flash.kernels.mask import window_of
 from numba_flash.kernels.block_info import (batch_and_head, list_row, listed_partial, listed_range, listed_tile,
-                                            split_of_block, split_tiles, tile_of_block, valid_keys)
+                                            sequence_rows, split_of_block, split_tiles, tile_of_block, valid_keys)
 from numba_flash.kernels.engines import CudaCores, TensorCores, ffma_engine, key_warp_merge, mma_engine
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit, shared_tile
 from numba_flash.kernels.pipeline import cp_async, synchronous
@@ -136,7 +136,7 @@ def tc_split_k_smem_bytes(loop_order: str, layout) -> int:
 @kernel_factory
 def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragged: bool = False,
                    cast_out: bool = False, f32_out: bool = False, max_registers: int | None = None,
-                   softcap: bool = False, alibi: bool = False, user_mods=None):
+                   softcap: bool = False, alibi: bool = False, user_mods=None, varlen: bool = False):
     """The forward kernel at ``variant`` on the engine of ``tiles`` (memoised).
 
     ``window``: the mask's ``(left, right)`` of ``kernels.mask`` (a compile-time constant; a bool:
@@ -144,7 +144,10 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     the argument ``softcap_log2``, read only then); ``alibi``: the scores gain ALiBi's bias
     (``score_mods``; the slopes are the argument ``alibi``, read only then); ``user_mods``: a
     ``score_mods.UserMods`` (a user's ``mask_mod`` and ``score_mod``, compiled in), and then the
-    kernel takes one more argument, the tuple of their ``mod_args`` arrays.
+    kernel takes one more argument, the tuple of their ``mod_args`` arrays. ``varlen``: the
+    sequences of a packed batch (``numba_flash.varlen``): ``seqlens`` is then int32 ``(2, B + 1)``,
+    ``cu_seqlens_q`` and ``cu_seqlens_k``, and every array a ``(1, H, total, ...)`` view of the
+    packed rows; each block cuts its sequence's rows out of them (``block_info.sequence_rows``).
     ``tiles``: ``engines.CudaCores`` (FFMA micro-tiles, synchronous copies) or
     ``engines.TensorCores`` (``mma.sync``, ``cp.async`` copies: ``pipeline.cp_async``).
     ``cast_out`` (kv_outer): O lives in ``o_hbm`` (float32) and is cast into ``o`` at the end
@@ -161,6 +164,9 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     D, BM, BN = tiles.head_dim, tiles.block_m, tiles.block_n
     WINDOW = window_of(window)
     PERMUTED, RAGGED, F32_OUT, SOFTCAP, ALIBI = bool(permuted), bool(ragged), bool(f32_out), bool(softcap), bool(alibi)
+    VARLEN = bool(varlen)  # a packed batch: the grid is (sequence, head, Q tile); seqlens holds cu_seqlens
+    if VARLEN and (RAGGED or PERMUTED or user_mods is not None or f32_out):
+        raise ValueError("a packed batch (varlen) runs unsplit, in order, without cache lengths or a user's mods")
     HAS_USER = user_mods is not None  # a user's mask_mod / score_mod (score_mods.UserMods)
     # a block mask's tile lists (block_info): the walks visit the listed tiles only, and mask_mod
     # runs on the partial ones
@@ -629,6 +635,10 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         n_q = q.shape[2]
         group = n_heads // k.shape[1]  # query heads per kv head (GQA / MQA)
         n_q_tiles = (n_q + BM - 1) // BM  # Tr
+        if VARLEN:  # the sequences of the packed batch; the grid's Q tiles: the longest sequence's
+            n_batch = seqlens.shape[1] - 1
+            if PER_TILE:
+                n_q_tiles = cuda.gridDim.x // (n_batch * n_heads)
 
         # The grid (block_info): (batch, head) and, per tile, the Q tile; q_outer also the split
         # of its K/V walk.
@@ -641,6 +651,15 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         i_first, i_end, bh = tile_of_block(block, n_q_tiles, PER_TILE, (WINDOW[1] >= 0 or SPARSE) and not KV_OUTER)
         b, h = batch_and_head(bh, n_heads)
         hk = h // group
+        if VARLEN:  # sequence b's rows of every array (block_info.sequence_rows): batch 0 of views
+            q, k, v, o, lse, o_hbm, l_hbm, m_hbm, n_q = sequence_rows(seqlens, b, q, k, v, o, lse, o_hbm, l_hbm, m_hbm)
+            if ALIBI:
+                alibi = alibi[b : b + 1]
+            b = 0
+            seq_tiles = (n_q + BM - 1) // BM
+            if PER_TILE and i_first >= seq_tiles:  # a Q tile past this sequence's end: no work
+                return
+            i_end = min(i_end, seq_tiles)
         ob = split * n_batch + b  # where a split's partial result goes
         n_k = valid_keys(seqlens, b, k.shape[2], RAGGED)
         n_kv_tiles = (n_k + BN - 1) // BN  # Tc

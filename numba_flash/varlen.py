@@ -1,0 +1,146 @@
+"""``numba_flash.attention_varlen``: a packed batch of sequences of their own lengths (API.md 2d).
+
+FlashAttention's ``flash_attn_varlen_func``: sequence ``b`` is rows ``cu_seqlens_q[b] ..
+cu_seqlens_q[b + 1]`` of ``q (total_q, H, D)`` and ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]`` of
+``k``, ``v (total_k, Hkv, D)``. Nothing is padded and no copy is made: the kernels read the
+packed arrays through ``(1, H, total, D)`` views (heads before rows, strided), and the grid is
+laid over (sequence, head, Q tile of the longest sequence) -- ``LaunchConfig.varlen``. Each block
+cuts its sequence's rows out of every array (``kernels.block_info.sequence_rows``) and runs the
+one-sequence walk on them, so the masks' bottom-right alignment, the K/V walk's bounds and the
+tail tiles follow from that sequence's lengths; a block whose Q tile lies past its sequence's
+end returns at once. One kernel serves both loop orders and regimes (the skeleton's ``varlen``
+switch); ``num_splits`` is 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from numba_flash import api
+from numba_flash.alibi import check_slopes
+from numba_flash.arrays import ArrayContext, as_cupy_view, kind_of
+from numba_flash.checks import sequence_bounds
+from numba_flash.problem import describe
+
+__all__ = ["attention_varlen"]
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
+                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, algorithm="fa2", return_lse=False,
+                     precision=None):
+    """Attention of each sequence of a packed batch to its own keys (API.md 2d).
+
+    ``q``: ``(total_q, H, D)``; ``k``, ``v``: ``(total_k, Hkv, D)``, ``H % Hkv == 0``; CuPy,
+    torch or NumPy arrays of one library and dtype (float16, bfloat16, float32).
+    ``cu_seqlens_q``, ``cu_seqlens_k``: integer ``(B + 1,)`` prefix sums (start at 0, never
+    decrease, end at ``total_q`` / ``total_k``; read on the host to be checked: device arrays
+    cost a synchronising copy per call, so a loop passes NumPy or lists); ``max_seqlen_q``, ``max_seqlen_k``: at
+    least the longest lengths. ``causal``, ``window_size``, ``softcap``, ``scale``: as
+    :func:`numba_flash.attention`, aligned bottom-right per sequence; ``alibi_slopes``: float32
+    ``(H,)`` or ``(B, H)`` (row ``b``: sequence ``b``). ``algorithm``: ``"fa1"`` or ``"fa2"``;
+    ``precision``: as :func:`numba_flash.attention`. Returns ``o (total_q, H, D)`` in q's dtype,
+    or ``(o, lse)`` with ``return_lse=True``, ``lse`` float32 ``(H, total_q)`` (natural log;
+    a sequence with no keys: ``o = 0``, ``lse = -inf``).
+    """
+    if not isinstance(return_lse, (bool, np.bool_)):
+        raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
+    q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if len(x.shape) != 3:
+            raise ValueError(f"{name} must be 3-D (total, heads, head_dim), packed; got shape {tuple(x.shape)}")
+    if tuple(k.shape) != tuple(v.shape):  # (the checks that name shapes, in the packed layout)
+        raise ValueError(f"k and v must have the same shape (total_k, kv_heads, head_dim); got k {tuple(k.shape)} "
+                         f"and v {tuple(v.shape)}")
+    if int(k.shape[1]) == 0 or int(q.shape[1]) % int(k.shape[1]):
+        raise ValueError(f"q's heads ({int(q.shape[1])}) must be a positive multiple of k's and v's heads "
+                         f"({int(k.shape[1])})")
+    if int(k.shape[2]) != int(q.shape[2]):
+        raise ValueError(f"k and v must have q's head_dim {int(q.shape[2])}; got {int(k.shape[2])}")
+    kind = kind_of(q, "q")
+    views = [_heads_first(x, kind) for x in (q, k, v)]  # (the checks of describe name q, k, v)
+    problem = describe(*views, causal=causal, scale=scale, algorithm=algorithm, precision=precision,
+                       window_size=window_size, softcap=softcap)
+    total_q, total_k = int(q.shape[0]), int(k.shape[0])
+    cu_q, cu_k = sequence_bounds(_on_host(cu_seqlens_q, "cu_seqlens_q"), _on_host(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q,
+                                 max_seqlen_k, total_q, total_k)
+    n_seq, H, D = len(cu_q) - 1, int(q.shape[1]), int(q.shape[2])
+    longest = max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0)
+    ctx = ArrayContext(kind, q)
+    if alibi_slopes is not None:  # (B, H) or (H,), as the kernels read them: one row per sequence
+        alibi_slopes = as_cupy_view(alibi_slopes, "alibi_slopes")
+        check_slopes(alibi_slopes, kind, n_seq, H, problem.device_id)
+        problem = replace(problem, alibi_slopes=_rows_per_sequence(alibi_slopes, n_seq, kind), alibi=True)
+    call = replace(api.configure(problem), num_splits=1, varlen=(n_seq, longest))
+    with ctx.on_device():
+        o = ctx.empty((total_q, H, D), problem.dtype)
+        lse = ctx.empty((H, total_q), "float32")
+        if total_q:
+            if longest and total_k:
+                bounds = _device_bounds(np.array([cu_q, cu_k], dtype=np.int32), kind, ctx)
+                # (a GPU writes o through its strided view; NumPy results go through a device
+                # copy, which must be one contiguous buffer: heads first, then transposed)
+                o_kernel = ctx.empty((1, H, total_q, D), problem.dtype) if kind == "numpy" else _heads_first(o, kind)
+                api.run(ctx, call, *views, o_kernel, lse[None], seqlens=bounds)
+                if kind == "numpy":
+                    o[...] = o_kernel[0].transpose(1, 0, 2)
+            else:  # no sequence has keys: o = 0, lse = -inf (as for a fully masked row)
+                o[...] = 0
+                lse[...] = -np.inf
+    return (o, lse) if return_lse else o
+
+
+def _heads_first(x, kind: str):
+    """``(total, heads, dim)`` as the kernels' ``(1, heads, total, dim)``: a strided view."""
+    if kind == "torch":
+        return x.permute(1, 0, 2).unsqueeze(0)
+    return x.transpose(1, 0, 2)[None]
+
+
+def _on_host(x, name: str):
+    """A prefix-sum argument on the host (lists and NumPy as they are; CuPy and torch copied)."""
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return x
+    x = as_cupy_view(x, name)
+    x_kind = kind_of(x, name)
+    if x_kind == "torch":
+        return x.cpu().numpy()
+    return x.get() if x_kind == "cupy" else np.asarray(x)
+
+
+def _rows_per_sequence(slopes, n_seq: int, kind: str):
+    """ALiBi slopes ``(H,)`` or ``(B, H)`` as ``(B, H)`` (the kernel cuts out its sequence's row)."""
+    if len(slopes.shape) == 2:
+        return slopes
+    if kind == "torch":
+        return slopes[None].expand(n_seq, -1)
+    xp = np if kind == "numpy" else __import__("cupy")
+    return xp.broadcast_to(slopes[None], (n_seq, slopes.shape[0]))
+
+
+_BOUNDS: dict = {}  # the kernels' (2, B + 1) bounds on the device, by library, device and contents
+_BOUNDS_KEPT = 64  # (a training loop's batches repeat few shapes; the oldest goes first)
+
+
+def _device_bounds(host: np.ndarray, kind: str, ctx: ArrayContext):
+    """The int32 bounds ``host`` in the inputs' library and device, made once per contents (a
+    copy to the device per call would wait on the host; the contents are the key, so a reused
+    array never stands for other lengths)."""
+    if kind == "numpy":
+        return host
+    key = (kind, ctx.device_id, host.shape, host.tobytes())
+    bounds = _BOUNDS.get(key)
+    if bounds is None:
+        if kind == "torch":
+            import torch
+
+            bounds = torch.from_numpy(host).to(ctx.template.device)
+        else:
+            import cupy
+
+            bounds = cupy.asarray(host)
+        if len(_BOUNDS) >= _BOUNDS_KEPT:
+            _BOUNDS.pop(next(iter(_BOUNDS)))
+        _BOUNDS[key] = bounds
+    return bounds

@@ -1,0 +1,97 @@
+"""``attention_varlen`` on the GPU (issue 25): FlashAttention's varlen forward grid in small --
+random lengths per sequence with 0 and 1 among them, MHA/GQA/MQA, causal and windows -- against
+a float64 loop over the sequences (FlashAttention's 2x rule for 16-bit), both loop orders and
+both regimes, torch and CuPy inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+
+def _lengths(gen, n, longest, torch):
+    lens = torch.randint(0, longest + 1, (n,), generator=gen).tolist()
+    lens[0], lens[1] = 0, 1  # (an empty sequence and a one-row one)
+    return lens
+
+
+def _reference(q, k, v, cu_q, cu_k, causal, window, dtype, torch):
+    """o per sequence in float64 (``dtype``: a plain implementation's type, S and P in it)."""
+    out = torch.zeros(q.shape, dtype=torch.float64 if dtype is None else dtype, device="cuda")
+    g = q.shape[1] // k.shape[1]
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        n_q, n_k = rows.stop - rows.start, keys.stop - keys.start
+        if n_q == 0 or n_k == 0:
+            continue
+        t = torch.float64 if dtype is None else dtype
+        qq = q[rows].transpose(0, 1).to(t)
+        kk, vv = (x[keys].transpose(0, 1).repeat_interleave(g, 0).to(t) for x in (k, v))
+        s = (qq @ kk.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        i = torch.arange(n_q, device="cuda")[:, None] + n_k - n_q
+        j = torch.arange(n_k, device="cuda")[None, :]
+        seen = torch.ones(n_q, n_k, dtype=torch.bool, device="cuda")
+        left, right = window
+        if causal:
+            right = 0 if right < 0 else min(right, 0)
+        if left >= 0:
+            seen &= j >= i - left
+        if right >= 0:
+            seen &= j <= i + right
+        p = torch.softmax(s.masked_fill(~seen, -math.inf).double() if dtype is None else s.masked_fill(~seen, -math.inf).float(),
+                          -1).nan_to_num(0.0).to(t)
+        out[rows] = (p @ vv).transpose(0, 1)
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+@pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee")])
+@pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (False, (100, 30))])
+def test_varlen_forward_grid(algorithm, dtype, precision, causal, window):
+    torch = pytest.importorskip("torch")
+    import numba_flash
+
+    gen = torch.Generator().manual_seed(3)
+    dt = getattr(torch, dtype)
+    for H, Hkv, D in ((6, 6, 64), (6, 2, 128), (6, 1, 40)):
+        lens_q = _lengths(gen, 7, 300, torch)
+        lens_k = [n if causal else m for n, m in zip(lens_q, _lengths(gen, 7, 500, torch))]
+        lens_k[1] = max(lens_k[1], 1)
+        cu_q = [0]
+        cu_k = [0]
+        for a, b in zip(lens_q, lens_k):
+            cu_q.append(cu_q[-1] + a)
+            cu_k.append(cu_k[-1] + b)
+        q = torch.randn(cu_q[-1], H, D, generator=gen).to("cuda", dt)
+        k, v = (torch.randn(cu_k[-1], Hkv, D, generator=gen).to("cuda", dt) for _ in range(2))
+        o, lse = numba_flash.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), causal=causal,
+                                              window_size=window, algorithm=algorithm, precision=precision,
+                                              return_lse=True)
+        assert o.shape == q.shape and o.dtype == dt and lse.shape == (H, cu_q[-1])
+        ref = _reference(q, k, v, cu_q, cu_k, causal, window, None, torch)
+        err = float((o.double() - ref).abs().max())
+        if dtype == "float32":
+            assert err < 1e-5, (H, Hkv, D, err)
+        else:
+            base = float((_reference(q, k, v, cu_q, cu_k, causal, window, dt, torch).double() - ref).abs().max())
+            assert err <= 2 * base + 1e-6, (H, Hkv, D, err, base)
+
+
+def test_varlen_cupy_inputs_and_device_prefix_sums():
+    cupy = pytest.importorskip("cupy")
+    import numpy as np
+
+    import numba_flash
+    from numba_flash import reference
+
+    rng = np.random.default_rng(5)
+    lens = [129, 0, 1, 64, 255]
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v = (rng.standard_normal((cu[-1], 4, 64)).astype(np.float16) for _ in range(3))
+    o = numba_flash.attention_varlen(*(cupy.asarray(x) for x in (q, k, v)), cupy.asarray(cu), cupy.asarray(cu),
+                                     255, 255, causal=True)
+    ref, _ = reference.attention_varlen(q, k, v, cu, cu, 255, 255, causal=True)
+    assert float(np.abs(o.get().astype(np.float64) - ref).max()) < 4e-3
