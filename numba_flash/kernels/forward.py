@@ -661,7 +661,10 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
                 return
             i_end = min(i_end, seq_tiles)
         ob = split * n_batch + b  # where a split's partial result goes
-        n_k = valid_keys(seqlens, b, k.shape[2], RAGGED)
+        if VARLEN:  # (seqlens holds the prefix sums: not a key count per batch)
+            n_k = k.shape[2]
+        else:
+            n_k = valid_keys(seqlens, b, k.shape[2], RAGGED)
         n_kv_tiles = (n_k + BN - 1) // BN  # Tc
 
         # Shared memory: the engine's tiles (the mma engine: one dynamic buffer, Q_i | K/V stages |
