@@ -24,7 +24,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import pathlib
 import sys
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from mask_gallery import median_ms  # noqa: E402 (queued timing: events around each call, one synchronisation)
 
 
 def document_lengths(total: int, n_docs: int, seed: int, shortest: int = 128) -> list[int]:
@@ -34,20 +38,6 @@ def document_lengths(total: int, n_docs: int, seed: int, shortest: int = 128) ->
     rng = np.random.default_rng(seed)
     cuts = np.sort(rng.choice(np.arange(1, total // shortest), n_docs - 1, replace=False)) * shortest
     return np.diff(np.concatenate([[0], cuts, [total]])).astype(int).tolist()
-
-
-def median_ms(fn, torch, repeats: int) -> float:
-    """The median GPU time of ``repeats`` calls queued back to back (events around each)."""
-    fn()
-    torch.cuda.synchronize()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-    for a, b in events:
-        a.record()
-        fn()
-        b.record()
-    torch.cuda.synchronize()
-    times = sorted(a.elapsed_time(b) for a, b in events)
-    return times[len(times) // 2]
 
 
 def check(o, q, k, v, cu, torch, n_check: int = 4) -> str:
@@ -82,6 +72,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--json", help="write the row here")
     args = ap.parse_args(argv)
+    from numba_flash import needs
+
+    needs.exit_unless("varlen_bench.py", needs.gpu(), needs.module("torch"))
     import numpy as np
     import torch
 

@@ -36,6 +36,7 @@ RUNS = {
     "sanitize.py": [],
     "sass_fingerprint.py": ["--stats", "--match", "no-such-configuration"],  # with every tool here: nothing matched
     "train_toy.py": [],
+    "varlen_bench.py": [],
 }
 DRIVER = r"""
 import contextlib, io, json, runpy, sys, traceback
