@@ -21,6 +21,8 @@ float32 and narrowed back).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 
 from numba_flash import tile_table
@@ -84,13 +86,15 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
 
 def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,
               tiles=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None,
-              mod_args=(), score_mod_grad=None):
+              mod_args=(), score_mod_grad=None, packed=None):
     """:func:`attention_backward` with the regime chosen by ``precision`` (:func:`backward_regime`):
     ``None`` (the public default: tensor cores for float16 and bfloat16, tf32x3 for float32), ``"ieee"`` (CUDA
     cores for any dtype: the research baseline, and the kernels the tests compare against) or
     ``"tf32x3"`` (float32 on split-precision tensor cores; the default for float32).
     ``tiles``: ``(block_m, block_n)`` of the tensor-core kernels (queries per Q tile, keys per
-    K/V tile; default ``tile_table.backward_tc_tiles``), for sweeps."""
+    K/V tile; default ``tile_table.backward_tc_tiles``), for sweeps. ``packed``: a packed batch
+    (``numba_flash.varlen.PackedBatch``; the arrays are its ``(1, heads, total, ...)`` views, and
+    ``alibi_slopes`` ``(H,)`` or one row per sequence)."""
     from numba_flash import api
     from numba_flash.problem import describe
 
@@ -110,8 +114,10 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
         raise TypeError(f"deterministic must be a bool; got {type(deterministic).__name__}")
     # attention's checks (the forward's regime is not this one: backward_regime below decides)
     problem = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", precision="ieee", window_size=window_size,
-                       softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
-                       mod_args=mod_args)
+                       softcap=softcap, alibi_slopes=None if packed is not None else alibi_slopes, mask_mod=mask_mod,
+                       score_mod=score_mod, mod_args=mod_args)
+    if packed is not None and alibi_slopes is not None:  # (a row per sequence, checked against the sequences)
+        problem = replace(problem, alibi_slopes=packed.slopes(alibi_slopes, problem), alibi=True)
     kind = problem.kind
     # (compiled into the kernels; with a mask_mod, the walks visit its block mask's tiles: block_sparse)
     user = user_mods_of(mask_mod, score_mod, problem.mod_args, score_mod_grad, block_sparse=True)
@@ -134,11 +140,11 @@ def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2",
             warn_if_slow(f"backward (B={B} H={H} Nq={Nq} Nk={Nk} D={D})", simulated_seconds(problem, regime, tiles))
         if regime == "ieee":
             with compiling(user):
-                _run(ctx, problem, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, user)
+                _run(ctx, problem, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv, user, packed)
         else:
             with compiling(user):
                 _run_tc(ctx, problem, regime, algorithm, bool(deterministic), (do, q, k, v, o, lse), (dq, dk, dv), Hkv,
-                        tiles, user)
+                        tiles, user, packed)
     return dq, dk, dv
 
 
@@ -160,6 +166,12 @@ def simulated_seconds(problem, regime: str | None = None, tiles=None) -> float:
                                      block_m, block_n, problem.causal)
 
 
+def _bounds(dev, packed) -> list:
+    """The kernels' last argument for a packed batch: its prefix sums ``(2, B + 1)`` int32, as
+    ``dev`` passes an input (``[]`` for a rectangle)."""
+    return [] if packed is None else [dev(("in", packed.bounds))[0]]
+
+
 def _mod_args(dev, problem, user, ctx=None, tiles=None, over="kv") -> list:
     """The kernels' last arguments with a user's mods: their arrays' tuple, as ``dev`` passes an
     input (``[]`` without mods), and with a mask_mod a block-sparse walk's two lists at the
@@ -170,12 +182,20 @@ def _mod_args(dev, problem, user, ctx=None, tiles=None, over="kv") -> list:
     return [tuple(dev(("in", a))[0] for a in problem.mod_args), *lists]
 
 
-def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv, user=None) -> None:
+def _grid_dims(problem, packed) -> tuple:
+    """(batch, Nq, Nk) the grids are laid over: the problem's, or a packed batch's (sequences,
+    longest queries, longest keys)."""
+    if packed is None:
+        return problem.batch, problem.n_q, problem.n_k
+    return packed.sequences, packed.max_seqlen_q, packed.max_seqlen_k
+
+
+def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv, user=None, packed=None) -> None:
     from numba_flash.kernels.bwd import ROWDOT_THREADS, bwd_dq_kernel, bwd_kernel, bwd_layout, rowdot_kernel
     from numba_flash.launch import numba_launch
 
     B, H, Nq, D = problem.q_shape
-    Nk = problem.n_k
+    Bg, Nqg, Nkg = _grid_dims(problem, packed)  # (the grids')
     block = tile_table.backward_block(D)  # square tiles (the simulator: 8 x 8)
     scale = np.float32(problem.scale)
     cap = np.float32(problem.softcap * LOG2E)  # the kernels' unit
@@ -192,22 +212,23 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv, user=None) 
     if algorithm == "fa2":  # FA-2 line 4: D = rowsum(dO * O), once
         numba_launch(rowdot_kernel(D), (-(-(B * H * Nq) // ROWDOT_THREADS),), ROWDOT_THREADS, stream,
                      dev(("in", do), ("in", o), ("out", dvec)))
-        grid = (-(-Nk // block) * B * Hkv,)
+        grid = (-(-Nkg // block) * Bg * Hkv,)
     else:
-        grid = (B * Hkv,)
+        grid = (Bg * Hkv,)
     layout = bwd_layout(algorithm, D, block)
     slopes = slopes_argument(problem, ctx.kind)
+    varlen = packed is not None
     kernel = bwd_kernel(algorithm, D, block, problem.window, not deterministic or algorithm == "fa1", capped,
-                        problem.alibi, user)
-    mods = _mod_args(dev, problem, user, ctx, (block, block), "kv")
+                        problem.alibi, user, varlen)
+    mods = _mod_args(dev, problem, user, ctx, (block, block), "kv") + _bounds(dev, packed)
     numba_launch(kernel, grid, layout.threads, stream,
                  dev(("in", q), ("in", k), ("in", v), ("in", o), ("in", do), ("in", lse), ("in", dvec),
                      ("out", dq_acc), ("out", dk_k), ("out", dv_k), scale, cap, ("in", slopes)) + mods,
                  shared_mem_bytes=layout.smem_bytes)
     if deterministic and algorithm == "fa2":
         dq_layout = bwd_layout("dq", D, block)
-        mods = _mod_args(dev, problem, user, ctx, (block, block), "q")
-        numba_launch(bwd_dq_kernel(D, block, problem.window, capped, problem.alibi, user), (-(-Nq // block) * B * H,),
+        mods = _mod_args(dev, problem, user, ctx, (block, block), "q") + _bounds(dev, packed)
+        numba_launch(bwd_dq_kernel(D, block, problem.window, capped, problem.alibi, user, varlen), (-(-Nqg // block) * Bg * H,),
                      dq_layout.threads, stream,
                      dev(("in", q), ("in", k), ("in", v), ("in", do), ("in", lse), ("in", dvec), ("out", dq_acc), scale, cap,
                          ("in", slopes)) + mods, shared_mem_bytes=dq_layout.smem_bytes)
@@ -218,7 +239,7 @@ def _run(ctx, problem, algorithm, deterministic, inputs, grads, Hkv, user=None) 
         dv[...] = _narrow(dv_k, dv, ctx.kind)
 
 
-def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, tiles=None, user=None) -> None:
+def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, tiles=None, user=None, packed=None) -> None:
     """The tensor-core kernels (``kernels.tc_bwd``) on 16-bit inputs (or float32, kind
     ``"tf32x3"``): FA-2 D = rowsum(dO * O) first, then dK/dV with dQ by atomics (or dQ by its own
     kernel when ``deterministic``), or FA-1 in one kernel; dK, dV written by the kernel in the
@@ -235,7 +256,8 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
     from numba_flash.tensor_cores import bits_view, cupy_stream, kernel_arrays
 
     B, H, Nq, D = problem.q_shape
-    Nk = problem.n_k
+    Bg, Nqg, Nkg = _grid_dims(problem, packed)  # (the grids')
+    varlen = packed is not None
     dim = kernel_head_dim(kind, D)
     block_m, block_n = tile_table.backward_tc_tiles(dim, kind) if tiles is None else tiles
     check_tc_bwd_tiles(kind, dim, block_m, block_n, [algorithm] + (["dq"] if deterministic and algorithm == "fa2" else []))
@@ -259,15 +281,15 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
         if algorithm == "fa2":  # FA-2 line 4: D = rowsum(dO * O), once
             numba_launch(rowdot_kernel(None, bits=kind if sixteen else None), (-(-(B * H * Nq) // ROWDOT_THREADS),), ROWDOT_THREADS, stream,
                          dev(("in", kdo), ("in", ko), ("out", dvec_b)))
-            grid = (-(-Nk // block_n) * B * Hkv,)
+            grid = (-(-Nkg // block_n) * Bg * Hkv,)
         else:
-            grid = (B * Hkv,)
+            grid = (Bg * Hkv,)
         layout = tc_bwd_layout(algorithm, kind, dim, block_m, block_n)
         cc = None if simulated() else cuda_device_capability()
         slopes = slopes_argument(problem, "numpy" if ctx.kind == "numpy" else "cupy")
         kernel = tc_bwd_kernel(algorithm, kind, dim, block_m, block_n, problem.window, not deterministic or algorithm == "fa1",
-                               vector_reductions(cc), capped, problem.alibi, user)
-        mods = _mod_args(dev, problem, user, ctx, (block_m, block_n), "kv")
+                               vector_reductions(cc), capped, problem.alibi, user, varlen)
+        mods = _mod_args(dev, problem, user, ctx, (block_m, block_n), "kv") + _bounds(dev, packed)
         numba_launch(kernel, grid, layout.threads, stream,
                      dev(("in", kq), ("in", kk), ("in", kv), ("in", ko), ("in", kdo), ("in", lse_b), ("in", dvec_b),
                          ("out", dq_b), ("out", dk_b), ("out", dv_b), scale, cap, ("in", slopes)) + mods,
@@ -275,9 +297,9 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
         if deterministic and algorithm == "fa2":
             dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind)
             dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
-            mods = _mod_args(dev, problem, user, ctx, (dq_m, dq_n), "q")
-            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window, capped, problem.alibi, user),
-                         (-(-Nq // dq_m) * B * H,), dq_layout.threads, stream,
+            mods = _mod_args(dev, problem, user, ctx, (dq_m, dq_n), "q") + _bounds(dev, packed)
+            numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window, capped, problem.alibi, user, varlen),
+                         (-(-Nqg // dq_m) * Bg * H,), dq_layout.threads, stream,
                          dev(("in", kq), ("in", kk), ("in", kv), ("in", kdo), ("in", lse_b), ("in", dvec_b), ("out", dq_b),
                              scale, cap, ("in", slopes)) + mods, shared_mem_bytes=dq_layout.smem_bytes)
         dev.copy_back()

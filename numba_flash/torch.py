@@ -37,7 +37,7 @@ from numba_flash.needs import require_module
 
 torch = require_module("torch", "numba_flash.torch")  # the real PyTorch (absolute import), or the install hint
 
-__all__ = ["attention", "decode"]
+__all__ = ["attention", "attention_varlen", "decode"]
 
 
 def _check_tensors(**arrays) -> None:
@@ -103,6 +103,50 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
                          None if num_splits is None else int(num_splits), _window(causal, window_size),
                          softcap_value(softcap), alibi_slopes)
     return (o, lse) if return_lse else o
+
+
+def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
+                     window_size=(-1, -1), softcap=0.0, alibi_slopes=None, algorithm="fa2", deterministic=False):
+    """Differentiable :func:`numba_flash.attention_varlen` over torch CUDA tensors (API.md 2d),
+    returning ``o`` ``(total_q, H, D)``: FlashAttention's ``flash_attn_varlen_func``. The prefix
+    sums (int32 tensors, NumPy arrays or lists) are read on the host once, in the forward (a
+    device tensor costs a synchronising copy: pass host ones in a loop); the backward runs
+    :func:`numba_flash.attention_backward_varlen` on the same packed batch (``deterministic``:
+    FA-2's dQ without atomics). A ``torch.autograd.Function``, not a custom operator (the lengths
+    shape the launch): ``torch.compile`` breaks its graph there."""
+    _check_tensors(q=q, k=k, v=v, **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}))
+    options = dict(causal=bool(causal), scale=None if scale is None else float(scale), algorithm=str(algorithm),
+                   window_size=tuple(_window(causal, window_size)), softcap=softcap_value(softcap))
+    lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
+    o, _ = _VarlenAttention.apply(q, k, v, alibi_slopes, options, lengths, bool(deterministic))
+    return o
+
+
+class _VarlenAttention(torch.autograd.Function):
+    """:func:`attention_varlen`: ``numba_flash.varlen``'s forward and backward on one packed batch."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, alibi_slopes, options, lengths, deterministic):
+        from numba_flash.arrays import ArrayContext
+        from numba_flash.varlen import attention_varlen as run
+        from numba_flash.varlen import packed_batch
+
+        q, k, v = q.detach(), k.detach(), v.detach()
+        batch = packed_batch(ArrayContext("torch", q), *lengths, int(q.shape[0]), int(k.shape[0]))
+        o, lse = run(q, k, v, *lengths, alibi_slopes=alibi_slopes, return_lse=True, batch=batch, **options)
+        ctx.save_for_backward(q, k, v, o, lse, alibi_slopes)
+        ctx.options, ctx.lengths, ctx.batch, ctx.deterministic = options, lengths, batch, deterministic
+        ctx.mark_non_differentiable(lse)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, do, _dlse):
+        from numba_flash.varlen import attention_backward_varlen
+
+        q, k, v, o, lse, alibi_slopes = ctx.saved_tensors
+        dq, dk, dv = attention_backward_varlen(do.contiguous(), q, k, v, o, lse, *ctx.lengths, alibi_slopes=alibi_slopes,
+                                               deterministic=ctx.deterministic, batch=ctx.batch, **ctx.options)
+        return dq, dk, dv, None, None, None, None  # (no gradient for the slopes, as FlashAttention)
 
 
 class _ModdedAttention(torch.autograd.Function):

@@ -5,7 +5,7 @@ cu_seqlens_q[b + 1]`` of ``q (total_q, H, D)`` and ``cu_seqlens_k[b] .. cu_seqle
 ``k``, ``v (total_k, Hkv, D)``. Nothing is padded and no copy is made: the kernels read the
 packed arrays through ``(1, H, total, D)`` views (heads before rows, strided), and the grid is
 laid over (sequence, head, Q tile of the longest sequence) -- ``LaunchConfig.varlen``. Each block
-cuts its sequence's rows out of every array (``kernels.block_info.sequence_rows``) and runs the
+cuts its sequence's rows out of every array (``kernels.block_info.sequence_span``) and runs the
 one-sequence walk on them, so the masks' bottom-right alignment, the K/V walk's bounds and the
 tail tiles follow from that sequence's lengths; a block whose Q tile lies past its sequence's
 end returns at once. One kernel serves both loop orders and regimes (the skeleton's ``varlen``
@@ -14,7 +14,7 @@ switch); ``num_splits`` is 1.
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -24,12 +24,12 @@ from numba_flash.arrays import ArrayContext, as_cupy_view, kind_of
 from numba_flash.checks import sequence_bounds
 from numba_flash.problem import describe
 
-__all__ = ["attention_varlen"]
+__all__ = ["PackedBatch", "attention_backward_varlen", "attention_varlen", "packed_batch"]
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False, scale=None,
                      window_size=(-1, -1), softcap=0.0, alibi_slopes=None, algorithm="fa2", return_lse=False,
-                     precision=None):
+                     precision=None, batch=None):
     """Attention of each sequence of a packed batch to its own keys (API.md 2d).
 
     ``q``: ``(total_q, H, D)``; ``k``, ``v``: ``(total_k, Hkv, D)``, ``H % Hkv == 0``; CuPy,
@@ -42,7 +42,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ``(H,)`` or ``(B, H)`` (row ``b``: sequence ``b``). ``algorithm``: ``"fa1"`` or ``"fa2"``;
     ``precision``: as :func:`numba_flash.attention`. Returns ``o (total_q, H, D)`` in q's dtype,
     or ``(o, lse)`` with ``return_lse=True``, ``lse`` float32 ``(H, total_q)`` (natural log;
-    a sequence with no keys: ``o = 0``, ``lse = -inf``).
+    a sequence with no keys: ``o = 0``, ``lse = -inf``). ``batch``: these prefix sums as a
+    :class:`PackedBatch` already made (:func:`packed_batch`; then they are not read again).
     """
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
@@ -62,27 +63,22 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     views = [_heads_first(x, kind) for x in (q, k, v)]  # (the checks of describe name q, k, v)
     problem = describe(*views, causal=causal, scale=scale, algorithm=algorithm, precision=precision,
                        window_size=window_size, softcap=softcap)
-    total_q, total_k = int(q.shape[0]), int(k.shape[0])
-    cu_q, cu_k = sequence_bounds(_on_host(cu_seqlens_q, "cu_seqlens_q"), _on_host(cu_seqlens_k, "cu_seqlens_k"), max_seqlen_q,
-                                 max_seqlen_k, total_q, total_k)
-    n_seq, H, D = len(cu_q) - 1, int(q.shape[1]), int(q.shape[2])
-    longest = max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0)
+    total_q, H, D = (int(n) for n in q.shape)
     ctx = ArrayContext(kind, q)
-    if alibi_slopes is not None:  # (B, H) or (H,), as the kernels read them: one row per sequence
-        alibi_slopes = as_cupy_view(alibi_slopes, "alibi_slopes")
-        check_slopes(alibi_slopes, kind, n_seq, H, problem.device_id)
-        problem = replace(problem, alibi_slopes=_rows_per_sequence(alibi_slopes, n_seq, kind), alibi=True)
-    call = replace(api.configure(problem), num_splits=1, varlen=(n_seq, longest))
+    if batch is None:
+        batch = packed_batch(ctx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, int(k.shape[0]))
+    if alibi_slopes is not None:  # (H,) or a row per sequence
+        problem = replace(problem, alibi_slopes=batch.slopes(alibi_slopes, problem), alibi=True)
+    call = replace(api.configure(problem), num_splits=1, varlen=(batch.sequences, batch.max_seqlen_q))
     with ctx.on_device():
         o = ctx.empty((total_q, H, D), problem.dtype)
         lse = ctx.empty((H, total_q), "float32")
         if total_q:
-            if longest and total_k:
-                bounds = _device_bounds(np.array([cu_q, cu_k], dtype=np.int32), kind, ctx)
+            if batch.max_seqlen_k:
                 # (a GPU writes o through its strided view; NumPy results go through a device
                 # copy, which must be one contiguous buffer: heads first, then transposed)
                 o_kernel = ctx.empty((1, H, total_q, D), problem.dtype) if kind == "numpy" else _heads_first(o, kind)
-                api.run(ctx, call, *views, o_kernel, lse[None], seqlens=bounds)
+                api.run(ctx, call, *views, o_kernel, lse[None], seqlens=batch.bounds)
                 if kind == "numpy":
                     o[...] = o_kernel[0].transpose(1, 0, 2)
             else:  # no sequence has keys: o = 0, lse = -inf (as for a fully masked row)
@@ -91,11 +87,81 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     return (o, lse) if return_lse else o
 
 
+def attention_backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *,
+                              causal=False, scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              algorithm="fa2", deterministic=False, precision=None, batch=None):
+    """Gradients ``(dq, dk, dv)`` of :func:`attention_varlen`'s ``o`` for the upstream gradient
+    ``do`` (API.md 2d): ``o`` and ``lse`` ``(H, total_q)`` are what it returned for the same
+    arguments; ``do`` and ``o`` like ``q``; the gradients have the packed shapes and dtypes of
+    ``q``, ``k``, ``v`` (GQA: a KV head's sum over its query heads; rows that see no key: zero).
+    ``algorithm``, ``deterministic``, ``precision``: as :func:`numba_flash.attention_backward`.
+    The kernels are the backward's, cut per sequence as the forward's (``kernels.backward``'s
+    ``varlen`` switch). ``batch``: the forward's :class:`PackedBatch` (the prefix sums then are
+    not read again: no host copy)."""
+    from numba_flash.backward import gradients
+
+    arrays = [as_cupy_view(x, name) for x, name in ((do, "do"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"))]
+    do, q, k, v, o, lse = arrays
+    for name, x, rank in (("do", do, 3), ("q", q, 3), ("k", k, 3), ("v", v, 3), ("o", o, 3), ("lse", lse, 2)):
+        if len(x.shape) != rank:
+            raise ValueError(f"{name} must be {rank}-D (packed); got shape {tuple(x.shape)}")
+    kind = kind_of(q, "q")
+    ctx = ArrayContext(kind, q)
+    if batch is None:
+        batch = packed_batch(ctx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, int(q.shape[0]),
+                             int(k.shape[0]))
+    views = [_heads_first(x, kind) for x in (do, q, k, v, o)]
+    grads = gradients(*views, lse[None], causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic,
+                      precision=precision, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                      packed=batch)
+    return tuple(_rows_first(g, kind) for g in grads)
+
+
+@dataclass(frozen=True)
+class PackedBatch:
+    """A checked packed batch, as the kernels take it: ``bounds``, int32 ``(2, B + 1)`` (the
+    queries' and the keys' prefix sums) in the inputs' library and device; the sequence count;
+    the longest query and key lengths (what the grids are laid over)."""
+
+    bounds: object
+    sequences: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+
+    def slopes(self, alibi_slopes, problem):
+        """ALiBi's slopes ``(H,)`` or ``(B, H)`` checked against the sequences, as ``(B, H)``
+        (the kernels cut out their sequence's row)."""
+        alibi_slopes = as_cupy_view(alibi_slopes, "alibi_slopes")
+        check_slopes(alibi_slopes, problem.kind, self.sequences, problem.heads, problem.device_id)
+        return _rows_per_sequence(alibi_slopes, self.sequences, problem.kind)
+
+
+def packed_batch(ctx: ArrayContext, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q: int,
+                 total_k: int) -> PackedBatch:
+    """The prefix sums read on the host and checked (``checks.sequence_bounds``), as a
+    :class:`PackedBatch` on the inputs' device."""
+    cu_q, cu_k = sequence_bounds(_on_host(cu_seqlens_q, "cu_seqlens_q"), _on_host(cu_seqlens_k, "cu_seqlens_k"),
+                                 max_seqlen_q, max_seqlen_k, total_q, total_k)
+    longest_q = max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0)
+    longest_k = max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0)
+    with ctx.on_device():
+        bounds = _device_bounds(np.array([cu_q, cu_k], dtype=np.int32), ctx.kind, ctx)
+    return PackedBatch(bounds, len(cu_q) - 1, longest_q, longest_k)
+
+
 def _heads_first(x, kind: str):
     """``(total, heads, dim)`` as the kernels' ``(1, heads, total, dim)``: a strided view."""
     if kind == "torch":
         return x.permute(1, 0, 2).unsqueeze(0)
     return x.transpose(1, 0, 2)[None]
+
+
+def _rows_first(x, kind: str):
+    """A ``(1, heads, total, dim)`` result as a C-contiguous packed ``(total, heads, dim)`` array."""
+    if kind == "torch":
+        return x[0].permute(1, 0, 2).contiguous()
+    xp = np if kind == "numpy" else __import__("cupy")
+    return xp.ascontiguousarray(x[0].transpose(1, 0, 2))
 
 
 def _on_host(x, name: str):

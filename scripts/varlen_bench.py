@@ -70,6 +70,8 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--backward", action="store_true",
+                    help="also time attention_backward_varlen against the rectangle's backward (FA-2, atomics)")
     ap.add_argument("--json", help="write the row here")
     args = ap.parse_args(argv)
     from numba_flash import needs
@@ -105,6 +107,21 @@ def main(argv=None) -> int:
     row["varlen_vs_rect_throughput"] = row["varlen_tflops"] / row["rect_tflops"]
     print(f"  attention, B{n_docs} N{n_rect} (rectangle): {row['rect_ms']:.3f} ms, {row['rect_tflops']:.0f} TFLOP/s; "
           f"varlen's throughput {row['varlen_vs_rect_throughput']:.2f}x", flush=True)
+
+    if args.backward:  # FLOPs 2.5x the forward's (FlashAttention's count)
+        o, lse = numba_flash.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True, return_lse=True)
+        do = torch.randn_like(o)
+        row["varlen_bwd_ms"] = median_ms(lambda: numba_flash.attention_backward_varlen(
+            do, q, k, v, o, lse, cu, cu, longest, longest, causal=True), torch, args.repeats)
+        ro, rlse = numba_flash.attention(rq, rk, rv, causal=True, return_lse=True)
+        rdo = torch.randn_like(ro)
+        row["rect_bwd_ms"] = median_ms(lambda: numba_flash.attention_backward(rdo, rq, rk, rv, ro, rlse, causal=True),
+                                       torch, args.repeats)
+        row["varlen_bwd_tflops"] = 2.5 * flops / row["varlen_bwd_ms"] / 1e9
+        row["rect_bwd_tflops"] = 2.5 * row["rect_tflops"] * row["rect_ms"] / row["rect_bwd_ms"]
+        print(f"  backward: varlen {row['varlen_bwd_ms']:.3f} ms, {row['varlen_bwd_tflops']:.0f} TFLOP/s; rectangle "
+              f"{row['rect_bwd_ms']:.3f} ms, {row['rect_bwd_tflops']:.0f} TFLOP/s "
+              f"({row['varlen_bwd_tflops'] / row['rect_bwd_tflops']:.2f}x)", flush=True)
 
     padded = [torch.zeros(n_docs, H, longest, D, device="cuda", dtype=torch.float16) for _ in range(3)]
     for b, n in enumerate(lens):

@@ -64,14 +64,15 @@ from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mask, mma
 from numba_flash.kernels.mask import window_of
 from numba_flash.kernels.block_info import (batch_and_head, list_row, listed_partial, listed_range, listed_tile,
-                                            tile_of_block)
+                                            sequence_span, tile_of_block)
 from numba_flash.kernels.jit import LOG2E, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit
 
 ORDERS = ("fa1", "fa2")
 
 
 @kernel_factory
-def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, alibi: bool = False):
+def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, alibi: bool = False,
+              varlen: bool = False):
     """The dK/dV (and dQ) kernel on ``engine``, of the loop order it was made for (memoised; the
     engine module's name says all it was made of, and is the kernel's identity in the
     compilation cache): ``bwd.ffma_bwd_engine(order, ...)`` or ``tc_bwd.mma_bwd_engine(order, ...)``.
@@ -89,6 +90,10 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
     accumulated into (untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` out, ``scale``
     (float32), ``softcap_log2`` (float32, the cap in log2 units; read when ``softcap``), ``alibi``
     (``(B, H) float32``: ALiBi's slopes times log2(e), H the query heads; read when ``alibi``).
+    ``varlen``: a packed batch (``numba_flash.varlen``): the arrays are ``(1, heads, total, ...)``
+    views of packed rows and one more argument, ``cu_seqlens`` int32 ``(2, B + 1)``, follows;
+    "fa2"'s grid counts the longest sequence's K/V tiles, and each block cuts its sequence out
+    (``block_info.sequence_span``).
     """
     E = engine
     if E.order not in ORDERS:
@@ -105,6 +110,9 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
 
     HAS_USER = getattr(E, "user_mods", None) is not None  # a user's mods (the engine's; their arrays: mod_args)
     SPARSE = HAS_USER and E.user_mods.block_sparse  # the Q tiles a block mask lists for each K/V tile and head
+    VARLEN = bool(varlen)  # a packed batch: the grid is (sequence, KV head, K/V tile); cu_seqlens last
+    if VARLEN and HAS_USER:
+        raise ValueError("a packed batch (varlen) takes no user's mods")
 
     @device_jit
     def first_listed(walk_counts, walk_lists, b, h, h_end, j, i_first, i_end):
@@ -120,16 +128,33 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
         return h_end, 0, 0
 
     @device_jit
-    def bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists):
+    def bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists,
+                 cu_seqlens):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_kv_heads, n_k = k.shape[1], k.shape[2]
         group = n_heads // n_kv_heads
         n_kv_tiles = (n_k + BN - 1) // BN
         n_q_tiles = (n_q + BM - 1) // BM
+        if VARLEN and not FA1:  # the grid's K/V tiles: the longest sequence's
+            n_kv_tiles = cuda.gridDim.x // ((cu_seqlens.shape[1] - 1) * n_kv_heads)
         # FA-1: one block per (batch, KV head), walking every K/V tile (line 5); FA-2: one per
         # (K/V tile, batch, KV head), line 5's loop is the grid
         j_first, j_end, bh = tile_of_block(cuda.blockIdx.x, n_kv_tiles, not FA1, False)
         b, hk = batch_and_head(bh, n_kv_heads)
+        if VARLEN:  # sequence b's rows of every array (block_info.sequence_span): batch 0 of views
+            q0, q1, k0, k1 = sequence_span(cu_seqlens, b)
+            q, o, do, lse, dvec, dq = q[:, :, q0:q1], o[:, :, q0:q1], do[:, :, q0:q1], lse[:, :, q0:q1], \
+                dvec[:, :, q0:q1], dq[:, :, q0:q1]
+            k, v, dk, dv = k[:, :, k0:k1], v[:, :, k0:k1], dk[:, :, k0:k1], dv[:, :, k0:k1]
+            if ALIBI:
+                alibi = alibi[b : b + 1]
+            b = 0
+            n_q, n_k = q.shape[2], k.shape[2]
+            n_kv_tiles = (n_k + BN - 1) // BN
+            n_q_tiles = (n_q + BM - 1) // BM
+            if j_first >= n_kv_tiles:  # a K/V tile past this sequence's end (FA-2): no work
+                return
+            j_end = min(j_end, n_kv_tiles)
         q_scale = scale * float32(LOG2E)
 
         smem = cuda.shared.array(0, ELEM, SMEM_ALIGN)  # the engine's tiles: K_j, V_j, Q_i, dO_i (O_i), P^T, dS^T
@@ -264,25 +289,30 @@ def kv_kernel(engine, window, compute_dq: bool = True, softcap: bool = False, al
             E.write_grad(dk, b, hk, col0, n_k, dk_acc, E.dk_factor(scale))
             E.write_grad(dv, b, hk, col0, n_k, dv_acc, float32(1.0))
 
-    if not HAS_USER:
+    if VARLEN:  # the prefix sums after the slopes
+        @kernel_jit(fastmath={"contract", "afn", "arcp"})
+        def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, cu_seqlens):
+            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, (), (), (), cu_seqlens)
+    elif not HAS_USER:
         @kernel_jit(fastmath={"contract", "afn", "arcp"})
         def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi):
-            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, (), (), ())
+            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, (), (), (), ())
     elif not SPARSE:
         @kernel_jit(fastmath={"contract", "afn", "arcp"})
         def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args):
-            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, (), ())
+            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, (), (), ())
     else:  # a block mask's lists (block_info; for each K/V tile and query head, its Q tiles) after mod_args
         @kernel_jit(fastmath={"contract", "afn", "arcp"})
         def attention_bwd(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, walk_counts,
                           walk_lists):
-            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists)
+            bwd_body(q, k, v, o, do, lse, dvec, dq, dk, dv, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists,
+                     ())
 
     return attention_bwd
 
 
 @kernel_factory
-def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
+def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False, varlen: bool = False):
     """dQ without atomics (``deterministic=True``) on ``engine`` (``bwd.ffma_dq_engine``,
     ``tc_bwd.mma_dq_engine``; memoised): one
     block per (Q tile, batch, head) walks the K/V tiles it sees -- the forward's loop order, Q
@@ -330,17 +360,33 @@ def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
 
     HAS_USER = getattr(E, "user_mods", None) is not None
     SPARSE = HAS_USER and E.user_mods.block_sparse  # the K/V tiles a block mask lists for each Q tile
+    VARLEN = bool(varlen)  # a packed batch (kv_kernel's): the grid's Q tiles are the longest sequence's
+    if VARLEN and HAS_USER:
+        raise ValueError("a packed batch (varlen) takes no user's mods")
 
     @device_jit
-    def dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists):
+    def dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists, cu_seqlens):
         n_heads, n_q = q.shape[1], q.shape[2]
         n_k = k.shape[2]
         group = n_heads // k.shape[1]
         n_q_tiles = (n_q + BM - 1) // BM
         n_kv_tiles = (n_k + BN - 1) // BN
+        if VARLEN:
+            n_q_tiles = cuda.gridDim.x // ((cu_seqlens.shape[1] - 1) * n_heads)
         i_tile, _, bh = tile_of_block(cuda.blockIdx.x, n_q_tiles, True, WINDOW[1] >= 0)  # causal: the longest walks first
         b, h = batch_and_head(bh, n_heads)
         hk = h // group
+        if VARLEN:  # sequence b's rows of every array (block_info.sequence_span): batch 0 of views
+            q0, q1, k0, k1 = sequence_span(cu_seqlens, b)
+            q, do, lse, dvec, dq = q[:, :, q0:q1], do[:, :, q0:q1], lse[:, :, q0:q1], dvec[:, :, q0:q1], dq[:, :, q0:q1]
+            k, v = k[:, :, k0:k1], v[:, :, k0:k1]
+            if ALIBI:
+                alibi = alibi[b : b + 1]
+            b = 0
+            n_q, n_k = q.shape[2], k.shape[2]
+            n_kv_tiles = (n_k + BN - 1) // BN
+            if i_tile * BM >= n_q:  # a Q tile past this sequence's end: no work
+                return
         row0 = i_tile * BM
         q_scale = scale * float32(LOG2E)
 
@@ -414,17 +460,21 @@ def dq_kernel(engine, window, softcap: bool = False, alibi: bool = False):
         E.wait_all()  # no copy outlives the block
         E.write_dq(dq, b, h, row0, n_q, acc, scale)
 
-    if not HAS_USER:
+    if VARLEN:  # the prefix sums after the slopes
+        @kernel_jit(fastmath={"contract", "afn", "arcp"})
+        def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, cu_seqlens):
+            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, (), (), (), cu_seqlens)
+    elif not HAS_USER:
         @kernel_jit(fastmath={"contract", "afn", "arcp"})
         def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi):
-            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, (), (), ())
+            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, (), (), (), ())
     elif not SPARSE:
         @kernel_jit(fastmath={"contract", "afn", "arcp"})
         def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args):
-            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, (), ())
+            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, (), (), ())
     else:  # a block mask's lists (block_info) after mod_args
         @kernel_jit(fastmath={"contract", "afn", "arcp"})
         def attention_bwd_dq(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists):
-            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists)
+            dq_body(q, k, v, do, lse, dvec, dq, scale, softcap_log2, alibi, mod_args, walk_counts, walk_lists, ())
 
     return attention_bwd_dq

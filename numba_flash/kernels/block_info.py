@@ -91,16 +91,13 @@ def valid_keys(seqlens, b, n_k, ragged):
 
 
 @device_jit
-def sequence_rows(cu_seqlens, b, q, k, v, o, lse, o_hbm, l_hbm, m_hbm):
-    """A packed batch (varlen): sequence ``b``'s rows of every array, each a ``(1, heads, total,
-    ...)`` view of the packed rows -- queries ``cu_seqlens[0, b] ..``, keys ``cu_seqlens[1, b]
-    ..`` -- and its query count. Cut out, they are a one-sequence problem of the sequence's
-    lengths: the walks, masks and bottom-right alignment follow from their shapes. (FA-1's O, l,
-    m in global memory are laid out as the queries.)"""
-    q0, q1 = cu_seqlens[0, b], cu_seqlens[0, b + 1]
-    k0, k1 = cu_seqlens[1, b], cu_seqlens[1, b + 1]
-    return (q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], o[:, :, q0:q1], lse[:, :, q0:q1], o_hbm[:, :, q0:q1],
-            l_hbm[:, :, q0:q1], m_hbm[:, :, q0:q1], q1 - q0)
+def sequence_span(cu_seqlens, b):
+    """A packed batch (varlen; ``cu_seqlens`` int32 ``(2, B + 1)``, the queries' and the keys'
+    prefix sums): ``(q0, q1, k0, k1)``, sequence ``b``'s rows of the packed queries and keys. A
+    kernel cuts them out of its ``(1, heads, total, ...)`` views (``x[:, :, q0:q1]``; numba returns
+    no slice from a device function), after which the sequence is a one-sequence problem of its
+    own lengths: the walks, masks and bottom-right alignment follow from the shapes."""
+    return cu_seqlens[0, b], cu_seqlens[0, b + 1], cu_seqlens[1, b], cu_seqlens[1, b + 1]
 
 
 @device_jit

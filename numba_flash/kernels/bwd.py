@@ -386,7 +386,7 @@ def ffma_bwd_engine(order: str, head_dim: int, block: int, user_mods=None):
 
 
 def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool = True, softcap: bool = False,
-               alibi: bool = False, user_mods=None):
+               alibi: bool = False, user_mods=None, varlen: bool = False):
     """The CUDA-core dK/dV (and dQ) kernel of one loop order: ``kernels.backward.kv_kernel`` on
     :func:`ffma_bwd_engine` (memoised there).
 
@@ -398,12 +398,12 @@ def bwd_kernel(order: str, head_dim: int, block: int, window, compute_dq: bool =
     float32``, zeroed before the launch and accumulated into (atomically for ``"fa2"``;
     untouched when not ``compute_dq``), ``dk, dv (B,Hkv,Nk,D)`` out, ``scale`` (float32),
     ``softcap_log2`` (float32; read with ``softcap``), ``alibi`` ((B, H) float32 slopes times
-    log2(e); read with ``alibi``).
+    log2(e); read with ``alibi``); ``varlen``: a packed batch (``kernels.backward.kv_kernel``).
     """
     from numba_flash.kernels.backward import kv_kernel
 
     return kv_kernel(ffma_bwd_engine(order, int(head_dim), int(block), user_mods), window_of(window), bool(compute_dq),
-                     bool(softcap), bool(alibi))
+                     bool(softcap), bool(alibi), bool(varlen))
 
 
 @functools.lru_cache(maxsize=None)
@@ -477,7 +477,8 @@ def ffma_dq_engine(head_dim: int, block: int, user_mods=None):
     return engine
 
 
-def bwd_dq_kernel(head_dim: int, block: int, window, softcap: bool = False, alibi: bool = False, user_mods=None):
+def bwd_dq_kernel(head_dim: int, block: int, window, softcap: bool = False, alibi: bool = False, user_mods=None,
+                  varlen: bool = False):
     """dQ without atomics (``deterministic=True``) on CUDA cores: ``kernels.backward.dq_kernel``
     on :func:`ffma_dq_engine` (memoised there).
 
@@ -485,11 +486,12 @@ def bwd_dq_kernel(head_dim: int, block: int, window, softcap: bool = False, alib
     dynamic shared memory ``bwd_layout("dq", head_dim, block).smem_bytes``. Arguments: ``q, do
     (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``, ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D)`` out
     (any float dtype), ``scale`` (float32), ``softcap_log2`` (float32; read with ``softcap``),
-    ``alibi`` (read with ``alibi``).
+    ``alibi`` (read with ``alibi``); ``varlen``: a packed batch (``kernels.backward.dq_kernel``).
     """
     from numba_flash.kernels.backward import dq_kernel
 
-    return dq_kernel(ffma_dq_engine(int(head_dim), int(block), user_mods), window_of(window), bool(softcap), bool(alibi))
+    return dq_kernel(ffma_dq_engine(int(head_dim), int(block), user_mods), window_of(window), bool(softcap), bool(alibi),
+                     bool(varlen))
 
 
 @kernel_factory

@@ -55,7 +55,7 @@ from numba_flash._cuda import cuda, float32, int32
 from numba_flash.kernels import mask, mma, score_mods, softmax
 from numba_flash.kernels.mask import window_of
 from numba_flash.kernels.block_info import (batch_and_head, list_row, listed_partial, listed_range, listed_tile,
-                                            sequence_rows, split_of_block, split_tiles, tile_of_block, valid_keys)
+                                            sequence_span, split_of_block, split_tiles, tile_of_block, valid_keys)
 from numba_flash.kernels.engines import CudaCores, TensorCores, ffma_engine, key_warp_merge, mma_engine
 from numba_flash.kernels.jit import NEG_INF, SMEM_ALIGN, device_jit, kernel_factory, kernel_jit, shared_tile
 from numba_flash.kernels.pipeline import cp_async, synchronous
@@ -147,7 +147,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     kernel takes one more argument, the tuple of their ``mod_args`` arrays. ``varlen``: the
     sequences of a packed batch (``numba_flash.varlen``): ``seqlens`` is then int32 ``(2, B + 1)``,
     ``cu_seqlens_q`` and ``cu_seqlens_k``, and every array a ``(1, H, total, ...)`` view of the
-    packed rows; each block cuts its sequence's rows out of them (``block_info.sequence_rows``).
+    packed rows; each block cuts its sequence's rows out of them (``block_info.sequence_span``).
     ``tiles``: ``engines.CudaCores`` (FFMA micro-tiles, synchronous copies) or
     ``engines.TensorCores`` (``mma.sync``, ``cp.async`` copies: ``pipeline.cp_async``).
     ``cast_out`` (kv_outer): O lives in ``o_hbm`` (float32) and is cast into ``o`` at the end
@@ -651,8 +651,11 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         i_first, i_end, bh = tile_of_block(block, n_q_tiles, PER_TILE, (WINDOW[1] >= 0 or SPARSE) and not KV_OUTER)
         b, h = batch_and_head(bh, n_heads)
         hk = h // group
-        if VARLEN:  # sequence b's rows of every array (block_info.sequence_rows): batch 0 of views
-            q, k, v, o, lse, o_hbm, l_hbm, m_hbm, n_q = sequence_rows(seqlens, b, q, k, v, o, lse, o_hbm, l_hbm, m_hbm)
+        if VARLEN:  # sequence b's rows of every array (block_info.sequence_span): batch 0 of views
+            q0, q1, k0, k1 = sequence_span(seqlens, b)
+            q, o, lse, k, v = q[:, :, q0:q1], o[:, :, q0:q1], lse[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1]
+            o_hbm, l_hbm, m_hbm = o_hbm[:, :, q0:q1], l_hbm[:, :, q0:q1], m_hbm[:, :, q0:q1]  # (FA-1's, as the queries)
+            n_q = q1 - q0
             if ALIBI:
                 alibi = alibi[b : b + 1]
             b = 0

@@ -669,7 +669,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
 
 def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: int, window,
                   compute_dq: bool = True, vector_red: bool = True, softcap: bool = False, alibi: bool = False,
-                  user_mods=None):
+                  user_mods=None, varlen: bool = False):
     """The dK/dV (and dQ) kernel of one loop order on tensor cores: ``kernels.backward.kv_kernel``
     on :func:`mma_bwd_engine` (memoised there).
 
@@ -682,12 +682,13 @@ def tc_bwd_kernel(order: str, kind: str, head_dim: int, block_m: int, block_n: i
     ``compute_dq``), ``dk, dv (B,Hkv,Nk,D')`` uint16 bit patterns out (``D' <= D`` columns
     written), ``scale`` (float32), ``softcap_log2`` (float32; read with ``softcap``). ``vector_red``: FA-2's
     dQ atomics as ``red.global.add.v2.f32``
-    (sm_90 and later; else two float32 atomics: :func:`vector_reductions`).
+    (sm_90 and later; else two float32 atomics: :func:`vector_reductions`). ``varlen``: a packed
+    batch (``kernels.backward.kv_kernel``).
     """
     from numba_flash.kernels.backward import kv_kernel
 
     engine = mma_bwd_engine(order, kind, int(head_dim), int(block_m), int(block_n), bool(vector_red), user_mods)
-    return kv_kernel(engine, window_of(window), bool(compute_dq), bool(softcap), bool(alibi))
+    return kv_kernel(engine, window_of(window), bool(compute_dq), bool(softcap), bool(alibi), bool(varlen))
 
 
 @functools.lru_cache(maxsize=None)
@@ -799,7 +800,7 @@ def mma_dq_engine(kind: str, head_dim: int, block_m: int, block_n: int, user_mod
 
 
 def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, window, softcap: bool = False,
-                     alibi: bool = False, user_mods=None):
+                     alibi: bool = False, user_mods=None, varlen: bool = False):
     """dQ without atomics on tensor cores (``deterministic=True``): ``kernels.backward.dq_kernel``
     on :func:`mma_dq_engine` (memoised there).
 
@@ -807,10 +808,9 @@ def tc_bwd_dq_kernel(kind: str, head_dim: int, block_m: int, block_n: int, windo
     shared memory ``layout.smem_bytes``. Arguments: ``q, do (B,H,Nq,D)``, ``k, v (B,Hkv,Nk,D)``
     uint16 bit patterns, ``lse, dvec (B,H,Nq) float32``, ``dq (B,H,Nq,D) float32`` out,
     ``scale`` (float32), ``softcap_log2`` (float32; read with ``softcap``), ``alibi`` ((B, H) float32
-    slopes times log2(e); read with ``alibi``).
+    slopes times log2(e); read with ``alibi``); ``varlen``: a packed batch (``kernels.backward.dq_kernel``).
     """
     from numba_flash.kernels.backward import dq_kernel
 
     return dq_kernel(mma_dq_engine(kind, int(head_dim), int(block_m), int(block_n), user_mods), window_of(window),
-                     bool(softcap),
-                     bool(alibi))
+                     bool(softcap), bool(alibi), bool(varlen))

@@ -95,3 +95,83 @@ def test_varlen_cupy_inputs_and_device_prefix_sums():
                                      255, 255, causal=True)
     ref, _ = reference.attention_varlen(q, k, v, cu, cu, 255, 255, causal=True)
     assert float(np.abs(o.get().astype(np.float64) - ref).max()) < 4e-3
+
+
+def _gradients64(q, k, v, do, cu_q, cu_k, causal, torch):
+    """dq, dk, dv per sequence in float64 (autograd), packed as the inputs."""
+    grads = [torch.zeros(x.shape, dtype=torch.float64, device="cuda") for x in (q, k, v)]
+    g = q.shape[1] // k.shape[1]
+    for b in range(len(cu_q) - 1):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        n_q, n_k = rows.stop - rows.start, keys.stop - keys.start
+        if n_q == 0 or n_k == 0:
+            continue
+        qq, kk, vv = (x.detach().double().requires_grad_() for x in (q[rows], k[keys], v[keys]))
+        s = (qq.transpose(0, 1) @ kk.transpose(0, 1).repeat_interleave(g, 0).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+        if causal:
+            i = torch.arange(n_q, device="cuda")[:, None] + n_k - n_q
+            s = s.masked_fill(torch.arange(n_k, device="cuda")[None, :] > i, -math.inf)
+        p = torch.softmax(s, -1).nan_to_num(0.0)
+        out = (p @ vv.transpose(0, 1).repeat_interleave(g, 0)).transpose(0, 1)
+        out.backward(do[rows].double())
+        for acc, x, span in zip(grads, (qq, kk, vv), (rows, keys, keys)):
+            acc[span] = x.grad
+    return grads
+
+
+@pytest.mark.parametrize("variant", [("fa2", False), ("fa2", True), ("fa1", False)])
+@pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee")])
+@pytest.mark.parametrize("causal", [True, False])
+def test_varlen_backward_grid(variant, dtype, precision, causal):
+    """attention_backward_varlen against float64 autograd per sequence: random lengths with 0 and
+    1, GQA, D64 and D128; zero gradients where a sequence has no keys."""
+    torch = pytest.importorskip("torch")
+    import numba_flash
+
+    algorithm, deterministic = variant
+    gen = torch.Generator().manual_seed(11)
+    dt = getattr(torch, dtype)
+    for H, Hkv, D in ((6, 2, 64), (4, 4, 128)):
+        lens_q = _lengths(gen, 6, 300, torch)
+        lens_k = list(lens_q) if causal else _lengths(gen, 6, 400, torch)
+        cu_q, cu_k = [0], [0]
+        for a, b in zip(lens_q, lens_k):
+            cu_q.append(cu_q[-1] + a)
+            cu_k.append(cu_k[-1] + b)
+        q = torch.randn(cu_q[-1], H, D, generator=gen).to("cuda", dt)
+        k, v = (torch.randn(cu_k[-1], Hkv, D, generator=gen).to("cuda", dt) for _ in range(2))
+        do = torch.randn(cu_q[-1], H, D, generator=gen).to("cuda", dt)
+        args = (cu_q, cu_k, max(lens_q), max(lens_k))
+        o, lse = numba_flash.attention_varlen(q, k, v, *args, causal=causal, algorithm=algorithm, precision=precision,
+                                              return_lse=True)
+        grads = numba_flash.attention_backward_varlen(do, q, k, v, o, lse, *args, causal=causal, algorithm=algorithm,
+                                                      deterministic=deterministic, precision=precision)
+        refs = _gradients64(q, k, v, do, cu_q, cu_k, causal, torch)
+        tol = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
+        for name, got, want, x in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
+            assert got.shape == x.shape and got.dtype == dt and got.is_contiguous(), name
+            assert bool(torch.isfinite(got).all()), name
+            rel = float((got.double() - want).abs().max() / want.abs().max())
+            assert rel < tol, (name, H, Hkv, D, rel)
+
+
+def test_torch_attention_varlen_autograd():
+    """numba_flash.torch.attention_varlen: o and the gradients of q, k, v against float64."""
+    torch = pytest.importorskip("torch")
+    import numba_flash.torch as nft
+
+    gen = torch.Generator().manual_seed(13)
+    lens = [300, 0, 1, 129, 64]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q, k, v = (torch.randn(cu[-1], 8, 64, generator=gen).to("cuda", torch.float16).requires_grad_() for _ in range(3))
+    o = nft.attention_varlen(q, k, v, torch.tensor(cu, dtype=torch.int32, device="cuda"), cu, 300, 300, causal=True)
+    do = torch.randn(o.shape, generator=gen).to("cuda", torch.float16)
+    o.backward(do)
+    refs = _gradients64(q, k, v, do, cu, cu, True, torch)
+    ref_o = _reference(q.detach(), k.detach(), v.detach(), cu, cu, True, (-1, -1), None, torch)
+    assert float((o.double() - ref_o).abs().max()) < 4e-3
+    for name, got, want in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), refs):
+        rel = float((got.double() - want).abs().max() / want.abs().max())
+        assert rel < 2e-2, (name, rel)

@@ -1,4 +1,5 @@
-"""Packed batches of sequences of their own lengths (API.md 2d, issue 25): ``attention_varlen``.
+"""Packed batches of sequences of their own lengths (API.md 2d, issue 25): ``attention_varlen``
+and ``attention_backward_varlen``.
 
 Against the float64 oracle (``reference.attention_varlen``: one call per sequence), with lengths
 0 and 1, lengths that are not multiples of a tile, GQA, causal and windows aligned per sequence,
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from helpers import examples, plain_fp16_attention
+from helpers import examples, gradient_error, plain_fp16_attention
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -142,3 +143,33 @@ def test_nothing_to_attend(rng):
     q, k, v, cu_q, cu_k = packed(rng, [2, 3], [0, 0], np.float32)
     o, lse = numba_flash.attention_varlen(q, k, v, cu_q, cu_k, 3, 0, return_lse=True)
     assert np.all(o == 0) and np.all(np.isneginf(lse))
+
+
+@pytest.mark.parametrize("algorithm, deterministic, dtype, mods", [
+    ("fa2", False, "float16", dict(causal=True)),
+    ("fa2", True, "float16", dict(MODS)),
+    ("fa1", False, "float16", dict(causal=True, alibi=True)),
+    ("fa2", True, "float32", dict(causal=True)),  # (CUDA cores)
+])
+def test_backward_matches_the_reference(algorithm, deterministic, dtype, mods, rng):
+    """dq, dk, dv of every sequence against the float64 oracle (test_backward_tc's bounds for
+    float16; float32's on CUDA cores), GQA, lengths 0 and 1 and a sequence without keys (zero
+    gradients there); packed, C-contiguous results of the inputs' shapes and dtypes."""
+    lens_q, lens_k = (LENS_Q, LENS_K) if dtype == "float16" else ([5, 0, 1, 9], [7, 3, 0, 33])
+    q, k, v, cu_q, cu_k = packed(rng, lens_q, lens_k, dtype, heads=4, kv_heads=2)
+    if mods.pop("alibi", False):
+        mods["alibi_slopes"] = rng.uniform(0.1, 1.0, (4,)).astype(np.float32)  # (H,): every sequence's
+    args = (cu_q, cu_k, max(lens_q), max(lens_k))
+    precision = "ieee" if dtype == "float32" else None
+    o, lse = numba_flash.attention_varlen(q, k, v, *args, algorithm=algorithm, precision=precision, return_lse=True,
+                                          **mods)
+    do = rng.standard_normal(o.shape).astype(dtype)
+    grads = numba_flash.attention_backward_varlen(do, q, k, v, o, lse, *args, algorithm=algorithm,
+                                                  deterministic=deterministic, precision=precision, **mods)
+    refs = reference.attention_backward_varlen(*(x.astype(np.float64) for x in (do, q, k, v, o)), lse, *args, **mods)
+    for name, got, ref, x in zip(("dq", "dk", "dv"), grads, refs, (q, k, v)):
+        assert got.shape == x.shape and got.dtype == x.dtype and got.flags.c_contiguous, name
+        err = gradient_error(got, ref, refs)
+        assert err < (1e-4 if dtype == "float32" else 5e-3), (name, err)
+    no_keys = slice(cu_q[2], cu_q[3])  # (the third sequence has queries and no keys)
+    assert np.all(grads[0][no_keys] == 0)
