@@ -160,11 +160,12 @@ def test_simulate_end_to_end(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "g.json").read_text())["rows"]
-    assert [r["part"] for r in rows] == ["forward"] * 2 + ["backward"] * 2 + ["kvcache"] * 2
+    assert [r["part"] for r in rows] == ["forward"] * 2 + ["backward"] * 2 + ["varlen"] * 2 + ["kvcache"] * 2
+    tensors = {"backward": {"dq", "dk", "dv"}, "varlen": {"o", "dq", "dk", "dv"}}
     for r in rows:
         assert r["passed"] and r["error"] is None and 0 < r["ratio"] <= 1 and r["seconds"] > 0, r
-        assert set(r["errors"]) == ({"dq", "dk", "dv"} if r["part"] == "backward" else {"o"})
+        assert set(r["errors"]) == tensors.get(r["part"], {"o"})
         assert all(0 < r["errors"][n] <= r["allowed"][n] for n in r["errors"])
     progress = [line for line in done.stderr.splitlines() if line.startswith("[")]
-    assert len(progress) == 6 and all(" s left)" in line for line in progress)
-    assert "6 of 6 cases passed" in done.stdout and "| forward |" in done.stdout
+    assert len(progress) == 8 and all(" s left)" in line for line in progress)
+    assert "8 of 8 cases passed" in done.stdout and "| forward |" in done.stdout and "| varlen |" in done.stdout
