@@ -2,8 +2,10 @@
 
 FlashAttention's ``flash_attn_varlen_func``: sequence ``b`` is rows ``cu_seqlens_q[b] ..
 cu_seqlens_q[b + 1]`` of ``q (total_q, H, D)`` and ``cu_seqlens_k[b] .. cu_seqlens_k[b + 1]`` of
-``k``, ``v (total_k, Hkv, D)``. Nothing is padded and no copy is made: the kernels read the
-packed arrays through ``(1, H, total, D)`` views (heads before rows, strided), and the grid is
+``k``, ``v (total_k, Hkv, D)``. No padding is computed, and the common case copies nothing: the
+kernels read the packed arrays through ``(1, H, total, D)`` views (heads before rows, strided;
+the regimes' usual copies aside: bfloat16 widened on CUDA cores, a head dim the tensor cores
+pad), and the grid is
 laid over (sequence, head, Q tile of the longest sequence) -- ``LaunchConfig.varlen``. Each block
 cuts its sequence's rows out of every array (``kernels.block_info.sequence_span``) and runs the
 one-sequence walk on them, so the masks' bottom-right alignment, the K/V walk's bounds and the
@@ -14,6 +16,8 @@ switch); ``num_splits`` is 1.
 
 from __future__ import annotations
 
+import collections
+import threading
 from dataclasses import dataclass, replace
 
 import numpy as np
@@ -47,19 +51,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
-    q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if len(x.shape) != 3:
-            raise ValueError(f"{name} must be 3-D (total, heads, head_dim), packed; got shape {tuple(x.shape)}")
-    if tuple(k.shape) != tuple(v.shape):  # (the checks that name shapes, in the packed layout)
-        raise ValueError(f"k and v must have the same shape (total_k, kv_heads, head_dim); got k {tuple(k.shape)} "
-                         f"and v {tuple(v.shape)}")
-    if int(k.shape[1]) == 0 or int(q.shape[1]) % int(k.shape[1]):
-        raise ValueError(f"q's heads ({int(q.shape[1])}) must be a positive multiple of k's and v's heads "
-                         f"({int(k.shape[1])})")
-    if int(k.shape[2]) != int(q.shape[2]):
-        raise ValueError(f"k and v must have q's head_dim {int(q.shape[2])}; got {int(k.shape[2])}")
-    kind = kind_of(q, "q")
+    (q, k, v), kind = _packed_inputs(("q", q), ("k", k), ("v", v))
     views = [_heads_first(x, kind) for x in (q, k, v)]  # (the checks of describe name q, k, v)
     problem = describe(*views, causal=causal, scale=scale, algorithm=algorithm, precision=precision,
                        window_size=window_size, softcap=softcap)
@@ -67,6 +59,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     ctx = ArrayContext(kind, q)
     if batch is None:
         batch = packed_batch(ctx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, int(k.shape[0]))
+    batch.check(ctx, total_q, int(k.shape[0]))
     if alibi_slopes is not None:  # (H,) or a row per sequence
         problem = replace(problem, alibi_slopes=batch.slopes(alibi_slopes, problem), alibi=True)
     call = replace(api.configure(problem), num_splits=1, varlen=(batch.sequences, batch.max_seqlen_q))
@@ -100,16 +93,21 @@ def attention_backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     not read again: no host copy)."""
     from numba_flash.backward import gradients
 
-    arrays = [as_cupy_view(x, name) for x, name in ((do, "do"), (q, "q"), (k, "k"), (v, "v"), (o, "o"), (lse, "lse"))]
-    do, q, k, v, o, lse = arrays
-    for name, x, rank in (("do", do, 3), ("q", q, 3), ("k", k, 3), ("v", v, 3), ("o", o, 3), ("lse", lse, 2)):
-        if len(x.shape) != rank:
-            raise ValueError(f"{name} must be {rank}-D (packed); got shape {tuple(x.shape)}")
-    kind = kind_of(q, "q")
+    (q, k, v, do, o), kind = _packed_inputs(("q", q), ("k", k), ("v", v), ("do", do), ("o", o))
+    lse = as_cupy_view(lse, "lse")
+    if kind_of(lse, "lse") != kind:
+        raise TypeError(f"lse must be an array of q's library ({kind})")
+    total_q, H = (int(n) for n in q.shape[:2])
+    for name, x in (("do", do), ("o", o)):  # (the packed layout's shapes; dtypes: the backward's checks)
+        if tuple(x.shape) != tuple(q.shape):
+            raise ValueError(f"{name} must have q's shape {tuple(q.shape)}; got {tuple(x.shape)}")
+    if tuple(lse.shape) != (H, total_q):
+        raise ValueError(f"lse must have shape (H, total_q) = {(H, total_q)}, as attention_varlen returns it; "
+                         f"got {tuple(lse.shape)}")
     ctx = ArrayContext(kind, q)
     if batch is None:
-        batch = packed_batch(ctx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, int(q.shape[0]),
-                             int(k.shape[0]))
+        batch = packed_batch(ctx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, int(k.shape[0]))
+    batch.check(ctx, total_q, int(k.shape[0]))
     views = [_heads_first(x, kind) for x in (do, q, k, v, o)]
     grads = gradients(*views, lse[None], causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic,
                       precision=precision, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
@@ -127,6 +125,18 @@ class PackedBatch:
     sequences: int
     max_seqlen_q: int
     max_seqlen_k: int
+    total_q: int  # (what the prefix sums end at: checked against each call's arrays)
+    total_k: int
+    device_id: object = None
+
+    def check(self, ctx: ArrayContext, total_q: int, total_k: int) -> None:
+        """``ValueError`` unless this batch was made for packed rows of these totals on the inputs'
+        device (a batch of other rows would walk past the arrays)."""
+        if (self.total_q, self.total_k) != (total_q, total_k):
+            raise ValueError(f"batch was made for total_q = {self.total_q}, total_k = {self.total_k}; the arrays have "
+                             f"{total_q} and {total_k}")
+        if ctx.kind != "numpy" and self.device_id != ctx.device_id:
+            raise ValueError(f"batch's bounds are on device {self.device_id}; the arrays on {ctx.device_id}")
 
     def slopes(self, alibi_slopes, problem):
         """ALiBi's slopes ``(H,)`` or ``(B, H)`` checked against the sequences, as ``(B, H)``
@@ -146,7 +156,31 @@ def packed_batch(ctx: ArrayContext, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     longest_k = max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0)
     with ctx.on_device():
         bounds = _device_bounds(np.array([cu_q, cu_k], dtype=np.int32), ctx.kind, ctx)
-    return PackedBatch(bounds, len(cu_q) - 1, longest_q, longest_k)
+    return PackedBatch(bounds, len(cu_q) - 1, longest_q, longest_k, total_q, total_k,
+                       None if ctx.kind == "numpy" else ctx.device_id)
+
+
+def _packed_inputs(*named):
+    """``(arrays, kind)``: the packed inputs ``(name, array)`` (q, k, v first) as CuPy views where
+    they are CAI or DLPack objects, checked in the packed layout's words: one library, 3-D, k and
+    v of one shape, heads that divide, one head dim, the rest like q."""
+    arrays = [as_cupy_view(x, name) for name, x in named]
+    kinds = [kind_of(x, name) for (name, _), x in zip(named, arrays)]
+    if len(set(kinds)) != 1:
+        raise TypeError(f"{', '.join(n for n, _ in named)} must be arrays of one library; got {', '.join(kinds)}")
+    for (name, _), x in zip(named, arrays):
+        if len(x.shape) != 3:
+            raise ValueError(f"{name} must be 3-D (total, heads, head_dim), packed; got shape {tuple(x.shape)}")
+    q, k, v = arrays[:3]
+    if tuple(k.shape) != tuple(v.shape):
+        raise ValueError(f"k and v must have the same shape (total_k, kv_heads, head_dim); got k {tuple(k.shape)} "
+                         f"and v {tuple(v.shape)}")
+    if int(k.shape[1]) == 0 or int(q.shape[1]) % int(k.shape[1]):
+        raise ValueError(f"q's heads ({int(q.shape[1])}) must be a positive multiple of k's and v's heads "
+                         f"({int(k.shape[1])})")
+    if int(k.shape[2]) != int(q.shape[2]):
+        raise ValueError(f"k and v must have q's head_dim {int(q.shape[2])}; got {int(k.shape[2])}")
+    return arrays, kinds[0]
 
 
 def _heads_first(x, kind: str):
@@ -168,6 +202,8 @@ def _on_host(x, name: str):
     """A prefix-sum argument on the host (lists and NumPy as they are; CuPy and torch copied)."""
     if isinstance(x, (list, tuple, np.ndarray)):
         return x
+    if type(x).__module__.startswith("torch") and not x.is_cuda:  # a CPU tensor: on the host already
+        return x.numpy()
     x = as_cupy_view(x, name)
     x_kind = kind_of(x, name)
     if x_kind == "torch":
@@ -185,28 +221,34 @@ def _rows_per_sequence(slopes, n_seq: int, kind: str):
     return xp.broadcast_to(slopes[None], (n_seq, slopes.shape[0]))
 
 
-_BOUNDS: dict = {}  # the kernels' (2, B + 1) bounds on the device, by library, device and contents
-_BOUNDS_KEPT = 64  # (a training loop's batches repeat few shapes; the oldest goes first)
+_BOUNDS: collections.OrderedDict = collections.OrderedDict()  # the kernels' bounds on the device, by contents
+_BOUNDS_KEPT = 64  # (a training loop's batches repeat few shapes; the least recently used goes first)
+_BOUNDS_LOCK = threading.Lock()
 
 
 def _device_bounds(host: np.ndarray, kind: str, ctx: ArrayContext):
-    """The int32 bounds ``host`` in the inputs' library and device, made once per contents (a
-    copy to the device per call would wait on the host; the contents are the key, so a reused
-    array never stands for other lengths)."""
+    """The int32 bounds ``host`` in the inputs' library and device, made once per contents and
+    kept (least recently used first out; the contents are the key, so a kept array never stands
+    for other lengths). torch copies from pinned memory without waiting on the stream. Not for
+    CUDA-graph capture: a first use copies from the host."""
     if kind == "numpy":
         return host
     key = (kind, ctx.device_id, host.shape, host.tobytes())
-    bounds = _BOUNDS.get(key)
-    if bounds is None:
-        if kind == "torch":
-            import torch
+    with _BOUNDS_LOCK:
+        bounds = _BOUNDS.get(key)
+        if bounds is not None:
+            _BOUNDS.move_to_end(key)
+            return bounds
+    if kind == "torch":
+        import torch
 
-            bounds = torch.from_numpy(host).to(ctx.template.device)
-        else:
-            import cupy
+        bounds = torch.from_numpy(host).pin_memory().to(ctx.template.device, non_blocking=True)
+    else:
+        import cupy
 
-            bounds = cupy.asarray(host)
-        if len(_BOUNDS) >= _BOUNDS_KEPT:
-            _BOUNDS.pop(next(iter(_BOUNDS)))
+        bounds = cupy.asarray(host)
+    with _BOUNDS_LOCK:
         _BOUNDS[key] = bounds
+        while len(_BOUNDS) > _BOUNDS_KEPT:
+            _BOUNDS.popitem(last=False)
     return bounds

@@ -167,6 +167,9 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     VARLEN = bool(varlen)  # a packed batch: the grid is (sequence, head, Q tile); seqlens holds cu_seqlens
     if VARLEN and (RAGGED or PERMUTED or user_mods is not None or f32_out):
         raise ValueError("a packed batch (varlen) runs unsplit, in order, without cache lengths or a user's mods")
+    if VARLEN and variant.loop_order == "q_outer" and variant.grid != "heads_x_qtiles":
+        raise ValueError("a packed batch (varlen) runs FA-2's order on its per-Q-tile grid")  # (the heads grid's
+        # loop counts the packed rows' tiles)
     HAS_USER = user_mods is not None  # a user's mask_mod / score_mod (score_mods.UserMods)
     # a block mask's tile lists (block_info): the walks visit the listed tiles only, and mask_mod
     # runs on the partial ones

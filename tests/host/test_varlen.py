@@ -155,6 +155,7 @@ def test_backward_matches_the_reference(algorithm, deterministic, dtype, mods, r
     """dq, dk, dv of every sequence against the float64 oracle (test_backward_tc's bounds for
     float16; float32's on CUDA cores), GQA, lengths 0 and 1 and a sequence without keys (zero
     gradients there); packed, C-contiguous results of the inputs' shapes and dtypes."""
+    mods = dict(mods)  # (the parametrised dict is shared between runs)
     lens_q, lens_k = (LENS_Q, LENS_K) if dtype == "float16" else ([5, 0, 1, 9], [7, 3, 0, 33])
     heads = 4 if dtype == "float16" else 2  # (CUDA cores: the simulator's time)
     q, k, v, cu_q, cu_k = packed(rng, lens_q, lens_k, dtype, heads=heads, kv_heads=heads // 2)
@@ -174,3 +175,52 @@ def test_backward_matches_the_reference(algorithm, deterministic, dtype, mods, r
         assert err < (1e-4 if dtype == "float32" else 5e-3), (name, err)
     no_keys = slice(cu_q[2], cu_q[3])  # (the third sequence has queries and no keys)
     assert np.all(grads[0][no_keys] == 0)
+
+
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+def test_more_queries_than_keys_align_per_sequence(algorithm, rng):
+    """Causal with a window where sequences have more queries than keys and the other way round
+    (bottom-right alignment per sequence: rows above a sequence's first diagonal see nothing), in
+    float16 on tensor cores; and the default float32 regime (tf32x3)."""
+    lens_q, lens_k = [11, 3, 6], [4, 6, 6]
+    for dtype, tol in (("float16", 3e-3), ("float32", 1e-5)):
+        q, k, v, cu_q, cu_k = packed(rng, lens_q, lens_k, dtype)
+        mods = dict(causal=True, window_size=(3, -1))
+        o, lse = numba_flash.attention_varlen(q, k, v, cu_q, cu_k, 11, 6, algorithm=algorithm, return_lse=True, **mods)
+        ref_o, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, 11, 6, **mods)
+        np.testing.assert_allclose(o, ref_o, atol=tol, rtol=1e-5)
+        np.testing.assert_array_equal(np.isneginf(lse), np.isneginf(ref_lse))
+        assert np.isneginf(ref_lse[:, :7]).all() and np.all(o[:7] == 0)  # (the first sequence's rows above the diagonal)
+
+
+def test_a_batch_must_match_its_arrays(rng):
+    """A PackedBatch made for other rows is refused before any launch; CPU prefix sums of another
+    library are read as host ones; the backward checks in the packed layout's words."""
+    from numba_flash.arrays import ArrayContext
+    from numba_flash.varlen import packed_batch
+
+    q, k, v, cu_q, cu_k = packed(rng, [3, 4], [5, 2], np.float32)
+    other = packed_batch(ArrayContext("numpy", q), [0, 3, 9], [0, 4, 6], 6, 4, 9, 6)
+    with pytest.raises(ValueError, match="batch was made for total_q = 9, total_k = 6; the arrays have 7 and 7"):
+        numba_flash.attention_varlen(q, k, v, cu_q, cu_k, 4, 5, batch=other)
+    o, lse = reference.attention_varlen(q, k, v, cu_q, cu_k, 4, 5)
+    o, lse = o.astype(np.float32), lse.astype(np.float32)
+    with pytest.raises(ValueError, match=r"do must have q's shape \(7, 2, 16\); got \(6, 2, 16\)"):
+        numba_flash.attention_backward_varlen(o[:6], q, k, v, o, lse, cu_q, cu_k, 4, 5)
+    with pytest.raises(ValueError, match=r"lse must have shape \(H, total_q\) = \(2, 7\)"):
+        numba_flash.attention_backward_varlen(o, q, k, v, o, lse.T, cu_q, cu_k, 4, 5)
+    with pytest.raises(ValueError, match=r"got k \(7, 1, 16\) and v \(6, 1, 16\)"):
+        numba_flash.attention_backward_varlen(o, q, k, v[:6], o, lse, cu_q, cu_k, 4, 5)
+    with pytest.raises(ValueError, match="batch was made for"):
+        numba_flash.attention_backward_varlen(o, q, k, v, o, lse, cu_q, cu_k, 4, 5, batch=other)
+
+
+def test_backward_with_nothing_to_attend(rng):
+    """No queries anywhere: empty dq, zero dk and dv; no keys anywhere: zero gradients."""
+    for lens_q, lens_k in (([0, 0], [3, 1]), ([2, 3], [0, 0])):
+        q, k, v, cu_q, cu_k = packed(rng, lens_q, lens_k, np.float32)
+        o, lse = numba_flash.attention_varlen(q, k, v, cu_q, cu_k, max(lens_q), max(lens_k), return_lse=True)
+        grads = numba_flash.attention_backward_varlen(np.ones_like(o), q, k, v, o, lse, cu_q, cu_k, max(lens_q),
+                                                      max(lens_k))
+        for g, x in zip(grads, (q, k, v)):
+            assert g.shape == x.shape and np.all(g == 0)
