@@ -175,3 +175,23 @@ def test_torch_attention_varlen_autograd():
     for name, got, want in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), refs):
         rel = float((got.double() - want).abs().max() / want.abs().max())
         assert rel < 2e-2, (name, rel)
+
+
+def test_host_prefix_sums_that_change_every_call():
+    """Prefix sums given on the host (a CPU tensor, a list), new lengths every call (the bounds are
+    copied to the device from pinned memory, without a stream wait): each call's o against float64."""
+    torch = pytest.importorskip("torch")
+    import numba_flash.torch as nft
+
+    gen = torch.Generator().manual_seed(17)
+    for step in range(4):
+        lens = _lengths(gen, 5, 200, torch)
+        cu = [0]
+        for n in lens:
+            cu.append(cu[-1] + n)
+        q, k, v = (torch.randn(cu[-1], 4, 64, generator=gen).to("cuda", torch.float16) for _ in range(3))
+        given = torch.tensor(cu, dtype=torch.int32) if step % 2 else cu  # (a CPU tensor, then a list)
+        o = nft.attention_varlen(q, k, v, given, given, max(lens), max(lens), causal=True)
+        ref = _reference(q, k, v, cu, cu, True, (-1, -1), None, torch)
+        base = float((_reference(q, k, v, cu, cu, True, (-1, -1), torch.float16, torch).double() - ref).abs().max())
+        assert float((o.double() - ref).abs().max()) <= 2 * base + 1e-6, step
