@@ -18,15 +18,19 @@ def _lengths(gen, n, longest, torch):
     return lens
 
 
+def _spans(cu_q, cu_k):
+    """(rows, keys, n_q, n_k) of each sequence with queries and keys (the others' results are 0)."""
+    for b in range(len(cu_q) - 1):
+        n_q, n_k = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if n_q and n_k:
+            yield slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1]), n_q, n_k
+
+
 def _reference(q, k, v, cu_q, cu_k, causal, window, dtype, torch):
     """o per sequence in float64 (``dtype``: a plain implementation's type, S and P in it)."""
     out = torch.zeros(q.shape, dtype=torch.float64 if dtype is None else dtype, device="cuda")
     g = q.shape[1] // k.shape[1]
-    for b in range(len(cu_q) - 1):
-        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        n_q, n_k = rows.stop - rows.start, keys.stop - keys.start
-        if n_q == 0 or n_k == 0:
-            continue
+    for rows, keys, n_q, n_k in _spans(cu_q, cu_k):
         t = torch.float64 if dtype is None else dtype
         qq = q[rows].transpose(0, 1).to(t)
         kk, vv = (x[keys].transpose(0, 1).repeat_interleave(g, 0).to(t) for x in (k, v))
@@ -101,11 +105,7 @@ def _gradients64(q, k, v, do, cu_q, cu_k, causal, torch):
     """dq, dk, dv per sequence in float64 (autograd), packed as the inputs."""
     grads = [torch.zeros(x.shape, dtype=torch.float64, device="cuda") for x in (q, k, v)]
     g = q.shape[1] // k.shape[1]
-    for b in range(len(cu_q) - 1):
-        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
-        n_q, n_k = rows.stop - rows.start, keys.stop - keys.start
-        if n_q == 0 or n_k == 0:
-            continue
+    for rows, keys, n_q, n_k in _spans(cu_q, cu_k):
         qq, kk, vv = (x.detach().double().requires_grad_() for x in (q[rows], k[keys], v[keys]))
         s = (qq.transpose(0, 1) @ kk.transpose(0, 1).repeat_interleave(g, 0).transpose(-1, -2)) / math.sqrt(q.shape[-1])
         if causal:
