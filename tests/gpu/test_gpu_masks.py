@@ -38,6 +38,16 @@ def _inputs(B, H, Hkv, Nq, Nk, D, dtype, seed):
     return q, k, v, gen
 
 
+def _document_ids(gen, n_k, n_bounds, low, first_end):
+    """int32 document ids of ``n_k`` keys: documents end at ``first_end`` and at ``n_bounds``
+    random keys drawn in ``[low, n_k)`` (the first document, keys below ``first_end``)."""
+    import torch
+
+    bounds = torch.randint(low, n_k, (n_bounds,), device="cuda", generator=gen)
+    bounds = torch.sort(torch.cat([bounds, torch.tensor([first_end], device="cuda")])).values
+    return torch.searchsorted(bounds, torch.arange(n_k, device="cuda"), right=True).to(torch.int32)
+
+
 def _attention64(q, k, v, seen, do=None, dtype=None, softcap=0.0, alibi=None):
     """o (and with ``do``, the gradients) in float64 (``dtype``: a plain implementation's type);
     ``alibi``: ``(B, H)`` slopes (the bias -slope |i + Nk - Nq - j|)."""
@@ -352,9 +362,7 @@ def test_block_sparse_walks(algorithm, dtype, precision):
     B, H, Hkv, Nq, Nk, D = 2, 4, 2, 1500, 2300, 64
     dt = getattr(torch, dtype)
     q, k, v, gen = _inputs(B, H, Hkv, Nq, Nk, D, dtype, 29)
-    bounds = torch.randint(1, Nk, (6,), device="cuda", generator=gen)
-    bounds = torch.sort(torch.cat([bounds, torch.tensor([500], device="cuda")])).values  # keys < 500: no query's
-    doc = torch.searchsorted(bounds, torch.arange(Nk, device="cuda"), right=True).to(torch.int32)
+    doc = _document_ids(gen, Nk, 6, 1, 500)  # keys < 500: no query's
     offset = Nk - Nq  # (queries are the last Nq positions)
 
     def same_doc(b, h, q_idx, kv_idx, doc):
@@ -410,9 +418,7 @@ def test_block_sparse_backward(variant, dtype, precision):
     B, H, Hkv, Nq, Nk, D = 1, 4, 2, 900, 1400, 64
     dt = getattr(torch, dtype)
     q, k, v, gen = _inputs(B, H, Hkv, Nq, Nk, D, dtype, 41)
-    bounds = torch.randint(600, Nk, (4,), device="cuda", generator=gen)
-    bounds = torch.sort(torch.cat([bounds, torch.tensor([384], device="cuda")])).values  # keys < 384: no query's
-    doc = torch.searchsorted(bounds, torch.arange(Nk, device="cuda"), right=True).to(torch.int32)
+    doc = _document_ids(gen, Nk, 4, 600, 384)  # keys < 384: no query's
     offset = Nk - Nq
 
     def same_doc(b, h, q_idx, kv_idx, doc):
