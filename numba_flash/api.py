@@ -20,7 +20,7 @@ from numba_flash import plans, switches, tile_cache
 from numba_flash.alibi import kernel_slopes
 from numba_flash._cuda import cuda
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, kind_of, may_overlap
+from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, each, kind_of, may_overlap
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
@@ -332,7 +332,7 @@ def run(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order=None, seql
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
                        key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
-                       user_mods=call.user_mods, varlen=call.varlen is not None)
+                       user_mods=call.user_mods, varlen=call.varlen is not None, page_size=call.page_size)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, ctx.device_id)
     walk = dict(seqlens=seqlens, n_splits=splits, rows_per_query=rows_per_query)
     if splits == 1:
@@ -366,7 +366,7 @@ def plan_run(builder: plans.PlanBuilder, call: LaunchConfig, q, k, v, o, lse, se
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, kv_stages=call.kv_stages,
                        key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
-                       user_mods=call.user_mods, varlen=call.varlen is not None)
+                       user_mods=call.user_mods, varlen=call.varlen is not None, page_size=call.page_size)
     splits = choose_num_splits(call.num_splits, spec, B, H, Nq, call.n_k, builder.ctx.device_id)
     kernel_o, kernel_lse = o, lse
     if splits > 1:  # float32 partials (kernels.block_info), merged by kernels.combine
@@ -565,14 +565,14 @@ def _launch(ctx: ArrayContext, call: LaunchConfig, q, k, v, o, lse, order, seqle
                                 n_splits, rows_per_query)
     user = call.user_mods is not None  # a user's mods: one more argument, a tuple (numba's own launch)
     if ctx.direct_launch and not user:  # CuPy / torch on a GPU, unplanned: skip numba's per-call dispatch
-        args = [device_array(a.array, "numba" if a.role == "own" else ctx.kind) if isinstance(a, _KernelArray) else a
-                for a in args]
+        args = [each(lambda x, a=a: device_array(x, "numba" if a.role == "own" else ctx.kind), a.array)
+                if isinstance(a, _KernelArray) else a for a in args]
         direct_launch(spec.kernel, grid, (threads,), ctx.stream_ptr(), args, shared_mem_bytes=spec.dynamic_smem,
                       device_id=ctx.device_id)
         return
 
     convert = {"in": ctx.to_kernel, "out": ctx.out_to_kernel, "own": lambda x: x}
-    kernel_args = [convert[a.role](a.array) if isinstance(a, _KernelArray) else a for a in args]
+    kernel_args = [each(convert[a.role], a.array) if isinstance(a, _KernelArray) else a for a in args]
     if user:
         kernel_args.append(tuple(ctx.to_kernel(a) for a in call.problem.mod_args))
         if call.user_mods.block_sparse:  # the tile lists the walk visits (numba_flash.block_sparse)
@@ -604,13 +604,14 @@ def _cuda_core_spec(call: LaunchConfig, permuted: bool, ragged: bool):
     D = call.q_shape[3]
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, "ieee",
                        ragged=ragged, permuted=permuted, variant=call.variant, softcap=call.softcap > 0, alibi=call.alibi,
-                       user_mods=call.user_mods, varlen=call.varlen is not None)
+                       user_mods=call.user_mods, varlen=call.varlen is not None, page_size=call.page_size)
 
 
 class _KernelArray(NamedTuple):
     """An array argument of a CUDA-core kernel: ``role`` ``"in"`` (read), ``"out"`` (written;
     both of the caller's kind, or a plan's descriptions) or ``"own"`` (already numba's: the
-    K/V tile order on the device, placeholders)."""
+    K/V tile order on the device, placeholders). ``array``: an array, or a tuple of them (a
+    paged cache's ``(pages, block_table)``, ``kernels.paged``)."""
 
     role: str
     array: object

@@ -143,6 +143,35 @@ def may_overlap(a, b, kind: str) -> bool:
 _NAMES: dict = {}  # dtype object -> "float32", ... (numpy's dtype.name is slow to compute)
 
 
+def each(convert, x):
+    """``convert(x)``, or for a tuple of arrays (a paged cache's ``(pages, block_table)``, a
+    kernel argument of ``kernels.paged``) the tuple of each member converted."""
+    return tuple(convert(a) for a in x) if isinstance(x, tuple) else convert(x)
+
+
+def is_contiguous(x, kind: str) -> bool:
+    """Is ``x`` (an array of ``kind``) C-contiguous?"""
+    return x.is_contiguous() if kind == "torch" else x.flags.c_contiguous
+
+
+def to_host(x, kind: str) -> np.ndarray:
+    """A device array of ``kind`` (CuPy or torch) copied to a NumPy array (synchronising)."""
+    return x.cpu().numpy() if kind == "torch" else x.get()
+
+
+def from_host(x: np.ndarray, kind: str, ctx):
+    """A NumPy array as an array of ``kind`` on ``ctx``'s device (itself for NumPy)."""
+    if kind == "numpy":
+        return x
+    if kind == "torch":
+        import torch
+
+        return torch.from_numpy(x).to(ctx.template.device)
+    import cupy
+
+    return cupy.asarray(x)
+
+
 def dtype_name(x, kind: str) -> str:
     """'float16', 'float32', ... for any supported kind."""
     dt = x.dtype

@@ -8,7 +8,7 @@ import operator
 
 import numpy as np
 
-__all__ = ["integer_array", "sequence_bounds", "softcap_value", "whole_number"]
+__all__ = ["integer_array", "paged_cache", "sequence_bounds", "softcap_value", "whole_number"]
 
 
 def whole_number(value, name: str, minimum: int | None = 0) -> int:
@@ -72,3 +72,48 @@ def sequence_bounds(cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, tota
             f"cu_seqlens_k must have cu_seqlens_q's length B + 1 = {len(cu_q)}, got {len(cu_k)}"
         )
     return cu_q, cu_k
+
+
+def paged_cache(table: np.ndarray, cached: np.ndarray, n_new: int, page_size: int, num_blocks: int,
+                given_lengths: bool = True) -> np.ndarray:
+    """A paged cache's block table checked against the keys each sequence holds (API.md 2e), on
+    the host: ``table`` ``(B, max_blocks)`` and ``cached`` ``(B,)`` (valid cached keys, >= 0) as
+    int64 NumPy arrays, ``n_new`` keys appended to each sequence. Returns the keys each sequence
+    then holds, ``cached + n_new``. ``ValueError`` naming the argument for: a sequence past the
+    table's ``max_blocks * page_size`` keys; a page it uses (its first ``ceil(keys /
+    page_size)`` entries) outside ``[0, num_blocks)``; an appended key written to a page row that
+    another key (of this sequence or another) also uses, where the in-place append would change
+    what is read. ``given_lengths``: ``cache_seqlens`` was given (else the cache counts as full).
+    The entries past a sequence's pages are never read (they may hold anything, e.g. -1)."""
+    batch, max_blocks = table.shape
+    capacity = max_blocks * page_size
+    total = cached + n_new
+    over = np.flatnonzero(total > capacity)
+    if over.size:
+        b = int(over[0])
+        hint = "" if given_lengths else " (cache_seqlens=None: the cache is full)"
+        raise ValueError(f"cache_seqlens[{b}] + Nnew = {cached[b]} + {n_new} is past block_table's max_blocks * "
+                         f"page_size = {capacity}{hint}")
+    n_pages = -(-total // page_size)
+    used = np.arange(max_blocks)[None, :] < n_pages[:, None]
+    bad = used & ((table < 0) | (table >= num_blocks))
+    if bad.any():
+        b, j = (int(i) for i in np.argwhere(bad)[0])
+        raise ValueError(f"block_table[{b}, {j}] = {table[b, j]} is not a page of k_cache (num_blocks = {num_blocks}); "
+                         f"sequence {b} uses its first {n_pages[b]} entries")
+    if n_new and batch:
+        # The rows written, and every row in use on a page they are on: a row twice, one written, clashes.
+        positions = cached[:, None] + np.arange(n_new)[None, :]
+        written_pages = np.take_along_axis(table, positions // page_size, axis=1)
+        seqs, entries = np.nonzero(used & np.isin(table, written_pages))
+        keys = entries[:, None] * page_size + np.arange(page_size)[None, :]  # the keys on those pages
+        live = keys < total[seqs][:, None]
+        slots = (table[seqs, entries][:, None] * page_size + np.arange(page_size)[None, :])[live]
+        written = (keys >= cached[seqs][:, None])[live]
+        shared, counts = np.unique(slots, return_counts=True)
+        clash = np.intersect1d(shared[counts > 1], slots[written])
+        if clash.size:
+            page, row = divmod(int(clash[0]), page_size)
+            raise ValueError(f"block_table: an appended key (k_new) is written to page {page} row {row}, which "
+                             "another key also uses; the in-place append would change what is read")
+    return total

@@ -23,18 +23,19 @@ from dataclasses import replace
 
 import numpy as np
 
-from numba_flash import api, plans, tile_cache
+from numba_flash import api, paging, plans, tile_cache
 from numba_flash.tile_table import decode_pipeline, decode_tiles
 from numba_flash.alibi import check_slopes
 from numba_flash.user_mods import none_given
-from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, kind_of, pointer_reader
+from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, dtype_name, from_host, is_contiguous, kind_of,
+                                pointer_reader, to_host)
 from numba_flash.problem import describe
 from numba_flash.split_kv import check_num_splits
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False,
-           k_new=None, v_new=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None,
-           mod_args=()):
+           block_table=None, k_new=None, v_new=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+           mask_mod=None, score_mod=None, mod_args=()):
     """Attention of ``Nq`` new queries per sequence to a KV cache.
 
     ``q``: ``(B, H, Nq, D)``, small ``Nq``; ``k_cache``, ``v_cache``: ``(B, Hkv, Nmax, D)``,
@@ -53,6 +54,15 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     :func:`numba_flash.attention` takes them. Returns ``o`` (q's shape and dtype), or
     ``(o, lse)`` with ``return_lse=True`` (``lse`` float32 ``(B, H, Nq)``, natural log).
 
+    ``block_table``: ``(B, max_blocks)`` int32; the caches are then paged, ``(num_blocks,
+    page_size, Hkv, D)`` (FlashAttention's layout, ``page_size`` a multiple of 16), and sequence
+    ``b``'s key ``j`` lives in page ``block_table[b, j // page_size]``, row ``j % page_size``
+    (``numba_flash.paging``; the kernels read the pages in place). ``cache_seqlens`` defaults to
+    ``max_blocks * page_size``; a page a sequence uses outside ``[0, num_blocks)``, a length past
+    the table, or an appended key written onto a row another key uses raise ``ValueError``
+    before anything is written or launched (a table or lengths on the GPU: one synchronising
+    copy to the host).
+
     ``k_new``, ``v_new``: ``(B, Hkv, Nnew, D)``, the caches' dtype and library: appended before
     attending -- written into ``k_cache``, ``v_cache`` in place at positions ``cache_seqlens[b] ..
     cache_seqlens[b] + Nnew - 1`` -- and attended with them (the lengths are ``cache_seqlens +
@@ -63,13 +73,18 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     """
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
-    if k_new is not None or v_new is not None:
+    paged = None
+    if block_table is not None:  # a paged cache: checked (every page it uses), appended to after every check
+        paged = paging.paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new)
+    elif k_new is not None or v_new is not None:
         cache_seqlens = _append(k_cache, v_cache, k_new, v_new, cache_seqlens)
     key = None
-    if alibi_slopes is None and none_given(mask_mod, score_mod, mod_args):  # (per-call arrays: not planned)
+    if paged is None and alibi_slopes is None and none_given(mask_mod, score_mod, mod_args):  # (per-call arrays: not planned)
         key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap)
     plan = _DECODE_PLANS.get(key)
     if plan is None:  # a signature not seen before (or not plannable): every check
+        if paged is not None:  # the checks below read the shapes a contiguous cache would have
+            k_cache, v_cache = paged.k_shape, paged.v_shape
         q, k_cache, v_cache = (as_cupy_view(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
         kinds = {kind_of(x) for x in (q, k_cache, v_cache)}
         if len(kinds) != 1:
@@ -100,6 +115,12 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
         kv_stages, key_warps = decode_pipeline(block_m, block_n) if call.regime != "ieee" else (1, 1)
         call = replace(call, kv_stages=kv_stages, key_warps=key_warps, num_splits=check_num_splits(num_splits, "fa2"))
         ctx = ArrayContext(kind, q)
+        if paged is not None:
+            call = replace(call, page_size=paged.page_size)
+            with ctx.on_device():
+                paged.append()
+                o, lse = _decode_unplanned(ctx, call, packed, paged.k, paged.v, paged.lengths, group, Nq)
+            return (o, lse) if return_lse else o
         with ctx.on_device():
             seqlens = _check_seqlens(cache_seqlens, B, kind, ctx)
             if key is not None and seqlens is cache_seqlens:  # lengths used as given: plannable
@@ -149,7 +170,7 @@ def _append(k_cache, v_cache, k_new, v_new, cache_seqlens):
     ctx = ArrayContext(kind, arrays["k_cache"])
     with ctx.on_device():
         lengths = _check_seqlens(cache_seqlens, batch, kind, ctx)  # (decode's own checks and conversion)
-    host = np.asarray(lengths if kind == "numpy" else _to_host(lengths, kind))
+    host = np.asarray(lengths if kind == "numpy" else to_host(lengths, kind))
     start = np.clip(host.astype(np.int64), 0, n_max)  # (decode clamps lengths to [0, Nmax])
     over = np.flatnonzero(start + n_new > n_max)
     if over.size:
@@ -162,7 +183,7 @@ def _append(k_cache, v_cache, k_new, v_new, cache_seqlens):
                 arrays["k_cache"][b, :, at : at + n_new] = arrays["k_new"][b]
                 arrays["v_cache"][b, :, at : at + n_new] = arrays["v_new"][b]
     after = np.ascontiguousarray((start + n_new).astype(np.int32))
-    return after if kind == "numpy" else _from_host(after, kind, ctx)
+    return after if kind == "numpy" else from_host(after, kind, ctx)
 
 
 def _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap):
@@ -240,34 +261,14 @@ def _check_seqlens(cache_seqlens, batch: int, kind: str, ctx):
         lengths_kind = kind_of(lengths)
     if tuple(np.shape(lengths) if lengths_kind == "list" else lengths.shape) != (batch,):
         raise ValueError(f"cache_seqlens must have shape ({batch},); got {tuple(np.shape(lengths))}")
-    if lengths_kind != kind or dtype_name(lengths, kind) != "int32" or not _contiguous(lengths, kind):
-        host = lengths if lengths_kind in ("list", "numpy") else _to_host(lengths, lengths_kind)
+    if lengths_kind != kind or dtype_name(lengths, kind) != "int32" or not is_contiguous(lengths, kind):
+        host = lengths if lengths_kind in ("list", "numpy") else to_host(lengths, lengths_kind)
         host = np.asarray(host)
         if host.size and not np.issubdtype(host.dtype, np.integer):
             raise TypeError(f"cache_seqlens must hold integers; got {host.dtype}")
         host = np.ascontiguousarray(np.clip(host, 0, np.iinfo(np.int32).max).astype(np.int32))
-        lengths = _from_host(host, kind, ctx)
+        lengths = from_host(host, kind, ctx)
     return lengths
-
-
-def _contiguous(x, kind):
-    return x.is_contiguous() if kind == "torch" else x.flags.c_contiguous
-
-
-def _to_host(x, kind):
-    return x.cpu().numpy() if kind == "torch" else x.get()
-
-
-def _from_host(x, kind, ctx):
-    if kind == "numpy":
-        return x
-    if kind == "torch":
-        import torch
-
-        return torch.from_numpy(x).to(ctx.template.device)
-    import cupy
-
-    return cupy.asarray(x)
 
 
 def _pack(q, kind: str, group: int):

@@ -31,6 +31,7 @@ class LaunchConfig:
     kv_stages: int = 1
     key_warps: int = 1
     varlen: tuple | None = None  # a packed batch (numba_flash.varlen): (sequences, max_seqlen_q)
+    page_size: int = 0  # k, v are a paged cache (decode's block_table; kernels.paged): its page size
 
     kind = property(lambda self: self.problem.kind)
     q_shape = property(lambda self: self.problem.q_shape)

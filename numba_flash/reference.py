@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from numba_flash.checks import integer_array, sequence_bounds, softcap_value, whole_number
+from numba_flash.checks import integer_array, paged_cache, sequence_bounds, softcap_value, whole_number
 from numba_flash.masking import MaskSpec, evaluate_mask_mod, window_spec
 
 __all__ = ["attention", "attention_backward", "attention_varlen", "attention_backward_varlen", "decode"]
@@ -574,17 +574,15 @@ def decode(
         if lengths.shape != (batch,):
             raise ValueError(f"cache_seqlens must have shape ({batch},), got {lengths.shape}")
         lengths = np.clip(lengths, 0, capacity if table is None else None)
-    total = lengths + n_new
-    over = np.flatnonzero(total > capacity)
-    if over.size:
-        b = int(over[0])
-        where = "k_cache's Nmax" if table is None else "block_table's max_blocks * page_size"
-        hint = " (cache_seqlens=None: the cache is full)" if cache_seqlens is None else ""
-        raise ValueError(
-            f"cache_seqlens[{b}] + Nnew = {lengths[b]} + {n_new} is past {where} = {capacity}{hint}"
-        )
     if table is not None:
-        _check_pages(table, total, lengths, page_size, k_cache.shape[0])
+        total = paged_cache(table, lengths, n_new, page_size, k_cache.shape[0], cache_seqlens is not None)
+    else:
+        total = lengths + n_new
+        over = np.flatnonzero(total > capacity)
+        if over.size:
+            b = int(over[0])
+            hint = " (cache_seqlens=None: the cache is full)" if cache_seqlens is None else ""
+            raise ValueError(f"cache_seqlens[{b}] + Nnew = {lengths[b]} + {n_new} is past k_cache's Nmax = {capacity}{hint}")
 
     slopes = _sequence_slopes(alibi_slopes, batch, q.shape[1])
     o = np.zeros(q.shape[:3] + v_cache.shape[3:])
@@ -612,35 +610,6 @@ def _cached(cache: np.ndarray, b: int, length: int, table, page_size) -> np.ndar
         return cache[b, :, :length]
     pages = table[b, : -(-length // page_size)]
     return cache[pages].reshape(-1, *cache.shape[2:])[:length].transpose(1, 0, 2)
-
-
-def _check_pages(table: np.ndarray, total: np.ndarray, lengths: np.ndarray, page_size: int, num_blocks: int):
-    """ValueError naming ``block_table`` for a used page outside ``[0, num_blocks)``, or a page
-    row that an appended key is written to and another key also uses."""
-    slots, written = [], []
-    for b, (n, cached) in enumerate(zip(total.tolist(), lengths.tolist())):
-        used = table[b, : -(-n // page_size)]
-        bad = np.flatnonzero((used < 0) | (used >= num_blocks))
-        if bad.size:
-            j = int(bad[0])
-            raise ValueError(
-                f"block_table[{b}, {j}] = {used[j]} is not a page of k_cache (num_blocks = {num_blocks}); "
-                f"sequence {b} uses its first {used.size} entries"
-            )
-        positions = np.arange(n)
-        slots.append(used[positions // page_size] * page_size + positions % page_size)
-        written.append(positions >= cached)
-    if not slots:
-        return
-    slots, written = np.concatenate(slots), np.concatenate(written)
-    shared, counts = np.unique(slots, return_counts=True)
-    clash = np.intersect1d(shared[counts > 1], slots[written])
-    if clash.size:
-        page, row = divmod(int(clash[0]), page_size)
-        raise ValueError(
-            f"block_table: an appended key (k_new) is written to page {page} row {row}, which another key "
-            "also uses; the in-place append would change what is read"
-        )
 
 
 # --------------------------------------------------------------------------- masks and mods

@@ -55,6 +55,7 @@ class KernelSpec:
     alibi: bool = False  # the scores gain ALiBi's bias (``kernels.score_mods``; the slopes are an argument)
     user_mods: object = None  # a user's mask_mod / score_mod (``kernels.score_mods.UserMods``; one more argument)
     varlen: bool = False  # a packed batch (``numba_flash.varlen``): seqlens holds cu_seqlens_q and cu_seqlens_k
+    page_size: int = 0  # k, v are a paged cache's (pages, block_table) (``kernels.paged``; decode's block_table)
 
     @property
     def causal(self) -> bool:
@@ -106,11 +107,12 @@ class KernelSpec:
                                 self.kv_stages, self.key_warps)
             return forward_kernel(point, tiles, self.window, False, self.ragged, cast_out=self.kv_outer,
                                   f32_out=self.split_out, max_registers=self.register_cap, softcap=self.softcap,
-                                  alibi=self.alibi, user_mods=self.user_mods, varlen=self.varlen)
+                                  alibi=self.alibi, user_mods=self.user_mods, varlen=self.varlen,
+                                  page_size=self.page_size)
         from numba_flash.kernels import KERNEL_FACTORIES
         from numba_flash.kernels.fa1 import casts_output
 
-        if self.variant is not None or self.varlen:  # (a named point's factory has no varlen switch)
+        if self.variant is not None or self.varlen or self.page_size:  # (a named point's factory: no such switches)
             from numba_flash.kernels.engines import CudaCores
             from numba_flash.kernels.forward import FA1, FA2, forward_kernel
 
@@ -118,7 +120,8 @@ class KernelSpec:
             tiles = CudaCores(self.head_dim, self.block_m, self.block_n, self.rows_per_thread)
             return forward_kernel(point, tiles, self.window, self.permuted, self.ragged,
                                   self.kv_outer and casts_output(self.dtype), max_registers=self.register_cap,
-                                  softcap=self.softcap, alibi=self.alibi, user_mods=self.user_mods, varlen=self.varlen)
+                                  softcap=self.softcap, alibi=self.alibi, user_mods=self.user_mods, varlen=self.varlen,
+                                  page_size=self.page_size)
         options = {} if self.rows_per_thread == ROWS_PER_THREAD else {"rows_per_thread": self.rows_per_thread}
         if self.softcap:
             options["softcap"] = True
@@ -155,13 +158,17 @@ class KernelSpec:
         # kernels.forward: q, k, v, o, lse, o_hbm, l_hbm, m_hbm, q_scale, kv_order, seqlens, n_splits, rows_per_query,
         # softcap_log2, alibi
         f2 = types.Array(types.float32, 2, "C")
-        return (a4, a4, a4, out, f3, f4, f3, f3, types.float32, i1, i1, i4, i4, types.float32, f2)
+        kv = a4
+        if self.page_size:  # (pages, block_table): pages a strided view of the cache (kernels.paged)
+            kv = types.Tuple((types.Array(a4.dtype, 4, "A"), types.Array(types.int32, 2, "C")))
+        return (a4, kv, kv, out, f3, f4, f3, f3, types.float32, i1, i1, i4, i4, types.float32, f2)
 
 
 @functools.lru_cache(maxsize=1024)
 def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regime="ieee", ragged=False,
                 split_out=False, permuted=False, variant=None, kv_stages=1, key_warps=1,
-                rows_per_thread=None, softcap=False, alibi=False, user_mods=None, varlen=False) -> KernelSpec:
+                rows_per_thread=None, softcap=False, alibi=False, user_mods=None, varlen=False,
+                page_size=0) -> KernelSpec:
     """The launch specification of one configuration (tiles as the caller gives them; ``api``
     checks them). ``window``: the mask's ``(left, right)`` (``kernels.mask``; a bool: the
     public ``causal``). ``head_dim`` is the problem's; a tensor-core kernel is compiled for it
@@ -174,7 +181,8 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regi
     micro-tile height; ``None``: ``tile_table.forward_rows_per_thread``'s for the tiles (read once
     per configuration: this is memoised). ``softcap``: the kernel soft-caps the scores;
     ``alibi``: it adds ALiBi's bias; ``user_mods``: a ``score_mods.UserMods`` compiled in;
-    ``varlen``: the kernel walks the sequences of a packed batch (``numba_flash.varlen``)."""
+    ``varlen``: the kernel walks the sequences of a packed batch (``numba_flash.varlen``);
+    ``page_size``: it reads K/V from a paged cache of pages that size (``kernels.paged``)."""
     window = window_of(window)
     if variant is not None:
         from numba_flash.kernels.forward import FA1, FA2
@@ -211,7 +219,7 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regi
                           cap, ragged and (variant is None or variant.loop_order == "q_outer"), split_out,
                           variant=variant, kv_stages=stages, key_warps=warps,
                           presplit=None if mode is None else layout.presplit, softcap=bool(softcap),
-                          alibi=bool(alibi), user_mods=user_mods, varlen=bool(varlen))
+                          alibi=bool(alibi), user_mods=user_mods, varlen=bool(varlen), page_size=int(page_size))
     if dtype == "bfloat16":  # the CUDA-core kernels read float16 or float32: api widens bfloat16
         dtype = "float32"
     from numba_flash.kernels.forward import (FA1, FA2, variant_dynamic_smem_bytes, variant_smem_bytes,
@@ -231,4 +239,5 @@ def kernel_spec(algorithm, head_dim, dtype, block_m, block_n, window=False, regi
         algorithm, "ieee", head_dim, dtype, block_m, block_n, window, threads, smem - dynamic, dynamic,
         register_cap(head_dim, rows, maxreg), ragged, split_out, bool(permuted), variant, rows_per_thread=rows,
         maxreg=maxreg, softcap=bool(softcap), alibi=bool(alibi), user_mods=user_mods, varlen=bool(varlen),
+        page_size=int(page_size),
     )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.arrays import cupy_stream
+from numba_flash.arrays import cupy_stream, each
 from numba_flash.alibi import no_slopes, slopes_argument
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tc_ops import check_tc_tiles, input_alignment, kernel_head_dim
@@ -144,9 +144,12 @@ def launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, seqlens=None, n_splits=1
     """Run the tensor-core kernel of ``call`` (validated by ``api``) into ``o`` and ``lse``;
     on a GPU every copy and launch is queued on the caller's stream. With ``n_splits > 1``,
     ``o`` and ``lse`` are the float32 partials ``(S*B, H, Nq, kernel head dim)`` of
-    ``kernels.block_info``; ``seqlens`` (int32 ``(B,)``) and ``rows_per_query``: ``decode``'s."""
+    ``kernels.block_info``; ``seqlens`` (int32 ``(B,)``) and ``rows_per_query``: ``decode``'s.
+    A paged cache (``call.page_size``): ``k`` and ``v`` are ``(pages, block_table)`` each
+    (``kernels.paged``)."""
     walk = (seqlens, n_splits, rows_per_query)
-    if ctx.direct_launch and call.user_mods is None and _launch_in_place(ctx, call, q, k, v, o, lse, walk):
+    if ctx.direct_launch and call.user_mods is None and not call.page_size and _launch_in_place(ctx, call, q, k, v, o,
+                                                                                                   lse, walk):
         return
     if ctx.kind == "torch":  # the CuPy copies of this call (padding, views) on torch's stream
         with cupy_stream(ctx.stream_ptr()):
@@ -162,10 +165,16 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
     spec = kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=seqlens is not None, split_out=partial, variant=call.variant, kv_stages=call.kv_stages,
                        key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
-                       user_mods=call.user_mods, varlen=call.varlen is not None)
+                       user_mods=call.user_mods, varlen=call.varlen is not None, page_size=call.page_size)
     sixteen = spec.regime in TENSOR_CORE_KIND.values()
     dim, xp = spec.head_dim, _xp(ctx.kind)
+    table = None
+    if call.page_size:  # (pages, block_table): the pages as any K/V array, the table as it is
+        (k, table), (v, _) = k, v
+        table = bits_view(table, ctx.kind, False)
     kq, kk, kv = kernel_inputs(spec.regime, ctx.kind, q, k, v)
+    if table is not None:
+        kk, kv = (kk, table), (kv, table)
     # The output: the caller's buffer viewed as the kernel's element type, or a padded one
     # (the kernel writes O element by element: any strides will do).
     o_view = bits_view(o, ctx.kind, sixteen and not partial)
@@ -193,7 +202,7 @@ def _launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> None:
                 tuple(device_array(a.detach() if ctx.kind == "torch" else a, ctx.kind) for a in call.problem.mod_args),
                 *(device_array(x, "numba") for x in lists)]
             launch(spec.kernel, grid, (spec.threads,), ctx.stream_ptr(),
-                   _ordered([device_array(x, "cupy") for x in arrays], q_scale, tail) + extra,
+                   _ordered([each(lambda a: device_array(a, "cupy"), x) for x in arrays], q_scale, tail) + extra,
                    shared_mem_bytes=spec.dynamic_smem, device_id=ctx.device_id)
         else:
             mods = None if user is None else _mod_args(ctx, call.problem.mod_args)
@@ -252,7 +261,7 @@ def _in_place_spec(call: LaunchConfig, ragged: bool, n_splits: int):
     return kernel_spec(call.algorithm, D, call.dtype, call.block_m, call.block_n, call.window, call.regime,
                        ragged=ragged, split_out=n_splits > 1, variant=call.variant, kv_stages=call.kv_stages,
                        key_warps=call.key_warps, softcap=call.softcap > 0, alibi=call.alibi,
-                       user_mods=call.user_mods, varlen=call.varlen is not None)
+                       user_mods=call.user_mods, varlen=call.varlen is not None, page_size=call.page_size)
 
 
 def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_splits, rows_per_query, unread, slopes):
@@ -333,16 +342,17 @@ def _numba_launch(ctx, spec, grid, arrays, written, q_scale, tail, mods=None, li
 
     host = ctx.kind == "numpy"
     if host and not simulated():
-        dev = [cuda.to_device(np.ascontiguousarray(x)) if not any(x is w for w in written) else cuda.device_array(x.shape, x.dtype) for x in arrays]
+        dev = [each(lambda a: cuda.to_device(np.ascontiguousarray(a)), x) if not any(x is w for w in written)
+               else cuda.device_array(x.shape, x.dtype) for x in arrays]
     elif host:
         # The simulator copies every NumPy argument back after the launch: outputs go as they
         # are (that is how they are written), inputs as C-ordered copies (never written, read-only
         # works; ``np.array`` alone keeps a strided view's order, which the simulator refuses).
-        dev = [x if any(x is w for w in written) else np.array(x, order="C") for x in arrays]
+        dev = [x if any(x is w for w in written) else each(lambda a: np.array(a, order="C"), x) for x in arrays]
     else:
         # (sync=False: every array is the caller's stream's, as the launch is; numba's default waits
         # for a CuPy array's stream, which serialised each call with the one before)
-        dev = [cuda.as_cuda_array(x, sync=False) for x in arrays]
+        dev = [each(lambda a: cuda.as_cuda_array(a, sync=False), x) for x in arrays]
     stream = ctx.stream()
     args = _ordered(dev, q_scale, tail) + ([] if mods is None else [mods]) + list(lists)
     numba_launch(spec.kernel, grid, spec.threads, stream, args, shared_mem_bytes=spec.dynamic_smem)

@@ -69,7 +69,8 @@ SIM_DEFAULTS = dict(cache=[40], batch=[2], heads=4, kv_heads=2, head_dim=16, rep
 
 # The keys of every --json row (the contract of the output; tests hold it).
 ROW_KEYS = ("batch", "heads", "kv_heads", "q_len", "head_dim", "dtype", "cache_len", "num_splits",
-            "ms", "kv_bytes", "tbs", "pct_peak", "rel_err", "peers", "vs_best_sdpa")  # fmt: skip
+            "ms", "kv_bytes", "tbs", "pct_peak", "rel_err", "peers", "vs_best_sdpa",
+            "page_size", "paged_ms", "paged_tbs", "paged_rel_err", "paged_vs_contiguous")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -126,6 +127,10 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--peak-tbs", type=positive_float, default=4.8, help="the GPU's HBM peak in TB/s (default: 4.8, H200)")
     ap.add_argument("--skip-above-gib", type=positive_float, default=40.0,
                     help="record configurations whose K+V exceed this many GiB as skipped (default: 40)")
+    ap.add_argument("--page-size", type=positive_int, metavar="P",
+                    help="also time the same keys in a paged cache of pages of P keys (a multiple of 16), in a "
+                         "random page order through a block table: paged_tbs and paged_vs_contiguous (the paged "
+                         "bandwidth over the contiguous cache's; API.md 2e)")
     ap.add_argument("--no-peers", action="store_true", help="do not run PyTorch SDPA")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default: 0)")
     ap.add_argument("--json", metavar="PATH", help="write the rows (and the run's metadata) as JSON")
@@ -409,8 +414,9 @@ def time_ms(fn, repeats: int, simulate: bool) -> float | None:
     return median_ms(fn, warmup=WARMUP, repeats=repeats)
 
 
-def measure_numba_flash(cfg, num_splits, q, k, v, seqlens, ref, arrays, args) -> dict:
-    """One numba_flash row: compile and check, then time. Never raises."""
+def measure_numba_flash(cfg, num_splits, q, k, v, seqlens, ref, arrays, args, paged=None) -> dict:
+    """One numba_flash row: compile and check, then time; with ``paged`` (:func:`paged_cache`'s
+    pages and table), the same call on the paged cache too. Never raises."""
     row = new_row(cfg, num_splits, "running")
     try:
         import numba_flash
@@ -423,11 +429,61 @@ def measure_numba_flash(cfg, num_splits, q, k, v, seqlens, ref, arrays, args) ->
         del o
         set_time(row, cfg, time_ms(fn, args.repeats, args.simulate), args.peak_tbs)
         row["status"] = accuracy_status(row["rel_err"], cfg.dtype)
+        if paged is not None:
+            k_pages, v_pages, table = paged
+
+            def paged_fn():
+                return numba_flash.decode(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table,
+                                          num_splits=num_splits)
+
+            o = paged_fn()
+            row["page_size"] = args.page_size
+            row["paged_rel_err"] = relative_error(o, ref, arrays)
+            del o
+            row["paged_ms"] = time_ms(paged_fn, args.repeats, args.simulate)
+            row["paged_tbs"] = tbs(cfg.kv_bytes, row["paged_ms"])
+            if row["paged_ms"] and row["ms"]:
+                row["paged_vs_contiguous"] = row["ms"] / row["paged_ms"]
+            if accuracy_status(row["paged_rel_err"], cfg.dtype) != "ok" and row["status"] == "ok":
+                row["status"] = "inaccurate (paged)"
     except Exception as exc:
         row["status"] = failure(exc)
     finally:
         release_memory()
     return row
+
+
+def paged_cache(k, v, page_size: int, arrays: Arrays, seed: int):
+    """``k``, ``v`` ``(B, Hkv, N, D)`` as a paged cache: ``(k_pages, v_pages, block_table)``,
+    pages ``(B * N / P, P, Hkv, D)`` in a random order (sequence ``b``'s keys ``j P ..`` in page
+    ``block_table[b, j]``), the table int32 ``(B, N / P)``. N must be a multiple of P."""
+    B, Hkv, N, D = (int(n) for n in k.shape)
+    if N % page_size:
+        raise ValueError(f"--page-size {page_size} must divide the cache length {N}")
+    per_seq = N // page_size
+    if arrays.kind == "numpy":
+        import numpy as xp
+
+        perm = xp.random.default_rng(seed).permutation(B * per_seq)
+    elif arrays.kind == "cupy":
+        import cupy as xp
+
+        perm = xp.random.default_rng(seed).permutation(B * per_seq)
+    else:
+        import torch
+
+        perm = torch.randperm(B * per_seq, generator=torch.Generator().manual_seed(seed)).cuda()
+    out = []
+    for cache in (k, v):
+        blocks = cache.reshape(B, Hkv, per_seq, page_size, D)
+        blocks = blocks.permute(0, 2, 3, 1, 4) if arrays.kind == "torch" else blocks.transpose(0, 2, 3, 1, 4)
+        pages = cache.new_empty((B * per_seq, page_size, Hkv, D)) if arrays.kind == "torch" else \
+            xp.empty((B * per_seq, page_size, Hkv, D), dtype=cache.dtype)
+        pages[perm] = blocks.reshape(B * per_seq, page_size, Hkv, D)
+        out.append(pages)
+    table = perm.reshape(B, per_seq)
+    table = table.to(dtype=__import__("torch").int32) if arrays.kind == "torch" else table.astype("int32")
+    return out[0], out[1], table
 
 
 def sdpa_backends() -> dict:
@@ -509,10 +565,19 @@ def measure_config(cfg: Config, args, arrays: Arrays, rng, backends: dict, repor
             report(row)
         release_memory()
         return rows
+    paged = None
+    if args.page_size:
+        try:
+            paged = paged_cache(k, v, args.page_size, arrays, args.seed)
+        except Exception as exc:
+            rows = [new_row(cfg, s, failure(exc)) for s in args.num_splits]
+            for row in rows:
+                report(row)
+            return rows
     rows = []
     for num_splits in args.num_splits:
         start = time.perf_counter()
-        row = measure_numba_flash(cfg, num_splits, q, k, v, seqlens, ref, arrays, args)
+        row = measure_numba_flash(cfg, num_splits, q, k, v, seqlens, ref, arrays, args, paged)
         report(row, seconds=time.perf_counter() - start)
         rows.append(row)
     peers = {}
@@ -527,7 +592,7 @@ def measure_config(cfg: Config, args, arrays: Arrays, rng, backends: dict, repor
         del tq, tk, tv
     for row in rows:
         add_peers(row, peers)
-    del q, k, v
+    del q, k, v, paged
     release_memory()
     return rows
 
@@ -550,7 +615,11 @@ def progress_line(index: int, total: int, row: dict, seconds: float, elapsed: fl
     if row["status"].startswith(("failed", "skipped")):
         return f"{head} {row['status']} ({elapsed:.0f} s elapsed)"
     what = f"{fmt(row['ms'], '.4f')} ms {fmt(row['tbs'], '.2f')} TB/s ({fmt(row['pct_peak'], '.0f')}% of peak)"
-    what += f" rel_err {fmt(row['rel_err'], '.1e')}" + ("" if row["status"] == "ok" else f" [{row['status']}]")
+    what += f" rel_err {fmt(row['rel_err'], '.1e')}"
+    if row.get("page_size"):
+        what += (f"; paged P{row['page_size']}: {fmt(row['paged_ms'], '.4f')} ms {fmt(row['paged_tbs'], '.2f')} TB/s "
+                 f"({fmt(row['paged_vs_contiguous'], '.3f')}x contiguous) rel_err {fmt(row['paged_rel_err'], '.1e')}")
+    what += "" if row["status"] == "ok" else f" [{row['status']}]"
     return f"{head} {what} ({seconds:.1f} s; {elapsed:.0f} s elapsed)"
 
 
@@ -574,13 +643,17 @@ def markdown_report(rows: list[dict], meta: dict) -> str:
     """The run's header, then one table: a row per (batch, cache length, num_splits)."""
     peer_names = list(dict.fromkeys(name for r in rows for name in r["peers"]))
     lines = ["## numba_flash decode bandwidth", ""] + [f"- {k}: {v}" for k, v in meta.items()] + [""]
+    paged = any(r.get("page_size") for r in rows)
     header = ["B", "cache", "splits", "ms", "K/V TB/s", "% peak", "rel err",
+              *(["paged ms", "paged TB/s", "paged / contiguous"] if paged else []),
               *(f"{n} TB/s" for n in peer_names), "vs best SDPA", "status"]  # fmt: skip
     body = []
     for r in rows:
         vs = "null" if r["vs_best_sdpa"] is None else f"{r['vs_best_sdpa']:.2f}x {r['best_sdpa']}"
+        paged_cells = [fmt(r.get("paged_ms"), ".4f"), fmt(r.get("paged_tbs"), ".2f"),
+                       fmt(r.get("paged_vs_contiguous"), ".3f")] if paged else []
         body.append([str(r["batch"]), str(r["cache_len"]), splits_label(r["num_splits"]), fmt(r["ms"], ".4f"),
-                     fmt(r["tbs"], ".2f"), fmt(r["pct_peak"], ".0f"), fmt(r["rel_err"], ".1e"),
+                     fmt(r["tbs"], ".2f"), fmt(r["pct_peak"], ".0f"), fmt(r["rel_err"], ".1e"), *paged_cells,
                      *(peer_cell(r["peers"].get(n)) for n in peer_names), vs, r["status"]])  # fmt: skip
     lines += markdown_table(header, body)
     notes: dict[tuple, list[str]] = {}  # (peer, note) -> the configurations it applies to

@@ -229,6 +229,10 @@ def decode_configs():
                 "fa2", d, "float16", 16, 64, causal, regime="f16", ragged=True, split_out=True, kv_stages=2, key_warps=4)
         yield f"decode-f16-d{d}-64x64-ring1", kernel_spec("fa2", d, "float16", 64, 64, True, regime="f16", ragged=True,
                                                          split_out=True)
+        for page in (16, 64, 256):  # a paged cache (kernels.paged): the key-warp ring's copies through the table
+            yield f"decode-f16-d{d}-causal-16x64-ring2-w4-paged{page}", kernel_spec(
+                "fa2", d, "float16", 16, 64, True, regime="f16", ragged=True, split_out=True, kv_stages=2, key_warps=4,
+                page_size=page)
 
 
 def variant_configs():

@@ -83,10 +83,10 @@ def _engine(name: str, ops, functions: dict, **constants) -> ModuleType:
 
 @functools.lru_cache(maxsize=None)
 def ffma_engine(head_dim: int, block_m: int, block_n: int, groups: int = 1,
-                rows_per_thread: int = ROWS_PER_THREAD) -> ModuleType:
+                rows_per_thread: int = ROWS_PER_THREAD, page_size: int = 0) -> ModuleType:
     """CUDA cores: ``tile_ops``'s micro-tiles (``groups``: split_k's groups of warps, each with the
-    layout of ``block_n`` keys)."""
-    ops = tile_ops(head_dim, block_m, block_n, groups, rows_per_thread)
+    layout of ``block_n`` keys; ``page_size``: K/V from a paged cache, ``kernels.paged``)."""
+    ops = tile_ops(head_dim, block_m, block_n, groups, rows_per_thread, page_size)
     L = ops.layout
     TM = L.rows_per_thread
     cap_tile = tile_soft_capper(TM, L.cols_per_thread)  # (float32 accuracy: the exact tanh)
@@ -157,16 +157,18 @@ def ffma_engine(head_dim: int, block_m: int, block_n: int, groups: int = 1,
 
 @functools.lru_cache(maxsize=None)
 def mma_engine(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None, presplit=None,
-               key_warps: int = 1, nest_merges: bool = False) -> ModuleType:
+               key_warps: int = 1, nest_merges: bool = False, page_size: int = 0) -> ModuleType:
     """Tensor cores: ``tc_ops``'s ``mma.sync`` tiles of ``kind``. ``key_warps`` > 1: the block's
     warps split each K/V tile's keys (``block_n / key_warps`` each); the products then run on one
     warp's part (``ops``) and the copies on the whole tile (``copies``, also the engine's ``load_q``).
     ``nest_merges``: the key warps are the loop nest's groups (split_k), whose states the nest
     merges (``group()`` is the key warp); else they merge themselves (:func:`key_warp_merge`,
-    decode's ring), and ``group()`` is 0."""
+    decode's ring), and ``group()`` is 0. ``page_size``: the copies read K/V from a paged cache
+    (``kernels.paged``)."""
     KW = int(key_warps)
-    ops = tc_ops(kind, head_dim, block_m, block_n // KW, row_walk, presplit, key_warps=KW)
-    copies = ops if KW == 1 else tc_ops(kind, head_dim, block_m, block_n, row_walk, presplit, key_warps=KW)
+    ops = tc_ops(kind, head_dim, block_m, block_n // KW, row_walk, presplit, key_warps=KW, page_size=page_size)
+    copies = ops if KW == 1 else tc_ops(kind, head_dim, block_m, block_n, row_walk, presplit, key_warps=KW,
+                                        page_size=page_size)
     L = ops.layout
     TM = MMA_ROWS_PER_THREAD
 

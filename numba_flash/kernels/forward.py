@@ -52,7 +52,7 @@ from dataclasses import dataclass
 
 from numba_flash._cuda import cuda, float32, int32
 
-from numba_flash.kernels import mask, mma, score_mods, softmax
+from numba_flash.kernels import mask, mma, paged, score_mods, softmax
 from numba_flash.kernels.mask import window_of
 from numba_flash.kernels.block_info import (batch_and_head, list_row, listed_partial, listed_range, listed_tile,
                                             sequence_span, split_of_block, split_tiles, tile_of_block, valid_keys)
@@ -136,7 +136,8 @@ def tc_split_k_smem_bytes(loop_order: str, layout) -> int:
 @kernel_factory
 def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragged: bool = False,
                    cast_out: bool = False, f32_out: bool = False, max_registers: int | None = None,
-                   softcap: bool = False, alibi: bool = False, user_mods=None, varlen: bool = False):
+                   softcap: bool = False, alibi: bool = False, user_mods=None, varlen: bool = False,
+                   page_size: int = 0):
     """The forward kernel at ``variant`` on the engine of ``tiles`` (memoised).
 
     ``window``: the mask's ``(left, right)`` of ``kernels.mask`` (a compile-time constant; a bool:
@@ -148,6 +149,8 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     sequences of a packed batch (``numba_flash.varlen``): ``seqlens`` is then int32 ``(2, B + 1)``,
     ``cu_seqlens_q`` and ``cu_seqlens_k``, and every array a ``(1, H, total, ...)`` view of the
     packed rows; each block cuts its sequence's rows out of them (``block_info.sequence_span``).
+    ``page_size``: ``k`` and ``v`` are a paged cache, each the pair ``(pages, block_table)`` of
+    ``kernels.paged`` (``decode(..., block_table=)``; the copies look the pages up); 0: arrays.
     ``tiles``: ``engines.CudaCores`` (FFMA micro-tiles, synchronous copies) or
     ``engines.TensorCores`` (``mma.sync``, ``cp.async`` copies: ``pipeline.cp_async``).
     ``cast_out`` (kv_outer): O lives in ``o_hbm`` (float32) and is cast into ``o`` at the end
@@ -165,6 +168,9 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     WINDOW = window_of(window)
     PERMUTED, RAGGED, F32_OUT, SOFTCAP, ALIBI = bool(permuted), bool(ragged), bool(f32_out), bool(softcap), bool(alibi)
     VARLEN = bool(varlen)  # a packed batch: the grid is (sequence, head, Q tile); seqlens holds cu_seqlens
+    KV = paged.kv_source(page_size)  # k, v: arrays, or a paged cache's (pages, block_table)
+    if VARLEN and KV.PAGED:
+        raise ValueError("a packed batch (varlen) reads contiguous K/V, not a paged cache")
     if VARLEN and (RAGGED or PERMUTED or user_mods is not None or f32_out):
         raise ValueError("a packed batch (varlen) runs unsplit, in order, without cache lengths or a user's mods")
     if VARLEN and variant.loop_order == "q_outer" and variant.grid != "heads_x_qtiles":
@@ -201,7 +207,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         if SPLIT_K:  # the groups are key warps; no pre-split operands (each group reads its own keys)
             KW = KG = SPLIT_K_GROUPS
             presplit = ""
-        E = mma_engine(tiles.kind, D, BM, BN, tiles.row_walk, presplit, KW, SPLIT_K)
+        E = mma_engine(tiles.kind, D, BM, BN, tiles.row_walk, presplit, KW, SPLIT_K, KV.PAGE_SIZE)
         pipe = cp_async(E, BN, STAGES)
         L = E.copies.layout
         NT = L.threads // KG  # threads of one group
@@ -221,7 +227,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         BNG = BN // KG  # keys of a K/V tile per group
         if SPLIT_K and tiles.rows_per_thread != ROWS_PER_THREAD:
             raise ValueError("split_k runs the 4-row micro-tile only")
-        E = ffma_engine(D, BM, BNG, KG, tiles.rows_per_thread)  # one group's layout
+        E = ffma_engine(D, BM, BNG, KG, tiles.rows_per_thread, KV.PAGE_SIZE)  # one group's layout
         pipe = synchronous(E)
         L = E.layout
         NT = L.threads  # threads of one group
@@ -636,7 +642,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         n_batch = q.shape[0]
         n_heads = q.shape[1]
         n_q = q.shape[2]
-        group = n_heads // k.shape[1]  # query heads per kv head (GQA / MQA)
+        group = n_heads // KV.heads(k)  # query heads per kv head (GQA / MQA)
         n_q_tiles = (n_q + BM - 1) // BM  # Tr
         if VARLEN:  # the sequences of the packed batch; the grid's Q tiles: the longest sequence's
             n_batch = seqlens.shape[1] - 1
@@ -670,7 +676,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         if VARLEN:  # (seqlens holds the prefix sums: not a key count per batch)
             n_k = k.shape[2]
         else:
-            n_k = valid_keys(seqlens, b, k.shape[2], RAGGED)
+            n_k = valid_keys(seqlens, b, KV.capacity(k), RAGGED)
         n_kv_tiles = (n_k + BN - 1) // BN  # Tc
 
         # Shared memory: the engine's tiles (the mma engine: one dynamic buffer, Q_i | K/V stages |

@@ -47,7 +47,7 @@ from numba_flash._cuda import cuda, float32
 from numba_flash.arch import SMEM_OPTIN_LIMIT
 from numba_flash.kernels import mma
 from numba_flash.kernels.jit import NEG_INF, device_jit
-from numba_flash.kernels import mask, score_mods
+from numba_flash.kernels import mask, paged, score_mods
 from numba_flash.kernels.row_reduce import add, row_allreduce
 from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, log_sum_exp, nan_max, reciprocal_or_zero
 
@@ -233,11 +233,12 @@ def row_walk_default(kind: str, head_dim: int, block_m: int, block_n: int, key_w
 
 @functools.lru_cache(maxsize=None)
 def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
-           presplit: str | None = None, key_warps: int = 1) -> ModuleType:
+           presplit: str | None = None, key_warps: int = 1, page_size: int = 0) -> ModuleType:
     """Device functions for one (kind, head_dim, block_m, block_n) specialisation (memoised);
     ``row_walk``: the copies of full K/V tiles walk rows (``None``: :func:`row_walk_default`);
     ``presplit``: ``tc_layout``'s; ``key_warps``: the block's warps per 16 rows (``tc_layout``;
-    the copies use every thread, the products and row statistics are each warp's own)."""
+    the copies use every thread, the products and row statistics are each warp's own);
+    ``page_size``: ``load_kv_tile`` reads a paged cache (``kernels.paged``); 0: contiguous."""
     L = tc_layout(kind, head_dim, block_m, block_n, presplit=presplit, key_warps=key_warps)
     ROW_WALK = row_walk_default(kind, head_dim, block_m, block_n, key_warps) if row_walk is None else bool(row_walk)
     D, BM, BN, DP, S = head_dim, block_m, block_n, L.padded_dim, L.stride
@@ -303,7 +304,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         def ldsm_trans(smem, row0, col0):
             return mma.ldsm_x4_trans(smem, row0, col0, S)
 
-    def make_loader(tile_rows):
+    def make_loader(tile_rows, source=paged.CONTIGUOUS):
         COPIES = -(-tile_rows * CHUNKS_PER_ROW // NT)  # copies per thread
         EXACT = tile_rows * CHUNKS_PER_ROW % NT == 0
         # A row walk: when the block's threads cover whole rows (NT a multiple of the chunks per
@@ -315,6 +316,44 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         WALK = ROW_WALK and D == DP and NT % CHUNKS_PER_ROW == 0 and tile_rows % (NT // CHUNKS_PER_ROW) == 0
         ROW_STEP = NT // CHUNKS_PER_ROW if WALK else 1
         WALK_COPIES = tile_rows // ROW_STEP
+        # A paged cache (``kernels.paged``): the tile's rows lie in PARTS runs of PART rows, one
+        # page each (a tile in one page, or pages that tile it: tiles start at multiples of
+        # tile_rows); the walk looks the page up once per run. Other page sizes: indexed copies.
+        PAGED, PAGE = source.PAGED, source.PAGE_SIZE
+        PART = min(PAGE, tile_rows) if PAGED else tile_rows
+        PAGE_WALK = PAGED and WALK and (PAGE % tile_rows == 0 or tile_rows % PAGE == 0) and PART % ROW_STEP == 0
+        PARTS, PART_COPIES = tile_rows // PART, PART // ROW_STEP
+
+        @device_jit
+        def load_paged(kv, b, h, first, n_valid, x_s):
+            """:func:`load` from a paged cache ``kv = (pages, block_table)``: sequence ``b``'s
+            keys ``first ..`` of head ``h``, from the pages its table names."""
+            pages = kv[0]
+            tid = cuda.threadIdx.x
+            if PAGE_WALK and first + tile_rows <= n_valid:  # a full tile: a row walk per page
+                r = tid // CHUNKS_PER_ROW
+                d = (tid - r * CHUNKS_PER_ROW) * CH
+                step = mma.row_step(pages) * ROW_STEP
+                for p in range(PARTS):
+                    page, row = source.locate(kv, b, first + p * PART + r)
+                    address = mma.row_address(pages, page, h, row, d)
+                    for n in range(PART_COPIES):
+                        copy_at(x_s, tile_index(p * PART + r + ROW_STEP * n, d), pages, page, h, d, address)
+                        address += step
+                return
+            for n in range(COPIES):
+                c = tid + NT * n
+                if EXACT or c < tile_rows * CHUNKS_PER_ROW:
+                    r = c // CHUNKS_PER_ROW
+                    d = (c - r * CHUNKS_PER_ROW) * CH
+                    key = first + r
+                    valid = key < n_valid and d < D
+                    # an invalid copy reads nothing, but its source address must be in bounds
+                    page, row = source.locate(kv, b, min(key, n_valid - 1))
+                    copy16(x_s, tile_index(r, d), pages, page, h, row, min(d, D - CH), valid)
+
+        if PAGED:
+            return load_paged
 
         @device_jit
         def load(x, b, h, first, n_valid, x_s):
@@ -344,7 +383,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         return load
 
     load_q_tile = make_loader(BM)
-    load_kv_tile = make_loader(BN)
+    load_kv_tile = make_loader(BN, paged.kv_source(page_size))
 
     if PRESPLIT_Q:
 
@@ -734,7 +773,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
             for e in range(4):
                 acc[dt, e] = float32(0.0)
 
-    ops = ModuleType(f"numba_flash.kernels.tc_ops_{kind}_d{D}_m{BM}_n{BN}")
+    ops = ModuleType(f"numba_flash.kernels.tc_ops_{kind}_d{D}_m{BM}_n{BN}" + (f"_p{int(page_size)}" if page_size else ""))
     ops.layout = L
     ops.row_walk = ROW_WALK
     ops.q_frag_rows = Q_FRAG_ROWS  # rows of the kernel's qf / qf_small arrays

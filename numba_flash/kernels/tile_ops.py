@@ -36,7 +36,7 @@ from numba_flash._cuda import cuda, float32, int32, uint64
 
 from numba_flash.kernels.jit import NEG_INF, device_jit, shared_tile
 from numba_flash.kernels.row_reduce import add, row_allreduce
-from numba_flash.kernels import mask, score_mods
+from numba_flash.kernels import mask, paged, score_mods
 from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, log_sum_exp, nan_max, reciprocal_or_zero
 from numba_flash.kernels.tiles import ROWS_PER_THREAD, VEC, tile_layout
 
@@ -52,13 +52,14 @@ def at(i):
 
 @functools.lru_cache(maxsize=None)
 def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
-             rows_per_thread: int = ROWS_PER_THREAD) -> ModuleType:
+             rows_per_thread: int = ROWS_PER_THREAD, page_size: int = 0) -> ModuleType:
     """Device functions for one (head_dim, block_m, block_n) specialisation (memoised).
 
     ``groups``: the block holds that many copies of the layout, one after the other (thread
     ``t`` is thread ``t % threads`` of group ``t // threads``): the warps of a split-K block
     (``kernels.forward``), each group on its own part of the K/V tile. 1: the whole block.
-    ``rows_per_thread``: the micro-tile height (``tile_table.forward_rows_per_thread``)."""
+    ``rows_per_thread``: the micro-tile height (``tile_table.forward_rows_per_thread``).
+    ``page_size``: :func:`load_kv_tile` reads a paged cache (``kernels.paged``); 0: contiguous."""
     L = tile_layout(head_dim, block_m, block_n, rows_per_thread)
     D, BM, BN = head_dim, block_m, block_n
     TM, TX, TN = L.rows_per_thread, L.threads_per_row, L.cols_per_thread
@@ -92,8 +93,12 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
     RP = L.copy_rows_per_pass  # rows per pass of the whole block
     D_PASSES = L.copy_d_passes
 
-    def make_row_copy(tile_rows, stride, scaled):
-        """fetch/store device functions for a ``tile_rows`` x D tile with row ``stride``."""
+    KV = paged.kv_source(page_size)
+
+    def make_row_copy(tile_rows, stride, scaled, source=paged.CONTIGUOUS):
+        """fetch/store device functions for a ``tile_rows`` x D tile with row ``stride``; a paged
+        ``source`` (``kernels.paged``): fetch reads ``(pages, block_table, b, h)``, not a view."""
+        PAGED = source.PAGED
         EXACT = tile_rows % RP == 0  # every pass is a full one: no row test needed
         LOADS = L.copy_loads(tile_rows)
 
@@ -108,7 +113,11 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
                     d = d_base + CT * (n % D_PASSES)
                     reg[n] = float32(0.0)
                     if (EXACT or c < tile_rows) and (not checked or first + c < n_valid) and (D == DP or d < D):
-                        x = float32(x2[at(first + c), at(d)])
+                        if PAGED:  # x2: (pages, block_table, b, h); key first + c of sequence b
+                            page, row = source.locate((x2[0], x2[1]), x2[2], first + c)
+                            x = float32(x2[0][page, x2[3], row, d])
+                        else:
+                            x = float32(x2[at(first + c), at(d)])
                         reg[n] = x * scale if scaled else x
 
             return fetch_rows
@@ -144,8 +153,8 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         return fetch, store, LOADS
 
     fetch_q, store_q, Q_LOADS = make_row_copy(BM, QS, True)
-    fetch_k, store_k, KV_LOADS = make_row_copy(BN, KS, False)
-    fetch_v, store_v, _ = make_row_copy(BN, DP, False)
+    fetch_k, store_k, KV_LOADS = make_row_copy(BN, KS, False, KV)
+    fetch_v, store_v, _ = make_row_copy(BN, DP, False, KV)
 
     @device_jit
     def load_q_tile(q, b, h, row0, n_q, q_scale, q_s):
@@ -160,9 +169,14 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         through the same registers (a tile's share of both at once would cost more registers
         than the overlap is worth)."""
         one = float32(1.0)
-        fetch_k(k[b, hk], col0, n_k, one, kv_reg)
-        store_k(kv_reg, k_s)
-        fetch_v(v[b, hk], col0, n_k, one, kv_reg)
+        if KV.PAGED:  # (pages, block_table) each: sequence b's rows through its table
+            fetch_k((k[0], k[1], b, hk), col0, n_k, one, kv_reg)
+            store_k(kv_reg, k_s)
+            fetch_v((v[0], v[1], b, hk), col0, n_k, one, kv_reg)
+        else:
+            fetch_k(k[b, hk], col0, n_k, one, kv_reg)
+            store_k(kv_reg, k_s)
+            fetch_v(v[b, hk], col0, n_k, one, kv_reg)
         store_v(kv_reg, v_s)
 
     # S = Q K^T streams one operand per 4-wide step of the head dim and holds the other's
@@ -404,7 +418,8 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
     # A module object, so that kernels can call ``ops.score_tile(...)``: numba resolves
     # attributes of a module at compile time (it cannot do that for other objects).
     ops = ModuleType(f"numba_flash.kernels.tile_ops_d{D}_m{BM}_n{BN}" + (f"_g{GROUPS}" if GROUPS > 1 else "")
-                     + (f"_r{rows_per_thread}" if rows_per_thread != ROWS_PER_THREAD else ""))
+                     + (f"_r{rows_per_thread}" if rows_per_thread != ROWS_PER_THREAD else "")
+                     + (f"_p{KV.PAGE_SIZE}" if KV.PAGED else ""))
     ops.layout = L
     for name, func in dict(
         nan_max=nan_max, thread_row=thread_row, thread_col=thread_col, load_q_tile=load_q_tile,
