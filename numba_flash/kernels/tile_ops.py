@@ -94,6 +94,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
     D_PASSES = L.copy_d_passes
 
     KV = paged.kv_source(page_size)
+    PAGED_KV = KV.PAGED  # (a closure constant: numba prunes the branch it decides; a module attribute it does not)
 
     def make_row_copy(tile_rows, stride, scaled, source=paged.CONTIGUOUS):
         """fetch/store device functions for a ``tile_rows`` x D tile with row ``stride``; a paged
@@ -169,7 +170,7 @@ def tile_ops(head_dim: int, block_m: int, block_n: int, groups: int = 1,
         through the same registers (a tile's share of both at once would cost more registers
         than the overlap is worth)."""
         one = float32(1.0)
-        if KV.PAGED:  # (pages, block_table) each: sequence b's rows through its table
+        if PAGED_KV:  # (pages, block_table) each: sequence b's rows through its table
             fetch_k((k[0], k[1], b, hk), col0, n_k, one, kv_reg)
             store_k(kv_reg, k_s)
             fetch_v((v[0], v[1], b, hk), col0, n_k, one, kv_reg)
