@@ -72,7 +72,8 @@ OUTPUT_GRID = dict(  # test_flash_attn_output's @pytest.mark.parametrize, in the
 KVCACHE_GRID = dict(  # test_flash_attn_kvcache's
     dtype=["float16"], num_splits=[1, 0], mha_type=["mha", "mqa", "gqa"], new_kv=[False, True],
     alibi=[False, True], local=[False, True], causal=[False, True], seqlen_new_eq_seqlen_q=[True, False],
-    rotary_interleaved=[False, True], rotary_fraction=[0.0, 0.5, 1.0], paged_kv_block_size=[None, 256],
+    rotary_interleaved=[False, True], rotary_fraction=[0.0, 0.5, 1.0],
+    paged_kv_block_size=[None, 256, 16, 64],  # FA's [None, 256], and issue 25's page sizes 16 and 64
     has_leftpad=[False, True], has_batch_idx=[False], d=[32, 59, 64, 80, 128, 256],
     seqlens=[(1, 128), (1, 339), (3, 1024), (64, 800), (64, 256), (3, 799), (64, 2048), (16, 20000),
              (1, 128 * 1024), (16, 128 * 1024), (128, 128)])
@@ -92,15 +93,14 @@ _OUTPUT_EXCLUDED = [  # (axis, values, why); a case counts under the first that 
     ("dropout_p", (0.17,), "dropout (not in numba_flash)")]
 EXCLUDED = {"forward": _OUTPUT_EXCLUDED, "backward": _OUTPUT_EXCLUDED, "varlen": _OUTPUT_EXCLUDED, "kvcache": [
     ("d", (256,), "head dim > 128 (numba_flash takes 1..128 today)"),
-    ("paged_kv_block_size", (256,), "paged KV cache (API.md 2e: block_table not built)"),
     ("has_leftpad", (True,), "cache_leftpad (not in numba_flash)"),
-    ("rotary_fraction", (0.5, 1.0), "rotary embedding (not in numba_flash)"),
-    ("new_kv", (True,), "k_new/v_new appended to the cache (API.md 2e: not built)")]}
-COLLAPSED = {  # axis -> why it changes nothing in what is left (run at its first value)
-    "forward": {"deterministic": "the flag is the backward's (numba_flash's forward is deterministic)"},
+    ("rotary_fraction", (0.5, 1.0), "rotary embedding (not in numba_flash)")]}
+COLLAPSED = {  # axis -> (why it changes nothing in what is left, when: None or a test of the case): run at its first value
+    "forward": {"deterministic": ("the flag is the backward's (numba_flash's forward is deterministic)", None)},
     "backward": {},
     "varlen": {},
-    "kvcache": {"seqlen_new_eq_seqlen_q": "no effect without new_kv", "rotary_interleaved": "no effect without rotary"}}
+    "kvcache": {"seqlen_new_eq_seqlen_q": ("no effect without new_kv", lambda p: not p["new_kv"]),
+                "rotary_interleaved": ("no effect without rotary", None)}}
 SHAPES = {"forward": (4, 6, {"mha": 6, "mqa": 1, "gqa": 2}), "kvcache": (2, 6, {"mha": 6, "mqa": 1, "gqa": 3})}
 SHAPES["backward"] = SHAPES["varlen"] = SHAPES["forward"]  # (varlen with softcap: 4 heads, dims())
 SIM_SHAPES = {"forward": (1, 4, {"mha": 4, "mqa": 1, "gqa": 2}), "kvcache": (2, 4, {"mha": 4, "mqa": 1, "gqa": 2})}
@@ -139,19 +139,22 @@ class Case:
         extra = ("kvpacked" if p["kvpacked"] else "kv") if "kvpacked" in p else ""
         mods = (("local " if p.get("local") else "") + (f"softcap={p['softcap']:g} " if p.get("softcap") else "")
                 + ("alibi " if p.get("alibi") else ""))
+        if self.part == "kvcache":
+            extra = (("new " + ("new=q " if p["seqlen_new_eq_seqlen_q"] else "")) if p["new_kv"] else "") + (
+                f"paged={p['paged_kv_block_size']}" if p["paged_kv_block_size"] else "")
         return (f"{self.part} {p['dtype']} {p['mha_type']} {'causal' if p['causal'] else 'full'} {mods}d={p['d']} "
                 f"{p['seqlens'][0]}x{p['seqlens'][1]} {extra} {self.variant}").replace("  ", " ")
 
     @property
     def inputs(self) -> tuple:  # what the inputs (and so the references) depend on
         return (self.part,) + tuple(self.p.get(a) for a in ("dtype", "mha_type", "causal", "d", "seqlens", "local", "softcap",
-                                                            "alibi"))
+                                                            "alibi", "new_kv", "seqlen_new_eq_seqlen_q"))
 
 
 def grid(part: str, dtypes=None, algorithms=("fa2", "fa1")):
     """(cases, counts): the cases run (FA's kept cases times our variants) and how FA's grid was cut."""
     axes = dict(GRIDS[part], **({"dtype": list(dtypes)} if dtypes else {}))
-    dup = "same case as another (" + "; ".join(f"{a}: {r}" for a, r in COLLAPSED[part].items()) + ")"
+    dup = "same case as another (" + "; ".join(f"{a}: {r}" for a, (r, _) in COLLAPSED[part].items()) + ")"
     counts = dict.fromkeys(["total", "skipped by FlashAttention"] + [f"{a}={x}: {r}" for a, vals, r in EXCLUDED[part]
                                                                     for x in vals if x in axes[a]], 0)
     counts[dup], kept = 0, {}
@@ -163,8 +166,9 @@ def grid(part: str, dtypes=None, algorithms=("fa2", "fa1")):
             continue
         why = next((f"{a}={p[a]}: {r}" for a, vals, r in EXCLUDED[part] if p[a] in vals), None)
         if why is None:
-            for a in COLLAPSED[part]:
-                p[a] = axes[a][0]
+            for a, (_, when) in COLLAPSED[part].items():
+                if when is None or when(p):
+                    p[a] = axes[a][0]
             why = dup if tuple(p.items()) in kept else None
         if why is None:
             kept[tuple(p.items())] = p
@@ -408,8 +412,13 @@ def run_cases(cases, simulate, report=None):
         kv = A.stack([k, v], 2)  # kvpacked: the same values in one (B, N, 2, Hkv, D) buffer
         layouts = {False: (A.bhnd(k), A.bhnd(v)), True: (A.bhnd(kv[:, :, 0]), A.bhnd(kv[:, :, 1]))}
         lens = lens_q = None
-        if part == "kvcache":
-            lens = A.np.random.default_rng(seed).integers(1, nk + 1, batch).astype(A.np.int32)
+        n_new = 0
+        if part == "kvcache":  # FA's test: seqlen_new = seqlen_q or randint(1, seqlen_q + 1); the cache's
+            draw = A.np.random.default_rng(seed)  # lengths leave room for the new keys (0 allowed with them)
+            if c0.p["new_kv"]:
+                n_new = nq if c0.p["seqlen_new_eq_seqlen_q"] else int(draw.integers(1, nq + 1))
+            cached = draw.integers(0 if n_new else 1, nk - n_new + 1, batch).astype(A.np.int32)
+            lens = cached + n_new  # the keys attended: the cached ones, then the new ones
         if part == "varlen":  # FA's generate_random_padding_mask(mode="random"): [max(1, N - 20), N]
             draw = A.np.random.default_rng(seed + 9)
             lens_q, lens = (draw.integers(max(1, n - 20), n + 1, batch) for n in (nq, nk))
@@ -432,8 +441,9 @@ def run_cases(cases, simulate, report=None):
                 elif part == "varlen":
                     got = run_varlen(A, c, q, kk, vv, do, lens_q, lens, causal, mods)
                 elif part == "kvcache":
-                    got = {"o": numba_flash.decode(A.bhnd(q), kk, vv, cache_seqlens=A.asarray(lens), causal=causal,
-                                                   num_splits=1 if c.variant == "splits=1" else None, **mods)}
+                    caches = kv_cache(A, kk, vv, cached, n_new, c.p["paged_kv_block_size"], seed)
+                    got = {"o": numba_flash.decode(A.bhnd(q), cache_seqlens=A.asarray(cached), causal=causal,
+                                                   num_splits=1 if c.variant == "splits=1" else None, **caches, **mods)}
                 else:
                     layout = c.p["kvpacked"]
                     if layout not in fwd:
@@ -459,6 +469,45 @@ def run_cases(cases, simulate, report=None):
             if report:
                 report(row)
     return rows
+
+
+def kv_cache(A: Arrays, k, v, cached, n_new: int, page_size, seed: int) -> dict:
+    """``decode``'s cache arguments holding the keys ``k``, ``v`` (B, Hkv, N, D) as FA's kvcache
+    test builds them: sequence ``b``'s first ``cached[b]`` keys in the cache and, with ``n_new``,
+    its next ``n_new`` keys as ``k_new`` / ``v_new`` (their rows in the cache NaN until the call
+    writes them); with ``page_size``, the cache in pages of a random order through a block table
+    (FA: ``torch.randperm(num_blocks)``), every spare page and row NaN."""
+    np = A.np
+    batch, kvh, nk, d = (int(x) for x in k.shape)
+    out = {}
+    if n_new:
+        take = [slice(int(n), int(n) + n_new) for n in cached]
+        out["k_new"], out["v_new"] = (A.stack([x[b, :, t] for b, t in enumerate(take)], 0) for x in (k, v))
+        k, v = (x.copy() if A.sim else x.clone() for x in (k, v))
+        for b, t in enumerate(take):
+            k[b, :, t] = math.nan
+            v[b, :, t] = math.nan
+    if not page_size:
+        out["k_cache"], out["v_cache"] = k, v
+        return out
+    per_seq = -(-nk // page_size)
+    num_blocks = batch * per_seq + 3
+    order = np.random.default_rng(seed + 11).permutation(num_blocks)[: batch * per_seq]
+    table = order.reshape(batch, per_seq).astype(np.int32)
+    for name, x in (("k_cache", k), ("v_cache", v)):
+        pad = per_seq * page_size - nk
+        rows = x.swapaxes(1, 2) if A.sim else x.transpose(1, 2)  # (B, N, Hkv, D)
+        if A.sim:
+            pages = np.full((num_blocks, page_size, kvh, d), np.nan, x.dtype)
+            rows = np.concatenate([rows, np.full((batch, pad, kvh, d), np.nan, x.dtype)], 1) if pad else rows
+        else:
+            pages = A.xp.full((num_blocks, page_size, kvh, d), math.nan, dtype=x.dtype, device=x.device)
+            rows = A.xp.cat([rows, A.xp.full((batch, pad, kvh, d), math.nan, dtype=x.dtype, device=x.device)], 1) \
+                if pad else rows
+        pages[A.asarray(order.astype(np.int64))] = rows.reshape(batch * per_seq, page_size, kvh, d)
+        out[name] = pages
+    out["block_table"] = A.asarray(table)
+    return out
 
 
 def gradient_atols(A: Arrays, ref: dict, dt: str) -> dict:

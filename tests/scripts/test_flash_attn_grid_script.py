@@ -31,9 +31,11 @@ OUTPUT_TOTAL = 2 * 2 * 3 * 2 * 2 * 2 * 2 * 11 * 10 * 2 * 2  # 84480
 FORWARD_KEPT = 2 * 2 * 3 * 2 * 7 * 10 * 2 * 2 * 2  # kvpacked, dtype, mha_type, causal, d, seqlens, local, softcap, alibi
 # test_flash_attn_kvcache: dtype 1, num_splits 2, mha_type 3, new_kv 2, alibi 2, local 2, causal 2,
 # seqlen_new_eq_seqlen_q 2, rotary_interleaved 2, rotary_fraction 3, paged 2, has_leftpad 2,
-# has_batch_idx 1, d 6, seqlens 11.
-KVCACHE_TOTAL = 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 3 * 2 * 2 * 6 * 11  # 304128
-KVCACHE_KEPT = 2 * 3 * 2 * 5 * 11 * 2 * 2  # num_splits, mha_type, causal, d <= 128, seqlens, local, alibi: 2640
+# has_batch_idx 1, d 6, seqlens 11; the paged axis gains issue 25's page sizes 16 and 64 (4 values).
+KVCACHE_TOTAL = 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 3 * 4 * 2 * 6 * 11  # 608256
+# num_splits, mha_type, causal, d <= 128, seqlens, local, alibi, paged 4, and new_kv: False (seqlen_new_eq_seqlen_q
+# collapsed) or True with both values: 31680
+KVCACHE_KEPT = 2 * 3 * 2 * 5 * 11 * 2 * 2 * 4 * 3
 
 
 def test_grid_sizes_and_exclusions(grid):
@@ -51,11 +53,11 @@ def test_grid_sizes_and_exclusions(grid):
     assert dropped == {"d=160", "d=192", "d=224", "d=256", "dropout_p=0.17"}
     assert fc["d=256: head dim > 128 (numba_flash takes 1..128 today; API.md 2e's 256 not built)"] == OUTPUT_TOTAL * 3 // 4 // 11
     dropped = {what.split(":")[0] for what in kc if "=" in what.split(":")[0]}
-    assert dropped == {"d=256", "paged_kv_block_size=256", "has_leftpad=True", "rotary_fraction=0.5",
-                       "rotary_fraction=1.0", "new_kv=True"}
+    assert dropped == {"d=256", "has_leftpad=True", "rotary_fraction=0.5", "rotary_fraction=1.0"}
     for c in fwd + bwd + kv:  # nothing numba_flash cannot run is left
         assert c.p["d"] <= 128
-        assert c.p.get("dropout_p", 0) == 0 and not c.p.get("new_kv", False)
+        assert c.p.get("dropout_p", 0) == 0 and c.p.get("rotary_fraction", 0) == 0
+    assert {c.p["paged_kv_block_size"] for c in kv} == {None, 16, 64, 256} and {c.p["new_kv"] for c in kv} == {False, True}
     assert {c.p["local"] for c in fwd + kv} == {False, True} and {c.p["softcap"] for c in fwd} == {0.0, 50.0}
     assert {c.p["alibi"] for c in fwd + bwd + kv} == {False, True}
     assert {c.p["seqlens"] for c in fwd} == set(grid.OUTPUT_GRID["seqlens"]) and len(grid.OUTPUT_GRID["seqlens"]) == 10
