@@ -46,12 +46,18 @@ class PagedCache:
 def paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -> PagedCache:
     """``decode``'s paged arguments checked (``TypeError`` / ``ValueError`` naming the argument)
     and the kernels' views; ``k_new`` / ``v_new`` are written by :meth:`PagedCache.append`."""
-    arrays = {name: as_cupy_view(x, name) for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache),
-                                                          ("block_table", block_table))}
+    arrays = {name: as_cupy_view(x, name) for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))}
     kind = kind_of(arrays["q"])
-    for name in ("k_cache", "v_cache", "block_table"):
+    for name in ("k_cache", "v_cache"):
         if kind_of(arrays[name]) != kind:
             raise TypeError(f"{name} must be an array of q's library ({kind})")
+    # the table: an array of q's library, or on the host (a NumPy array or a list: copied once, it is read anyway)
+    table = np.asarray(block_table) if isinstance(block_table, (list, tuple)) else as_cupy_view(block_table,
+                                                                                               "block_table")
+    table_kind = kind_of(table)
+    if table_kind not in (kind, "numpy"):
+        raise TypeError(f"block_table must be an array of q's library ({kind}) or a NumPy array; got {table_kind}")
+    arrays["block_table"] = table
     k_cache, v_cache, table = arrays["k_cache"], arrays["v_cache"], arrays["block_table"]
     for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
         if len(x.shape) != 4:
@@ -70,14 +76,14 @@ def paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -
     if len(table.shape) != 2 or int(table.shape[0]) != batch:
         raise ValueError(f"block_table must have shape (B, max_blocks) with q's batch B = {batch}; got "
                          f"{tuple(table.shape)}")
-    if not dtype_name(table, kind).startswith(("int", "uint")):
-        raise TypeError(f"block_table must hold integers (int32); got {dtype_name(table, kind)}")
+    if not dtype_name(table, table_kind).startswith(("int", "uint")):
+        raise TypeError(f"block_table must hold integers (int32); got {dtype_name(table, table_kind)}")
     max_blocks = int(table.shape[1])
     new = _new_keys(k_new, v_new, kind, batch, kv_heads, head_dim, dtype_name(k_cache, kind))
     n_new = 0 if new is None else int(new[0].shape[2])
 
     ctx = ArrayContext(kind, k_cache)
-    host_table = checks.integer_array(_host(table, kind), "block_table")
+    host_table = checks.integer_array(_host(table, table_kind), "block_table")
     if cache_seqlens is None:
         cached = np.full(batch, max_blocks * page_size, dtype=np.int64)
     else:
@@ -92,7 +98,7 @@ def paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -
     total = checks.paged_cache(host_table, cached, n_new, page_size, num_blocks, cache_seqlens is not None)
 
     with ctx.on_device():
-        if not (dtype_name(table, kind) == "int32" and is_contiguous(table, kind)):
+        if not (table_kind == kind and dtype_name(table, kind) == "int32" and is_contiguous(table, kind)):
             table = from_host(np.ascontiguousarray(host_table.astype(np.int32)), kind, ctx)
         lengths = from_host(np.ascontiguousarray(total.astype(np.int32)), kind, ctx)
     k_pages, v_pages = k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2)

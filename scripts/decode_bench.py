@@ -461,14 +461,15 @@ def paged_cache(k, v, page_size: int, arrays: Arrays, seed: int):
     if N % page_size:
         raise ValueError(f"--page-size {page_size} must divide the cache length {N}")
     per_seq = N // page_size
-    if arrays.kind == "numpy":
-        import numpy as xp
+    import numpy
 
-        perm = xp.random.default_rng(seed).permutation(B * per_seq)
+    perm = numpy.random.default_rng(seed).permutation(B * per_seq)
+    if arrays.kind == "numpy":
+        xp = numpy
     elif arrays.kind == "cupy":
         import cupy as xp
 
-        perm = xp.random.default_rng(seed).permutation(B * per_seq)
+        perm = xp.asarray(perm)
     else:
         import torch
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -107,7 +108,7 @@ def test_paged_decode_is_the_contiguous_one_bit_for_bit(page_size, n_q, group):
     q = rng.standard_normal((B, Hkv * group, n_q, D), dtype=cupy.float32).astype(cupy.float16)
     k, v = (rng.standard_normal((B, Hkv, n_max, D), dtype=cupy.float32).astype(cupy.float16) for _ in range(2))
     per_seq = n_max // page_size
-    perm = cupy.asarray(cupy.random.default_rng(1).permutation(B * per_seq), dtype=cupy.int32)
+    perm = cupy.asarray(np.random.default_rng(1).permutation(B * per_seq), dtype=cupy.int32)
     table = perm.reshape(B, per_seq)
     k_pages, v_pages = (cupy.empty((B * per_seq, page_size, Hkv, D), cupy.float16) for _ in range(2))
     for cache, pages in ((k, k_pages), (v, v_pages)):  # page table[b, j] <- keys j*P .. of sequence b

@@ -230,3 +230,4 @@ def test_paged_cache_full_by_default():
     o = numba_flash.decode(q, k_cache, v_cache, block_table=table)
     want, _ = reference.decode(q, k_cache, v_cache, block_table=table)
     assert rel_err(o, want) < 2e-6
+    np.testing.assert_array_equal(numba_flash.decode(q, k_cache, v_cache, block_table=[[2, 0]]), o)  # (a list too)
