@@ -21,7 +21,7 @@ try:
     __version__ = _metadata.version("numba-flash")  # the installed distribution's version
 except _metadata.PackageNotFoundError:  # a source tree on sys.path, not installed
     __version__ = "0+unknown"
-__all__ = ["attention", "attention_backward", "attention_varlen", "attention_backward_varlen", "decode", "block_mask", "BlockMask", "online", "reference", "__version__"]
+__all__ = ["attention", "attention_backward", "attention_varlen", "attention_backward_varlen", "decode", "page_table", "PageTable", "block_mask", "BlockMask", "online", "reference", "__version__"]
 
 
 def __getattr__(name):
@@ -37,6 +37,10 @@ def __getattr__(name):
         from numba_flash.varlen import attention_backward_varlen as value
     elif name == "decode":
         from numba_flash.decoding import decode as value
+    elif name == "page_table":
+        from numba_flash.paging import page_table as value
+    elif name == "PageTable":
+        from numba_flash.paging import PageTable as value
     elif name == "block_mask":
         from numba_flash.tile_visibility import block_mask as value
     elif name == "BlockMask":

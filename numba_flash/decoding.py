@@ -79,9 +79,15 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     elif k_new is not None or v_new is not None:
         cache_seqlens = _append(k_cache, v_cache, k_new, v_new, cache_seqlens)
     key = None
-    if paged is None and alibi_slopes is None and none_given(mask_mod, score_mod, mod_args):  # (per-call arrays: not planned)
-        key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap)
+    if alibi_slopes is None and none_given(mask_mod, score_mod, mod_args):  # (per-call arrays: not planned)
+        if paged is None:
+            key = _decode_key(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap)
+        else:  # (the table's signature and page size too; its contents were checked above)
+            key = _decode_key(q, k_cache, v_cache, paged.lengths, causal, scale, num_splits, window_size, softcap)
+            table_key = array_signature(paged.table.table) if key is not None else None
+            key = None if table_key is None else ("paged", key, table_key)
     plan = _DECODE_PLANS.get(key)
+    caches = k_cache, v_cache  # (the caller's: a paged plan reads their pointers)
     if plan is None:  # a signature not seen before (or not plannable): every check
         if paged is not None:  # the checks below read the shapes a contiguous cache would have
             k_cache, v_cache = paged.k_shape, paged.v_shape
@@ -119,8 +125,13 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
             call = replace(call, page_size=paged.page_size)
             with ctx.on_device():
                 paged.append()
-                o, lse = _decode_unplanned(ctx, call, packed, paged.k, paged.v, paged.lengths, group, Nq)
-            return (o, lse) if return_lse else o
+                if key is not None:
+                    plan = _plan_decode(ctx, call, q, packed, paged.k, paged.v, paged.lengths, group, None)
+                if plan is None:
+                    o, lse = _decode_unplanned(ctx, call, packed, paged.k, paged.v, paged.lengths, group, Nq)
+                    return (o, lse) if return_lse else o
+            _DECODE_PLANS.put(key, plan)
+            return _launch_paged(plan, q, caches, paged, return_lse)
         with ctx.on_device():
             seqlens = _check_seqlens(cache_seqlens, B, kind, ctx)
             if key is not None and seqlens is cache_seqlens:  # lengths used as given: plannable
@@ -130,6 +141,10 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
                 o, lse = _decode_unplanned(ctx, call, packed, k_cache, v_cache, seqlens, group, Nq)
                 return (o, lse) if return_lse else o
         _DECODE_PLANS.put(key, plan)
+    if paged is not None:
+        with plan.on_device():
+            paged.append()
+        return _launch_paged(plan, q, caches, paged, return_lse)
     arrays = (q, k_cache, v_cache) if cache_seqlens is None else (q, k_cache, v_cache, cache_seqlens)
     with plan.on_device():
         o, lse = plan.allocate()
@@ -139,6 +154,21 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
 
 
 _DECODE_PLANS = plans.PlanCache()  # decode's plans by signature (_decode_key)
+
+
+def _launch_paged(plan, q, caches, paged, return_lse):
+    """A planned paged decode: q, the caches (their pointers are their pages views'), o, lse,
+    the lengths and the block table; a misaligned input: the unplanned path, which copies."""
+    with plan.on_device():
+        o, lse = plan.allocate()
+        if not plan.launch((q, *caches, o, lse, paged.lengths, paged.table.table)):
+            call = plan.call
+            group = int(q.shape[1]) // int(caches[0].shape[2])
+            kind = call.kind
+            o_packed, lse_packed = _pack(o, kind, group), _pack(lse[..., None], kind, group)[..., 0]
+            api.run(ArrayContext(kind, q), call, _pack(q, kind, group), paged.k, paged.v, o_packed, lse_packed, None,
+                    paged.lengths, rows_per_query=group)
+    return (o, lse) if return_lse else o
 
 
 def _append(k_cache, v_cache, k_new, v_new, cache_seqlens):
@@ -215,8 +245,14 @@ def _plan_decode(ctx, call: api.LaunchConfig, q, packed, k_cache, v_cache, seqle
     pointer = pointer_reader(ctx.kind)
     if pointer(packed) != pointer(q):
         return None
-    builder = plans.PlanBuilder(ctx, call, 5 if seqlens is None else 6)
-    arrays = [builder.caller_array(0, packed), builder.caller_array(1, k_cache), builder.caller_array(2, v_cache),
+    paged = isinstance(k_cache, tuple)  # (pages, block_table) each (kernels.paged): the table is array 6
+    builder = plans.PlanBuilder(ctx, call, 7 if paged else 5 if seqlens is None else 6)
+    if paged:
+        table = builder.caller_array(6, k_cache[1])
+        k_arg, v_arg = (builder.caller_array(1, k_cache[0]), table), (builder.caller_array(2, v_cache[0]), table)
+    else:
+        k_arg, v_arg = builder.caller_array(1, k_cache), builder.caller_array(2, v_cache)
+    arrays = [builder.caller_array(0, packed), k_arg, v_arg,
               builder.result_array(3, (B, Hkv, rows, D), call.dtype),
               builder.result_array(4, (B, Hkv, rows), "float32"),
               None if seqlens is None else builder.caller_array(5, seqlens)]

@@ -25,64 +25,58 @@ from numba_flash.arrays import ArrayContext, as_cupy_view, dtype_name, from_host
 PAGE_MULTIPLE = 16  # page sizes the kernels take: multiples of this many keys (API.md 2e)
 
 
-@dataclass(frozen=True)
-class PagedCache:
-    """A checked paged cache as one decode call's kernels take it."""
+@dataclass(frozen=True, eq=False)
+class PageTable:
+    """A block table checked against a paged cache and its sequences' lengths (API.md 2e), on the
+    cache's device: what :func:`page_table` returns and ``decode(..., block_table=)`` takes in
+    place of the table, reading nothing back (the checks were made once). A decode step calls
+    every layer with one table: check it once, pass it to each layer's ``decode`` (as
+    flashinfer's ``plan`` / ``run``). Valid for any cache of the same ``num_blocks`` and
+    ``page_size`` (each layer's), a ``decode`` with ``n_new`` appended keys and no
+    ``cache_seqlens`` (they are here)."""
 
-    k: tuple  # (pages, block_table): pages (num_blocks, Hkv, page_size, D), a view of k_cache
-    v: tuple
-    lengths: object  # int32 (B,) keys per sequence (appended ones counted), of the inputs' library
+    table: object  # int32 (B, max_blocks), C-contiguous, of the cache's library and device
+    lengths: object  # int32 (B,): keys per sequence, the n_new appended ones counted
     page_size: int
-    k_shape: object  # (B, Hkv, max_blocks * page_size, D) views that read nothing: the shapes the
-    v_shape: object  # attention checks (``problem.describe``) see
-    appends: tuple = ()  # the arguments of ``_append`` when k_new / v_new are given
+    num_blocks: int
+    n_new: int
+    kind: str
+    scatter: tuple  # (pages, rows), int64 (B * n_new,) on the device: where each appended key goes; ()
 
-    def append(self) -> None:
-        """Write ``k_new``, ``v_new`` into their pages (once every check of the call has passed)."""
-        if self.appends:
-            _append(*self.appends)
+    @property
+    def batch(self) -> int:
+        return int(self.table.shape[0])
 
 
-def paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -> PagedCache:
-    """``decode``'s paged arguments checked (``TypeError`` / ``ValueError`` naming the argument)
-    and the kernels' views; ``k_new`` / ``v_new`` are written by :meth:`PagedCache.append`."""
-    arrays = {name: as_cupy_view(x, name) for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))}
-    kind = kind_of(arrays["q"])
-    for name in ("k_cache", "v_cache"):
-        if kind_of(arrays[name]) != kind:
-            raise TypeError(f"{name} must be an array of q's library ({kind})")
-    # the table: an array of q's library, or on the host (a NumPy array or a list: copied once, it is read anyway)
+def page_table(k_cache, block_table, cache_seqlens=None, *, n_new: int = 0) -> PageTable:
+    """``block_table`` ``(B, max_blocks)`` (an integer array of ``k_cache``'s library, or on the
+    host) and ``cache_seqlens`` ``(B,)`` (``None``: every sequence holds ``max_blocks *
+    page_size`` keys) checked against the paged ``k_cache`` ``(num_blocks, page_size, Hkv, D)``
+    for a decode that appends ``n_new`` keys to each sequence (``checks.paged_cache``: every page
+    a sequence uses is in the cache, no sequence runs past its table, no appended key lands on a
+    row another key uses). ``ValueError`` / ``TypeError`` naming the argument. Reads the table and
+    lengths once (one synchronising copy each when they are on the GPU)."""
+    return _page_table(k_cache, block_table, cache_seqlens, checks.whole_number(n_new, "n_new"), None)
+
+
+def _page_table(k_cache, block_table, cache_seqlens, n_new: int, batch) -> PageTable:
+    """:func:`page_table`; ``batch``: q's (a table of another batch is named as such), or None."""
+    k_cache = as_cupy_view(k_cache, "k_cache")
+    kind = kind_of(k_cache)
+    num_blocks, page_size = _paged_shape(k_cache, "k_cache")
+    # the table: an array of the cache's library, or on the host (a NumPy array or a list: it is read anyway)
     table = np.asarray(block_table) if isinstance(block_table, (list, tuple)) else as_cupy_view(block_table,
                                                                                                "block_table")
     table_kind = kind_of(table)
     if table_kind not in (kind, "numpy"):
-        raise TypeError(f"block_table must be an array of q's library ({kind}) or a NumPy array; got {table_kind}")
-    arrays["block_table"] = table
-    k_cache, v_cache, table = arrays["k_cache"], arrays["v_cache"], arrays["block_table"]
-    for name, x in (("k_cache", k_cache), ("v_cache", v_cache)):
-        if len(x.shape) != 4:
-            raise ValueError(f"{name} must be 4-D (num_blocks, page_size, kv_heads, head_dim) with a block_table; "
-                             f"got shape {tuple(x.shape)}")
-    if tuple(k_cache.shape) != tuple(v_cache.shape):
-        raise ValueError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and "
-                         f"{tuple(v_cache.shape)}")
-    num_blocks, page_size, kv_heads, head_dim = (int(n) for n in k_cache.shape)
-    if page_size < PAGE_MULTIPLE or page_size % PAGE_MULTIPLE:
-        raise ValueError(f"page_size (axis 1 of k_cache) must be a positive multiple of {PAGE_MULTIPLE}; "
-                         f"got {page_size}")
-    if len(arrays["q"].shape) != 4:
-        raise ValueError(f"q must be 4-D (batch, heads, seq, head_dim); got shape {tuple(arrays['q'].shape)}")
-    batch = int(arrays["q"].shape[0])
-    if len(table.shape) != 2 or int(table.shape[0]) != batch:
-        raise ValueError(f"block_table must have shape (B, max_blocks) with q's batch B = {batch}; got "
-                         f"{tuple(table.shape)}")
+        raise TypeError(f"block_table must be an array of the caches' library ({kind}) or a NumPy array; got "
+                        f"{table_kind}")
+    if len(table.shape) != 2 or (batch is not None and int(table.shape[0]) != batch):
+        whose = "" if batch is None else f" with q's batch B = {batch}"
+        raise ValueError(f"block_table must have shape (B, max_blocks){whose}; got {tuple(table.shape)}")
     if not dtype_name(table, table_kind).startswith(("int", "uint")):
         raise TypeError(f"block_table must hold integers (int32); got {dtype_name(table, table_kind)}")
-    max_blocks = int(table.shape[1])
-    new = _new_keys(k_new, v_new, kind, batch, kv_heads, head_dim, dtype_name(k_cache, kind))
-    n_new = 0 if new is None else int(new[0].shape[2])
-
-    ctx = ArrayContext(kind, k_cache)
+    batch, max_blocks = (int(n) for n in table.shape)
     host_table = checks.integer_array(_host(table, table_kind), "block_table")
     if cache_seqlens is None:
         cached = np.full(batch, max_blocks * page_size, dtype=np.int64)
@@ -97,15 +91,97 @@ def paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -
         cached = np.maximum(host, 0)  # (decode's contiguous caches clamp the same way)
     total = checks.paged_cache(host_table, cached, n_new, page_size, num_blocks, cache_seqlens is not None)
 
+    ctx = ArrayContext(kind, k_cache)
     with ctx.on_device():
         if not (table_kind == kind and dtype_name(table, kind) == "int32" and is_contiguous(table, kind)):
             table = from_host(np.ascontiguousarray(host_table.astype(np.int32)), kind, ctx)
         lengths = from_host(np.ascontiguousarray(total.astype(np.int32)), kind, ctx)
-    k_pages, v_pages = k_cache.swapaxes(1, 2), v_cache.swapaxes(1, 2)
-    logical = (batch, kv_heads, max_blocks * page_size, head_dim)
-    appends = (k_cache, v_cache, *new, host_table, cached, page_size, kind, ctx) if n_new else ()
-    return PagedCache((k_pages, table), (v_pages, table), lengths, page_size,
-                      _shape_only(k_cache, logical, kind), _shape_only(v_cache, logical, kind), appends)
+        scatter = ()
+        if n_new and batch:  # sequence b's new key t: key j = cached[b] + t, page table[b, j // P], row j % P
+            keys = cached[:, None] + np.arange(n_new)[None, :]
+            pages = np.take_along_axis(host_table, keys // page_size, axis=1).reshape(-1)
+            scatter = tuple(from_host(np.ascontiguousarray(x.astype(np.int64)), kind, ctx)
+                            for x in (pages, (keys % page_size).reshape(-1)))
+    return PageTable(table, lengths, page_size, num_blocks, n_new, kind, scatter)
+
+
+@dataclass(frozen=True)
+class PagedCache:
+    """A checked paged cache as one decode call's kernels take it."""
+
+    k: tuple  # (pages, block_table): pages (num_blocks, Hkv, page_size, D), a view of k_cache
+    v: tuple
+    table: PageTable
+    k_shape: object  # (B, Hkv, max_blocks * page_size, D) views that read nothing: the shapes the
+    v_shape: object  # attention checks (``problem.describe``) see
+    appends: tuple = ()  # (k_cache, v_cache, k_new, v_new) when keys are appended
+
+    page_size = property(lambda self: self.table.page_size)
+    lengths = property(lambda self: self.table.lengths)
+
+    def append(self) -> None:
+        """Write ``k_new``, ``v_new`` into their pages (once every check of the call has passed):
+        one scatter per cache (the page table has checked that no written row is read as another key)."""
+        if not self.appends:
+            return
+        k_cache, v_cache, k_new, v_new = self.appends
+        pages, rows = self.table.scatter
+        batch, kv_heads, n_new, head_dim = (int(n) for n in k_new.shape)
+        for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+            # (B, Hkv, Nnew, D) -> (B * Nnew, Hkv, D): sequence b's key t at b * Nnew + t
+            cache[pages, rows] = new.swapaxes(1, 2).reshape(batch * n_new, kv_heads, head_dim)
+
+
+def paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -> PagedCache:
+    """``decode``'s paged arguments checked (``TypeError`` / ``ValueError`` naming the argument)
+    and the kernels' views; ``k_new`` / ``v_new`` are written by :meth:`PagedCache.append`.
+    ``block_table``: an array (checked here: :func:`page_table`) or a :class:`PageTable`."""
+    arrays = {name: as_cupy_view(x, name) for name, x in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache))}
+    kind = kind_of(arrays["q"])
+    for name in ("k_cache", "v_cache"):
+        if kind_of(arrays[name]) != kind:
+            raise TypeError(f"{name} must be an array of q's library ({kind})")
+    k_cache, v_cache = arrays["k_cache"], arrays["v_cache"]
+    num_blocks, page_size = _paged_shape(k_cache, "k_cache")
+    _paged_shape(v_cache, "v_cache")
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"k_cache and v_cache must have the same shape; got {tuple(k_cache.shape)} and "
+                         f"{tuple(v_cache.shape)}")
+    kv_heads, head_dim = (int(n) for n in k_cache.shape[2:])
+    if len(arrays["q"].shape) != 4:
+        raise ValueError(f"q must be 4-D (batch, heads, seq, head_dim); got shape {tuple(arrays['q'].shape)}")
+    batch = int(arrays["q"].shape[0])
+    new = _new_keys(k_new, v_new, kind, batch, kv_heads, head_dim, dtype_name(k_cache, kind))
+    n_new = 0 if new is None else int(new[0].shape[2])
+    if isinstance(block_table, PageTable):
+        table = block_table
+        if cache_seqlens is not None:
+            raise ValueError("cache_seqlens must be None with a PageTable: its lengths were checked with it")
+        made = {"page_size": table.page_size, "num_blocks": table.num_blocks, "batch": table.batch,
+                "n_new": table.n_new, "library": table.kind}
+        want = {"page_size": page_size, "num_blocks": num_blocks, "batch": batch, "n_new": n_new, "library": kind}
+        for what, value in made.items():
+            if value != want[what]:
+                raise ValueError(f"block_table: a PageTable made for {what} {value}, used with {want[what]} (page_table "
+                                 "checks a table for one cache shape, batch and count of appended keys)")
+    else:
+        table = _page_table(k_cache, block_table, cache_seqlens, n_new, batch)
+    logical = (batch, kv_heads, (int(table.table.shape[1])) * page_size, head_dim)
+    return PagedCache((k_cache.swapaxes(1, 2), table.table), (v_cache.swapaxes(1, 2), table.table), table,
+                      _shape_only(k_cache, logical, kind), _shape_only(v_cache, logical, kind),
+                      (k_cache, v_cache, *new) if n_new else ())
+
+
+def _paged_shape(cache, name: str) -> tuple:
+    """(num_blocks, page_size) of a paged cache, checked: 4-D, page_size a multiple of 16."""
+    if len(cache.shape) != 4:
+        raise ValueError(f"{name} must be 4-D (num_blocks, page_size, kv_heads, head_dim) with a block_table; "
+                         f"got shape {tuple(cache.shape)}")
+    num_blocks, page_size = int(cache.shape[0]), int(cache.shape[1])
+    if page_size < PAGE_MULTIPLE or page_size % PAGE_MULTIPLE:
+        raise ValueError(f"page_size (axis 1 of {name}) must be a positive multiple of {PAGE_MULTIPLE}; "
+                         f"got {page_size}")
+    return num_blocks, page_size
 
 
 def _new_keys(k_new, v_new, kind: str, batch: int, kv_heads: int, head_dim: int, dtype: str):
@@ -126,21 +202,6 @@ def _new_keys(k_new, v_new, kind: str, batch: int, kv_heads: int, head_dim: int,
         if dtype_name(x, kind) != dtype:
             raise TypeError(f"{name} must have the caches' dtype {dtype}; got {dtype_name(x, kind)}")
     return new
-
-
-def _append(k_cache, v_cache, k_new, v_new, table: np.ndarray, cached: np.ndarray, page_size: int, kind: str, ctx):
-    """Sequence ``b``'s new keys ``t`` into page ``table[b, j // page_size]``, row ``j %
-    page_size``, ``j = cached[b] + t``: one scatter per cache (``checks.paged_cache`` has
-    checked every page and that no written row is read as another key)."""
-    batch, kv_heads, n_new, head_dim = (int(n) for n in k_new.shape)
-    keys = cached[:, None] + np.arange(n_new)[None, :]  # (B, Nnew)
-    pages = np.take_along_axis(table, keys // page_size, axis=1).reshape(-1)
-    rows = (keys % page_size).reshape(-1)
-    with ctx.on_device():
-        pages, rows = (from_host(np.ascontiguousarray(x.astype(np.int64)), kind, ctx) for x in (pages, rows))
-        for cache, new in ((k_cache, k_new), (v_cache, v_new)):
-            # (B, Hkv, Nnew, D) -> (B * Nnew, Hkv, D): sequence b's key t at b * Nnew + t
-            cache[pages, rows] = new.swapaxes(1, 2).reshape(batch * n_new, kv_heads, head_dim)
 
 
 def _host(x, kind: str) -> np.ndarray:

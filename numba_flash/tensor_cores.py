@@ -148,8 +148,7 @@ def launch_tc(ctx, call: LaunchConfig, q, k, v, o, lse, seqlens=None, n_splits=1
     A paged cache (``call.page_size``): ``k`` and ``v`` are ``(pages, block_table)`` each
     (``kernels.paged``)."""
     walk = (seqlens, n_splits, rows_per_query)
-    if ctx.direct_launch and call.user_mods is None and not call.page_size and _launch_in_place(ctx, call, q, k, v, o,
-                                                                                                   lse, walk):
+    if ctx.direct_launch and call.user_mods is None and _launch_in_place(ctx, call, q, k, v, o, lse, walk):
         return
     if ctx.kind == "torch":  # the CuPy copies of this call (padding, views) on torch's stream
         with cupy_stream(ctx.stream_ptr()):
@@ -217,8 +216,8 @@ def _launch_in_place(ctx, call: LaunchConfig, q, k, v, o, lse, walk) -> bool:
     pointers. False (nothing launched) when one is not; then :func:`_launch_tc` pads."""
     seqlens, n_splits, rows_per_query = walk
     spec = _in_place_spec(call, seqlens is not None, n_splits)
-    inputs = [device_array(x, ctx.kind) for x in (q, k, v)]
-    if any(a.ptr % CP_ASYNC_ALIGNMENT for a in inputs):
+    inputs = [each(lambda a: device_array(a, ctx.kind), x) for x in (q, k, v)]  # (a paged cache: (pages, table))
+    if any(_pages(a).ptr % CP_ASYNC_ALIGNMENT for a in inputs):
         return False
     lengths = seqlens if seqlens is not None else _unread_lengths("cupy", ctx.device_id)
     unread = [device_array(x, "cupy") for x in (*_unread_state("cupy", ctx.device_id), _unread_lengths("cupy", ctx.device_id))]
@@ -249,7 +248,7 @@ def plan_in_place(builder, call: LaunchConfig, q, k, v, o, lse, seqlens, n_split
     args = in_place_arguments(spec, call, q, k, v, o, lse, seqlens, n_splits, rows_per_query, unread, slopes)
     if args is None:
         return False
-    builder.require_aligned(q.ptr.index, k.ptr.index, v.ptr.index)
+    builder.require_aligned(q.ptr.index, _pages(k).ptr.index, _pages(v).ptr.index)
     B, H, Nq, _ = call.q_shape
     builder.add_launch(spec.kernel, spec.grid(B, H, Nq, n_splits), (spec.threads,), args, spec.dynamic_smem)
     return True
@@ -277,15 +276,21 @@ def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_spl
     sixteen = spec.regime in TENSOR_CORE_KIND.values()
     width = input_alignment(spec.regime)
     inputs = [q, k, v]
-    if sixteen:
-        inputs = [a._replace(dtype="uint16") for a in inputs]
-    if not all(_rows_laid_out(a, width) for a in inputs):
+    if sixteen:  # (a paged cache's (pages, block_table): the pages as bit patterns, the table as it is)
+        inputs = [(a[0]._replace(dtype="uint16"), a[1]) if isinstance(a, tuple) else a._replace(dtype="uint16")
+                  for a in inputs]
+    if not all(_rows_laid_out(_pages(a), width) for a in inputs):
         return None
     if sixteen and not spec.split_out:
         o = o._replace(dtype="uint16")
     o_hbm, l_hbm, m_hbm, kv_order = unread
     return [*inputs, o, lse, o_hbm, l_hbm, m_hbm, np.float32(call.scale * LOG2E), kv_order, lengths, np.int32(n_splits),
             np.int32(rows_per_query), np.float32(call.softcap_log2), slopes]
+
+
+def _pages(a):
+    """The array of a kernel's K/V argument: itself, or a paged cache's pages (``kernels.paged``)."""
+    return a[0] if isinstance(a, tuple) else a
 
 
 def _rows_laid_out(a, width: int) -> bool:

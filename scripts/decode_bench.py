@@ -70,7 +70,8 @@ SIM_DEFAULTS = dict(cache=[40], batch=[2], heads=4, kv_heads=2, head_dim=16, rep
 # The keys of every --json row (the contract of the output; tests hold it).
 ROW_KEYS = ("batch", "heads", "kv_heads", "q_len", "head_dim", "dtype", "cache_len", "num_splits",
             "ms", "kv_bytes", "tbs", "pct_peak", "rel_err", "peers", "vs_best_sdpa",
-            "page_size", "paged_ms", "paged_tbs", "paged_rel_err", "paged_vs_contiguous")  # fmt: skip
+            "page_size", "paged_ms", "paged_tbs", "paged_rel_err", "paged_vs_contiguous",
+            "paged_checked_ms", "paged_checked_vs_contiguous")  # fmt: skip
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -129,8 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="record configurations whose K+V exceed this many GiB as skipped (default: 40)")
     ap.add_argument("--page-size", type=positive_int, metavar="P",
                     help="also time the same keys in a paged cache of pages of P keys (a multiple of 16), in a "
-                         "random page order through a block table: paged_tbs and paged_vs_contiguous (the paged "
-                         "bandwidth over the contiguous cache's; API.md 2e)")
+                         "random page order: through a PageTable checked once (paged_tbs, paged_vs_contiguous: the "
+                         "paged bandwidth over the contiguous cache's) and through the table checked at every call "
+                         "(paged_checked_ms; API.md 2e)")
     ap.add_argument("--no-peers", action="store_true", help="do not run PyTorch SDPA")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default: 0)")
     ap.add_argument("--json", metavar="PATH", help="write the rows (and the run's metadata) as JSON")
@@ -429,10 +431,14 @@ def measure_numba_flash(cfg, num_splits, q, k, v, seqlens, ref, arrays, args, pa
         del o
         set_time(row, cfg, time_ms(fn, args.repeats, args.simulate), args.peak_tbs)
         row["status"] = accuracy_status(row["rel_err"], cfg.dtype)
-        if paged is not None:
+        if paged is not None:  # a decode step's form: the table checked once (page_table), then each call
             k_pages, v_pages, table = paged
+            checked = numba_flash.page_table(k_pages, table, seqlens)
 
             def paged_fn():
+                return numba_flash.decode(q, k_pages, v_pages, block_table=checked, num_splits=num_splits)
+
+            def checked_fn():  # the table itself: checked on the host at every call (a synchronising read)
                 return numba_flash.decode(q, k_pages, v_pages, cache_seqlens=seqlens, block_table=table,
                                           num_splits=num_splits)
 
@@ -442,8 +448,11 @@ def measure_numba_flash(cfg, num_splits, q, k, v, seqlens, ref, arrays, args, pa
             del o
             row["paged_ms"] = time_ms(paged_fn, args.repeats, args.simulate)
             row["paged_tbs"] = tbs(cfg.kv_bytes, row["paged_ms"])
+            checked_fn()
+            row["paged_checked_ms"] = time_ms(checked_fn, args.repeats, args.simulate)
             if row["paged_ms"] and row["ms"]:
                 row["paged_vs_contiguous"] = row["ms"] / row["paged_ms"]
+                row["paged_checked_vs_contiguous"] = row["ms"] / row["paged_checked_ms"]
             if accuracy_status(row["paged_rel_err"], cfg.dtype) != "ok" and row["status"] == "ok":
                 row["status"] = "inaccurate (paged)"
     except Exception as exc:
@@ -619,7 +628,9 @@ def progress_line(index: int, total: int, row: dict, seconds: float, elapsed: fl
     what += f" rel_err {fmt(row['rel_err'], '.1e')}"
     if row.get("page_size"):
         what += (f"; paged P{row['page_size']}: {fmt(row['paged_ms'], '.4f')} ms {fmt(row['paged_tbs'], '.2f')} TB/s "
-                 f"({fmt(row['paged_vs_contiguous'], '.3f')}x contiguous) rel_err {fmt(row['paged_rel_err'], '.1e')}")
+                 f"({fmt(row['paged_vs_contiguous'], '.3f')}x contiguous) rel_err {fmt(row['paged_rel_err'], '.1e')}; "
+                 f"checked every call {fmt(row['paged_checked_ms'], '.4f')} ms "
+                 f"({fmt(row['paged_checked_vs_contiguous'], '.3f')}x)")
     what += "" if row["status"] == "ok" else f" [{row['status']}]"
     return f"{head} {what} ({seconds:.1f} s; {elapsed:.0f} s elapsed)"
 
@@ -646,13 +657,13 @@ def markdown_report(rows: list[dict], meta: dict) -> str:
     lines = ["## numba_flash decode bandwidth", ""] + [f"- {k}: {v}" for k, v in meta.items()] + [""]
     paged = any(r.get("page_size") for r in rows)
     header = ["B", "cache", "splits", "ms", "K/V TB/s", "% peak", "rel err",
-              *(["paged ms", "paged TB/s", "paged / contiguous"] if paged else []),
+              *(["paged ms", "paged TB/s", "paged / contiguous", "paged ms, table checked per call"] if paged else []),
               *(f"{n} TB/s" for n in peer_names), "vs best SDPA", "status"]  # fmt: skip
     body = []
     for r in rows:
         vs = "null" if r["vs_best_sdpa"] is None else f"{r['vs_best_sdpa']:.2f}x {r['best_sdpa']}"
         paged_cells = [fmt(r.get("paged_ms"), ".4f"), fmt(r.get("paged_tbs"), ".2f"),
-                       fmt(r.get("paged_vs_contiguous"), ".3f")] if paged else []
+                       fmt(r.get("paged_vs_contiguous"), ".3f"), fmt(r.get("paged_checked_ms"), ".4f")] if paged else []
         body.append([str(r["batch"]), str(r["cache_len"]), splits_label(r["num_splits"]), fmt(r["ms"], ".4f"),
                      fmt(r["tbs"], ".2f"), fmt(r["pct_peak"], ".0f"), fmt(r["rel_err"], ".1e"), *paged_cells,
                      *(peer_cell(r["peers"].get(n)) for n in peer_names), vs, r["status"]])  # fmt: skip

@@ -231,3 +231,40 @@ def test_paged_cache_full_by_default():
     want, _ = reference.decode(q, k_cache, v_cache, block_table=table)
     assert rel_err(o, want) < 2e-6
     np.testing.assert_array_equal(numba_flash.decode(q, k_cache, v_cache, block_table=[[2, 0]]), o)  # (a list too)
+
+
+def test_a_page_table_checked_once_serves_every_layer():
+    """``page_table`` checks a table once; ``decode`` then takes it for any cache of that shape (a
+    decode step's layers): each layer's result is the one of passing the table itself, appended
+    keys included, and the checked object refuses what it was not made for."""
+    rng = np.random.default_rng(8)
+    B, H, Hkv, D, P, n_new = 2, 4, 2, 16, 16, 2
+    lengths = np.array([30, 3], np.int32)
+    table = np.array([[3, 0, 4], [1, -1, -1]], np.int32)
+    checked = numba_flash.page_table(np.zeros((5, P, Hkv, D), np.float16), table, lengths, n_new=n_new)
+    assert isinstance(checked, numba_flash.PageTable) and checked.batch == B and checked.n_new == n_new
+    np.testing.assert_array_equal(checked.lengths, lengths + n_new)
+    for layer in range(2):  # each layer's own cache, queries and new keys; one table
+        k_cache, v_cache = (rng.standard_normal((5, P, Hkv, D)).astype(np.float16) for _ in range(2))
+        q = rng.standard_normal((B, H, 1, D)).astype(np.float16)
+        k_new, v_new = (rng.standard_normal((B, Hkv, n_new, D)).astype(np.float16) for _ in range(2))
+        k2, v2 = k_cache.copy(), v_cache.copy()
+        o1 = numba_flash.decode(q, k_cache, v_cache, block_table=checked, k_new=k_new, v_new=v_new, causal=True)
+        o2 = numba_flash.decode(q, k2, v2, block_table=table, cache_seqlens=lengths, k_new=k_new, v_new=v_new,
+                                causal=True)
+        np.testing.assert_array_equal(o1, o2)
+        np.testing.assert_array_equal(k_cache, k2)  # the same rows appended
+        np.testing.assert_array_equal(v_cache, v2)
+    q = np.zeros((B, H, 1, D), np.float16)
+    caches = [np.zeros((5, P, Hkv, D), np.float16)] * 2
+    with pytest.raises(ValueError, match="cache_seqlens must be None with a PageTable"):
+        numba_flash.decode(q, *caches, block_table=checked, cache_seqlens=lengths, k_new=k_new, v_new=v_new)
+    with pytest.raises(ValueError, match="a PageTable made for n_new 2, used with 0"):
+        numba_flash.decode(q, *caches, block_table=checked)
+    with pytest.raises(ValueError, match="a PageTable made for num_blocks 5, used with 6"):
+        numba_flash.decode(q, *[np.zeros((6, P, Hkv, D), np.float16)] * 2, block_table=checked, k_new=k_new,
+                           v_new=v_new)
+    with pytest.raises(ValueError, match=r"block_table\[0, 1\] = -1 is not a page"):
+        numba_flash.page_table(caches[0], np.array([[3, -1, 4], [1, -1, -1]]), lengths, n_new=n_new)
+    with pytest.raises(ValueError, match="n_new must be >= 0"):
+        numba_flash.page_table(caches[0], table, lengths, n_new=-1)
