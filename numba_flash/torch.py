@@ -92,16 +92,21 @@ def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-
 
 
 def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None, num_splits=None, return_lse=False,
-           window_size=(-1, -1), softcap=0.0, alibi_slopes=None):
+           window_size=(-1, -1), softcap=0.0, alibi_slopes=None, block_table=None):
     """:func:`numba_flash.decode` on torch CUDA tensors as a custom operator (no gradient):
     ``o``, or ``(o, lse)`` with ``return_lse``. ``cache_seqlens``: ``None``, an int32 tensor
-    ``(B,)`` on q's device, or a list of ints (made such a tensor)."""
+    ``(B,)`` on q's device, or a list of ints (made such a tensor). ``block_table``: a paged
+    cache's table (API.md 2e), an int32 tensor ``(B, max_blocks)`` or a list (checked on the
+    host at every call: a synchronising read). Appended keys (``k_new``) are
+    :func:`numba_flash.decode`'s only (an operator that writes its inputs would say so in its schema)."""
     _check_tensors(q=q, k_cache=k_cache, v_cache=v_cache, **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}))
     if cache_seqlens is not None and not isinstance(cache_seqlens, torch.Tensor):
         cache_seqlens = torch.as_tensor(cache_seqlens, dtype=torch.int32, device=q.device)
+    if block_table is not None and not isinstance(block_table, torch.Tensor):
+        block_table = torch.as_tensor(block_table, dtype=torch.int32, device=q.device)
     o, lse = _OPS.decode(q, k_cache, v_cache, cache_seqlens, bool(causal), None if scale is None else float(scale),
                          None if num_splits is None else int(num_splits), _window(causal, window_size),
-                         softcap_value(softcap), alibi_slopes)
+                         softcap_value(softcap), alibi_slopes, block_table)
     return (o, lse) if return_lse else o
 
 
@@ -222,15 +227,19 @@ def _register():
 
     @custom_op("numba_flash::decode", mutates_args=(),
                schema="(Tensor q, Tensor k_cache, Tensor v_cache, Tensor? cache_seqlens, bool causal, float? scale, "
-                      "int? num_splits, int[] window_size, float softcap, Tensor? alibi_slopes) -> (Tensor, Tensor)")
-    def decode_op(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap, alibi_slopes):
+                      "int? num_splits, int[] window_size, float softcap, Tensor? alibi_slopes, Tensor? block_table) "
+                      "-> (Tensor, Tensor)")
+    def decode_op(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap, alibi_slopes,
+                  block_table):
         from numba_flash.decoding import decode as run
 
         return run(q, k_cache, v_cache, cache_seqlens=cache_seqlens, causal=causal, scale=scale, num_splits=num_splits,
-                   return_lse=True, window_size=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes)
+                   return_lse=True, window_size=tuple(window_size), softcap=softcap, alibi_slopes=alibi_slopes,
+                   block_table=block_table)
 
     @decode_op.register_fake
-    def _(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap, alibi_slopes):
+    def _(q, k_cache, v_cache, cache_seqlens, causal, scale, num_splits, window_size, softcap, alibi_slopes,
+          block_table):
         return q.new_empty(q.shape), q.new_empty(q.shape[:3], dtype=torch.float32)
 
     return torch.ops.numba_flash

@@ -120,3 +120,28 @@ def test_paged_decode_is_the_contiguous_one_bit_for_bit(page_size, n_q, group):
                                     num_splits=splits, return_lse=True)
         assert bool(cupy.isfinite(o2).all())
         assert bool((o1 == o2).all()) and bool(cupy.array_equal(l1, l2)), splits
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32"])
+def test_page_table_and_torch_operator_give_the_same_bits(dtype):
+    """A decode step's form (``page_table`` once, every layer's ``decode`` planned on it) and
+    ``numba_flash.torch.decode(..., block_table=)`` (the custom operator) give the bits of the
+    table passed to ``decode`` itself, call after call (planned calls reuse one plan)."""
+    torch = pytest.importorskip("torch")
+    import numba_flash
+    import numba_flash.torch as nft
+
+    gen = torch.Generator().manual_seed(5)
+    dt = getattr(torch, dtype)
+    B, H, Hkv, D, P, max_blocks = 8, 16, 4, 128, 16, 64
+    lengths = torch.randint(0, P * max_blocks, (B,), generator=gen).to(torch.int32).cuda()
+    table = torch.randperm(B * max_blocks + 5, generator=gen)[: B * max_blocks].reshape(B, max_blocks).to(torch.int32).cuda()
+    checked = numba_flash.page_table(torch.empty(B * max_blocks + 5, P, Hkv, D, dtype=dt, device="cuda"), table, lengths)
+    for layer in range(3):
+        k_cache, v_cache = (torch.randn(B * max_blocks + 5, P, Hkv, D, generator=gen).to("cuda", dt) for _ in range(2))
+        q = torch.randn(B, H, 1, D, generator=gen).to("cuda", dt)
+        want = numba_flash.decode(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, causal=True)
+        got = numba_flash.decode(q, k_cache, v_cache, block_table=checked, causal=True)
+        op = nft.decode(q, k_cache, v_cache, cache_seqlens=lengths, block_table=table, causal=True)
+        assert bool(torch.isfinite(want).all())
+        assert torch.equal(got, want) and torch.equal(op, want), layer
