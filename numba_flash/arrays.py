@@ -146,7 +146,7 @@ _NAMES: dict = {}  # dtype object -> "float32", ... (numpy's dtype.name is slow 
 def each(convert, x):
     """``convert(x)``, or for a tuple of arrays (a paged cache's ``(pages, block_table)``, a
     kernel argument of ``kernels.paged``) the tuple of each member converted."""
-    return tuple(convert(a) for a in x) if isinstance(x, tuple) else convert(x)
+    return tuple(convert(a) for a in x) if type(x) is tuple else convert(x)  # (not a NamedTuple: a DeviceArray is one)
 
 
 def is_contiguous(x, kind: str) -> bool:

@@ -245,7 +245,7 @@ def _plan_decode(ctx, call: api.LaunchConfig, q, packed, k_cache, v_cache, seqle
     pointer = pointer_reader(ctx.kind)
     if pointer(packed) != pointer(q):
         return None
-    paged = isinstance(k_cache, tuple)  # (pages, block_table) each (kernels.paged): the table is array 6
+    paged = type(k_cache) is tuple  # (pages, block_table) each (kernels.paged): the table is array 6
     builder = plans.PlanBuilder(ctx, call, 7 if paged else 5 if seqlens is None else 6)
     if paged:
         table = builder.caller_array(6, k_cache[1])

@@ -277,7 +277,7 @@ def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_spl
     width = input_alignment(spec.regime)
     inputs = [q, k, v]
     if sixteen:  # (a paged cache's (pages, block_table): the pages as bit patterns, the table as it is)
-        inputs = [(a[0]._replace(dtype="uint16"), a[1]) if isinstance(a, tuple) else a._replace(dtype="uint16")
+        inputs = [(a[0]._replace(dtype="uint16"), a[1]) if type(a) is tuple else a._replace(dtype="uint16")
                   for a in inputs]
     if not all(_rows_laid_out(_pages(a), width) for a in inputs):
         return None
@@ -290,7 +290,7 @@ def in_place_arguments(spec, call: LaunchConfig, q, k, v, o, lse, lengths, n_spl
 
 def _pages(a):
     """The array of a kernel's K/V argument: itself, or a paged cache's pages (``kernels.paged``)."""
-    return a[0] if isinstance(a, tuple) else a
+    return a[0] if type(a) is tuple else a  # (a plain tuple: a DeviceArray is a NamedTuple)
 
 
 def _rows_laid_out(a, width: int) -> bool:

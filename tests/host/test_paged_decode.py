@@ -268,3 +268,15 @@ def test_a_page_table_checked_once_serves_every_layer():
         numba_flash.page_table(caches[0], np.array([[3, -1, 4], [1, -1, -1]]), lengths, n_new=n_new)
     with pytest.raises(ValueError, match="n_new must be >= 0"):
         numba_flash.page_table(caches[0], table, lengths, n_new=-1)
+
+
+def test_a_paged_argument_is_a_plain_tuple_not_a_device_array():
+    """The launch paths tell a paged cache's ``(pages, block_table)`` from one array by its type: a
+    ``launch.DeviceArray`` is a NamedTuple too, and must pass whole (a regression found on the GPU)."""
+    from numba_flash.arrays import each
+    from numba_flash.launch import DeviceArray
+    from numba_flash.tensor_cores import _pages
+
+    a = DeviceArray(16, (1, 1, 1, 8), (128, 128, 16, 2), "float16", 2, 8, True)
+    assert each(lambda y: y, a) is a and _pages(a) is a
+    assert each(lambda y: y.ptr, (a, a)) == (16, 16) and _pages((a, "table")) is a
