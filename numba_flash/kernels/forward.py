@@ -169,6 +169,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
     PERMUTED, RAGGED, F32_OUT, SOFTCAP, ALIBI = bool(permuted), bool(ragged), bool(f32_out), bool(softcap), bool(alibi)
     VARLEN = bool(varlen)  # a packed batch: the grid is (sequence, head, Q tile); seqlens holds cu_seqlens
     KV = paged.kv_source(page_size)  # k, v: arrays, or a paged cache's (pages, block_table)
+    PAGED = KV.PAGED  # (a closure constant: the branches below are pruned, a contiguous kernel's code unchanged)
     if VARLEN and KV.PAGED:
         raise ValueError("a packed batch (varlen) reads contiguous K/V, not a paged cache")
     if VARLEN and (RAGGED or PERMUTED or user_mods is not None or f32_out):
@@ -642,7 +643,10 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         n_batch = q.shape[0]
         n_heads = q.shape[1]
         n_q = q.shape[2]
-        group = n_heads // KV.heads(k)  # query heads per kv head (GQA / MQA)
+        if PAGED:  # query heads per kv head (GQA / MQA)
+            group = n_heads // KV.heads(k)
+        else:
+            group = n_heads // k.shape[1]
         n_q_tiles = (n_q + BM - 1) // BM  # Tr
         if VARLEN:  # the sequences of the packed batch; the grid's Q tiles: the longest sequence's
             n_batch = seqlens.shape[1] - 1
@@ -676,7 +680,7 @@ def forward_kernel(variant: Variant, tiles, window, permuted: bool = False, ragg
         if VARLEN:  # (seqlens holds the prefix sums: not a key count per batch)
             n_k = k.shape[2]
         else:
-            n_k = valid_keys(seqlens, b, KV.capacity(k), RAGGED)
+            n_k = valid_keys(seqlens, b, KV.capacity(k) if PAGED else k.shape[2], RAGGED)
         n_kv_tiles = (n_k + BN - 1) // BN  # Tc
 
         # Shared memory: the engine's tiles (the mma engine: one dynamic buffer, Q_i | K/V stages |
