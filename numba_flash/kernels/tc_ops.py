@@ -252,7 +252,10 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
     # element (128 registers at D = 128, 64 at D = 64) crowd out the accumulators; re-splitting
     # one step's fragment from shared memory (one ldmatrix, 12 ALU) costs less than the
     # occupancy (D = 64, 128x32: 126 registers and 2 blocks per SM instead of 164 and 1).
-    Q_IN_REGS = KT * 4 <= 64 and not SPLIT
+    # 16-bit: Q_i's fragments (DP / 4 registers) stay in registers up to D = 128; above, with the
+    # O~ accumulators (DP / 2) they leave no room (D = 256, 64 x 32: 255 registers and 404 bytes of
+    # spill, offline), and each step's fragment is read from shared memory again (one ldmatrix).
+    Q_IN_REGS = (DP <= 128) if SIXTEEN else (KT * 4 <= 64 and not SPLIT)
     Q_FRAG_ROWS = KT if Q_IN_REGS else 1
     # tf32x3 at D > 64 with 8 warps (``presplit_operands``): operands split into their TF32 big
     # and small parts once, into shared memory in fragment order (``load_q_tile``,
@@ -325,6 +328,24 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         PARTS, PART_COPIES = tile_rows // PART, PART // ROW_STEP
 
         @device_jit
+        def copy_indexed(src, kv, b, h, first, n_valid, x_s):
+            """Sequence ``b``'s rows ``first ..`` of head ``h`` -> ``x_s``, one indexed 16-byte copy
+            each (tails, and tiles no row walk covers): ``src`` holds the chunks (the array, or a
+            paged cache's pages), ``source.locate(kv, b, row)`` says where (``kv``: the array, or
+            ``(pages, block_table)``). Rows at or past ``n_valid`` and columns past D are zero."""
+            tid = cuda.threadIdx.x
+            for n in range(COPIES):
+                c = tid + NT * n
+                if EXACT or c < tile_rows * CHUNKS_PER_ROW:
+                    r = c // CHUNKS_PER_ROW
+                    d = (c - r * CHUNKS_PER_ROW) * CH
+                    row = first + r
+                    valid = row < n_valid and d < D
+                    # an invalid copy reads nothing, but its source address must be in bounds
+                    index, at = source.locate(kv, b, min(row, n_valid - 1))
+                    copy16(x_s, tile_index(r, d), src, index, h, at, min(d, D - CH), valid)
+
+        @device_jit
         def load_paged(kv, b, h, first, n_valid, x_s):
             """:func:`load` from a paged cache ``kv = (pages, block_table)``: sequence ``b``'s
             keys ``first ..`` of head ``h``, from the pages its table names."""
@@ -341,16 +362,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                         copy_at(x_s, tile_index(p * PART + r + ROW_STEP * n, d), pages, page, h, d, address)
                         address += step
                 return
-            for n in range(COPIES):
-                c = tid + NT * n
-                if EXACT or c < tile_rows * CHUNKS_PER_ROW:
-                    r = c // CHUNKS_PER_ROW
-                    d = (c - r * CHUNKS_PER_ROW) * CH
-                    key = first + r
-                    valid = key < n_valid and d < D
-                    # an invalid copy reads nothing, but its source address must be in bounds
-                    page, row = source.locate(kv, b, min(key, n_valid - 1))
-                    copy16(x_s, tile_index(r, d), pages, page, h, row, min(d, D - CH), valid)
+            copy_indexed(pages, kv, b, h, first, n_valid, x_s)
 
         if PAGED:
             return load_paged
@@ -370,15 +382,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                     copy_at(x_s, tile_index(r + ROW_STEP * n, d), x, b, h, d, address)
                     address += step
                 return
-            for n in range(COPIES):
-                c = tid + NT * n
-                if EXACT or c < tile_rows * CHUNKS_PER_ROW:
-                    r = c // CHUNKS_PER_ROW
-                    d = (c - r * CHUNKS_PER_ROW) * CH
-                    row = first + r
-                    valid = row < n_valid and d < D
-                    # an invalid copy reads nothing, but its source address must be in bounds
-                    copy16(x_s, tile_index(r, d), x, b, h, min(row, n_valid - 1), min(d, D - CH), valid)
+            copy_indexed(x, x, b, h, first, n_valid, x_s)
 
         return load
 
@@ -454,24 +458,36 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
 
         @device_jit
         def load_q_frags(q_s, qf, qf_small):
-            """Q_i's A fragments of this warp's 16 rows, one per 16-wide step of the head dim."""
-            r0 = warp_row0()
-            for kt in range(KT):
-                a = ldsm(q_s, r0, KSTEP * kt)
-                for e in range(4):
-                    qf[kt, e] = a[e]
+            """Q_i's A fragments of this warp's 16 rows, one per 16-wide step of the head dim
+            (when they stay in registers: ``Q_IN_REGS``)."""
+            if Q_IN_REGS:
+                r0 = warp_row0()
+                for kt in range(KT):
+                    a = ldsm(q_s, r0, KSTEP * kt)
+                    for e in range(4):
+                        qf[kt, e] = a[e]
 
         @device_jit
         def score_tile(qf, qf_small, q_s, k_s, s, scratch):
-            """S = Q_i K_j^T (this warp's 16 rows x block_n keys), float32 accumulators."""
+            """S = Q_i K_j^T (this warp's 16 rows x block_n keys), float32 accumulators; above
+            D = 128 each step's Q fragment is read from shared memory, once for all key tiles."""
             for nt in range(NS):
                 for e in range(4):
                     s[nt, e] = float32(0.0)
-            for nt2 in range(NS // 2):  # 16 keys: two 8-key tiles per ldmatrix.x4
+            if Q_IN_REGS:
+                for nt2 in range(NS // 2):  # 16 keys: two 8-key tiles per ldmatrix.x4
+                    for kt in range(KT):
+                        kb = ldsm(k_s, 16 * nt2, KSTEP * kt)
+                        MMA(s, 2 * nt2, qf[kt, 0], qf[kt, 1], qf[kt, 2], qf[kt, 3], kb[0], kb[2], scratch)
+                        MMA(s, 2 * nt2 + 1, qf[kt, 0], qf[kt, 1], qf[kt, 2], qf[kt, 3], kb[1], kb[3], scratch)
+            else:
+                r0 = warp_row0()
                 for kt in range(KT):
-                    kb = ldsm(k_s, 16 * nt2, KSTEP * kt)
-                    MMA(s, 2 * nt2, qf[kt, 0], qf[kt, 1], qf[kt, 2], qf[kt, 3], kb[0], kb[2], scratch)
-                    MMA(s, 2 * nt2 + 1, qf[kt, 0], qf[kt, 1], qf[kt, 2], qf[kt, 3], kb[1], kb[3], scratch)
+                    a = ldsm(q_s, r0, KSTEP * kt)
+                    for nt2 in range(NS // 2):
+                        kb = ldsm(k_s, 16 * nt2, KSTEP * kt)
+                        MMA(s, 2 * nt2, a[0], a[1], a[2], a[3], kb[0], kb[2], scratch)
+                        MMA(s, 2 * nt2 + 1, a[0], a[1], a[2], a[3], kb[1], kb[3], scratch)
 
         @device_jit
         def pv_tile(p, v_s, acc, scratch):
