@@ -3,7 +3,7 @@
     python scripts/sanitize.py                        # memcheck and racecheck, CUDA-core kernels
     python scripts/sanitize.py --tool memcheck --precision ieee f16 tf32 tf32x3
     python scripts/sanitize.py --list                 # the cases, without running anything
-    python scripts/sanitize.py --split-kv --precision ieee f16   # split-KV, combine, decode
+    python scripts/sanitize.py --split-kv --precision ieee f16   # split-KV, combine, decode (ragged, paged)
     python scripts/sanitize.py --backward             # attention_backward: FA-1, FA-2, FA-2 deterministic (CUDA and tensor cores)
     python scripts/sanitize.py --masks                # sliding windows and softcap: forward, split-KV, decode, backward
 
@@ -258,7 +258,51 @@ def _split_kv_cases(precisions, xp):
                         for n_q in (1, 3):  # decode runs float32 on CUDA cores, 16-bit on tensor cores
                             name = f"decode-{dtype}-{'causal' if causal else 'full'}-D{head_dim}-Nq{n_q}-ragged"
                             cases.append((name, _decode_case(dict(dtype=dtype, causal=causal, head_dim=head_dim, n_q=n_q), xp)))
+                        for page in (16, 48):  # paged (API.md 2e): a 16-key page tiles a K/V tile, 48 does not
+                            name = f"decode-{dtype}-{'causal' if causal else 'full'}-D{head_dim}-paged{page}-append2"
+                            cases.append((name, _paged_decode_case(dict(dtype=dtype, causal=causal, head_dim=head_dim,
+                                                                        page_size=page), xp)))
     return cases
+
+
+def _paged_decode_case(spec, xp):
+    """``decode`` on a paged cache: pages in a random order, spare rows NaN, lengths 0, 1, 17,
+    63, 64 and 100 with 2 keys appended, GQA 8/2, 2 queries, 3 splits; against the float64 oracle
+    on the same pages (before the append writes them)."""
+    def run():
+        import numpy as np
+
+        import numba_flash
+        from numba_flash import reference
+
+        arrays = xp or __import__("cupy")
+        rng = np.random.default_rng(zlib.crc32(repr(sorted((k, str(v)) for k, v in spec.items())).encode()))
+        P, D, dtype = spec["page_size"], spec["head_dim"], spec["dtype"]
+        lens = np.array([0, 1, 17, 63, 64, 100], np.int32)
+        B, max_blocks = len(lens), -(-102 // P)
+        table = np.full((B, max_blocks), -1, np.int32)
+        order = rng.permutation(B * max_blocks + 2)
+        for b, n in enumerate(lens + 2):
+            for j in range(-(-int(n) // P)):
+                table[b, j] = order[b * max_blocks + j]
+        pages = [np.full((B * max_blocks + 2, P, 2, D), np.nan, dtype) for _ in range(2)]
+        for x, b, j in ((x, b, j) for x in pages for b in range(B) for j in range(max_blocks) if table[b, j] >= 0):
+            x[table[b, j]] = rng.standard_normal((P, 2, D)).astype(dtype)
+        q = rng.standard_normal((B, 8, 2, D)).astype(dtype)
+        new = [rng.standard_normal((B, 2, 2, D)).astype(dtype) for _ in range(2)]
+        want, _ = reference.decode(q, *pages, cache_seqlens=lens, block_table=table, k_new=new[0], v_new=new[1],
+                                   causal=spec["causal"])
+        o = numba_flash.decode(*(arrays.asarray(x) for x in (q, *pages)), cache_seqlens=arrays.asarray(lens),
+                               block_table=arrays.asarray(table), k_new=arrays.asarray(new[0]),
+                               v_new=arrays.asarray(new[1]), causal=spec["causal"], num_splits=3)
+        if arrays is not np:
+            arrays.cuda.Device().synchronize()
+        got = (o.get() if hasattr(o, "get") else np.asarray(o)).astype(np.float64)
+        err = float(np.abs(got - want).max())
+        if not err <= 0.05:
+            raise AssertionError(f"max |o - ref| = {err:.3g}")
+
+    return run
 
 
 def _decode_case(spec, xp):

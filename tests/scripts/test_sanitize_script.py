@@ -112,6 +112,7 @@ def test_split_kv_cases_run_in_the_simulator(sanitize):
         pytest.skip("the script's child runs them on the GPU")
     cases = dict(sanitize.build_cases(("ieee", "f16"), "default", xp=np, split_kv=True))
     assert any(n.startswith("decode-float16") for n in cases) and any("split3" in n for n in cases)
+    assert {n.split("-")[-2] for n in cases if "paged" in n} == {"paged16", "paged48"}
     for name in ("ieee-fa2-split3-float32-causal-D40-Nq1-Nk33-B2H4/2", "decode-float32-causal-D40-Nq1-ragged"):
         cases[name]()
 
