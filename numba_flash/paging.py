@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from numba_flash import checks
-from numba_flash.arrays import ArrayContext, as_cupy_view, dtype_name, from_host, is_contiguous, kind_of, to_host
+from numba_flash.arrays import (ArrayContext, as_cupy_view, device_id_of, dtype_name, from_host, is_contiguous, kind_of,
+                                to_host)
 
 PAGE_MULTIPLE = 16  # page sizes the kernels take: multiples of this many keys (API.md 2e)
 
@@ -41,6 +42,7 @@ class PageTable:
     num_blocks: int
     n_new: int
     kind: str
+    device_id: object  # the caches' GPU (arrays.device_id_of; None for NumPy)
     scatter: tuple  # (pages, rows), int64 (B * n_new,) on the device: where each appended key goes; ()
 
     @property
@@ -102,7 +104,7 @@ def _page_table(k_cache, block_table, cache_seqlens, n_new: int, batch) -> PageT
             pages = np.take_along_axis(host_table, keys // page_size, axis=1).reshape(-1)
             scatter = tuple(from_host(np.ascontiguousarray(x.astype(np.int64)), kind, ctx)
                             for x in (pages, (keys % page_size).reshape(-1)))
-    return PageTable(table, lengths, page_size, num_blocks, n_new, kind, scatter)
+    return PageTable(table, lengths, page_size, num_blocks, n_new, kind, device_id_of(k_cache, kind), scatter)
 
 
 @dataclass(frozen=True)
@@ -158,12 +160,13 @@ def paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -
         if cache_seqlens is not None:
             raise ValueError("cache_seqlens must be None with a PageTable: its lengths were checked with it")
         made = {"page_size": table.page_size, "num_blocks": table.num_blocks, "batch": table.batch,
-                "n_new": table.n_new, "library": table.kind}
-        want = {"page_size": page_size, "num_blocks": num_blocks, "batch": batch, "n_new": n_new, "library": kind}
+                "n_new": table.n_new, "library": table.kind, "device": table.device_id}
+        want = {"page_size": page_size, "num_blocks": num_blocks, "batch": batch, "n_new": n_new, "library": kind,
+                "device": device_id_of(k_cache, kind)}
         for what, value in made.items():
             if value != want[what]:
                 raise ValueError(f"block_table: a PageTable made for {what} {value}, used with {want[what]} (page_table "
-                                 "checks a table for one cache shape, batch and count of appended keys)")
+                                 "checks a table for one cache shape, batch, count of appended keys and device)")
     else:
         table = _page_table(k_cache, block_table, cache_seqlens, n_new, batch)
     logical = (batch, kv_heads, (int(table.table.shape[1])) * page_size, head_dim)
