@@ -61,7 +61,8 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     ``max_blocks * page_size``; a page a sequence uses outside ``[0, num_blocks)``, a length past
     the table, or an appended key written onto a row another key uses raise ``ValueError``
     before anything is written or launched (a table or lengths on the GPU: one synchronising
-    copy to the host).
+    copy to the host). Or a ``numba_flash.page_table(...)`` (``paging.PageTable``), checked once
+    for every layer of a decode step: nothing is read back, and ``cache_seqlens`` is ``None``.
 
     ``k_new``, ``v_new``: ``(B, Hkv, Nnew, D)``, the caches' dtype and library: appended before
     attending -- written into ``k_cache``, ``v_cache`` in place at positions ``cache_seqlens[b] ..
