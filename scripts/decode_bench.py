@@ -129,10 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--skip-above-gib", type=positive_float, default=40.0,
                     help="record configurations whose K+V exceed this many GiB as skipped (default: 40)")
     ap.add_argument("--page-size", type=positive_int, metavar="P",
-                    help="also time the same keys in a paged cache of pages of P keys (a multiple of 16), in a "
-                         "random page order: through a PageTable checked once (paged_tbs, paged_vs_contiguous: the "
-                         "paged bandwidth over the contiguous cache's) and through the table checked at every call "
-                         "(paged_checked_ms; API.md 2e)")
+                    help="also time the keys paged (pages of P keys, a multiple of 16, in random order): "
+                         "through a PageTable checked once, and the table checked per call (API.md 2e)")
     ap.add_argument("--no-peers", action="store_true", help="do not run PyTorch SDPA")
     ap.add_argument("--seed", type=int, default=0, help="random seed of the inputs (default: 0)")
     ap.add_argument("--json", metavar="PATH", help="write the rows (and the run's metadata) as JSON")

@@ -57,7 +57,9 @@ for script, runs in json.loads(sys.argv[1]).items():
             except BaseException:
                 code = "traceback"
                 traceback.print_exc()
-        results[f"{mode} {script.rsplit('/', 1)[-1]}"] = dict(code=code, out=out.getvalue()[-3000:], err=err.getvalue()[-3000:])
+        text = out.getvalue()  # (--help: its start, where usage is; a run: its end, where the verdict is)
+        results[f"{mode} {script.rsplit('/', 1)[-1]}"] = dict(code=code, out=text[:3000] if mode == "help" else text[-3000:],
+                                                             err=err.getvalue()[-3000:])
 print(json.dumps(results))
 """
 
