@@ -154,6 +154,19 @@ def is_contiguous(x, kind: str) -> bool:
     return x.is_contiguous() if kind == "torch" else x.flags.c_contiguous
 
 
+def host_values(x, name: str):
+    """An integer argument (prefix sums, cache lengths, a block table) on the host: lists, tuples
+    and NumPy arrays as they are, a CPU torch tensor as NumPy, CuPy and CUDA torch arrays copied
+    (synchronising)."""
+    if isinstance(x, (list, tuple, np.ndarray)):
+        return x
+    if type(x).__module__.startswith("torch") and not x.is_cuda:  # a CPU tensor: on the host already
+        return x.numpy()
+    x = as_cupy_view(x, name)
+    x_kind = kind_of(x, name)
+    return to_host(x, x_kind) if x_kind in ("cupy", "torch") else np.asarray(x)
+
+
 def to_host(x, kind: str) -> np.ndarray:
     """A device array of ``kind`` (CuPy or torch) copied to a NumPy array (synchronising)."""
     return x.cpu().numpy() if kind == "torch" else x.get()

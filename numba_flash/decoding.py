@@ -27,8 +27,8 @@ from numba_flash import api, paging, plans, tile_cache
 from numba_flash.tile_table import decode_pipeline, decode_tiles
 from numba_flash.alibi import check_slopes
 from numba_flash.user_mods import none_given
-from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, dtype_name, from_host, is_contiguous, kind_of,
-                                pointer_reader, to_host)
+from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, dtype_name, from_host, is_contiguous,
+                                kind_of, pointer_reader, to_host)
 from numba_flash.problem import describe
 from numba_flash.split_kv import check_num_splits
 
@@ -91,7 +91,7 @@ def decode(q, k_cache, v_cache, *, cache_seqlens=None, causal=False, scale=None,
     caches = k_cache, v_cache  # (the caller's: a paged plan reads their pointers)
     if plan is None:  # a signature not seen before (or not plannable): every check
         if paged is not None:  # the checks below read the shapes a contiguous cache would have
-            k_cache, v_cache = paged.k_shape, paged.v_shape
+            k_cache, v_cache = paged.shapes()
         q, k_cache, v_cache = (as_cupy_view(x, name) for x, name in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")))
         kinds = {kind_of(x) for x in (q, k_cache, v_cache)}
         if len(kinds) != 1:
@@ -175,26 +175,21 @@ def _launch_paged(plan, q, caches, paged, return_lse):
 def _append(k_cache, v_cache, k_new, v_new, cache_seqlens):
     """Write ``k_new``, ``v_new`` into the caches at each sequence's length (every check first,
     nothing written when one fails); the lengths after, int32 ``(B,)`` in the caches' library."""
-    if k_new is None or v_new is None:
-        raise ValueError("k_new and v_new go together: give both or neither")
-    arrays = {name: as_cupy_view(x, name) for name, x in
-              (("k_cache", k_cache), ("v_cache", v_cache), ("k_new", k_new), ("v_new", v_new))}
-    kinds = {kind_of(x) for x in arrays.values()}
-    if len(kinds) != 1:
-        raise TypeError("k_new and v_new must be arrays of the caches' library")
-    kind = kinds.pop()
+    arrays = {name: as_cupy_view(x, name) for name, x in (("k_cache", k_cache), ("v_cache", v_cache))}
+    kind = kind_of(arrays["k_cache"])
     for name, x in arrays.items():
         if len(x.shape) != 4:
             raise ValueError(f"{name} must be 4-D (batch, kv_heads, seq, head_dim); got shape {tuple(x.shape)}")
+    if kind_of(arrays["v_cache"]) != kind:
+        raise TypeError(f"v_cache must be an array of k_cache's library ({kind})")
+    c = arrays["k_cache"]
+    v = arrays["v_cache"]
+    if tuple(v.shape) != tuple(c.shape) or dtype_name(v, kind) != dtype_name(c, kind):
+        raise ValueError(f"k_cache and v_cache must have the same shape and dtype; got {tuple(c.shape)} "
+                         f"{dtype_name(c, kind)} and {tuple(v.shape)} {dtype_name(v, kind)}")
+    arrays["k_new"], arrays["v_new"] = paging.new_keys(k_new, v_new, kind, int(c.shape[0]), int(c.shape[1]),
+                                                       int(c.shape[3]), dtype_name(c, kind))
     n_new = int(arrays["k_new"].shape[2])
-    for new, cache in (("k_new", "k_cache"), ("v_new", "v_cache")):
-        a, c = arrays[new], arrays[cache]
-        want = (c.shape[0], c.shape[1], n_new, c.shape[3])
-        if tuple(a.shape) != tuple(want):
-            raise ValueError(f"{new} must have shape {tuple(int(n) for n in want)} (the {cache}'s batch, heads and "
-                             f"head dim, and k_new's Nnew); got {tuple(a.shape)}")
-        if dtype_name(a, kind) != dtype_name(c, kind):
-            raise TypeError(f"{new} must have {cache}'s dtype {dtype_name(c, kind)}; got {dtype_name(a, kind)}")
     batch, n_max = int(arrays["k_cache"].shape[0]), int(arrays["k_cache"].shape[2])
     if cache_seqlens is None:
         raise ValueError("k_new needs cache_seqlens: without it every sequence fills the cache, and nothing fits after")

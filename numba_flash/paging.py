@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from numba_flash import checks
-from numba_flash.arrays import (ArrayContext, as_cupy_view, device_id_of, dtype_name, from_host, is_contiguous, kind_of,
-                                to_host)
+from numba_flash.arrays import (ArrayContext, as_cupy_view, device_id_of, dtype_name, from_host, host_values,
+                                is_contiguous, kind_of)
 
 PAGE_MULTIPLE = 16  # page sizes the kernels take: multiples of this many keys (API.md 2e)
 
@@ -79,15 +79,11 @@ def _page_table(k_cache, block_table, cache_seqlens, n_new: int, batch) -> PageT
     if not dtype_name(table, table_kind).startswith(("int", "uint")):
         raise TypeError(f"block_table must hold integers (int32); got {dtype_name(table, table_kind)}")
     batch, max_blocks = (int(n) for n in table.shape)
-    host_table = checks.integer_array(_host(table, table_kind), "block_table")
+    host_table = checks.integer_array(host_values(table, "block_table"), "block_table")
     if cache_seqlens is None:
         cached = np.full(batch, max_blocks * page_size, dtype=np.int64)
     else:
-        lengths = cache_seqlens if isinstance(cache_seqlens, (list, tuple)) else as_cupy_view(cache_seqlens,
-                                                                                             "cache_seqlens")
-        lengths_kind = "list" if isinstance(lengths, (list, tuple)) else kind_of(lengths)
-        host = checks.integer_array(lengths if lengths_kind in ("list", "numpy") else to_host(lengths, lengths_kind),
-                                    "cache_seqlens")
+        host = checks.integer_array(host_values(cache_seqlens, "cache_seqlens"), "cache_seqlens")
         if host.shape != (batch,):
             raise ValueError(f"cache_seqlens must have shape ({batch},); got {host.shape}")
         cached = np.maximum(host, 0)  # (decode's contiguous caches clamp the same way)
@@ -109,27 +105,43 @@ def _page_table(k_cache, block_table, cache_seqlens, n_new: int, batch) -> PageT
 
 @dataclass(frozen=True)
 class PagedCache:
-    """A checked paged cache as one decode call's kernels take it."""
+    """A checked paged cache as one decode call's kernels take it (the views made when asked: a
+    planned call reads only the caches' pointers)."""
 
-    k: tuple  # (pages, block_table): pages (num_blocks, Hkv, page_size, D), a view of k_cache
-    v: tuple
+    k_cache: object  # (num_blocks, page_size, Hkv, D), as the caller gave them (CuPy views of CAI / DLPack)
+    v_cache: object
     table: PageTable
-    k_shape: object  # (B, Hkv, max_blocks * page_size, D) views that read nothing: the shapes the
-    v_shape: object  # attention checks (``problem.describe``) see
-    appends: tuple = ()  # (k_cache, v_cache, k_new, v_new) when keys are appended
+    kind: str
+    new: tuple = ()  # (k_new, v_new) when keys are appended
 
     page_size = property(lambda self: self.table.page_size)
     lengths = property(lambda self: self.table.lengths)
 
+    @property
+    def k(self) -> tuple:
+        """``(pages, block_table)``: pages ``(num_blocks, Hkv, page_size, D)``, a view of k_cache."""
+        return self.k_cache.swapaxes(1, 2), self.table.table
+
+    @property
+    def v(self) -> tuple:
+        return self.v_cache.swapaxes(1, 2), self.table.table
+
+    def shapes(self) -> tuple:
+        """``(B, Hkv, max_blocks * page_size, D)`` views of the caches that read nothing: the
+        shapes the attention checks (``problem.describe``) see."""
+        _, _, kv_heads, head_dim = (int(n) for n in self.k_cache.shape)
+        logical = (self.table.batch, kv_heads, int(self.table.table.shape[1]) * self.page_size, head_dim)
+        return _shape_only(self.k_cache, logical, self.kind), _shape_only(self.v_cache, logical, self.kind)
+
     def append(self) -> None:
         """Write ``k_new``, ``v_new`` into their pages (once every check of the call has passed):
         one scatter per cache (the page table has checked that no written row is read as another key)."""
-        if not self.appends:
+        if not self.new:
             return
-        k_cache, v_cache, k_new, v_new = self.appends
+        k_new, v_new = self.new
         pages, rows = self.table.scatter
         batch, kv_heads, n_new, head_dim = (int(n) for n in k_new.shape)
-        for cache, new in ((k_cache, k_new), (v_cache, v_new)):
+        for cache, new in ((self.k_cache, k_new), (self.v_cache, v_new)):
             # (B, Hkv, Nnew, D) -> (B * Nnew, Hkv, D): sequence b's key t at b * Nnew + t
             cache[pages, rows] = new.swapaxes(1, 2).reshape(batch * n_new, kv_heads, head_dim)
 
@@ -153,7 +165,7 @@ def paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -
     if len(arrays["q"].shape) != 4:
         raise ValueError(f"q must be 4-D (batch, heads, seq, head_dim); got shape {tuple(arrays['q'].shape)}")
     batch = int(arrays["q"].shape[0])
-    new = _new_keys(k_new, v_new, kind, batch, kv_heads, head_dim, dtype_name(k_cache, kind))
+    new = new_keys(k_new, v_new, kind, batch, kv_heads, head_dim, dtype_name(k_cache, kind))
     n_new = 0 if new is None else int(new[0].shape[2])
     if isinstance(block_table, PageTable):
         table = block_table
@@ -165,14 +177,12 @@ def paged_cache(q, k_cache, v_cache, block_table, cache_seqlens, k_new, v_new) -
                 "device": device_id_of(k_cache, kind)}
         for what, value in made.items():
             if value != want[what]:
-                raise ValueError(f"block_table: a PageTable made for {what} {value}, used with {want[what]} (page_table "
-                                 "checks a table for one cache shape, batch, count of appended keys and device)")
+                raise ValueError(f"block_table: a PageTable made for {what} {value}, used with {want[what]} "
+                                 "(page_table checks a table for one cache shape, batch, count of appended keys "
+                                 "and device)")
     else:
         table = _page_table(k_cache, block_table, cache_seqlens, n_new, batch)
-    logical = (batch, kv_heads, (int(table.table.shape[1])) * page_size, head_dim)
-    return PagedCache((k_cache.swapaxes(1, 2), table.table), (v_cache.swapaxes(1, 2), table.table), table,
-                      _shape_only(k_cache, logical, kind), _shape_only(v_cache, logical, kind),
-                      (k_cache, v_cache, *new) if n_new else ())
+    return PagedCache(k_cache, v_cache, table, kind, new if n_new else ())
 
 
 def _paged_shape(cache, name: str) -> tuple:
@@ -187,28 +197,26 @@ def _paged_shape(cache, name: str) -> tuple:
     return num_blocks, page_size
 
 
-def _new_keys(k_new, v_new, kind: str, batch: int, kv_heads: int, head_dim: int, dtype: str):
-    """``(k_new, v_new)`` checked against the cache, or ``None`` without them."""
+def new_keys(k_new, v_new, kind: str, batch: int, kv_heads: int, head_dim: int, dtype: str):
+    """``decode``'s appended keys ``(k_new, v_new)`` checked against the caches (either layout:
+    ``batch``, ``kv_heads``, ``head_dim`` and ``dtype`` are theirs), as CuPy views where they are
+    CAI or DLPack objects; ``None`` without them."""
     if k_new is None and v_new is None:
         return None
     if k_new is None or v_new is None:
         raise ValueError("k_new and v_new go together: give both or neither")
     new = tuple(as_cupy_view(x, name) for x, name in ((k_new, "k_new"), (v_new, "v_new")))
     n_new = int(new[0].shape[2]) if len(new[0].shape) == 4 else -1
-    for name, x in zip(("k_new", "v_new"), new):
+    for name, cache, x in (("k_new", "k_cache", new[0]), ("v_new", "v_cache", new[1])):
         if kind_of(x) != kind:
             raise TypeError(f"{name} must be an array of the caches' library ({kind})")
         want = (batch, kv_heads, n_new, head_dim)
         if tuple(int(n) for n in x.shape) != want or n_new < 0:
-            raise ValueError(f"{name} must have shape (B, Hkv, Nnew, D) = {want} (the caches' heads and head dim, "
-                             f"q's batch, k_new's Nnew); got {tuple(x.shape)}")
+            raise ValueError(f"{name} must have shape {want} (B, Hkv, Nnew, D: the caches' batch, heads and head "
+                             f"dim, and k_new's Nnew); got {tuple(x.shape)}")
         if dtype_name(x, kind) != dtype:
-            raise TypeError(f"{name} must have the caches' dtype {dtype}; got {dtype_name(x, kind)}")
+            raise TypeError(f"{name} must have {cache}'s dtype {dtype}; got {dtype_name(x, kind)}")
     return new
-
-
-def _host(x, kind: str) -> np.ndarray:
-    return np.asarray(x) if kind == "numpy" else to_host(x, kind)
 
 
 def _shape_only(x, shape: tuple, kind: str):

@@ -24,7 +24,7 @@ import numpy as np
 
 from numba_flash import api
 from numba_flash.alibi import check_slopes
-from numba_flash.arrays import ArrayContext, as_cupy_view, kind_of
+from numba_flash.arrays import ArrayContext, as_cupy_view, host_values, kind_of
 from numba_flash.checks import sequence_bounds
 from numba_flash.problem import describe
 
@@ -150,7 +150,7 @@ def packed_batch(ctx: ArrayContext, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
                  total_k: int) -> PackedBatch:
     """The prefix sums read on the host and checked (``checks.sequence_bounds``), as a
     :class:`PackedBatch` on the inputs' device."""
-    cu_q, cu_k = sequence_bounds(_on_host(cu_seqlens_q, "cu_seqlens_q"), _on_host(cu_seqlens_k, "cu_seqlens_k"),
+    cu_q, cu_k = sequence_bounds(host_values(cu_seqlens_q, "cu_seqlens_q"), host_values(cu_seqlens_k, "cu_seqlens_k"),
                                  max_seqlen_q, max_seqlen_k, total_q, total_k)
     longest_q = max((b - a for a, b in zip(cu_q, cu_q[1:])), default=0)
     longest_k = max((b - a for a, b in zip(cu_k, cu_k[1:])), default=0)
@@ -196,19 +196,6 @@ def _rows_first(x, kind: str):
         return x[0].permute(1, 0, 2).contiguous()
     xp = np if kind == "numpy" else __import__("cupy")
     return xp.ascontiguousarray(x[0].transpose(1, 0, 2))
-
-
-def _on_host(x, name: str):
-    """A prefix-sum argument on the host (lists and NumPy as they are; CuPy and torch copied)."""
-    if isinstance(x, (list, tuple, np.ndarray)):
-        return x
-    if type(x).__module__.startswith("torch") and not x.is_cuda:  # a CPU tensor: on the host already
-        return x.numpy()
-    x = as_cupy_view(x, name)
-    x_kind = kind_of(x, name)
-    if x_kind == "torch":
-        return x.cpu().numpy()
-    return x.get() if x_kind == "cupy" else np.asarray(x)
 
 
 def _rows_per_sequence(slopes, n_seq: int, kind: str):

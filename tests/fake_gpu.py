@@ -118,6 +118,11 @@ class FakeCupyArray:
     def transpose(self, *axes):
         return self._derived("transpose", axes)
 
+    def swapaxes(self, a, b):
+        axes = list(range(self.ndim))
+        axes[a], axes[b] = axes[b], axes[a]
+        return self._derived("transpose", tuple(axes))
+
     def __getitem__(self, index):
         return self._derived("getitem", index)
 
@@ -147,6 +152,8 @@ def _cupy_module():
     cupy.empty = lambda shape, dtype=np.float32: FakeCupyArray(shape if isinstance(shape, tuple) else (shape,), dtype)
     cupy.zeros = cupy.empty
     cupy.asarray = lambda x: x if isinstance(x, FakeCupyArray) else FakeCupyArray(np.shape(x), np.asarray(x).dtype)
+    cupy.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
+        as_strided=lambda x, shape, strides: FakeCupyArray(shape, x.dtype, strides, x.data.ptr, x.device.id)))
     stream = _Stream(0)
     cupy.cuda = types.SimpleNamespace(
         get_current_stream=lambda: stream,

@@ -32,9 +32,9 @@ def kv_source(page_size: int) -> ModuleType:
     (``page_size = 0``) or a paged cache's ``(pages, block_table)`` (module doc). Device functions:
 
     ``heads(k)``: the KV heads; ``capacity(k)``: the keys a sequence can hold (N, or
-    ``max_blocks * page_size``); ``locate(k, b, j)``: ``(index, row)``, where ``k``'s array holds
-    sequence ``b``'s key ``j``: ``(b, j)`` contiguous, ``(page, row in the page)`` paged;
-    ``array(k)``: that array (``k`` itself, or ``pages``)."""
+    ``max_blocks * page_size``); ``locate(k, b, j)``: ``(index, row)``, where ``k``'s array (``k``
+    itself, or ``pages``) holds sequence ``b``'s key ``j``: ``(b, j)`` contiguous, ``(page, row
+    in the page)`` paged."""
     P = int(page_size)
     if P < 0:
         raise ValueError(f"page_size must be 0 (a contiguous cache) or positive; got {page_size}")

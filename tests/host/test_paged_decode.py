@@ -202,7 +202,7 @@ def _paged_args(**change):
     (dict(k_cache=np.zeros((4, 8, 1, 8), np.float32), v_cache=np.zeros((4, 8, 1, 8), np.float32)), ValueError,
      "page_size .* must be a positive multiple of 16"),
     (dict(v_cache=np.zeros((4, 16, 1, 4), np.float32)), ValueError, "k_cache and v_cache must have the same shape"),
-    (dict(k_new=np.zeros((2, 1, 2, 8), np.float16)), TypeError, "k_new must have the caches' dtype float32"),
+    (dict(k_new=np.zeros((2, 1, 2, 8), np.float16)), TypeError, "k_new must have k_cache's dtype float32"),
     (dict(v_new=None), ValueError, "k_new and v_new go together"),
     (dict(q=np.zeros((2, 3, 1, 8), np.float32), k_cache=np.zeros((4, 16, 2, 8), np.float32),
           v_cache=np.zeros((4, 16, 2, 8), np.float32), k_new=None, v_new=None), ValueError, "multiple"),
@@ -280,3 +280,37 @@ def test_a_paged_argument_is_a_plain_tuple_not_a_device_array():
     a = DeviceArray(16, (1, 1, 1, 8), (128, 128, 16, 2), "float16", 2, 8, True)
     assert each(lambda y: y, a) is a and _pages(a) is a
     assert each(lambda y: y.ptr, (a, a)) == (16, 16) and _pages((a, "table")) is a
+
+
+def test_a_checked_page_table_is_planned_like_a_contiguous_cache(monkeypatch):
+    """On a (fake) GPU, ``decode(block_table=PageTable)`` builds a plan once and then launches it
+    with no check of the table read back: the second call of a signature repeats the first's
+    launches without building a plan again, and each launch is given the table's and the lengths'
+    pointers (``decoding._plan_decode``, ``_launch_paged``)."""
+    import fake_gpu
+
+    from numba_flash import decoding, paging, plans
+
+    record = fake_gpu.install(monkeypatch.setattr, monkeypatch.setitem)
+    plans.clear()
+    try:
+        built = []
+        real = decoding._plan_decode
+        monkeypatch.setattr(decoding, "_plan_decode", lambda *a: built.append(1) or real(*a))
+        q = fake_gpu.cupy_array((4, 32, 1, 128), "float16")
+        k, v = (fake_gpu.cupy_array((40, 16, 8, 128), "float16") for _ in range(2))
+        table, lengths = fake_gpu.cupy_array((4, 8), "int32"), fake_gpu.cupy_array((4,), "int32")
+        checked = paging.PageTable(table, lengths, 16, 40, 0, "cupy", 0, ())
+
+        def call():
+            return numba_flash.decode(q, k, v, block_table=checked, causal=True, return_lse=True)
+
+        first = fake_gpu.launches(record, call)
+        raw = [params for _, _, params in record.launches]
+        second = fake_gpu.launches(record, call)
+        assert first == second and len(built) == 1 and len(decoding._DECODE_PLANS) == 1
+        assert raw and all(table.data.ptr in params and lengths.data.ptr in params for params in raw[:1])
+        assert k.data.ptr in raw[0] and v.data.ptr in raw[0]  # the caches read where they are
+    finally:
+        plans.clear()
+        fake_gpu.clear_host_caches()
