@@ -72,7 +72,7 @@ def attention(
         v: (B, Hkv, Nk, D)
 
     ``H % Hkv == 0``: query head ``h`` reads kv head ``h // (H // Hkv)`` (GQA, MQA).
-    Any strides. ``D`` from 1 to 128; float16, bfloat16 or float32 in, float32 accumulation.
+    Any strides. ``D`` from 1 to 256; float16, bfloat16 or float32 in, float32 accumulation.
 
     ``o[b, h, i] = sum_j softmax_j(scale * q_i . k_j) v_j`` over visible keys ``j``;
     ``lse[b, h, i] = log sum_j exp(scale * q_i . k_j)``; ``scale`` defaults to 1/sqrt(D).

@@ -295,7 +295,7 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
                          ("out", dq_b), ("out", dk_b), ("out", dv_b), scale, cap, ("in", slopes)) + mods,
                      shared_mem_bytes=layout.smem_bytes)
         if deterministic and algorithm == "fa2":
-            dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind)
+            dq_m, dq_n = dq_kernel_tiles(block_m, block_n, kind, dim)
             dq_layout = tc_bwd_layout("dq", kind, dim, dq_m, dq_n)
             mods = _mod_args(dev, problem, user, ctx, (dq_m, dq_n), "q") + _bounds(dev, packed)
             numba_launch(tc_bwd_dq_kernel(kind, dim, dq_m, dq_n, problem.window, capped, problem.alibi, user, varlen),

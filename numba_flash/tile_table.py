@@ -34,13 +34,17 @@ from numba_flash import switches
 from numba_flash._world import simulated
 from numba_flash.kernels.tiles import ROWS_PER_THREAD
 
-MAX_HEAD_DIM = 128  # the largest head dim the library takes: every entry below covers 1 .. 128
+MAX_HEAD_DIM = 256  # the largest head dim the library takes (API.md 2e): every entry below covers 1 .. 256
 
 # ------------------------------------------------------------------------------------------
 # Forward on CUDA cores (FFMA register micro-tiles: kernels.forward, kernels.tiles)
 # ------------------------------------------------------------------------------------------
 
 EIGHT_ROW_TILES = ((128, 64),)  # (block_m, block_n) that take 8 rows per thread by default, at D <= 64
+
+
+WIDE_HEAD_DIM = 128  # above this head dim every path takes its "wide" entry (issue 25: D up to 256)
+WIDE_COMPARISON_TILES = (64, 16)  # CUDA cores at D > 128 (offline, ptxas sm_90, D = 256: see comparison_tiles)
 
 
 def comparison_tiles(head_dim: int) -> tuple[int, int]:
@@ -50,7 +54,14 @@ def comparison_tiles(head_dim: int) -> tuple[int, int]:
     by registers; FA-2 D = 64: 29-30 TFLOP/s against 27-29 at 32 x 32 and 24-25 at 64 x 16)
     and 32 x 16 (D > 64: 64 threads, 35.8 KiB at D = 128; 26 TFLOP/s against 21 at 64 x 8), at
     4 rows per thread: measured for both loop orders on the H200 (2026-11-29). FA-2's own
-    float32 default at D <= 64 is larger (:func:`forward_tiles`)."""
+    float32 default at D <= 64 is larger (:func:`forward_tiles`). Above D = 128
+    (``WIDE_COMPARISON_TILES``): 64 x 16 (128 threads, 103 KiB of dynamic shared memory, 2 blocks
+    per SM), chosen offline at D = 256 (ptxas sm_90): FA-2 244-252 registers and no spill, FA-1
+    255 and 12-24 bytes; 32 x 16 spilled 28-100 bytes in FA-2 and 16 x 16 runs 32-thread blocks.
+    At D = 256 every one of these keeps the output micro-tile (128 floats a thread) in local
+    memory (a 512-byte stack frame): the CUDA-core path there is a correct baseline, not a fast one."""
+    if head_dim > WIDE_HEAD_DIM:
+        return WIDE_COMPARISON_TILES
     return (64, 32) if head_dim <= 64 else (32, 16)
 
 
@@ -95,6 +106,11 @@ TC_FORWARD_TILES = {  # kind -> ((block_m, block_n) at D <= 64, at D > 64); H200
     "tf32": ((128, 64), (64, 64)),  # D64: 128 x 64 88 TFLOP/s; D128: 64 x 64 80
     "tf32x3": ((128, 32), (128, 32)),  # D64 41 TFLOP/s (128 x 64 alike), D128 35 before the per-tile split
 }
+# D > 128 (issue 25), offline at D = 256 (ptxas sm_90, docs/performance-log.md 18): 16-bit 64 x 64
+# (254 registers, no spill, 99 KiB, 2 blocks per SM; 230 TFLOP/s on the H200, 0.70x flash: perf
+# log 17); tf32 64 x 32 (237, no spill; 64 x 64 keeps 128 bytes of stack, 128 x 32 spills 72);
+# tf32x3 as below.
+TC_FORWARD_WIDE_TILES = {"f16": (64, 64), "bf16": (64, 64), "tf32": (64, 32), "tf32x3": (128, 32)}
 TC_SIM_TILES = (16, 16)  # the simulator: one warp (every thread a Python thread, every product a barrier)
 
 
@@ -103,6 +119,8 @@ def forward_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
     ``head_dim``: the kernel's (``tc_ops.kernel_head_dim``). The simulator: 16 x 16."""
     if simulated():
         return TC_SIM_TILES
+    if head_dim > WIDE_HEAD_DIM:
+        return TC_FORWARD_WIDE_TILES[kind]
     small, large = TC_FORWARD_TILES[kind]
     return small if head_dim <= 64 else large
 
@@ -111,7 +129,7 @@ def forward_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
 # Backward on CUDA cores (kernels.bwd: square block x block tiles)
 # ------------------------------------------------------------------------------------------
 
-BACKWARD_BLOCKS = ((64, 64), (MAX_HEAD_DIM, 32))  # (largest head dim, block): the first that covers D
+BACKWARD_BLOCKS = ((64, 64), (WIDE_HEAD_DIM, 32), (MAX_HEAD_DIM, 16))  # (largest head dim, block): the first that covers D
 BACKWARD_SIM_BLOCK = 8  # the simulator: 16 threads, one micro-tile column per thread
 BACKWARD_BLOCK_CHOICES = (64, 32, 16, 8)  # the rule's candidates, largest first (64: a thread's registers stay < 255)
 BACKWARD_MIN_BLOCKS_PER_SM = 2  # the rule: at least this many FA-2 K/V blocks resident per SM by shared memory
@@ -125,7 +143,10 @@ def backward_block(head_dim: int) -> int:
     ``BACKWARD_MIN_BLOCKS_PER_SM`` = 2 blocks resident on an SM by shared memory
     (tests/host/test_tile_table.py checks the table against it). D <= 64: 64 (104.5 KiB at D = 64, 2
     blocks of 128 threads, 8 warps per SM); 64 < D <= 128: 32 (76.3 KiB, 2 blocks of 64 threads;
-    64 would need 168.5 KiB, one block per SM, and ~230 registers). Square, because the K/V
+    64 would need 168.5 KiB, one block per SM, and ~230 registers); D > 128: 16 (68.1 KiB at
+    D = 256; offline, ptxas sm_90, the FA-2 kernel spills 1164 bytes there at 255 registers, as
+    it does at 32: a thread's dK_j, dV_j micro-tiles outgrow the registers: a correct baseline,
+    not a fast one). Square, because the K/V
     kernels run the forward's layout on the transposed scores: its rows are keys and its columns
     queries. 64 at most: at 128 a thread's dK_j, dV_j, S^T and dP^T micro-tiles alone exceed
     255 registers. In the simulator 8 (16 threads; the same code paths, each thread one column
@@ -154,7 +175,13 @@ TC_BACKWARD_TILES = {  # kind -> (block_m, block_n) on sm_90: queries per Q tile
     # same 16 x 64 at every head dim.
     "tf32x3": (16, 64),
 }
-TC_BACKWARD_SIM_TILES = (16, 16)  # the simulator: one warp
+# D > 128 (issue 25): the K/V kernels split dK_j, dV_j's columns between two warps per 16 keys
+# (``tc_bwd.TcBwdLayout.col_split``). Offline at D = 256 (ptxas sm_90, docs/performance-log.md 18):
+# f16 32 x 64 8 warps, 239 registers, no spill, 137 KiB (64 x 64: 16 bytes of spill, 207 KiB;
+# 32 x 32: 4 warps, 231, none, 2 blocks per SM); tf32x3 16 x 32: 144 bytes of spill (16 x 64
+# spills 60 but FA-1's kernel, with O_i's tiles, needs 233 KiB there).
+TC_BACKWARD_WIDE_TILES = {"f16": (32, 64), "bf16": (32, 64), "tf32x3": (16, 32)}
+TC_BACKWARD_SIM_TILES = (16, 16)  # the simulator: one warp (two above D = 128)
 
 
 def backward_tc_tiles(head_dim: int, kind: str = "f16") -> tuple[int, int]:
@@ -166,8 +193,8 @@ def backward_tc_tiles(head_dim: int, kind: str = "f16") -> tuple[int, int]:
     override = switches.tc_bwd_tiles()
     if override is not None:
         return override
-    del head_dim  # one entry per kind at every head dim (so far)
-    return TC_BACKWARD_TILES.get(kind, TC_BACKWARD_TILES["tf32x3"])
+    table = TC_BACKWARD_WIDE_TILES if head_dim > WIDE_HEAD_DIM else TC_BACKWARD_TILES
+    return table.get(kind, table["tf32x3"])
 
 
 # ------------------------------------------------------------------------------------------

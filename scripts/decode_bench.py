@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from numba_flash.research.cli import positive_int  # argparse type: an integer >= 1
+from numba_flash.tile_table import MAX_HEAD_DIM
 
 DTYPES = ("float16", "bfloat16", "float32")
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4}
@@ -151,8 +152,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
             setattr(args, name, value)
     if args.heads % args.kv_heads:
         ap.error(f"--heads ({args.heads}) must be a multiple of --kv-heads ({args.kv_heads})")
-    if args.head_dim > 128:
-        ap.error(f"--head-dim must be 1..128; got {args.head_dim}")
+    if args.head_dim > MAX_HEAD_DIM:
+        ap.error(f"--head-dim must be 1..{MAX_HEAD_DIM}; got {args.head_dim}")
     if args.replot and not args.plot:
         ap.error("--replot needs --plot DIR (where the plots go)")
     # Repeats dropped, order kept.

@@ -62,19 +62,21 @@ CASE_FAILED = "SANITIZE-CASE-FAILED"
 
 
 def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, variants=False, backward=False,
-                masks=False):
+                masks=False, head_dims=None):
     """[(name, callable)] for every kernel configuration and shape; ``xp``: the array module
     the callables use (CuPy on a GPU; NumPy runs them in the simulator, for tests).
     ``split_kv``: only the split-KV cases (FA-2 with ``num_splits=3``, its combine, and
-    ``decode`` on ragged caches), D 40 and 128. ``masks``: :func:`_mask_cases`."""
+    ``decode`` on ragged caches), D 40 and 128. ``masks``: :func:`_mask_cases`. ``head_dims``:
+    instead of each mode's own head dims (the forward's ``HEAD_DIMS``, 40 and 128 for the
+    backward and split-KV; issue 25's wide ones: ``--head-dims 200 256``)."""
     if masks:
         return _mask_cases(xp)
     if split_kv:
-        return _split_kv_cases(precisions, xp)
+        return _split_kv_cases(precisions, xp, head_dims or (40, 128))
     if variants:
         return _variant_cases(xp)
     if backward:
-        return _backward_cases(xp)
+        return _backward_cases(xp, head_dims or (40, 128))
     from numba_flash.kernels.tiles import tiles_fit
 
     cases = []
@@ -86,7 +88,7 @@ def build_cases(precisions=("ieee",), tiles="default", xp=None, split_kv=False, 
         for algorithm in ALGORITHMS:
             for dtype in dtypes:
                 for causal in (False, True):
-                    for head_dim in HEAD_DIMS:
+                    for head_dim in head_dims or HEAD_DIMS:
                         for block_m, block_n in tile_choices:
                             if block_m is not None and not tiles_fit(head_dim, block_m, block_n):
                                 continue
@@ -187,7 +189,7 @@ def _variant_cases(xp):
     return cases
 
 
-def _backward_cases(xp):
+def _backward_cases(xp, head_dims):
     """``attention_backward``: FA-1 (Algorithm 4), FA-2 with atomics and FA-2 deterministic
     (Algorithm 2); float32 (CUDA cores), float16 on tensor cores (``kernels.tc_bwd``, the default
     for 16-bit inputs) and on CUDA cores (``gradients(precision="ieee")``: the "-ieee" cases);
@@ -198,7 +200,7 @@ def _backward_cases(xp):
         for dtype, precision in (("float32", None), ("float16", None), ("float16", "ieee")):
             regime = "-ieee" if precision else ""
             for causal in (False, True):
-                for head_dim in (40, 128):
+                for head_dim in head_dims:
                     for n_q, n_k in LENGTHS:
                         name = (f"backward-{label}-{dtype}{regime}-{'causal' if causal else 'full'}-D{head_dim}"
                                 f"-Nq{n_q}-Nk{n_k}-B{BATCH}H{HEADS}/{KV_HEADS}")
@@ -241,13 +243,13 @@ def _backward_case(spec, xp):
     return run
 
 
-def _split_kv_cases(precisions, xp):
+def _split_kv_cases(precisions, xp, head_dims):
     cases = []
     for precision in precisions:
         dtypes, precision_arg = REGIMES[precision]
         for dtype in dtypes:
             for causal in (False, True):
-                for head_dim in (40, 128):
+                for head_dim in head_dims:
                     for n_q, n_k in LENGTHS:
                         name = (f"{precision}-fa2-split3-{dtype}-{'causal' if causal else 'full'}-D{head_dim}"
                                 f"-Nq{n_q}-Nk{n_k}-B{BATCH}H{HEADS}/{KV_HEADS}")
@@ -364,13 +366,14 @@ def _case(spec, xp):
     return run
 
 
-def run_child(names, precisions, tiles, split_kv=False, variants=False, backward=False, masks=False) -> int:
+def run_child(names, precisions, tiles, split_kv=False, variants=False, backward=False, masks=False,
+              head_dims=None) -> int:
     """Run the cases (all, or those named) in this process; report each failure on stdout."""
     failures = 0
     selected = set(names or ())
     started = time.perf_counter()
     cases = [(n, c) for n, c in build_cases(precisions, tiles, split_kv=split_kv, variants=variants, backward=backward,
-                                            masks=masks)
+                                            masks=masks, head_dims=head_dims)
              if not selected or n in selected]
     for i, (name, case) in enumerate(cases, 1):
         if i == 1 or i % 20 == 0 or i == len(cases):
@@ -488,6 +491,8 @@ def run_tool(sanitizer, tool, args) -> Report:
         cmd.append("--backward")
     if args.masks:
         cmd.append("--masks")
+    if args.head_dims:
+        cmd += ["--head-dims", *map(str, args.head_dims)]
     for name in args.case or ():
         cmd += ["--case", name]
     print(f"$ {' '.join(cmd)}", flush=True)
@@ -524,6 +529,8 @@ def parse_args(argv=None):
                     help="the backward cases instead (attention_backward: FA-1, FA-2 with atomics, FA-2 deterministic)")
     ap.add_argument("--masks", action="store_true",
                     help="the mask cases instead (sliding windows and softcap: forward, split-KV, decode, backward)")
+    ap.add_argument("--head-dims", nargs="+", type=int, metavar="D",
+                    help="these head dims instead of each mode's own (e.g. 200 256: issue 25's wide ones)")
     ap.add_argument("--case", action="append", metavar="NAME", help="run only this case (repeatable; see --list)")
     ap.add_argument("--list", action="store_true", help="print the case names and exit (no GPU needed)")
     ap.add_argument("--compute-sanitizer", metavar="PATH", help="the compute-sanitizer binary (default: PATH, then /usr/local/cuda/bin)")
@@ -536,11 +543,12 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.list:
         for name, _ in build_cases(args.precision, args.tiles, xp=False, split_kv=args.split_kv, variants=args.variants,
-                                   backward=args.backward, masks=args.masks):
+                                   backward=args.backward, masks=args.masks, head_dims=args.head_dims):
             print(name)
         return 0
     if args.child:
-        return run_child(args.case, args.precision, args.tiles, args.split_kv, args.variants, args.backward, args.masks)
+        return run_child(args.case, args.precision, args.tiles, args.split_kv, args.variants, args.backward, args.masks,
+                         args.head_dims)
     from numba_flash import needs
 
     sanitizer = find_sanitizer(args.compute_sanitizer)

@@ -39,6 +39,7 @@ from numba_flash.distributed.schedule import RingSchedule
 from numba_flash.research.cli import HelpFormatter, positive_int
 from numba_flash.research.profiling.timing import attention_flops, tflops
 from numba_flash.research.report import markdown_table
+from numba_flash.tile_table import MAX_HEAD_DIM
 
 DTYPES = ("float16", "float32")  # what verify.py checks (bfloat16: no CuPy dtype for its float64 check)
 NCCL_PRIORITY_VARIABLE = "TORCH_NCCL_HIGH_PRIORITY"  # 1: ProcessGroupNCCL makes its streams high-priority
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="K/V heads, a divisor of --heads (GQA) (default: --heads)")
     parser.add_argument("--seq", type=positive_int, default=16384, metavar="N",
                         help="the whole sequence's length, a multiple of the layout's chunk count (ranks, twice that for zigzag)")
-    parser.add_argument("--head-dim", type=positive_int, default=128, metavar="D", help="head dimension, 1 to 128")
+    parser.add_argument("--head-dim", type=positive_int, default=128, metavar="D", help="head dimension, 1 to 256")
     parser.add_argument("--dtype", choices=DTYPES, default="float16", help="input and output dtype")
     parser.add_argument("--precision", choices=PRECISIONS, default="default",
                         help="where the products run (as numba-flash compare): default = tensor cores for 16-bit dtypes, "
@@ -95,8 +96,8 @@ def check_problem(args, world_size: int) -> None:
     """``ValueError`` (the same on every rank) for a problem the ring cannot cut or run."""
     if args.heads % args.kv_heads:
         raise ValueError(f"--kv-heads {args.kv_heads} must divide --heads {args.heads}")
-    if args.head_dim > 128:
-        raise ValueError(f"--head-dim must be at most 128; got {args.head_dim}")
+    if args.head_dim > MAX_HEAD_DIM:
+        raise ValueError(f"--head-dim must be at most {MAX_HEAD_DIM}; got {args.head_dim}")
     if args.precision in ("tf32", "tf32x3") and args.dtype != "float32":
         raise ValueError(f"--precision {args.precision} is for float32; got --dtype {args.dtype}")
     layout = layout_of(args)

@@ -82,6 +82,10 @@ KERNELS = ("fa2", "fa1", "dq")  # the K/V kernels of each loop order, and the de
 BLOCK_CHOICES = (16, 32, 64, 128)
 POS_INF = math.inf  # L of a row that sees no key (or past Nq): P = exp2(S - inf) = 0
 A_IN_REGS_MAX_DIM = 64  # padded head dims up to which a warp keeps its own rows' fragments in registers
+# Above this padded head dim the K/V kernels split dK_j, dV_j's columns between two warps per 16
+# keys (``TcBwdLayout.col_split``): one warp's dK_j, dV_j at D = 256 are 256 float32 registers
+# (offline, ptxas sm_90: 944-2248 bytes of spill at every tile without the split).
+COL_SPLIT_ABOVE_DIM = 128
 
 
 @dataclass(frozen=True)
@@ -98,8 +102,17 @@ class TcBwdLayout:
     block_n: int  # keys of a K/V tile
 
     @property
-    def warps(self) -> int:  # 16 rows a warp: keys (K/V kernels) or queries (dQ kernel)
-        return (self.block_m if self.kernel == "dq" else self.block_n) // 16
+    def col_split(self) -> int:
+        """Warps per 16 keys in the K/V kernels: 1, or 2 above ``COL_SPLIT_ABOVE_DIM``, where
+        the two warps of each 16 keys both compute its S^T, dP^T, P^T and dS^T (the MMAs of two
+        of the five products twice) and each keeps and writes half of dK_j's and dV_j's columns
+        (``tc_ops``' ``col_split``), FlashAttention-2's D = 256 answer too (its sm80 backward
+        splits dK, dV over 2 x 4 warps)."""
+        return 2 if self.kernel != "dq" and self.padded_dim > COL_SPLIT_ABOVE_DIM else 1
+
+    @property
+    def warps(self) -> int:  # 16 rows a warp: keys (K/V kernels, col_split warps each) or queries (dQ kernel)
+        return self.block_m // 16 if self.kernel == "dq" else self.block_n // 16 * self.col_split
 
     @property
     def threads(self) -> int:
@@ -175,14 +188,17 @@ def tc_bwd_layout(kernel: str, kind: str, head_dim: int, block_m: int, block_n: 
     return TcBwdLayout(kernel, kind, int(head_dim), int(block_m), int(block_n))
 
 
-def dq_kernel_tiles(block_m: int, block_n: int, kind: str = "f16") -> tuple[int, int]:
+def dq_kernel_tiles(block_m: int, block_n: int, kind: str = "f16", head_dim: int = 0) -> tuple[int, int]:
     """(block_m, block_n) of the deterministic dQ kernel for the K/V kernels' tiles: the same Q
     tile, K/V tiles of at most 64 keys (its S and dP hold ``block_n / 2`` floats per thread
     each; at 128 keys and D = 64 it spilled 100 bytes, offline). tf32x3: 32 keys, and 64
     queries for the default 16-query tiles (one warp a block otherwise), at most 64 (ptxas for
     sm_90, 64 x 32: 172 / 255 registers at D = 64 / 128, no spills, no local memory; with 64
-    keys its dQ accumulator went to local memory at D = 128)."""
+    keys its dQ accumulator went to local memory at D = 128); above D = 128 (``head_dim``, the
+    kernel's), 32 x 32: 64 x 32's float32 tiles need 233 KiB at D = 256)."""
     if kind not in HALF_KINDS:
+        if head_dim > COL_SPLIT_ABOVE_DIM:
+            return 32, 32
         return (64 if block_m <= 16 else min(block_m, 64)), 32
     return block_m, min(block_n, 64)
 
@@ -193,7 +209,7 @@ def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int, ker
         if isinstance(value, bool) or value not in BLOCK_CHOICES:
             raise ValueError(f"{name}={value!r}: the tensor-core backward needs one of {list(BLOCK_CHOICES)}")
     for kernel in kernels:
-        tiles = dq_kernel_tiles(block_m, block_n, kind) if kernel == "dq" else (block_m, block_n)
+        tiles = dq_kernel_tiles(block_m, block_n, kind, head_dim) if kernel == "dq" else (block_m, block_n)
         need = tc_bwd_layout(kernel, kind, head_dim, *tiles).smem_bytes
         if need > SMEM_OPTIN_LIMIT:
             raise ValueError(f"block_m={block_m}, block_n={block_n} at head_dim={head_dim}: the {kernel} kernel needs "
@@ -205,12 +221,13 @@ def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int, ker
 # ------------------------------------------------------------------------------------------
 
 
-def _tile_ops(kind: str, head_dim: int, block_m: int, block_n: int):
+def _tile_ops(kind: str, head_dim: int, block_m: int, block_n: int, col_split: int = 1):
     """``tc_ops`` of one specialisation; tf32x3 without the forward's pre-split operands (the
-    backward's tiles hold plain float32 rows: ``pv_tile`` and ``score_tile`` split as they read)."""
+    backward's tiles hold plain float32 rows: ``pv_tile`` and ``score_tile`` split as they read).
+    ``col_split``: ``TcBwdLayout.col_split``."""
     if kind in HALF_KINDS:
-        return tc_ops(kind, head_dim, block_m, block_n)
-    return tc_ops(kind, head_dim, block_m, block_n, presplit="")
+        return tc_ops(kind, head_dim, block_m, block_n, col_split=col_split)
+    return tc_ops(kind, head_dim, block_m, block_n, presplit="", col_split=col_split)
 
 
 @device_jit
@@ -235,7 +252,7 @@ def vector_reductions(compute_capability) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_regs: bool):
+def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_regs: bool, col_split: int = 1):
     """``(load_frags, ab_t)`` for a block whose warps own 16 rows each of an A tile:
 
     - ``load_frags(a_s, af)``: the A fragments of this warp's rows, one per 16-wide step of D
@@ -243,15 +260,16 @@ def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_r
     - ``ab_t(af, a_s, b_s, acc, scratch)``: ``acc = A_w B^T`` over the first ``n_cols`` rows of
       the B tile (``n_cols / 8`` accumulator tiles): the forward's S = Q_i K_j^T, with A from
       registers or, when not ``a_in_regs``, by one ``ldmatrix`` per 16-wide step of D.
-    ``warp_rows_tile``: rows of the A tile (only for the tile ops' layout).
+    ``warp_rows_tile``: rows of the A tile (only for the tile ops' layout); ``col_split``: warps
+    per 16 rows (``TcBwdLayout.col_split``: they compute the same product).
 
     tf32x3 (float32 tiles): ``ab_t`` is the forward's ``score_tile`` (m16n8k8, each operand
     split into TF32 big and small as it is read, three products, the small terms summed apart
     and added at the end); ``load_frags`` does nothing (``af`` unused: two fragments per
     element would crowd out dK_j, dV_j)."""
     if kind not in HALF_KINDS:
-        return _products_tf32x3(kind, head_dim, warp_rows_tile, n_cols)
-    ops = tc_ops(kind, head_dim, warp_rows_tile, n_cols)
+        return _products_tf32x3(kind, head_dim, warp_rows_tile, n_cols, col_split)
+    ops = tc_ops(kind, head_dim, warp_rows_tile, n_cols, col_split=col_split)
     L = ops.layout
     S, KT, NC = L.stride, L.padded_dim // 16, n_cols // 8
     MMA = mma.MMA_16[kind]
@@ -286,8 +304,8 @@ def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_r
 
 
 @functools.lru_cache(maxsize=None)
-def _products_tf32x3(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int):
-    ops = _tile_ops(kind, head_dim, warp_rows_tile, n_cols)
+def _products_tf32x3(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, col_split: int = 1):
+    ops = _tile_ops(kind, head_dim, warp_rows_tile, n_cols, col_split)
 
     @device_jit
     def load_frags(a_s, af):
@@ -364,16 +382,19 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     # The forward's tile ops with the roles swapped: their "Q tile" rows are keys (one warp per
     # 16: warp_row0, thread_row), their "K/V tile" rows queries, so pv_tile(P^T, dO_i) is
     # dV_j += P^T dO_i. (The copies are this module's _row_loader.)
-    ops = _tile_ops(kind, D, BN, BM)
+    CS = lay.col_split  # warps per 16 keys, each on DP / CS columns of dK_j, dV_j
+    COLS = CS > 1
+    ops = _tile_ops(kind, D, BN, BM, CS)
     SIXTEEN = kind in HALF_KINDS
     ELEM = mma.uint16 if SIXTEEN else float32
     S, DSS, DP = lay.stride, lay.ds_stride, lay.padded_dim
     NQ, DT, KT = BM // 8, DP // 8, DP // 16
+    DTO = ops.out_tiles  # 8-wide column tiles of this warp's dK_j, dV_j (DT, or its part in a column split)
     KN, QG, WARPS, NT = BN // 16, BM // 16, lay.warps, lay.threads
     SR = -(-BM // NT)  # rows of L, D each thread reads for the next step
     A_REGS = lay.a_in_regs
     AF_ROWS = KT if A_REGS else 1
-    load_frags, scores_t = _products(kind, D, BN, BM, A_REGS)
+    load_frags, scores_t = _products(kind, D, BN, BM, A_REGS, CS)
     if SIXTEEN:
         MMA, PACK = mma.MMA_16[kind], mma.PACK_16[kind]
     BITS, VALUE = _bits(kind), _value(kind)
@@ -488,7 +509,10 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
 
     @device_jit
     def store_ds_t_f32(ds, ds_s):
-        """tf32x3: dS^T (this warp's 16 keys x block_m queries) -> shared memory as float32."""
+        """tf32x3: dS^T (this warp's 16 keys x block_m queries) -> shared memory as float32 (in a
+        column split by the first of its keys' warps)."""
+        if COLS and ops.key_warp() != 0:
+            return
         r = ops.thread_row(0)
         t2 = 2 * ops.lane_t()
         for nt in range(NQ):
@@ -540,7 +564,10 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
 
     @device_jit
     def store_ds_t(ds, ds_s):
-        """dS^T (this warp's 16 keys x block_m queries) -> shared memory as 16-bit pairs."""
+        """dS^T (this warp's 16 keys x block_m queries) -> shared memory as 16-bit pairs (in a
+        column split by the first of its keys' warps: the other holds the same values)."""
+        if COLS and ops.key_warp() != 0:
+            return
         r = ops.thread_row(0)
         t2 = 2 * ops.lane_t()
         for nt in range(NQ):
@@ -595,13 +622,14 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     @device_jit
     def write_grad(x, b, h, col0, n_k, acc, factor):
         """This lane's rows (keys g, g + 8 of its warp) of dK_j or dV_j, times ``factor``, as
-        16-bit values into ``x[b, h]`` (keys below Nk, the first ``x.shape[3]`` columns)."""
+        16-bit values into ``x[b, h]`` (keys below Nk, the first ``x.shape[3]`` columns; in a
+        column split, this warp's part of them)."""
         n_out = x.shape[3]
-        t2 = 2 * ops.lane_t()
+        t2 = 2 * ops.lane_t() + ops.out_col0()
         for i in range(2):
             row = col0 + ops.thread_row(i)
             if row < n_k:
-                for dt in range(DT):
+                for dt in range(DTO):
                     for e in range(2):
                         d = 8 * dt + t2 + e
                         if d < n_out:
@@ -654,7 +682,7 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
         setattr(engine, name, func)
     engine.order, engine.block_m, engine.block_n, engine.layout, engine.ELEM = order, BM, BN, lay, ELEM
     engine.PREFETCH, engine.PAIRED, engine.P_IN_SMEM, engine.STATS_STATIC = True, not SIXTEEN, False, STATS
-    engine.s_shape, engine.acc_shape, engine.dq_shape = (NQ, 4), (DT, 4), (1, 1)
+    engine.s_shape, engine.acc_shape, engine.dq_shape = (NQ, 4), (DTO, 4), (1, 1)
     engine.af_shape, engine.nxt_shape, engine.first_q_rows, engine.scratch_floats = (AF_ROWS, 4), (SR, 2), 2, MMA_SCRATCH
     tile = {n: shared_tile(lay.offset(n), lay.elems(n)) for n, _ in lay.tiles()}
     engine.k_tile, engine.v_tile = tile["k"], tile["v"]

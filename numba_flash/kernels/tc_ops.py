@@ -233,12 +233,17 @@ def row_walk_default(kind: str, head_dim: int, block_m: int, block_n: int, key_w
 
 @functools.lru_cache(maxsize=None)
 def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
-           presplit: str | None = None, key_warps: int = 1, page_size: int = 0) -> ModuleType:
+           presplit: str | None = None, key_warps: int = 1, page_size: int = 0, col_split: int = 1) -> ModuleType:
     """Device functions for one (kind, head_dim, block_m, block_n) specialisation (memoised);
     ``row_walk``: the copies of full K/V tiles walk rows (``None``: :func:`row_walk_default`);
     ``presplit``: ``tc_layout``'s; ``key_warps``: the block's warps per 16 rows (``tc_layout``;
     the copies use every thread, the products and row statistics are each warp's own);
-    ``page_size``: ``load_kv_tile`` reads a paged cache (``kernels.paged``); 0: contiguous."""
+    ``page_size``: ``load_kv_tile`` reads a paged cache (``kernels.paged``); 0: contiguous.
+    ``col_split``: the block has that many warps per 16 rows, and ``pv_tile``'s output columns are
+    split among them (warp ``w`` of rows ``w % warps`` owns head-dim columns ``(w // warps) DP /
+    col_split ..``, its accumulator ``DP / (8 col_split)`` tiles): the backward's K/V kernels above
+    D = 128 (``tc_bwd``), whose dK_j, dV_j would not fit one warp's registers. Only the products
+    and row indices know it; the forward's copies and O~ functions take ``col_split=1``."""
     L = tc_layout(kind, head_dim, block_m, block_n, presplit=presplit, key_warps=key_warps)
     ROW_WALK = row_walk_default(kind, head_dim, block_m, block_n, key_warps) if row_walk is None else bool(row_walk)
     D, BM, BN, DP, S = head_dim, block_m, block_n, L.padded_dim, L.stride
@@ -419,7 +424,16 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                 mma.sts_x4(q_s, i, hi[0], hi[1], hi[2], hi[3])
                 mma.sts_x4(q_s, i + 128, lo[0], lo[1], lo[2], lo[3])
 
-    if key_warps == 1:
+    COL_SPLIT = col_split > 1
+    # 8-wide head-dim tiles of pv_tile's output: all of O~'s, or in the backward's column split
+    # each warp's part, an even count (16-column ldmatrix steps). The last part's steps past DP
+    # (DP = 208: parts of 112 and 96 columns) are made on the last 16 columns and never written:
+    # every warp makes the same products (the simulated mma meets the block at a barrier).
+    OUT_TILES = -(-(DT // 2) // col_split) * 2
+    if col_split > 1 and (key_warps > 1 or PRESPLIT_V):
+        raise ValueError(f"col_split={col_split} needs key_warps=1 and no pre-split V")
+
+    if key_warps == 1 and not COL_SPLIT:
 
         @device_jit
         def warp_row0():
@@ -435,8 +449,15 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
 
     @device_jit
     def key_warp():
-        """Which of the ``key_warps`` warps of its rows this thread's warp is (0 when 1)."""
+        """Which of the ``key_warps`` (or ``col_split``) warps of its rows this thread's warp is (0 when 1)."""
         return (cuda.threadIdx.x >> 5) // WARPS
+
+    @device_jit
+    def out_col0():
+        """The first head-dim column of this warp's part of ``pv_tile``'s output (``col_split``)."""
+        if COL_SPLIT:
+            return key_warp() * (OUT_TILES * 8)
+        return 0
 
     @device_jit
     def thread_row(i):
@@ -492,13 +513,17 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
         @device_jit
         def pv_tile(p, v_s, acc, scratch):
             """O~ += P~ V_j: P~ (float32 accumulators) -> 16-bit A fragments in registers."""
+            c0 = out_col0()  # (0 but in the backward's column split)
             for kk in range(NS // 2):  # 16 keys per product
                 a0 = PACK(p[2 * kk, 0], p[2 * kk, 1])  # row g, keys 2t, 2t+1
                 a1 = PACK(p[2 * kk, 2], p[2 * kk, 3])  # row g+8
                 a2 = PACK(p[2 * kk + 1, 0], p[2 * kk + 1, 1])  # row g, keys 8+2t, 8+2t+1
                 a3 = PACK(p[2 * kk + 1, 2], p[2 * kk + 1, 3])  # row g+8
-                for dt2 in range(DT // 2):
-                    vb = ldsm_trans(v_s, 16 * kk, 16 * dt2)
+                for dt2 in range(OUT_TILES // 2):
+                    if COL_SPLIT:
+                        vb = ldsm_trans(v_s, 16 * kk, min(c0 + 16 * dt2, DP - 16))
+                    else:
+                        vb = ldsm_trans(v_s, 16 * kk, 16 * dt2)
                     MMA(acc, 2 * dt2, a0, a1, a2, a3, vb[0], vb[1], scratch)
                     MMA(acc, 2 * dt2 + 1, a0, a1, a2, a3, vb[2], vb[3], scratch)
 
@@ -674,6 +699,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
             column t + 4 <-> key 2t + 1): P~'s A fragment is (p[.,0], p[.,2], p[.,1], p[.,3])."""
             g = (cuda.threadIdx.x & 31) >> 2
             t = lane_t()
+            c0 = out_col0()  # (0 but in the backward's column split)
             if not SPLIT:
                 pb = cuda.local.array((1, 4), mma.uint32)
                 for kk in range(NS):
@@ -682,8 +708,9 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                     split(p[kk, 1], pb, pb, 0, 2)  # (g, key 2t+1)
                     split(p[kk, 3], pb, pb, 0, 3)  # (g+8, key 2t+1)
                     row = (8 * kk + 2 * t) * S + g
-                    for dt in range(DT):
-                        tf32_product(acc, acc, dt, pb, pb, 0, v_s[row + 8 * dt], v_s[row + S + 8 * dt], scratch)
+                    for dt in range(OUT_TILES):
+                        col = min(c0 + 8 * dt, DP - 8) if COL_SPLIT else 8 * dt
+                        tf32_product(acc, acc, dt, pb, pb, 0, v_s[row + col], v_s[row + S + col], scratch)
                 return
             # tf32x3: the tensor cores' float32 accumulation truncates, and over thousands of
             # keys that bias reaches ~1e-5 relative (seen on the H200 at N = 3001). So each
@@ -697,7 +724,8 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                 split(p[kk, 2], pb, ps, kk, 1)
                 split(p[kk, 1], pb, ps, kk, 2)
                 split(p[kk, 3], pb, ps, kk, 3)
-            for dt in range(DT):
+            for dt in range(OUT_TILES):
+                col = min(c0 + 8 * dt, DP - 8) if COL_SPLIT else 8 * dt
                 for e in range(4):
                     tile[0, e] = float32(0.0)
                 for kk in range(NS):
@@ -705,7 +733,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                         w = mma.lds_x4(v_s, ((kk * DT + dt) * 32 + (cuda.threadIdx.x & 31)) * 4)
                         presplit_product(tile, tile, 0, pb, ps, kk, w, scratch)
                     else:
-                        row = (8 * kk + 2 * t) * S + g + 8 * dt
+                        row = (8 * kk + 2 * t) * S + g + col
                         tf32_product(tile, tile, 0, pb, ps, kk, v_s[row], v_s[row + S], scratch)
                 for e in range(4):
                     acc[dt, e] += tile[0, e]
@@ -785,20 +813,23 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
 
     @device_jit
     def zero(acc):
-        for dt in range(DT):
+        for dt in range(OUT_TILES):
             for e in range(4):
                 acc[dt, e] = float32(0.0)
 
-    ops = ModuleType(f"numba_flash.kernels.tc_ops_{kind}_d{D}_m{BM}_n{BN}" + (f"_p{int(page_size)}" if page_size else ""))
+    ops = ModuleType(f"numba_flash.kernels.tc_ops_{kind}_d{D}_m{BM}_n{BN}" + (f"_p{int(page_size)}" if page_size else "")
+                     + (f"_c{int(col_split)}" if COL_SPLIT else ""))
     ops.layout = L
     ops.row_walk = ROW_WALK
     ops.q_frag_rows = Q_FRAG_ROWS  # rows of the kernel's qf / qf_small arrays
     ops.q_small_rows = Q_FRAG_ROWS if SPLIT else 1
+    ops.out_tiles = OUT_TILES  # 8-wide tiles of pv_tile's output per warp (DT but in a column split)
     # the kernels call split_k_tile / split_v_tile where these are set and pass their tiles
     ops.presplit_k, ops.presplit_v = PRESPLIT_K, PRESPLIT_V
     for name, func in dict(
         load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,
         score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0, key_warp=key_warp,
+        out_col0=out_col0,
         thread_row=thread_row, lane_t=lane_t, col_of=col_of, last_visible_key=mask.last_visible_key, packed_last_visible_key=mask.packed_last_visible_key,
         row_key_bounds=row_key_bounds, row_alibi=row_alibi, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
         mask_tile=mask_tile, score_key=col_of, score_row=row_of,

@@ -68,7 +68,7 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--kv-heads", type=positive_int, metavar="HKV", help="K/V heads, a divisor of --heads (GQA) (default: --heads)")
     cmp.add_argument("--seq", type=positive_int, metavar="N", help="query and key length (default: 4096 on a GPU, 48 in the simulator)")
     cmp.add_argument("--seq-k", type=positive_int, metavar="NK", help="key length when it differs from --seq (default: --seq)")
-    cmp.add_argument("--head-dim", type=positive_int, metavar="D", help="head dimension, 1 to 128 (default: 64 on a GPU, 16 in the simulator)")
+    cmp.add_argument("--head-dim", type=positive_int, metavar="D", help="head dimension, 1 to 256 (default: 64 on a GPU, 16 in the simulator)")
     cmp.add_argument("--causal", action="store_true", help="causal mask, bottom-right aligned")
     cmp.add_argument("--dtype", choices=["float32", "float16", "bfloat16"], default="float32", help="input and output dtype")
     cmp.add_argument(

@@ -80,7 +80,7 @@ def test_the_grid_covers_every_path():
     assert sorted(OLD["gpu"]) == sorted(OLD["simulator"]) == sorted(
         ["backward_block", "backward_tc", "backward_threads", "comparison", "decode", "decode_pipeline", "forward",
          "forward_tc", "rows", "rows_default"])
-    assert len(OLD["gpu"]["backward_block"]) == tile_table.MAX_HEAD_DIM  # every head dim
+    assert len(OLD["gpu"]["backward_block"]) == tile_table.WIDE_HEAD_DIM  # every head dim then (up to 128)
 
 
 def test_backward_block_follows_its_rule(monkeypatch):

@@ -254,16 +254,13 @@ def test_deterministic(kind, rng):
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
-def test_head_dims_above_128_read_q_from_shared_memory(dtype, monkeypatch):
+def test_head_dims_above_128_read_q_from_shared_memory(dtype):
     """Above D = 128 the 16-bit kernels keep Q_i in shared memory and read each head-dim step's
-    fragment there (``tc_ops``' ``Q_IN_REGS``; groundwork for issue 25's D = 256, which the public
-    check still refuses, lifted here): FA-2 at D = 256 within FlashAttention's rule, causal, a
-    tail row tile. (On the H200: docs/performance-log.md 17.)"""
-    import numba_flash.problem as problem
+    fragment there (``tc_ops``' ``Q_IN_REGS``, issue 25's D = 256): FA-2 at D = 256 within
+    FlashAttention's rule, causal, a tail row tile. (On the H200: docs/performance-log.md 17.)"""
     from numba_flash.kernels.tc_ops import tc_ops
 
     assert tc_ops("f16", 256, 16, 16).q_frag_rows == 1 and tc_ops("f16", 128, 16, 16).q_frag_rows == 8
-    monkeypatch.setattr(problem, "MAX_HEAD_DIM", 256)
     rng = np.random.default_rng(3)
     q, k, v = (rng.standard_normal((1, 1, 20, 256)).astype(NUMPY_DTYPE[dtype]) for _ in range(3))
     o = to_numpy(attention(q, k, v, causal=True))

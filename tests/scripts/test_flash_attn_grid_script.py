@@ -26,16 +26,16 @@ def grid():
 # test_flash_attn_output: kvpacked 2, dtype 2, mha_type 3, deterministic 2, alibi 2, local 2, causal 2,
 # d 11, (seqlen_q, seqlen_k) 10, dropout_p 2, softcap 2; it skips softcap > 0 with dropout > 0 (1/4).
 OUTPUT_TOTAL = 2 * 2 * 3 * 2 * 2 * 2 * 2 * 11 * 10 * 2 * 2  # 84480
-# Kept: d <= 128 (7 of 11), no dropout (softcap, local windows and ALiBi run since issue 24); the
-# forward ignores deterministic.
-FORWARD_KEPT = 2 * 2 * 3 * 2 * 7 * 10 * 2 * 2 * 2  # kvpacked, dtype, mha_type, causal, d, seqlens, local, softcap, alibi
+# Kept: every d (up to 256 since issue 25), no dropout (softcap, local windows and ALiBi run since
+# issue 24); the forward ignores deterministic.
+FORWARD_KEPT = 2 * 2 * 3 * 2 * 11 * 10 * 2 * 2 * 2  # kvpacked, dtype, mha_type, causal, d, seqlens, local, softcap, alibi
 # test_flash_attn_kvcache: dtype 1, num_splits 2, mha_type 3, new_kv 2, alibi 2, local 2, causal 2,
 # seqlen_new_eq_seqlen_q 2, rotary_interleaved 2, rotary_fraction 3, paged 2, has_leftpad 2,
 # has_batch_idx 1, d 6, seqlens 11; the paged axis gains issue 25's page sizes 16 and 64 (4 values).
 KVCACHE_TOTAL = 2 * 3 * 2 * 2 * 2 * 2 * 2 * 2 * 3 * 4 * 2 * 6 * 11  # 608256
-# num_splits, mha_type, causal, d <= 128, seqlens, local, alibi, paged 4, and new_kv: False (seqlen_new_eq_seqlen_q
-# collapsed) or True with both values: 31680
-KVCACHE_KEPT = 2 * 3 * 2 * 5 * 11 * 2 * 2 * 4 * 3
+# num_splits, mha_type, causal, d (all 6), seqlens, local, alibi, paged 4, and new_kv: False (seqlen_new_eq_seqlen_q
+# collapsed) or True with both values: 38016
+KVCACHE_KEPT = 2 * 3 * 2 * 6 * 11 * 2 * 2 * 4 * 3
 
 
 def test_grid_sizes_and_exclusions(grid):
@@ -50,12 +50,11 @@ def test_grid_sizes_and_exclusions(grid):
     for counts in (fc, bc, kc):  # every case of FA's grid is accounted for once
         assert sum(n for what, n in counts.items() if what not in ("total", "runs (with our variants)")) == counts["total"]
     dropped = {what.split(":")[0] for what in fc if "=" in what.split(":")[0]}
-    assert dropped == {"d=160", "d=192", "d=224", "d=256", "dropout_p=0.17"}
-    assert fc["d=256: head dim > 128 (numba_flash takes 1..128 today; API.md 2e's 256 not built)"] == OUTPUT_TOTAL * 3 // 4 // 11
+    assert dropped == {"dropout_p=0.17"}
     dropped = {what.split(":")[0] for what in kc if "=" in what.split(":")[0]}
-    assert dropped == {"d=256", "has_leftpad=True", "rotary_fraction=0.5", "rotary_fraction=1.0"}
+    assert dropped == {"has_leftpad=True", "rotary_fraction=0.5", "rotary_fraction=1.0"}
+    assert max(c.p["d"] for c in fwd) == max(c.p["d"] for c in kv) == 256  # issue 25: every head dim of FA's grids
     for c in fwd + bwd + kv:  # nothing numba_flash cannot run is left
-        assert c.p["d"] <= 128
         assert c.p.get("dropout_p", 0) == 0 and c.p.get("rotary_fraction", 0) == 0
     assert {c.p["paged_kv_block_size"] for c in kv} == {None, 16, 64, 256} and {c.p["new_kv"] for c in kv} == {False, True}
     assert {c.p["local"] for c in fwd + kv} == {False, True} and {c.p["softcap"] for c in fwd} == {0.0, 50.0}
