@@ -259,7 +259,7 @@ def _run_tc(ctx, problem, kind, algorithm, deterministic, inputs, grads, Hkv, ti
     Bg, Nqg, Nkg = _grid_dims(problem, packed)  # (the grids')
     varlen = packed is not None
     dim = kernel_head_dim(kind, D)
-    block_m, block_n = tile_table.backward_tc_tiles(dim, kind) if tiles is None else tiles
+    block_m, block_n = tile_table.backward_tc_tiles(dim, kind, algorithm) if tiles is None else tiles
     check_tc_bwd_tiles(kind, dim, block_m, block_n, [algorithm] + (["dq"] if deterministic and algorithm == "fa2" else []))
     do, q, k, v, o, lse = inputs
     dq, dk, dv = grads

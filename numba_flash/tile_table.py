@@ -25,6 +25,10 @@ backward, tensor cores         f16/bf16: 64 x 128; tf32x3: 16 x 64              
 decode, tensor cores           block_m: 16-row warps holding the packed rows (<= 64), 16 x 32
 (:func:`decode_tiles`)         block_n 64; one 16-row tile: 4 key warps, 2 stages
 decode, float32                the forward's (CUDA cores)                            the same
+D > 128 (``WIDE_HEAD_DIM``)    CUDA cores 64 x 16; tensor cores f16/bf16 64 x 64,     as above
+                               tf32 64 x 32, tf32x3 128 x 32; backward: CUDA cores
+                               16, tensor cores FA-2 64 x 64 (FA-1 32 x 64), tf32x3
+                               16 x 32; decode as above
 =============================  ====================================================  ============
 """
 
@@ -175,17 +179,20 @@ TC_BACKWARD_TILES = {  # kind -> (block_m, block_n) on sm_90: queries per Q tile
     # same 16 x 64 at every head dim.
     "tf32x3": (16, 64),
 }
-# D > 128 (issue 25): the K/V kernels split dK_j, dV_j's columns between two warps per 16 keys
-# (``tc_bwd.TcBwdLayout.col_split``). Offline at D = 256 (ptxas sm_90, docs/performance-log.md 18):
-# f16 32 x 64 8 warps, 239 registers, no spill, 137 KiB (64 x 64: 16 bytes of spill, 207 KiB;
-# 32 x 32: 4 warps, 231, none, 2 blocks per SM); tf32x3 16 x 32: 144 bytes of spill (16 x 64
-# spills 60 but FA-1's kernel, with O_i's tiles, needs 233 KiB there).
-TC_BACKWARD_WIDE_TILES = {"f16": (32, 64), "bf16": (32, 64), "tf32x3": (16, 32)}
+# D > 128 (issue 25): the K/V kernels split dK_j, dV_j's columns between two warps per 16 keys,
+# which split S^T, dP^T by queries (16-bit: ``tc_bwd.TcBwdLayout.col_split``, ``shared_scores``).
+# H200, D = 256 f16 B4 H16 N4096 (docs/performance-log.md 18): FA-2 64 x 64 (8 warps, 232
+# registers, no spill, 216 KiB) 17.99 ms, 0.622x flash (causal 0.633x); 32 x 64 19.40 ms; 32 x 32
+# 23.25; 64 x 32 31.81. FA-1 (O_i's tiles too: 64 x 64 would need 282 KiB): 32 x 64. tf32x3
+# (offline): 16 x 32, 380-504 bytes of spill, causal (16 x 64: FA-1 would need 233 KiB).
+TC_BACKWARD_WIDE_TILES = {"f16": (64, 64), "bf16": (64, 64), "tf32x3": (16, 32)}
+TC_BACKWARD_WIDE_FA1_TILES = {"f16": (32, 64), "bf16": (32, 64), "tf32x3": (16, 32)}
 TC_BACKWARD_SIM_TILES = (16, 16)  # the simulator: one warp (two above D = 128)
 
 
-def backward_tc_tiles(head_dim: int, kind: str = "f16") -> tuple[int, int]:
-    """(block_m, block_n) of the tensor-core backward; ``head_dim``: the kernel's. On a GPU
+def backward_tc_tiles(head_dim: int, kind: str = "f16", algorithm: str = "fa2") -> tuple[int, int]:
+    """(block_m, block_n) of the tensor-core backward; ``head_dim``: the kernel's; ``algorithm``:
+    the loop order (FA-1's kernel holds O_i's tiles too: above D = 128 it takes smaller ones). On a GPU
     ``NUMBA_FLASH_TC_BWD_TILES="MxN"`` (``switches.tc_bwd_tiles``) overrides the table (an
     experiment knob for sweeps); the simulator: 16 x 16, one warp, whatever the switch says."""
     if simulated():
@@ -193,7 +200,10 @@ def backward_tc_tiles(head_dim: int, kind: str = "f16") -> tuple[int, int]:
     override = switches.tc_bwd_tiles()
     if override is not None:
         return override
-    table = TC_BACKWARD_WIDE_TILES if head_dim > WIDE_HEAD_DIM else TC_BACKWARD_TILES
+    if head_dim > WIDE_HEAD_DIM:
+        table = TC_BACKWARD_WIDE_FA1_TILES if algorithm == "fa1" else TC_BACKWARD_WIDE_TILES
+    else:
+        table = TC_BACKWARD_TILES
     return table.get(kind, table["tf32x3"])
 
 

@@ -642,6 +642,8 @@ def parse_args(argv):
     ap.add_argument("--mods-only", nargs="*", choices=list(MODS), metavar="MOD",
                     help="only the cases with a sliding window (local), softcap or ALiBi (what issue 24 added); "
                          "naming some of local, softcap, alibi: only the cases with one of those")
+    ap.add_argument("--head-dims", nargs="+", type=positive, metavar="D",
+                    help="only the cases of these head dims (e.g. 160 192 224 256: those above 128, issue 25)")
     ap.add_argument("--every", type=positive, metavar="K", default=1,
                     help="run every K-th case of each part (after --mods-only; a sample spread over the grid)")
     ap.add_argument("--dry-run", action="store_true", help="print the cases and counts; run nothing")
@@ -658,6 +660,8 @@ def plan(args):
         cs, counts[part] = grid(part, args.dtypes, args.algorithms)
         if args.mods_only is not None:
             cs = [c for c in cs if any(c.p.get(m) for m in (args.mods_only or MODS))]
+        if args.head_dims:
+            cs = [c for c in cs if c.p["d"] in args.head_dims]
         cs = cs[:: args.every]
         if args.simulate:
             cs = list(dict.fromkeys(cs[i * SIM_STRIDE % len(cs)] for i in range(1, SIM_CASES + 1)))

@@ -209,6 +209,13 @@ def forward_configs():
                     bm, bn = default_tc_tiles(kind, d)
                     yield f"tc-{kind}-{alg}-d{d}-{'causal' if causal else 'full'}", kernel_spec(
                         alg, d, dtype, bm, bn, causal, regime=kind)
+    for alg in ("fa1", "fa2"):  # issue 25: D = 256 at the wide tiles (tile_table.WIDE_HEAD_DIM), causal
+        bm, bn = default_tiles(alg, 256, "float32", True)
+        yield f"ieee-{alg}-float32-d256-causal-{bm}x{bn}", kernel_spec(alg, 256, "float32", bm, bn, True)
+        for kind in ("f16", "tf32"):
+            dtype = "float32" if kind.startswith("tf32") else "float16"
+            bm, bn = default_tc_tiles(kind, 256)
+            yield f"tc-{kind}-{alg}-d256-causal", kernel_spec(alg, 256, dtype, bm, bn, True, regime=kind)
     for d in (64, 128):
         bm, bn = default_tiles("fa2", d, "float32", False)
         yield f"ieee-fa2-float32-d{d}-ragged-split", kernel_spec("fa2", d, "float32", bm, bn, True, ragged=True,
@@ -223,6 +230,9 @@ def forward_configs():
 def decode_configs():
     from numba_flash.specs import kernel_spec
 
+    yield "decode-f16-d256-causal-16x64-ring2-w4-paged16", kernel_spec(  # issue 25's head dims above 128
+        "fa2", 256, "float16", 16, 64, True, regime="f16", ragged=True, split_out=True, kv_stages=2, key_warps=4,
+        page_size=16)
     for d in (64, 128):
         for causal in (False, True):
             yield f"decode-f16-d{d}-{'causal' if causal else 'full'}-16x64-ring2-w4", kernel_spec(
@@ -286,6 +296,17 @@ def backward_configs():
                 dm, dn = tc_bwd.dq_kernel_tiles(bm, bn, kind)
                 yield f"bwd-{kind}-dq-d{d}-{c}", Raw(tc_bwd.tc_bwd_dq_kernel(kind, d, dm, dn, causal),
                                                      (x4,) * 4 + (f3, f3, f4, f, f, f2))
+    d = 256  # issue 25: the column split (two warps per 16 keys; 16-bit: shared scores), causal, default tiles
+    for kind in ("f16", "tf32x3"):
+        x4 = u4 if kind in tc_bwd.HALF_KINDS else f4
+        kv = (x4,) * 5 + (f3, f3, f4, x4, x4, f, f, f2)
+        for order, dq in (("fa2", True), ("fa2", False), ("fa1", True)):
+            bm, bn = tile_table.backward_tc_tiles(d, kind, order)
+            yield f"bwd-{kind}-{order}{'' if dq else 'det'}-d{d}-causal-{bm}x{bn}", Raw(
+                tc_bwd.tc_bwd_kernel(order, kind, d, bm, bn, True, dq), kv)
+        dm, dn = tc_bwd.dq_kernel_tiles(*tile_table.backward_tc_tiles(d, kind), kind, d)
+        yield f"bwd-{kind}-dq-d{d}-causal-{dm}x{dn}", Raw(tc_bwd.tc_bwd_dq_kernel(kind, d, dm, dn, True),
+                                                          (x4,) * 4 + (f3, f3, f4, f, f, f2))
 
 
 def combine_configs():

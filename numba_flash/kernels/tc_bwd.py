@@ -111,6 +111,15 @@ class TcBwdLayout:
         return 2 if self.kernel != "dq" and self.padded_dim > COL_SPLIT_ABOVE_DIM else 1
 
     @property
+    def shared_scores(self) -> bool:
+        """In a 16-bit column split with Q tiles of 32 queries or more, the two warps of each 16
+        keys split S^T and dP^T by queries instead of both computing all of them, and exchange
+        P^T and dS^T through shared memory (FlashAttention-2's way: its P and dS go through
+        shared memory): each warp then makes the five products once (at D = 256, 64 x 64: 320
+        MMAs a warp and step instead of 448), for one more tile of shared memory (P^T)."""
+        return self.col_split > 1 and self.kind in HALF_KINDS and self.block_m >= 32
+
+    @property
     def warps(self) -> int:  # 16 rows a warp: keys (K/V kernels, col_split warps each) or queries (dQ kernel)
         return self.block_m // 16 if self.kernel == "dq" else self.block_n // 16 * self.col_split
 
@@ -155,6 +164,8 @@ class TcBwdLayout:
         out = [("k", kv_rows), ("v", kv_rows), ("q0", q_rows), ("q1", q_rows), ("do0", q_rows), ("do1", q_rows)]
         if self.kernel == "fa1":
             out += [("o0", q_rows), ("o1", q_rows)]
+        if self.shared_scores:
+            out += [("pt", self.block_n * self.ds_stride)]
         return out + [("ds", self.block_n * self.ds_stride)]
 
     def offset(self, name: str) -> int:
@@ -252,7 +263,8 @@ def vector_reductions(compute_capability) -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_regs: bool, col_split: int = 1):
+def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_regs: bool, col_split: int = 1,
+              split_b: bool = False):
     """``(load_frags, ab_t)`` for a block whose warps own 16 rows each of an A tile:
 
     - ``load_frags(a_s, af)``: the A fragments of this warp's rows, one per 16-wide step of D
@@ -261,7 +273,8 @@ def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_r
       the B tile (``n_cols / 8`` accumulator tiles): the forward's S = Q_i K_j^T, with A from
       registers or, when not ``a_in_regs``, by one ``ldmatrix`` per 16-wide step of D.
     ``warp_rows_tile``: rows of the A tile (only for the tile ops' layout); ``col_split``: warps
-    per 16 rows (``TcBwdLayout.col_split``: they compute the same product).
+    per 16 rows (``TcBwdLayout.col_split``): they compute the same product, or with ``split_b``
+    (``TcBwdLayout.shared_scores``; 16-bit) each its part of the B rows (``n_cols / col_split``).
 
     tf32x3 (float32 tiles): ``ab_t`` is the forward's ``score_tile`` (m16n8k8, each operand
     split into TF32 big and small as it is read, three products, the small terms summed apart
@@ -271,7 +284,8 @@ def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_r
         return _products_tf32x3(kind, head_dim, warp_rows_tile, n_cols, col_split)
     ops = tc_ops(kind, head_dim, warp_rows_tile, n_cols, col_split=col_split)
     L = ops.layout
-    S, KT, NC = L.stride, L.padded_dim // 16, n_cols // 8
+    S, KT, NC = L.stride, L.padded_dim // 16, n_cols // 8 // (col_split if split_b else 1)
+    SPLIT_B = bool(split_b)
     MMA = mma.MMA_16[kind]
     A_REGS = bool(a_in_regs)
 
@@ -290,13 +304,14 @@ def _products(kind: str, head_dim: int, warp_rows_tile: int, n_cols: int, a_in_r
             for e in range(4):
                 acc[nt, e] = float32(0.0)
         r0 = ops.warp_row0()
+        b0 = ops.key_warp() * (8 * NC) if SPLIT_B else 0  # this warp's part of the B rows
         for kt in range(KT):
             if A_REGS:
                 a0, a1, a2, a3 = af[kt, 0], af[kt, 1], af[kt, 2], af[kt, 3]
             else:
                 a0, a1, a2, a3 = mma.ldsm_x4(a_s, r0, 16 * kt, S)
             for nt2 in range(NC // 2):  # 16 B rows: two 8-column tiles per ldmatrix.x4
-                bb = mma.ldsm_x4(b_s, 16 * nt2, 16 * kt, S)
+                bb = mma.ldsm_x4(b_s, b0 + 16 * nt2, 16 * kt, S)
                 MMA(acc, 2 * nt2, a0, a1, a2, a3, bb[0], bb[2], scratch)
                 MMA(acc, 2 * nt2 + 1, a0, a1, a2, a3, bb[1], bb[3], scratch)
 
@@ -384,17 +399,19 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     # dV_j += P^T dO_i. (The copies are this module's _row_loader.)
     CS = lay.col_split  # warps per 16 keys, each on DP / CS columns of dK_j, dV_j
     COLS = CS > 1
+    SHARED_P = lay.shared_scores  # ... and each on BM / CS queries of S^T, dP^T, with P^T, dS^T in shared memory
     ops = _tile_ops(kind, D, BN, BM, CS)
     SIXTEEN = kind in HALF_KINDS
     ELEM = mma.uint16 if SIXTEEN else float32
     S, DSS, DP = lay.stride, lay.ds_stride, lay.padded_dim
     NQ, DT, KT = BM // 8, DP // 8, DP // 16
+    NQW = NQ // CS if SHARED_P else NQ  # 8-query tiles of this warp's S^T, dP^T
     DTO = ops.out_tiles  # 8-wide column tiles of this warp's dK_j, dV_j (DT, or its part in a column split)
     KN, QG, WARPS, NT = BN // 16, BM // 16, lay.warps, lay.threads
     SR = -(-BM // NT)  # rows of L, D each thread reads for the next step
     A_REGS = lay.a_in_regs
     AF_ROWS = KT if A_REGS else 1
-    load_frags, scores_t = _products(kind, D, BN, BM, A_REGS, CS)
+    load_frags, scores_t = _products(kind, D, BN, BM, A_REGS, CS, SHARED_P)
     if SIXTEEN:
         MMA, PACK = mma.MMA_16[kind], mma.PACK_16[kind]
     BITS, VALUE = _bits(kind), _value(kind)
@@ -473,9 +490,10 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
         dP^T -> dS^T = P^T (dP^T - D) (FA-2 line 14, Alg. 4 line 20); L and D of each column
         (query) from shared memory; hidden entries P = dS = 0."""
         t = ops.lane_t()
-        for nt in range(NQ):
+        q0 = ops.key_warp() * (8 * NQW) if SHARED_P else 0  # this warp's first query (column)
+        for nt in range(NQW):
             for e in range(4):
-                c = 8 * nt + 2 * t + (e & 1)  # the query (column) of this accumulator
+                c = q0 + 8 * nt + 2 * t + (e & 1)  # the query (column) of this accumulator
                 # (diags: the query on each key row's diagonal; user: (b, h, col0, Nq, Nk, args))
                 p, ds = p_and_ds(s[nt, e] * q_scale, stats[base + c], dp[nt, e], stats[base + BM + c], capped, cap, biased,
                                  slope, diags[e >> 1], ops.thread_row(e >> 1), row0 + c, user)
@@ -484,6 +502,9 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
                     ds = float32(0.0)
                 s[nt, e] = p
                 dp[nt, e] = ds
+        if SHARED_P:  # P^T, dS^T to shared memory (the caller's barrier makes them visible)
+            store_t(s, pt_s, q0)
+            store_t(dp, ds_s, q0)
 
     @device_jit
     def dq_write(dq_h, acc, qg, dt2, row0, n_q, scale):
@@ -563,16 +584,37 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
                     dq_write(dq_h, acc, qg, dt2, row0, n_q, scale)
 
     @device_jit
+    def store_t(x, x_s, q0):
+        """This warp's ``NQW`` 8-query tiles of P^T or dS^T (its 16 keys x queries ``q0 ..``)
+        -> shared memory as 16-bit pairs (keys x queries, row stride ``ds_stride``)."""
+        r = ops.thread_row(0)
+        t2 = q0 + 2 * ops.lane_t()
+        for nt in range(NQW):
+            mma.st_shared_u32(x_s, r * DSS + 8 * nt + t2, PACK(x[nt, 0], x[nt, 1]))
+            mma.st_shared_u32(x_s, (r + 8) * DSS + 8 * nt + t2, PACK(x[nt, 2], x[nt, 3]))
+
+    @device_jit
     def store_ds_t(ds, ds_s):
         """dS^T (this warp's 16 keys x block_m queries) -> shared memory as 16-bit pairs (in a
         column split by the first of its keys' warps: the other holds the same values)."""
         if COLS and ops.key_warp() != 0:
             return
-        r = ops.thread_row(0)
-        t2 = 2 * ops.lane_t()
-        for nt in range(NQ):
-            mma.st_shared_u32(ds_s, r * DSS + 8 * nt + t2, PACK(ds[nt, 0], ds[nt, 1]))
-            mma.st_shared_u32(ds_s, (r + 8) * DSS + 8 * nt + t2, PACK(ds[nt, 2], ds[nt, 3]))
+        store_t(ds, ds_s, 0)
+
+    @device_jit
+    def pv_shared(a_s, x_s, acc, scratch):
+        """``tc_ops.pv_tile`` with the A operand (P^T or dS^T: this warp's 16 keys x block_m
+        queries) read from shared memory by ``ldmatrix``, for the shared-scores split: dV_j +=
+        P^T dO_i, dK_j += dS^T Q_i on this warp's part of the columns (the same clamped last
+        steps as ``pv_tile``)."""
+        r0 = ops.warp_row0()
+        c0 = ops.out_col0()
+        for kk in range(NQ // 2):  # 16 queries per product
+            a0, a1, a2, a3 = mma.ldsm_x4(a_s, r0, 16 * kk, DSS)
+            for dt2 in range(DTO // 2):
+                xb = mma.ldsm_x4_trans(x_s, 16 * kk, min(c0 + 16 * dt2, DP - 16), S)
+                MMA(acc, 2 * dt2, a0, a1, a2, a3, xb[0], xb[1], scratch)
+                MMA(acc, 2 * dt2 + 1, a0, a1, a2, a3, xb[2], xb[3], scratch)
 
     @device_jit
     def dq_tile(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch):
@@ -657,16 +699,23 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
 
     @device_jit
     def dv_update(s, pt_s, do_s, acc, scratch):
-        ops.pv_tile(s, do_s, acc, scratch)  # P^T never leaves the registers
+        if SHARED_P:
+            pv_shared(pt_s, do_s, acc, scratch)
+        else:
+            ops.pv_tile(s, do_s, acc, scratch)  # P^T never leaves the registers
 
     @device_jit
     def dk_update(dp, ds_s, q_s, acc, scratch):
-        ops.pv_tile(dp, q_s, acc, scratch)
+        if SHARED_P:
+            pv_shared(ds_s, q_s, acc, scratch)
+        else:
+            ops.pv_tile(dp, q_s, acc, scratch)
 
     @device_jit
     def dq_update(dp, ds_s, k_s, dq, b, h, row0, n_q, scale, dq_acc, scratch):
-        STORE_DS_T(dp, ds_s)
-        cuda.syncthreads()  # dS^T of every warp is in shared memory
+        if not SHARED_P:  # (shared scores: dS^T is in shared memory, visible since the barrier after probs_t)
+            STORE_DS_T(dp, ds_s)
+            cuda.syncthreads()  # dS^T of every warp is in shared memory
         DQ_TILE(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch)
 
     @device_jit
@@ -681,14 +730,15 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
                            dk_factor=dk_factor).items():
         setattr(engine, name, func)
     engine.order, engine.block_m, engine.block_n, engine.layout, engine.ELEM = order, BM, BN, lay, ELEM
-    engine.PREFETCH, engine.PAIRED, engine.P_IN_SMEM, engine.STATS_STATIC = True, not SIXTEEN, False, STATS
-    engine.s_shape, engine.acc_shape, engine.dq_shape = (NQ, 4), (DTO, 4), (1, 1)
+    engine.PREFETCH, engine.PAIRED, engine.P_IN_SMEM, engine.STATS_STATIC = True, not SIXTEEN, SHARED_P, STATS
+    engine.s_shape, engine.acc_shape, engine.dq_shape = (NQW, 4), (DTO, 4), (1, 1)
     engine.af_shape, engine.nxt_shape, engine.first_q_rows, engine.scratch_floats = (AF_ROWS, 4), (SR, 2), 2, MMA_SCRATCH
     tile = {n: shared_tile(lay.offset(n), lay.elems(n)) for n, _ in lay.tiles()}
     engine.k_tile, engine.v_tile = tile["k"], tile["v"]
     engine.q_tiles, engine.do_tiles = (tile["q0"], tile["q1"]), (tile["do0"], tile["do1"])
     engine.o_tiles = (tile["o0"], tile["o1"]) if FA1 else engine.q_tiles
-    engine.p_tile = engine.ds_tile = tile["ds"]  # (P^T stays in registers)
+    engine.p_tile = tile["pt"] if SHARED_P else tile["ds"]  # (P^T stays in registers but with shared scores)
+    engine.ds_tile = tile["ds"]
     engine.stats_tile = tile["ds"]  # (L, D: the static array)
     engine.q_pair, engine.do_pair = Q_PAIR, DO_PAIR
     engine.o_pair = O_PAIR

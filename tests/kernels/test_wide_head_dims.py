@@ -65,6 +65,20 @@ def test_backward_on_tensor_cores(algorithm, deterministic, dtype, head_dim):
         assert gradient_error(got, ref, refs) < TC_TOL[dtype], name
 
 
+@pytest.mark.parametrize("algorithm, deterministic", [("fa2", False), ("fa1", False)])
+def test_backward_with_shared_scores(algorithm, deterministic):
+    """Q tiles of 32 queries: the two warps of each 16 keys split S^T, dP^T by queries and read
+    P^T, dS^T from shared memory (``TcBwdLayout.shared_scores``; the GPU's default above D = 128)."""
+    assert tc_bwd.tc_bwd_layout(algorithm, "f16", 200, 32, 16).shared_scores
+    rng = np.random.default_rng(2)
+    do, q, k, v, o, lse = backward_problem(rng, 1, 2, 1, 37, 21, 200, "float16", True)
+    grads = gradients(do, q, k, v, o, lse, causal=True, algorithm=algorithm, deterministic=deterministic,
+                      tiles=(32, 16))
+    refs = reference.attention_backward(*(x.astype(np.float64) for x in (do, q, k, v)), causal=True)
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, refs):
+        assert gradient_error(got, ref, refs) < TC_TOL["float16"], name
+
+
 @pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
 def test_float32_backward(precision):
     """tf32x3 at D = 136 (float32 tiles: parts of 80 and 64 columns of 144) and CUDA cores."""
@@ -142,7 +156,10 @@ def test_tile_table_has_wide_entries(monkeypatch):
     for kind in ("f16", "bf16", "tf32", "tf32x3"):
         assert tc_layout(kind, 256, *tile_table.forward_tc_tiles(kind, 256)).smem_bytes <= SMEM_OPTIN_LIMIT
     for kind in ("f16", "bf16", "tf32x3"):
-        tc_bwd.check_tc_bwd_tiles(kind, 256, *tile_table.backward_tc_tiles(256, kind))
+        for order in ("fa1", "fa2"):
+            kernels = [order] + (["dq"] if order == "fa2" else [])
+            tc_bwd.check_tc_bwd_tiles(kind, 256, *tile_table.backward_tc_tiles(256, kind, order), kernels)
+    assert tc_bwd.tc_bwd_layout("fa2", "f16", 256, *tile_table.backward_tc_tiles(256, "f16")).shared_scores
     assert tile_table.backward_block(256) == 16
 
 
