@@ -3,6 +3,8 @@ float16, example counts that follow the Hypothesis profile."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 CI_EXAMPLES = 40  # max_examples of the "ci" profile (conftest.py): the scale of examples()
@@ -294,3 +296,26 @@ def script_module(filename: str, module_name: str | None = None):
     module = load_script(filename, module_name)
     yield module
     sys.modules.pop(module.__name__, None)
+
+
+def torch_scores(q, k, causal):
+    """Scaled scores of torch tensors in their dtype, K's heads repeated for GQA, keys hidden by
+    the bottom-right causal mask at -inf: the GPU tests' reference attention starts here."""
+    import torch
+
+    g = q.shape[1] // k.shape[1]
+    s = q @ k.repeat_interleave(g, dim=1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        Nq, Nk = q.shape[2], k.shape[2]
+        i = torch.arange(Nq, device=q.device)[:, None]
+        j = torch.arange(Nk, device=q.device)[None, :]
+        s = s.masked_fill(j > i + (Nk - Nq), -math.inf)
+    return s
+
+
+def torch_attention(q, k, v, causal):
+    """softmax(scores) V of torch tensors in their dtype (rows that see no key: 0), autograd-ready."""
+    import torch
+
+    g = q.shape[1] // k.shape[1]
+    return torch.softmax(torch_scores(q, k, causal), dim=-1).nan_to_num(0.0) @ v.repeat_interleave(g, dim=1)

@@ -6,26 +6,17 @@ causal)."""
 
 from __future__ import annotations
 
-import math
 
 import pytest
+from helpers import torch_attention
 
 pytestmark = pytest.mark.gpu
 
 
 def _grads64(do, q, k, v, causal):
-    torch = pytest.importorskip("torch")
+    pytest.importorskip("torch")
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        Nq, Nk = q.shape[2], k.shape[2]
-        i = torch.arange(Nq, device=q.device)[:, None]
-        j = torch.arange(Nk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Nk - Nq), -math.inf)
-    p = torch.softmax(s, dim=-1).nan_to_num(0.0)
-    (p @ vv).backward(do.double())
+    torch_attention(q, k, v, causal).backward(do.double())
     return q.grad, k.grad, v.grad
 
 

@@ -8,9 +8,8 @@ views, GQA, masked rows, and tiles whose shared memory needs the opt-in above 48
 
 from __future__ import annotations
 
-import math
-
 import pytest
+from helpers import torch_scores
 
 pytestmark = pytest.mark.gpu
 
@@ -23,14 +22,8 @@ def _attention64(q, k, v, causal):
     """float64 attention and logsumexp of torch tensors (GQA by repetition, bottom-right causal)."""
     torch = _torch()
     q, k, v = (x.double() for x in (q, k, v))
-    g = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        Nq, Nk = q.shape[2], k.shape[2]
-        i = torch.arange(Nq, device=q.device)[:, None]
-        j = torch.arange(Nk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Nk - Nq), -math.inf)
+    s = torch_scores(q, k, causal)
+    v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - torch.where(torch.isfinite(lse), lse, 0)[..., None])
     return p @ v, lse

@@ -9,25 +9,11 @@ against float64); gradients: ``test_gpu_backward``'s bounds."""
 from __future__ import annotations
 
 import itertools
-import math
 
 import pytest
+from helpers import torch_attention
 
 pytestmark = pytest.mark.gpu
-
-
-def _attention64(q, k, v, causal):
-    """float64 attention (GQA by repetition, bottom-right causal), autograd-ready."""
-    torch = pytest.importorskip("torch")
-    g = q.shape[1] // k.shape[1]
-    kk, vv = k.repeat_interleave(g, dim=1), v.repeat_interleave(g, dim=1)
-    s = q @ kk.transpose(-1, -2) / math.sqrt(q.shape[-1])
-    if causal:
-        Nq, Nk = q.shape[2], k.shape[2]
-        i = torch.arange(Nq, device=q.device)[:, None]
-        j = torch.arange(Nk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Nk - Nq), -math.inf)
-    return torch.softmax(s, dim=-1).nan_to_num(0.0) @ vv
 
 
 def _inputs(shape, dtype, seed=3):
@@ -43,11 +29,11 @@ def _inputs(shape, dtype, seed=3):
 def _fa_rule(o, q, k, v, causal):
     """(error, allowed): the error against float64 and twice a plain implementation's in o's dtype
     (float32: 1e-5 of the largest output)."""
-    ref = _attention64(*(x.double() for x in (q, k, v)), causal)
+    ref = torch_attention(*(x.double() for x in (q, k, v)), causal)
     err = float((o.double() - ref).abs().max())
     if o.dtype.itemsize == 4:
         return err, 1e-5 * float(ref.abs().max())
-    plain = _attention64(q, k, v, causal)  # a plain implementation in the inputs' dtype (FA's upcast=False)
+    plain = torch_attention(q, k, v, causal)  # a plain implementation in the inputs' dtype (FA's upcast=False)
     return err, 2 * float((plain.double() - ref).abs().max()) + 1e-6
 
 
@@ -80,7 +66,7 @@ def test_backward(variant, dtype, precision, head_dim):
     grads = gradients(do, q, k, v, o, lse, causal=True, algorithm=algorithm, deterministic=deterministic,
                       precision=precision)
     q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
-    _attention64(q64, k64, v64, True).backward(do.double())
+    torch_attention(q64, k64, v64, True).backward(do.double())
     tol = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]
     for name, got, ref in zip(("dq", "dk", "dv"), grads, (q64.grad, k64.grad, v64.grad)):
         assert got.dtype == q.dtype and not torch.isnan(got).any(), name
@@ -148,7 +134,7 @@ def test_packed_batch():
         err, allowed = _fa_rule(o[r].transpose(0, 1)[None], qb, kb, vb, True)
         assert err <= allowed, (b, err, allowed)
         q64, k64, v64 = (x.detach().double().requires_grad_() for x in (qb, kb, vb))
-        _attention64(q64, k64, v64, True).backward(do[r].transpose(0, 1)[None].double())
+        torch_attention(q64, k64, v64, True).backward(do[r].transpose(0, 1)[None].double())
         for name, got, ref in zip(("dq", "dk", "dv"), (dq, dk, dv), (q64.grad, k64.grad, v64.grad)):
             got = got[r].transpose(0, 1)[None]
             scale = max(float(ref.abs().max()), 1e-3)
