@@ -34,6 +34,15 @@ This is FlashAttention-2's choice (dV, dK from P^T, dS^T in registers; dQ throug
 and atomics). In dQ the warps take whole 16-query groups, or, when there are fewer groups than
 warps (``block_m < block_n``), split a group's 16-column chunks of D.
 
+**Head dims above 128** (issue 25). One warp's dK_j, dV_j would be 256 float32 registers at D =
+256, so each 16 keys get two warps (``TcBwdLayout.col_split``), each keeping and writing half of
+dK_j's and dV_j's columns (``tc_ops``' ``col_split``: ``pv_tile`` from the warp's ``out_col0``).
+In 16-bit with Q tiles of 32 queries or more (``TcBwdLayout.shared_scores``) the two warps also
+split S^T and dP^T by queries and store P^T and dS^T to shared memory, and dV_j, dK_j read their
+A operand there by ``ldmatrix`` (``pv_shared``): FlashAttention-2's own exchange, every product
+made once. Otherwise (tf32x3, 16-query tiles) both warps compute all of S^T and dP^T and the
+first stores dS^T.
+
 **Kernels.** The loop orders and how each sums dQ are ``kernels.backward``'s; here FA-2's dQ
 atomics are ``red.global.add.v2.f32`` pairs (sm_90), FA-1's D_i is computed from O_i in shared
 memory inside the step, and the deterministic dQ engine (:func:`mma_dq_engine`) works in the
