@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numba_flash import plans, switches, tile_cache
+from numba_flash import plans, switches, tile_cache, value_dim
 from numba_flash.alibi import kernel_slopes
 from numba_flash._cuda import cuda
 from numba_flash._world import simulated
@@ -67,12 +67,13 @@ def attention(
 
     Shapes (like ``torch.nn.functional.scaled_dot_product_attention``)::
 
-        q: (B, H,   Nq, D)        o:   (B, H, Nq, D), q's dtype
+        q: (B, H,   Nq, D)        o:   (B, H, Nq, Dv), q's dtype
         k: (B, Hkv, Nk, D)        lse: (B, H, Nq), float32, natural log
-        v: (B, Hkv, Nk, D)
+        v: (B, Hkv, Nk, Dv)
 
     ``H % Hkv == 0``: query head ``h`` reads kv head ``h // (H // Hkv)`` (GQA, MQA).
-    Any strides. ``D`` from 1 to 256; float16, bfloat16 or float32 in, float32 accumulation.
+    Any strides. ``D`` and ``Dv`` from 1 to 256 (``Dv != D``: ``numba_flash.value_dim``, the
+    kernels at the wider, the narrower zero-padded); float16, bfloat16 or float32 in, float32 accumulation.
 
     ``o[b, h, i] = sum_j softmax_j(scale * q_i . k_j) v_j`` over visible keys ``j``;
     ``lse[b, h, i] = log sum_j exp(scale * q_i . k_j)``; ``scale`` defaults to 1/sqrt(D).
@@ -137,11 +138,16 @@ def attention(
     """
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
+    dims = value_dim.value_dims(q, v)  # a v head dim of its own: run at the wider one (numba_flash.value_dim)
+    if dims is not None:
+        q, k, v, scale = value_dim.widen(q, k, v, scale, dims)
     o, lse = forward(
         q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n,
         precision=precision, num_splits=num_splits, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args, block_mask=block_mask,
     )
+    if dims is not None:
+        o = value_dim.narrow(o, dims[1])
     return (o, lse) if return_lse else o
 
 

@@ -25,7 +25,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from numba_flash import tile_table
+from numba_flash import tile_table, value_dim
 from numba_flash._world import simulated
 from numba_flash.alibi import slopes_argument
 from numba_flash.arrays import ArrayContext, as_cupy_view
@@ -79,9 +79,14 @@ def attention_backward(do, q, k, v, o, lse, *, causal=False, scale=None, algorit
     (FlashAttention Algorithm 4; deterministic by construction). float16 and bfloat16 run on
     tensor cores, float32 on CUDA cores (:func:`gradients` chooses otherwise).
     """
-    return gradients(do, q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic,
-                     window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
-                     score_mod=score_mod, mod_args=mod_args, score_mod_grad=score_mod_grad)
+    dims = value_dim.value_dims(q, v)  # a v head dim of its own (numba_flash.value_dim)
+    if dims is not None:
+        do, o = value_dim.widen_outputs(do, o, dims)
+        q, k, v, scale = value_dim.widen(q, k, v, scale, dims)
+    grads = gradients(do, q, k, v, o, lse, causal=causal, scale=scale, algorithm=algorithm, deterministic=deterministic,
+                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, mask_mod=mask_mod,
+                      score_mod=score_mod, mod_args=mod_args, score_mod_grad=score_mod_grad)
+    return grads if dims is None else value_dim.narrow_grads(grads, dims)
 
 
 def gradients(do, q, k, v, o, lse, *, causal=False, scale=None, algorithm="fa2", deterministic=False, precision=None,

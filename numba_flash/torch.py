@@ -32,6 +32,7 @@ registration while tracing a first call would break the graph there). Double bac
 
 from __future__ import annotations
 
+from numba_flash import value_dim
 from numba_flash.checks import softcap_value
 from numba_flash.needs import require_module
 
@@ -79,6 +80,12 @@ def attention(q, k, v, causal=False, scale=None, algorithm="fa2", window_size=(-
     there.
     """
     _check_tensors(q=q, k=k, v=v, **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}))
+    dims = value_dim.value_dims(q, v)  # a v head dim of its own: padded and cut by torch's ops (value_dim)
+    if dims is not None:
+        q, k, v, scale = value_dim.widen(q, k, v, scale, dims)
+        o = attention(q, k, v, causal, scale, algorithm, window_size, softcap, alibi_slopes, mask_mod, score_mod,
+                      mod_args, score_mod_grad, block_mask)
+        return value_dim.narrow(o, dims[1])
     if mask_mod is not None or score_mod is not None or block_mask is not None or len(tuple(mod_args)):
         _check_tensors(**{f"mod_args[{i}]": a for i, a in enumerate(mod_args)})
         options = dict(causal=bool(causal), scale=None if scale is None else float(scale), algorithm=str(algorithm),
@@ -120,11 +127,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     FA-2's dQ without atomics). A ``torch.autograd.Function``, not a custom operator (the lengths
     shape the launch): ``torch.compile`` breaks its graph there."""
     _check_tensors(q=q, k=k, v=v, **({} if alibi_slopes is None else {"alibi_slopes": alibi_slopes}))
+    dims = value_dim.value_dims(q, v)  # a v head dim of its own: padded and cut by torch's ops (value_dim)
+    if dims is not None:
+        q, k, v, scale = value_dim.widen(q, k, v, scale, dims)
     options = dict(causal=bool(causal), scale=None if scale is None else float(scale), algorithm=str(algorithm),
                    window_size=tuple(_window(causal, window_size)), softcap=softcap_value(softcap))
     lengths = (cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k)
     o, _ = _VarlenAttention.apply(q, k, v, alibi_slopes, options, lengths, bool(deterministic))
-    return o
+    return o if dims is None else value_dim.narrow(o, dims[1])
 
 
 class _VarlenAttention(torch.autograd.Function):

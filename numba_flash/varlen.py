@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from numba_flash import api
+from numba_flash import api, value_dim
 from numba_flash.alibi import check_slopes
 from numba_flash.arrays import ArrayContext, as_cupy_view, host_values, kind_of
 from numba_flash.checks import sequence_bounds
@@ -51,6 +51,14 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     """
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
+    dims = value_dim.value_dims(q, v)  # a v head dim of its own: the call at the wider (numba_flash.value_dim)
+    if dims is not None:
+        q, k, v, scale = value_dim.widen(q, k, v, scale, dims)
+        o, lse = attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
+                                  scale=scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                                  algorithm=algorithm, return_lse=True, precision=precision, batch=batch)
+        o = value_dim.narrow(o, dims[1])
+        return (o, lse) if return_lse else o
     (q, k, v), kind = _packed_inputs(("q", q), ("k", k), ("v", v))
     views = [_heads_first(x, kind) for x in (q, k, v)]  # (the checks of describe name q, k, v)
     problem = describe(*views, causal=causal, scale=scale, algorithm=algorithm, precision=precision,
@@ -92,6 +100,16 @@ def attention_backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, m
     ``varlen`` switch). ``batch``: the forward's :class:`PackedBatch` (the prefix sums then are
     not read again: no host copy)."""
     from numba_flash.backward import gradients
+
+    dims = value_dim.value_dims(q, v)  # a v head dim of its own (numba_flash.value_dim)
+    if dims is not None:
+        do, o = value_dim.widen_outputs(do, o, dims)
+        q, k, v, scale = value_dim.widen(q, k, v, scale, dims)
+        grads = attention_backward_varlen(do, q, k, v, o, lse, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                          causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+                                          alibi_slopes=alibi_slopes, algorithm=algorithm, deterministic=deterministic,
+                                          precision=precision, batch=batch)
+        return value_dim.narrow_grads(grads, dims)
 
     (q, k, v, do, o), kind = _packed_inputs(("q", q), ("k", k), ("v", v), ("do", do), ("o", o))
     lse = as_cupy_view(lse, "lse")

@@ -139,3 +139,28 @@ def test_packed_batch():
             got = got[r].transpose(0, 1)[None]
             scale = max(float(ref.abs().max()), 1e-3)
             assert float((got.double() - ref).abs().max()) / scale < 2e-2, (b, name)
+
+
+@pytest.mark.parametrize("dims", [(192, 128), (64, 256)])
+def test_value_head_dim_of_its_own(dims):
+    """``v`` with its own head dim (``numba_flash.value_dim``): DeepSeek's 192/128 and a wider v,
+    through ``numba_flash.torch.attention`` and autograd (the padding is torch's own ops)."""
+    torch = pytest.importorskip("torch")
+    import numba_flash.torch as nft
+
+    D, Dv = dims
+    gen = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(2, 4, 300, D, device="cuda", generator=gen).half().requires_grad_()
+    k = torch.randn(2, 2, 517, D, device="cuda", generator=gen).half().requires_grad_()
+    v = torch.randn(2, 2, 517, Dv, device="cuda", generator=gen).half().requires_grad_()
+    o = nft.attention(q, k, v, causal=True)
+    assert o.shape == (2, 4, 300, Dv)
+    err, allowed = _fa_rule(o.detach(), q.detach(), k.detach(), v.detach(), True)
+    assert err <= allowed, (err, allowed)
+    do = torch.randn(o.shape, device="cuda", generator=gen).half()
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    q64, k64, v64 = (x.detach().double().requires_grad_() for x in (q, k, v))
+    torch_attention(q64, k64, v64, True).backward(do.double())
+    for name, got, ref in zip(("dq", "dk", "dv"), grads, (q64.grad, k64.grad, v64.grad)):
+        assert got.shape == ref.shape, name
+        assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2e-2, name
