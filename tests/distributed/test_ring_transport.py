@@ -253,7 +253,7 @@ def test_demo_flags_and_defaults():
     (["--seq", "3", "--causal"], 2, "the shortest that does: 4"),
     (["--heads", "16", "--kv-heads", "5"], 2, "must divide"),
     (["--precision", "tf32"], 2, "is for float32"),
-    (["--head-dim", "256"], 2, "at most 128"),
+    (["--head-dim", "257"], 2, "at most 256"),
 ])
 def test_demo_refuses_problems_the_ring_cannot_run(flags, world_size, message):
     with pytest.raises(ValueError, match=message):

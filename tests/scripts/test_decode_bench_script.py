@@ -48,7 +48,7 @@ def test_help_works_without_cupy_torch_or_a_gpu():
         (["--num-splits", "two"], "--num-splits: expected 'auto' or a positive integer"),
         (["--cache", "-5"], "--cache: expected a positive integer"),
         (["--dtype", "float64"], "--dtype: invalid choice"),
-        (["--head-dim", "256"], "--head-dim must be 1..128"),
+        (["--head-dim", "257"], "--head-dim must be 1..256"),
         (["--peak-tbs", "0"], "--peak-tbs: expected a positive number"),
     ],
 )
