@@ -33,6 +33,8 @@ def value_dims(q, v) -> tuple[int, int] | None:
         return None
     if d == dv:
         return None
+    if not 1 <= d <= MAX_HEAD_DIM:  # (problem.describe's check, before any padding could hide it)
+        raise ValueError(f"head_dim (last axis of q) must be from 1 to {MAX_HEAD_DIM}; got {d}")
     if not 1 <= dv <= MAX_HEAD_DIM:
         raise ValueError(f"v's head_dim (its last axis) must be from 1 to {MAX_HEAD_DIM}; got {dv}")
     return d, dv
@@ -50,9 +52,11 @@ def pad(x, width: int, name: str = "x"):
         import torch
 
         return torch.nn.functional.pad(x, (0, width - cols))
-    out = ArrayContext(kind, x).empty(tuple(x.shape[:-1]) + (width,), dtype_name(x, kind))
-    out[...] = 0
-    out[..., :cols] = x
+    ctx = ArrayContext(kind, x)
+    with ctx.on_device():  # (CuPy: on x's GPU, not the current one)
+        out = ctx.empty(tuple(x.shape[:-1]) + (width,), dtype_name(x, kind))
+        out[...] = 0
+        out[..., :cols] = x
     return out
 
 
@@ -61,7 +65,11 @@ def narrow(x, width: int):
     if int(x.shape[-1]) == width:
         return x
     part = x[..., :width]
-    return part.contiguous() if hasattr(part, "contiguous") else part.copy()
+    if hasattr(part, "contiguous"):  # torch (differentiable)
+        return part.contiguous()
+    kind = kind_of(part, "x")
+    with ArrayContext(kind, part).on_device():  # (CuPy: on x's GPU)
+        return part.copy()
 
 
 def widen(q, k, v, scale, dims):
@@ -69,6 +77,9 @@ def widen(q, k, v, scale, dims):
     ``scale`` defaults to ``1/sqrt(D)``."""
     d, dv = dims
     check_columns(k, "k", d, "q's head_dim")
+    if tuple(k.shape[:-1]) != tuple(v.shape[:-1]):  # (before padding: the message shows the caller's shapes)
+        raise ValueError(f"k and v must have the same shape but for the last axis; got k {tuple(k.shape)} and "
+                         f"v {tuple(v.shape)}")
     width = max(d, dv)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     return pad(q, width, "q"), pad(k, width, "k"), pad(v, width, "v"), scale
@@ -86,6 +97,8 @@ def widen_outputs(do, o, dims):
     d, dv = dims
     for x, name in ((do, "do"), (o, "o")):
         check_columns(x, name, dv, "v's head_dim")
+    if tuple(do.shape) != tuple(o.shape):
+        raise ValueError(f"do and o must have the same shape; got do {tuple(do.shape)} and o {tuple(o.shape)}")
     width = max(d, dv)
     return pad(do, width, "do"), pad(o, width, "o")
 

@@ -95,6 +95,7 @@ A_IN_REGS_MAX_DIM = 64  # padded head dims up to which a warp keeps its own rows
 # keys (``TcBwdLayout.col_split``): one warp's dK_j, dV_j at D = 256 are 256 float32 registers
 # (offline, ptxas sm_90: 944-2248 bytes of spill at every tile without the split).
 COL_SPLIT_ABOVE_DIM = 128
+MAX_THREADS = 256  # a block's threads at up to 255 registers each within an SM's 64K
 
 
 @dataclass(frozen=True)
@@ -230,6 +231,11 @@ def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int, ker
             raise ValueError(f"{name}={value!r}: the tensor-core backward needs one of {list(BLOCK_CHOICES)}")
     for kernel in kernels:
         tiles = dq_kernel_tiles(block_m, block_n, kind, head_dim) if kernel == "dq" else (block_m, block_n)
+        threads = tc_bwd_layout(kernel, kind, head_dim, *tiles).threads
+        if threads > MAX_THREADS:  # (no register cap: ~230-255 registers a thread)
+            raise ValueError(f"block_m={block_m}, block_n={block_n} at head_dim={head_dim}: the {kernel} kernel needs "
+                             f"{threads} threads, more than the {MAX_THREADS} whose registers fit an SM (above D = "
+                             f"{COL_SPLIT_ABOVE_DIM} each 16 keys take two warps: block_n at most 64)")
         need = tc_bwd_layout(kernel, kind, head_dim, *tiles).smem_bytes
         if need > SMEM_OPTIN_LIMIT:
             raise ValueError(f"block_m={block_m}, block_n={block_n} at head_dim={head_dim}: the {kernel} kernel needs "

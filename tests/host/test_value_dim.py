@@ -69,9 +69,16 @@ def test_errors():
         numba_flash.attention(q, k, np.zeros((1, 1, 13, 257), np.float32))
     with pytest.raises(ValueError, match="k must have q's head_dim 24"):
         numba_flash.attention(q, np.zeros((1, 1, 13, 32), np.float32), v)
+    empty = np.zeros((1, 2, 9, 0), np.float32)  # padding must not turn a head dim of 0 into a valid call
+    with pytest.raises(ValueError, match=r"head_dim \(last axis of q\) must be from 1 to 256"):
+        numba_flash.attention(empty, empty[:, :1], v, scale=1.0)
+    with pytest.raises(ValueError, match=r"k and v must have the same shape but for the last axis; got k \(1, 1, 13, 24\)"):
+        numba_flash.attention(q, k, v[:, :, :12])
     o, lse = numba_flash.attention(q, k, v, return_lse=True)
     with pytest.raises(ValueError, match="do must have v's head_dim 40"):
         numba_flash.attention_backward(np.zeros_like(q), q, k, v, o, lse)
+    with pytest.raises(ValueError, match="do and o must have the same shape"):
+        numba_flash.attention_backward(np.zeros_like(o[:, :, :4]), q, k, v, o, lse)
     with pytest.raises(ValueError, match="must have the same shape"):  # decode: not yet (value_dim's docstring)
         numba_flash.decode(q[:, :, :1], k, v)
 

@@ -142,6 +142,9 @@ def test_column_split_layout():
         assert ops.out_tiles % 2 == 0 and ops.out_tiles * lay.col_split >= tiles > ops.out_tiles * (lay.col_split - 1)
     with pytest.raises(ValueError, match="col_split"):
         tc_ops("f16", 256, 16, 64, key_warps=2, col_split=2)
+    with pytest.raises(ValueError, match="512 threads, more than the 256"):  # 128 keys: 16 warps above D = 128
+        tc_bwd.check_tc_bwd_tiles("f16", 256, 16, 128)
+    tc_bwd.check_tc_bwd_tiles("f16", 128, 16, 128)  # (8 warps at D <= 128)
 
 
 def test_tile_table_has_wide_entries(monkeypatch):
