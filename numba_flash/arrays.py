@@ -167,6 +167,18 @@ def host_values(x, name: str):
     return to_host(x, x_kind) if x_kind in ("cupy", "torch") else np.asarray(x)
 
 
+def zero_padded(x, width: int):
+    """A C-contiguous copy of a NumPy or CuPy array with its last axis zero-padded to ``width``
+    (on the current device: the caller's ``on_device``)."""
+    if isinstance(x, np.ndarray):
+        xp = np
+    else:
+        import cupy as xp
+    out = xp.zeros((*x.shape[:-1], width), dtype=x.dtype)
+    out[..., : x.shape[-1]] = x
+    return out
+
+
 def to_host(x, kind: str) -> np.ndarray:
     """A device array of ``kind`` (CuPy or torch) copied to a NumPy array (synchronising)."""
     return x.cpu().numpy() if kind == "torch" else x.get()

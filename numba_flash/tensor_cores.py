@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.arrays import cupy_stream, each
+from numba_flash.arrays import cupy_stream, each, zero_padded
 from numba_flash.alibi import no_slopes, slopes_argument
 from numba_flash.kernels.jit import LOG2E
 from numba_flash.kernels.tc_ops import check_tc_tiles, input_alignment, kernel_head_dim
@@ -110,13 +110,6 @@ def _xp(x_or_kind):
     return cupy
 
 
-def _padded_copy(x, dim: int):
-    """A zero-padded C-contiguous copy of ``x`` with head dim ``dim``."""
-    out = _xp(x).zeros((*x.shape[:3], dim), dtype=x.dtype)
-    out[..., : x.shape[3]] = x
-    return out
-
-
 def kernel_inputs(kind: str, kind_of_array: str, q, k, v):
     """q, k, v as the tensor-core kernel reads them (views when they can be, else padded copies)."""
     return kernel_arrays(kind, kind_of_array, q, k, v)
@@ -135,7 +128,7 @@ def kernel_arrays(kind: str, kind_of_array: str, *arrays):
             x = x.astype(x.dtype.newbyteorder("="), copy=False)
         x = bits_view(x, kind_of_array, sixteen)
         if x.shape[3] != dim or not _aligned(x, dim, width):
-            x = _padded_copy(x, dim)
+            x = zero_padded(x, dim)
         out.append(x)
     return out
 

@@ -12,15 +12,16 @@ instead of 128, about 1.25x the forward's work). Kernels with two head dims are 
 
 This module is the only place that knows: :func:`widen` before a call, :func:`narrow` after it,
 for the public functions of ``api``, ``backward``, ``varlen`` and ``numba_flash.torch`` (torch
-tensors are padded and cut by torch's differentiable ops, so autograd cuts the gradients). ``decode`` refuses it (its caches are appended to in place;
-padding them would copy the whole cache at every step).
+tensors are padded and cut by torch's differentiable ops, so autograd cuts the gradients).
+``decode`` refuses it (its caches are appended to in place; padding them would copy the whole
+cache at every step). NumPy and CuPy padding is ``arrays.zero_padded``, the tensor-core inputs'.
 """
 
 from __future__ import annotations
 
 import math
 
-from numba_flash.arrays import ArrayContext, as_cupy_view, dtype_name, kind_of
+from numba_flash.arrays import ArrayContext, as_cupy_view, kind_of, zero_padded
 from numba_flash.tile_table import MAX_HEAD_DIM
 
 
@@ -52,12 +53,8 @@ def pad(x, width: int, name: str = "x"):
         import torch
 
         return torch.nn.functional.pad(x, (0, width - cols))
-    ctx = ArrayContext(kind, x)
-    with ctx.on_device():  # (CuPy: on x's GPU, not the current one)
-        out = ctx.empty(tuple(x.shape[:-1]) + (width,), dtype_name(x, kind))
-        out[...] = 0
-        out[..., :cols] = x
-    return out
+    with ArrayContext(kind, x).on_device():  # (CuPy: on x's GPU, not the current one)
+        return zero_padded(x, width)
 
 
 def narrow(x, width: int):

@@ -231,12 +231,13 @@ def check_tc_bwd_tiles(kind: str, head_dim: int, block_m: int, block_n: int, ker
             raise ValueError(f"{name}={value!r}: the tensor-core backward needs one of {list(BLOCK_CHOICES)}")
     for kernel in kernels:
         tiles = dq_kernel_tiles(block_m, block_n, kind, head_dim) if kernel == "dq" else (block_m, block_n)
-        threads = tc_bwd_layout(kernel, kind, head_dim, *tiles).threads
+        layout = tc_bwd_layout(kernel, kind, head_dim, *tiles)
+        threads = layout.threads
         if threads > MAX_THREADS:  # (no register cap: ~230-255 registers a thread)
             raise ValueError(f"block_m={block_m}, block_n={block_n} at head_dim={head_dim}: the {kernel} kernel needs "
                              f"{threads} threads, more than the {MAX_THREADS} whose registers fit an SM (above D = "
                              f"{COL_SPLIT_ABOVE_DIM} each 16 keys take two warps: block_n at most 64)")
-        need = tc_bwd_layout(kernel, kind, head_dim, *tiles).smem_bytes
+        need = layout.smem_bytes
         if need > SMEM_OPTIN_LIMIT:
             raise ValueError(f"block_m={block_m}, block_n={block_n} at head_dim={head_dim}: the {kernel} kernel needs "
                              f"{need} bytes of shared memory, more than the {SMEM_OPTIN_LIMIT} a block can have")
@@ -620,16 +621,12 @@ def mma_bwd_engine(order: str, kind: str, head_dim: int, block_m: int, block_n: 
     def pv_shared(a_s, x_s, acc, scratch):
         """``tc_ops.pv_tile`` with the A operand (P^T or dS^T: this warp's 16 keys x block_m
         queries) read from shared memory by ``ldmatrix``, for the shared-scores split: dV_j +=
-        P^T dO_i, dK_j += dS^T Q_i on this warp's part of the columns (the same clamped last
-        steps as ``pv_tile``)."""
+        P^T dO_i, dK_j += dS^T Q_i on this warp's part of the columns (``tc_ops``' ``pv_step``)."""
         r0 = ops.warp_row0()
         c0 = ops.out_col0()
         for kk in range(NQ // 2):  # 16 queries per product
             a0, a1, a2, a3 = mma.ldsm_x4(a_s, r0, 16 * kk, DSS)
-            for dt2 in range(DTO // 2):
-                xb = mma.ldsm_x4_trans(x_s, 16 * kk, min(c0 + 16 * dt2, DP - 16), S)
-                MMA(acc, 2 * dt2, a0, a1, a2, a3, xb[0], xb[1], scratch)
-                MMA(acc, 2 * dt2 + 1, a0, a1, a2, a3, xb[2], xb[3], scratch)
+            ops.pv_step(a0, a1, a2, a3, x_s, kk, c0, acc, scratch)
 
     @device_jit
     def dq_tile(ds_s, k_s, dq, b, h, row0, n_q, scale, scratch):

@@ -511,6 +511,19 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                         MMA(s, 2 * nt2 + 1, a[0], a[1], a[2], a[3], kb[1], kb[3], scratch)
 
         @device_jit
+        def pv_step(a0, a1, a2, a3, v_s, kk, c0, acc, scratch):
+            """One 16-key step of P~ V_j: acc += A V_j[16 kk .., this warp's columns from ``c0``],
+            A (16 rows x 16 keys) the 16-bit fragment a0..a3 (from registers here; from shared
+            memory in the backward's shared scores, ``tc_bwd.pv_shared``)."""
+            for dt2 in range(OUT_TILES // 2):
+                if COL_SPLIT:
+                    vb = ldsm_trans(v_s, 16 * kk, min(c0 + 16 * dt2, DP - 16))
+                else:
+                    vb = ldsm_trans(v_s, 16 * kk, 16 * dt2)
+                MMA(acc, 2 * dt2, a0, a1, a2, a3, vb[0], vb[1], scratch)
+                MMA(acc, 2 * dt2 + 1, a0, a1, a2, a3, vb[2], vb[3], scratch)
+
+        @device_jit
         def pv_tile(p, v_s, acc, scratch):
             """O~ += P~ V_j: P~ (float32 accumulators) -> 16-bit A fragments in registers."""
             c0 = out_col0()  # (0 but in the backward's column split)
@@ -519,13 +532,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
                 a1 = PACK(p[2 * kk, 2], p[2 * kk, 3])  # row g+8
                 a2 = PACK(p[2 * kk + 1, 0], p[2 * kk + 1, 1])  # row g, keys 8+2t, 8+2t+1
                 a3 = PACK(p[2 * kk + 1, 2], p[2 * kk + 1, 3])  # row g+8
-                for dt2 in range(OUT_TILES // 2):
-                    if COL_SPLIT:
-                        vb = ldsm_trans(v_s, 16 * kk, min(c0 + 16 * dt2, DP - 16))
-                    else:
-                        vb = ldsm_trans(v_s, 16 * kk, 16 * dt2)
-                    MMA(acc, 2 * dt2, a0, a1, a2, a3, vb[0], vb[1], scratch)
-                    MMA(acc, 2 * dt2 + 1, a0, a1, a2, a3, vb[2], vb[3], scratch)
+                pv_step(a0, a1, a2, a3, v_s, kk, c0, acc, scratch)
 
         @device_jit
         def store_out(o, b, h, row, d, x):
@@ -540,6 +547,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
             pass
 
     else:
+        pv_step = None  # (16-bit only)
 
         @device_jit
         def split(x, big, small, i, e):
@@ -829,7 +837,7 @@ def tc_ops(kind: str, head_dim: int, block_m: int, block_n: int, row_walk=None,
     for name, func in dict(
         load_q_tile=load_q_tile, load_kv_tile=load_kv_tile, load_q_frags=load_q_frags,
         score_tile=score_tile, pv_tile=pv_tile, store_out=store_out, warp_row0=warp_row0, key_warp=key_warp,
-        out_col0=out_col0,
+        out_col0=out_col0, pv_step=pv_step,
         thread_row=thread_row, lane_t=lane_t, col_of=col_of, last_visible_key=mask.last_visible_key, packed_last_visible_key=mask.packed_last_visible_key,
         row_key_bounds=row_key_bounds, row_alibi=row_alibi, tile_needs_mask=tile_needs_mask, scale_mask=scale_mask,
         mask_tile=mask_tile, score_key=col_of, score_row=row_of,
