@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numba_flash import plans, switches, tile_cache, value_dim
+from numba_flash import fa3, plans, switches, tile_cache, value_dim
 from numba_flash.alibi import kernel_slopes
 from numba_flash._cuda import cuda
 from numba_flash._world import simulated
@@ -188,6 +188,11 @@ def forward(
     on the real kernels. ``out`` / ``lse_out``: preallocated results of the caller's
     kind (tests poison them to prove every element is written).
     """
+    if isinstance(algorithm, str) and algorithm == fa3.ALGORITHM:  # Hopper's own engine and loop (numba_flash.fa3)
+        return fa3.forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n, precision=precision,
+                           num_splits=num_splits, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
+                           mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args, block_mask=block_mask, out=out,
+                           lse_out=lse_out, variant=variant, kv_tile_order=kv_tile_order)
     key = None
     if (kv_tile_order is None and variant is None and alibi_slopes is None and block_mask is None
             and none_given(mask_mod, score_mod, mod_args)):

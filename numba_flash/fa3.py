@@ -1,0 +1,267 @@
+"""``attention(..., algorithm="fa3")``: FlashAttention-3's forward on Hopper (host side).
+
+The kernel is ``kernels.fa3`` (warp-specialized: a TMA producer warpgroup, ``wgmma`` consumer
+warpgroups); this module checks a call, picks its tiles, describes q, k and v to the Tensor Memory
+Accelerator (:func:`tensor_map`: one ``CUtensorMap`` per array and box height, kept per pointer,
+shape and strides, so a loop over the same buffers encodes them once) and launches on the caller's
+stream. API.md section 2f: float16 and bfloat16, compute capability 9.0 or the simulator; anything
+else raises ``ValueError`` naming the GPU and the algorithms it can run.
+
+What ``fa3`` takes today: causal, ``window_size``, GQA/MQA, any lengths, head dims 1 to 256 (the
+kernels are built for 64, 128 and 256; the TMA boxes read zeros past D), ``return_lse``, ``out`` /
+``lse_out``, ``block_m`` / ``block_n``. Not yet: softcap, ALiBi, ``mask_mod`` / ``score_mod``,
+``num_splits > 1``, float8 -- each raises a ``ValueError`` that says so.
+"""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import numpy as np
+
+from numba_flash._world import simulated
+from numba_flash.arrays import ArrayContext, as_cupy_view
+from numba_flash.problem import describe
+
+ALGORITHM = "fa3"
+HOPPER = (9, 0)
+KERNEL_HEAD_DIMS = (64, 128, 256)
+TMA_ALIGNMENT = 16  # bytes: a tensor's base and every stride but the innermost (which is one element)
+
+
+def kernel_head_dim(head_dim: int) -> int:
+    """The head dim the kernel is built for: the next of 64, 128, 256 (TMA zero-fills the rest)."""
+    for d in KERNEL_HEAD_DIMS:
+        if head_dim <= d:
+            return d
+    raise ValueError(f"fa3 takes head dims up to 256; got {head_dim}")
+
+
+def default_tiles(head_dim: int, causal: bool) -> tuple[int, int, int]:
+    """(block_m, block_n, stages) of the kernel head dim: FA-3's choices where they fit (its
+    ``tile_size_fwd_sm90``: 128 x 128 at D <= 128, 128 x 80 at 256), small tiles in the simulator."""
+    if simulated():
+        return 64, 64, 2
+    if head_dim <= 128:
+        return 128, 128, 2
+    return 128, 80, 2
+
+
+def registers(block_m: int) -> tuple[int, int]:
+    """setmaxnreg's (producer, consumer) registers per thread for ``block_m / 64`` consumer
+    warpgroups: the 64K-register file shared out (FA-3: 24 / 240 with two consumers)."""
+    consumers = block_m // 64
+    if consumers == 1:
+        return 40, 232
+    if consumers == 2:
+        return 24, 240
+    return 32, 160
+
+
+def require_fa3_device(device_id) -> None:
+    """ValueError unless the GPU of ``device_id`` (``None``: the current one) is a Hopper (9.0)."""
+    if simulated():
+        return
+    from numba_flash._cuda import cuda
+
+    device = cuda.get_current_device() if device_id is None else cuda.gpus[device_id]
+    cc = tuple(device.compute_capability)
+    if cc != HOPPER:
+        name = device.name.decode() if isinstance(device.name, bytes) else device.name
+        raise ValueError(f"algorithm='fa3' needs a Hopper GPU (compute capability 9.0: wgmma, TMA); "
+                         f"{name} is {cc[0]}.{cc[1]}: use algorithm='fa2' or 'fa1'")
+
+
+def _unsupported(softcap, alibi_slopes, mask_mod, score_mod, mod_args, block_mask, num_splits, precision, variant,
+                 kv_tile_order) -> None:
+    given = [name for name, off in (
+        ("softcap", not softcap), ("alibi_slopes", alibi_slopes is None), ("mask_mod", mask_mod is None),
+        ("score_mod", score_mod is None), ("mod_args", not mod_args), ("block_mask", block_mask is None),
+        ("variant", variant is None), ("kv_tile_order", kv_tile_order is None)) if not off]
+    if num_splits not in (None, 1):
+        given.append("num_splits > 1")
+    if precision is not None:
+        given.append(f"precision={precision!r}")
+    if given:
+        raise ValueError(f"algorithm='fa3' does not take {', '.join(given)} yet; use algorithm='fa2' for them")
+
+
+# ------------------------------------------------------------------------------------------
+# Tensor maps
+# ------------------------------------------------------------------------------------------
+
+_MAPS: collections.OrderedDict = collections.OrderedDict()  # (device, ptr, shape, strides, dtype, rows) -> device map
+_MAPS_KEPT = 256
+
+
+def tma_ready(x) -> bool:
+    """Can TMA read ``x`` (a ``launch.DeviceArray``, 4-D, 16-bit) where it is: the innermost stride
+    one element, the others and the base 16-byte multiples."""
+    if x.strides[3] != x.itemsize and x.shape[3] > 1:
+        return False
+    if x.ptr % TMA_ALIGNMENT or (x.shape[3] * x.itemsize) % TMA_ALIGNMENT:
+        return False
+    return all(s % TMA_ALIGNMENT == 0 and s > 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
+
+
+def tensor_map(x, rows: int, dtype: str, device_id: int):
+    """The ``CUtensorMap`` (16 uint64 words in device memory, a numba device array) that lets TMA
+    copy ``rows x 64``-element boxes of the (B, H, N, D) 16-bit array ``x`` (a ``launch.DeviceArray``)
+    with the 128-byte swizzle, zeros past its ends; made once per pointer, shape, strides and box."""
+    key = (device_id, x.ptr, x.shape, x.strides, dtype, rows)
+    hit = _MAPS.get(key)
+    if hit is not None:
+        _MAPS.move_to_end(key)
+        return hit
+    from cuda.bindings import driver
+
+    from numba_flash._cuda import cuda
+
+    B, H, N, D = x.shape
+    strides = list(x.strides[:3][::-1])  # bytes: n, h, b
+    dims = [D, N, H, B]
+    for i, n in enumerate(dims[1:]):  # a dimension of one: any valid stride (never stepped)
+        if n == 1:
+            strides[i] = max(TMA_ALIGNMENT, -(-D * x.itemsize // TMA_ALIGNMENT) * TMA_ALIGNMENT)
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t
+    data_type = {"float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
+                 "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[dtype]
+    err, tmap = driver.cuTensorMapEncodeTiled(
+        data_type, 4, int(x.ptr), [u64(d) for d in dims], [u64(s) for s in strides],
+        [u32(64), u32(rows), u32(1), u32(1)], [u32(1)] * 4,
+        driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
+        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
+        driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for shape {x.shape}, strides {x.strides}")
+    words = cuda.to_device(np.array([int(w) for w in tmap.opaque], dtype=np.uint64))
+    _MAPS[key] = words
+    if len(_MAPS) > _MAPS_KEPT:
+        _MAPS.popitem(last=False)
+    return words
+
+
+# ------------------------------------------------------------------------------------------
+# The call
+# ------------------------------------------------------------------------------------------
+
+
+def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, precision=None, num_splits=None,
+            window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
+            block_mask=None, out=None, lse_out=None, variant=None, kv_tile_order=None, stages=None, overlap=True):
+    """``api.forward`` for ``algorithm="fa3"``: returns ``(o, lse)``. ``stages`` (K/V slots) and
+    ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining) are research knobs (``ablate``)."""
+    _unsupported(softcap, alibi_slopes, mask_mod, score_mod, mod_args, block_mask, num_splits, precision, variant,
+                 kv_tile_order)
+    q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
+    out, lse_out = (None if x is None else as_cupy_view(x, name) for x, name in ((out, "out"), (lse_out, "lse_out")))
+    p = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", window_size=window_size)
+    if p.dtype not in ("float16", "bfloat16"):
+        raise TypeError(f"algorithm='fa3' runs float16 and bfloat16 inputs; got {p.dtype} (use 'fa2' for float32)")
+    if not p.scale > 0:
+        raise ValueError(f"algorithm='fa3' needs scale > 0; got {p.scale}")
+    D = kernel_head_dim(p.head_dim)
+    dm, dn, ds = default_tiles(D, p.causal)
+    bm = dm if block_m is None else block_m
+    bn = dn if block_n is None else block_n
+    st = ds if stages is None else stages
+    from numba_flash.kernels.fa3 import check_fa3_tiles
+
+    for name, value in (("block_m", bm), ("block_n", bn), ("stages", st)):
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+            raise ValueError(f"fa3: {name} must be an int; got {value!r}")
+    check_fa3_tiles(D, int(bm), int(bn), int(st))
+    ctx = ArrayContext(p.kind, q)
+    B, H, Nq, Dq = p.q_shape
+    if out is not None and (tuple(out.shape) != (B, H, Nq, Dq)):
+        raise ValueError(f"out must have shape {(B, H, Nq, Dq)}; got {tuple(out.shape)}")
+    if lse_out is not None and (tuple(lse_out.shape) != (B, H, Nq)):
+        raise ValueError(f"lse_out must have shape {(B, H, Nq)}; got {tuple(lse_out.shape)}")
+    with ctx.on_device():
+        require_fa3_device(ctx.device_id)
+        o = out if out is not None else ctx.empty((B, H, Nq, Dq), p.dtype)
+        lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
+        if B * H * Nq == 0:
+            return o, lse
+        if p.n_k == 0:
+            o[...] = 0
+            lse[...] = -math.inf
+            return o, lse
+        _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), bool(overlap))
+    return o, lse
+
+
+def _kernel_view(x, kind: str):
+    """A 16-bit array as the kernel's uint16 bit patterns (torch: a CuPy view)."""
+    from numba_flash.tensor_cores import bits_view
+
+    if kind == "numpy":
+        x = x.astype(x.dtype.newbyteorder("="), copy=False)
+    return bits_view(x, kind, True)
+
+
+def _padded_host(x):
+    """A NumPy input as TMA reads it: contiguous, the head dim padded with zeros to a multiple of 8."""
+    width = -(-x.shape[3] // 8) * 8
+    if width == x.shape[3]:
+        return np.ascontiguousarray(x)
+    y = np.zeros(x.shape[:3] + (width,), x.dtype)
+    y[..., : x.shape[3]] = x
+    return y
+
+
+def _padded_device(x):
+    """A CuPy input TMA cannot read in place, copied: contiguous, the head dim padded to a multiple of 8."""
+    import cupy
+
+    B, H, N, D = x.shape
+    y = cupy.zeros((B, H, N, -(-D // 8) * 8), dtype=x.dtype)
+    y[..., :D] = x
+    return y
+
+
+def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, overlap) -> None:
+    from numba_flash.kernels.fa3 import fa3_kernel
+    from numba_flash.kernels.jit import LOG2E
+    from numba_flash.launch import device_array, launch, numba_launch
+
+    kind = "f16" if p.dtype == "float16" else "bf16"
+    kernel = fa3_kernel(D, bm, bn, stages, p.window, kind, overlap, registers(bm))
+    B, H, Nq, Dq = p.q_shape
+    grid = (-(-Nq // bm), H, B)
+    block = (kernel.fa3_threads,)
+    scalars = [np.float32(p.scale * LOG2E), np.int32(Nq), np.int32(p.n_k), np.int32(p.group), np.int32(Dq)]
+    kq, kk, kv, ko = (_kernel_view(x, ctx.kind) for x in (q, k, v, o))
+    klse = lse if ctx.kind != "torch" else _float_view(lse)
+    if simulated():  # the twins read the arrays themselves; the tensor maps are unused words
+        maps = [np.zeros(16, np.uint64) for _ in range(3)]
+        numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), ko, klse, *maps,
+                                                 *scalars], kernel.fa3_smem)
+        return
+    from numba_flash._cuda import cuda
+
+    if ctx.kind == "numpy":  # device copies there and back
+        inputs = [cuda.to_device(_padded_host(x)) for x in (kq, kk, kv)]
+        outputs = [cuda.device_array(ko.shape, np.uint16), cuda.device_array(klse.shape, np.float32)]
+        arrays = [device_array(x, "numba") for x in (*inputs, *outputs)]
+        stream_ptr = 0
+    else:
+        inputs = [x if tma_ready(device_array(x, "cupy")) else _padded_device(x) for x in (kq, kk, kv)]
+        arrays = [device_array(x, "cupy") for x in (*inputs, ko, klse)]
+        stream_ptr = ctx.stream_ptr()
+    device_id = ctx.device_id if ctx.device_id is not None else cuda.get_current_device().id
+    maps = [tensor_map(arrays[0], bm, p.dtype, device_id), tensor_map(arrays[1], bn, p.dtype, device_id),
+            tensor_map(arrays[2], bn, p.dtype, device_id)]
+    args = arrays + [device_array(m, "numba") for m in maps] + scalars
+    launch(kernel, grid, block, stream_ptr, args, kernel.fa3_smem, device_id)
+    if ctx.kind == "numpy":
+        ko[...] = outputs[0].copy_to_host()
+        klse[...] = outputs[1].copy_to_host()
+
+
+def _float_view(x):
+    from numba_flash.tensor_cores import torch_as_cupy
+
+    return torch_as_cupy(x)

@@ -1,0 +1,337 @@
+"""FlashAttention-3's forward (Shah et al. 2024, Algorithms 1 and 2) on Hopper: the third loop design.
+
+FA-2's loop order (outer Q, inner K/V, accumulators on chip) with Hopper's machinery, one thread
+block per Q tile of ``block_m = 64 x consumers`` rows and ``128 x (consumers + 1)`` threads:
+
+- **Warp specialization** (FA-3 section 3.1, Algorithm 1): warpgroup 0 is the *producer*: it lowers
+  its registers (``setmaxnreg.dec``, line 3) and one thread issues TMA copies -- Q_i once (line 4),
+  then K_j and V_j into a ring of ``stages`` shared-memory slots (line 7), each waiting until the
+  consumers have released the slot (line 6: the ``empty`` mbarrier) and counted in bytes on the
+  slot's ``full`` mbarriers (one for K, one for V, so S = QK^T starts before V lands). Warpgroups
+  1.. are *consumers* (line 10: ``setmaxnreg.inc``), 64 rows of the Q tile each.
+- **The consumer's step** (Algorithm 1, lines 13-20): wait for K_j (line 13), S = Q_i K_j^T with
+  ``wgmma`` from shared memory (SS, line 14), the online softmax in registers on the wgmma
+  accumulator layout (m, l, rescale of O: lines 15-17; ``kernels.softmax``), P converted to
+  16-bit A fragments *in registers*, wait for V_j, O += P V_j with ``wgmma`` reading A from
+  registers (RS, line 18), release the slot (line 19). At the end O / l and the logsumexp (lines
+  21-23).
+- **Intra-warpgroup overlap** (``overlap=True``: section 3.2, Algorithm 2): the product of the next
+  tile's S is issued, then the current P V, and the softmax of the next S runs while P V is in
+  flight (its exponentials under the tensor cores' work); O is rescaled after P V completes.
+- What the tiles see: ``kernels.mask`` (causal, windows, the tails: the K/V tiles walked, the
+  tiles that need the element-wise mask, each row's first and last visible key), exactly as FA-2.
+  TMA zero-fills rows past Nq and Nk and columns past D (so any head dim up to the kernel's runs).
+
+One source for the GPU and the simulator: every Hopper instruction is a ``kernels.hopper``
+primitive with a Python twin.
+"""
+
+from __future__ import annotations
+
+import math
+
+from numba_flash._cuda import cuda, float32  # first: chooses the world before numba.cuda loads
+
+from numba import int32, uint8, uint32  # noqa: E402
+
+from numba_flash._world import simulated
+from numba_flash.kernels import hopper
+from numba_flash.kernels.jit import LN2, NEG_INF, device_jit, kernel_factory, kernel_jit
+from numba_flash.kernels.mask import first_visible_key, key_hidden, kv_tile_range, last_visible_key, tile_needs_mask
+from numba_flash.kernels.row_reduce import add
+from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, nan_max, reciprocal_or_zero
+
+WARPGROUP = 128
+BOX = hopper.BOX_COLS
+
+
+class Fa3Layout:
+    """Where things live in the block's shared memory (byte offsets from the 1024-aligned base):
+    the Q tile (``head_dim / 64`` boxes of ``block_m`` rows x 128 bytes), ``stages`` slots of K and
+    V (boxes of ``block_n`` rows), then the mbarriers (8 bytes each): Q's, and per slot K's full,
+    V's full and the slot's empty."""
+
+    def __init__(self, head_dim: int, block_m: int, block_n: int, stages: int):
+        self.head_dim, self.block_m, self.block_n, self.stages = head_dim, block_m, block_n, stages
+        self.boxes = head_dim // BOX
+        self.q_bytes = block_m * head_dim * 2
+        self.kv_bytes = block_n * head_dim * 2
+        self.q_at = 0
+        self.k_at = self.q_bytes  # slot s: k_at + 2 s kv_bytes; V right after K
+        self.bars_at = self.q_bytes + 2 * stages * self.kv_bytes
+        self.tile_bytes = self.bars_at + 8 * (1 + 3 * stages)
+
+    @property
+    def smem_bytes(self) -> int:
+        return hopper.smem_bytes(self.tile_bytes)
+
+
+def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int) -> None:
+    """ValueError unless the kernel can be built for these tiles."""
+    if head_dim not in (64, 128, 256):
+        raise ValueError(f"fa3 kernels are built for head dims 64, 128, 256; got {head_dim}")
+    if block_m % 64 or not 64 <= block_m <= 192:
+        raise ValueError(f"fa3: block_m must be 64, 128 or 192 (64 rows per consumer warpgroup); got {block_m}")
+    if block_n % 16 or not 16 <= block_n <= 256:
+        raise ValueError(f"fa3: block_n must be a multiple of 16 from 16 to 256; got {block_n}")
+    if stages < 1:
+        raise ValueError(f"fa3: stages must be at least 1; got {stages}")
+    layout = Fa3Layout(head_dim, block_m, block_n, stages)
+    from numba_flash.arch import SMEM_OPTIN_LIMIT as MAX_DYNAMIC_SMEM
+
+    if layout.smem_bytes > MAX_DYNAMIC_SMEM:
+        raise ValueError(f"fa3: {block_m}x{block_n} tiles at D={head_dim} with {stages} stages need "
+                         f"{layout.smem_bytes} bytes of shared memory (at most {MAX_DYNAMIC_SMEM})")
+
+
+@kernel_factory
+def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
+               registers: tuple = (24, 240)):
+    """The FA-3 forward kernel for one configuration (all compile-time):
+    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, d_out)``.
+
+    q (B, H, Nq, D), k and v (B, Hkv, Nk, D): 16-bit bit patterns (``kind`` "f16" or "bf16"), read
+    only through TMA (the tensor maps; the simulator reads the arrays); o (B, H, Nq, d_out) bit
+    patterns, lse (B, H, Nq) float32; ``scale_log2`` = scale * log2(e) (> 0); ``group`` = H / Hkv.
+    Grid (Q tiles, H, B), the Q tiles longest-first under a right bound (causal)."""
+    check_fa3_tiles(head_dim, block_m, block_n, stages)
+    L = Fa3Layout(head_dim, block_m, block_n, stages)
+    CONSUMERS = block_m // 64
+    BOXES, D = L.boxes, head_dim
+    Q_BOX, KV_BOX = block_m * 128, block_n * 128  # bytes of one 64-column box
+    S_N, O_N, P_WORDS = block_n // 2, head_dim // 2, block_n // 4
+    BARS, Q_BYTES, KV_BYTES, KV_AT = L.bars_at, L.q_bytes, L.kv_bytes, L.k_at
+    EMPTY_ARRIVALS = WARPGROUP * CONSUMERS  # every consumer thread (one instruction per warp)
+    REVERSED = window[1] >= 0  # a right bound: later Q tiles walk more K/V tiles; start them first
+    PRODUCER_REGS, CONSUMER_REGS = registers
+    WINDOW = window
+    qk = hopper.wgmma_ss(block_n, kind, 0)
+    pv = hopper.wgmma_rs(head_dim, kind, 1)
+    load_q = hopper.tma_box_loader(block_m)
+    load_kv = hopper.tma_box_loader(block_n)
+    pack = hopper.pack_pair(kind)
+    quad_max = hopper.quad_reduce(nan_max)
+    quad_sum = hopper.quad_reduce(add)
+    SMEM_ALIGN = None if simulated() else hopper.TILE_ALIGN
+
+    @device_jit
+    def q_full(base):
+        return base + BARS
+
+    @device_jit
+    def k_full(base, s):
+        return base + BARS + 8 + 8 * s
+
+    @device_jit
+    def v_full(base, s):
+        return base + BARS + 8 + 8 * stages + 8 * s
+
+    @device_jit
+    def empty(base, s):
+        return base + BARS + 8 + 16 * stages + 8 * s
+
+    @device_jit
+    def k_slot(base, s):
+        return base + KV_AT + 2 * KV_BYTES * s
+
+    @device_jit
+    def s_product(smem, base, s_acc, q_at, s):
+        """S = Q_i K_j^T (Algorithm 1 line 14): D / 16 SS products from the slot's K."""
+        k_at = k_slot(base, s)
+        for ks in range(D // 16):
+            box, kk = ks // 4, ks % 4
+            qk(smem, s_acc, hopper.descriptor(q_at + box * Q_BOX + kk * 32, 16, hopper.SBO_128B),
+               hopper.descriptor(k_at + box * KV_BOX + kk * 32, 16, hopper.SBO_128B), ks)
+
+    @device_jit
+    def pv_product(smem, base, o_acc, p, s):
+        """O += P V_j (line 18): block_n / 16 RS products, P from registers, V N-major."""
+        v_at = k_slot(base, s) + KV_BYTES
+        for kk in range(block_n // 16):
+            pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
+               hopper.descriptor(v_at + kk * 16 * 128, KV_BOX, hopper.SBO_128B), 1)
+
+    @device_jit
+    def mask_scores(s_acc, col0, t, first_keys, last_keys):
+        """Hidden (row, key) pairs -> -inf, on the accumulator layout (kernels.mask's rule)."""
+        for j in range(block_n // 8):
+            for e in range(4):
+                if key_hidden(col0 + 8 * j + 2 * t + (e & 1), first_keys[e >> 1], last_keys[e >> 1], WINDOW):
+                    s_acc[4 * j + e] = float32(NEG_INF)
+
+    @device_jit
+    def row_maxima(smem, s_acc, tile_max, scale_log2):
+        """rowmax(S) of the thread's two rows, over its quad, in log2 units (scale > 0)."""
+        for r in range(2):
+            x = float32(NEG_INF)
+            for j in range(block_n // 8):
+                x = nan_max(x, nan_max(s_acc[4 * j + 2 * r], s_acc[4 * j + 2 * r + 1]))
+            tile_max[r] = quad_max(smem, x) * scale_log2
+
+    @device_jit
+    def update_max(m, m_ref, alpha, tile_max):
+        """Lines 15-16's running max: m_new, the max to subtract, and exp2(m_old - m_new)."""
+        for r in range(2):
+            m_new = nan_max(m[r], tile_max[r])
+            m_ref[r] = finite_or_zero(m_new)
+            alpha[r] = float32(1.0)
+            if m_new != m[r]:
+                alpha[r] = exp2_diff(m[r], m_ref[r])
+            m[r] = m_new
+
+    @device_jit
+    def exponentials(s_acc, m_ref, l_run, alpha, scale_log2):
+        """P~ = exp2(S scale_log2 - m) in place (line 16); l = alpha l + this thread's rowsum(P~)
+        (line 17; the quad's partial sums are added once, at the end)."""
+        for r in range(2):
+            part = float32(0.0)
+            for j in range(block_n // 8):
+                for e in range(2):
+                    i = 4 * j + 2 * r + e
+                    x = math.exp2(s_acc[i] * scale_log2 - m_ref[r])
+                    s_acc[i] = x
+                    part += x
+            l_run[r] = l_run[r] * alpha[r] + part
+
+    @device_jit
+    def rescale_o(o_acc, alpha):
+        """diag(alpha) O (line 17)."""
+        for j in range(D // 8):
+            for e in range(4):
+                o_acc[4 * j + e] *= alpha[e >> 1]
+
+    @device_jit
+    def to_fragments(s_acc, p):
+        """P~ as the 16-bit A fragments of the P V product: key columns 16kk..16kk+15 of the
+        accumulator are exactly m16n8k16's A layout (the FA-2 trick, FA-3 section 3.1)."""
+        for j in range(block_n // 8):
+            p[2 * j] = pack(s_acc[4 * j], s_acc[4 * j + 1])
+            p[2 * j + 1] = pack(s_acc[4 * j + 2], s_acc[4 * j + 3])
+
+    @device_jit
+    def softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
+                     scale_log2):
+        """Lines 15-17 on a tile's S: mask, row max, the running max, P~ and l."""
+        if needs_mask:
+            mask_scores(s_acc, col0, t, first_keys, last_keys)
+        row_maxima(smem, s_acc, tile_max, scale_log2)
+        update_max(m, m_ref, alpha, tile_max)
+        exponentials(s_acc, m_ref, l_run, alpha, scale_log2)
+
+    def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, d_out):
+        smem = cuda.shared.array(0, dtype=uint8, alignment=SMEM_ALIGN)
+        base = hopper.tile_base(smem)
+        tid = cuda.threadIdx.x
+        wg = tid // WARPGROUP
+        h = cuda.blockIdx.y
+        b = cuda.blockIdx.z
+        tile = cuda.blockIdx.x
+        if REVERSED:
+            tile = cuda.gridDim.x - 1 - tile
+        m0 = tile * block_m
+        hk = h // group
+        # The K/V tiles this Q tile walks (FA-2 section 3.1.1: those some row sees)
+        last_row = min(m0 + block_m, n_q) - 1
+        first_key = first_visible_key(m0, n_q, n_k, WINDOW)
+        last_key = last_visible_key(last_row, n_q, n_k, WINDOW)
+        n_tiles = (n_k + block_n - 1) // block_n
+        first, count = kv_tile_range(first_key, last_key, n_tiles, block_n, WINDOW)
+        if tid == 0:
+            hopper.mbarrier_init(smem, q_full(base), 1)
+            for s in range(stages):
+                hopper.mbarrier_init(smem, k_full(base, s), 1)
+                hopper.mbarrier_init(smem, v_full(base, s), 1)
+                hopper.mbarrier_init(smem, empty(base, s), EMPTY_ARRIVALS)
+            hopper.fence_barrier_init()
+        cuda.syncthreads()
+        if wg == 0:  # the producer (Algorithm 1 lines 3-8)
+            hopper.setmaxnreg_dec(PRODUCER_REGS)
+            if tid == 0:
+                hopper.mbarrier_arrive_expect_tx(smem, q_full(base), Q_BYTES)
+                for x in range(BOXES):
+                    load_q(smem, base + x * Q_BOX, tmap_q, q, x * BOX, m0, h, b, q_full(base))
+                for it in range(count):
+                    s = it % stages
+                    hopper.mbarrier_wait(smem, empty(base, s), ((it // stages) & 1) ^ 1)
+                    n0 = (first + it) * block_n
+                    k_at = k_slot(base, s)
+                    hopper.mbarrier_arrive_expect_tx(smem, k_full(base, s), KV_BYTES)
+                    for x in range(BOXES):
+                        load_kv(smem, k_at + x * KV_BOX, tmap_k, k, x * BOX, n0, hk, b, k_full(base, s))
+                    hopper.mbarrier_arrive_expect_tx(smem, v_full(base, s), KV_BYTES)
+                    for x in range(BOXES):
+                        load_kv(smem, k_at + KV_BYTES + x * KV_BOX, tmap_v, v, x * BOX, n0, hk, b, v_full(base, s))
+            return
+        hopper.setmaxnreg_inc(CONSUMER_REGS)
+        c = wg - 1
+        lane = tid % WARPGROUP
+        w = lane // 32
+        g = (lane % 32) // 4
+        t = lane % 4
+        row = m0 + 64 * c + 16 * w + g  # this thread's rows: row and row + 8
+        first_keys = cuda.local.array(2, dtype=int32)
+        last_keys = cuda.local.array(2, dtype=int32)
+        for r in range(2):
+            first_keys[r] = first_visible_key(row + 8 * r, n_q, n_k, WINDOW)
+            last_keys[r] = last_visible_key(row + 8 * r, n_q, n_k, WINDOW)
+        # Only the tiles a bound crosses take the element-wise mask (block-uniform test)
+        first_row_last_key = last_visible_key(m0, n_q, n_k, WINDOW)
+        last_row_first_key = first_visible_key(last_row, n_q, n_k, WINDOW)
+        s_acc = cuda.local.array(S_N, dtype=float32)
+        o_acc = cuda.local.array(O_N, dtype=float32)
+        p = cuda.local.array(P_WORDS, dtype=uint32)
+        m = cuda.local.array(2, dtype=float32)
+        m_ref = cuda.local.array(2, dtype=float32)
+        alpha = cuda.local.array(2, dtype=float32)
+        tile_max = cuda.local.array(2, dtype=float32)
+        l_run = cuda.local.array(2, dtype=float32)
+        for i in range(O_N):
+            o_acc[i] = float32(0.0)
+        for r in range(2):
+            m[r] = float32(NEG_INF)
+            l_run[r] = float32(0.0)
+        q_at = base + 64 * c * 128  # this warpgroup's 64 rows of each Q box
+        hopper.mbarrier_wait(smem, q_full(base), 0)
+        for it in range(count):
+            s = it % stages
+            phase = (it // stages) & 1
+            hopper.mbarrier_wait(smem, k_full(base, s), phase)
+            hopper.wgmma_fence()
+            s_product(smem, base, s_acc, q_at, s)
+            hopper.wgmma_commit()
+            hopper.wgmma_wait(0)
+            col0 = (first + it) * block_n
+            needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
+            softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
+                         scale_log2)
+            rescale_o(o_acc, alpha)
+            to_fragments(s_acc, p)
+            hopper.mbarrier_wait(smem, v_full(base, s), phase)
+            hopper.wgmma_fence()
+            pv_product(smem, base, o_acc, p, s)
+            hopper.wgmma_commit()
+            hopper.wgmma_wait(0)
+            hopper.mbarrier_arrive(smem, empty(base, s))  # line 19: the slot is free
+        # Lines 21-23: O = diag(l)^-1 O~, L = m + log l; rows past Nq and columns past d_out unwritten
+        for r in range(2):
+            total = quad_sum(smem, l_run[r])
+            l_run[r] = reciprocal_or_zero(total)
+            if t == 0 and row + 8 * r < n_q:
+                if total == 0:
+                    lse[b, h, row + 8 * r] = float32(NEG_INF)
+                else:
+                    lse[b, h, row + 8 * r] = (m[r] + math.log2(total)) * float32(LN2)
+        for j in range(D // 8):
+            col = 8 * j + 2 * t
+            for r in range(2):
+                if row + 8 * r < n_q and col < d_out:
+                    word = pack(o_acc[4 * j + 2 * r] * l_run[r], o_acc[4 * j + 2 * r + 1] * l_run[r])
+                    o[b, h, row + 8 * r, col] = word & 0xFFFF
+                    if col + 1 < d_out:
+                        o[b, h, row + 8 * r, col + 1] = word >> 16
+
+    threads = WARPGROUP * (CONSUMERS + 1)
+    jitted = kernel_jit(fastmath={"contract", "afn", "arcp"}, launch_bounds=(threads, 1))(kernel)
+    jitted.fa3_threads = threads
+    jitted.fa3_smem = L.smem_bytes
+    return jitted

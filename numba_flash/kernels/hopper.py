@@ -1,0 +1,606 @@
+"""Hopper (sm_90a) primitives for numba.cuda: TMA, mbarriers, ``wgmma``, ``setmaxnreg``.
+
+FlashAttention-3 (Shah et al. 2024) is built on four instructions that Ampere lacks, and numba-cuda
+has none of them; so, as :mod:`numba_flash.kernels.mma` does for ``mma.sync``, each is one
+inline-PTX instruction on the GPU (an llvmlite ``InlineAsm`` in a numba ``intrinsic``) and a
+Python twin with the PTX semantics in the simulator, so that the ``fa3`` kernel runs in CI from
+the same source (PTX ISA 8.x: "Tensor Memory Accelerator", "mbarrier", "Asynchronous Warpgroup
+Level Matrix Multiply-Accumulate", "setmaxnreg").
+
+Shared memory is one dynamic byte buffer ``smem`` per block; operands are named by **addresses**:
+on the GPU the 32-bit shared-window address (:func:`tile_base` rounds the buffer's start up to
+1024 bytes, the 128-byte swizzle's period), in the simulator the byte offset into ``smem`` (the
+base is 0). Every primitive takes ``smem`` first so that its twin can reach the bytes.
+
+- **Tiles** are 16-bit, in boxes of 64 columns (128-byte rows) written by TMA with
+  ``CU_TENSOR_MAP_SWIZZLE_128B``: byte ``a`` of a row-major box lands at ``a ^ (((a >> 7) & 7) << 4)``
+  (the 16-byte chunk index XOR the row modulo 8; :func:`swizzle_128b`), which is also the layout
+  ``wgmma`` reads with the 128-byte swizzle mode.
+- **mbarrier** (``init``, ``arrive``, ``arrive.expect_tx``, ``try_wait.parity``): a phase completes
+  when its pending arrivals reach 0 and its transaction bytes are all in; waiting on parity ``p``
+  returns once the phase of that parity has completed (so a fresh barrier's "previous" phase,
+  parity 1, counts as complete: the producer's first wait on an empty slot passes).
+- **TMA** (``cp.async.bulk.tensor.4d``): a box of ``rows x 64`` elements at (d0, n0, h, b) of a
+  ``(B, H, N, D)`` tensor, described by a ``CUtensorMap`` in global memory
+  (``numba_flash.fa3.tensor_map``); rows or columns past the tensor's end read as zeros; the
+  bytes are counted on an mbarrier.
+- **wgmma** (``wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}``): one warpgroup (128 threads,
+  warp ``w`` owning rows ``16w..16w+15``) multiplies a 64x16 A by a 16xN B into float32
+  accumulators, ``acc[4j + e]`` = (row ``g`` or ``g + 8``, column ``8j + 2t + e % 2``) as the
+  ``mma.m16n8`` C fragment (``g = lane / 4``, ``t = lane % 4``). A comes from shared memory (SS:
+  a matrix descriptor) or from registers (RS: four f16x2 words in the ``mma.m16n8k16`` A layout);
+  B from shared memory, K-major (rows of B^T, as K is stored) or N-major (``tnsp_b``: rows of B, as
+  V is stored). Descriptors (:func:`descriptor`): start address, leading byte offset (LBO: between
+  64-column boxes of an N-major operand), stride byte offset (SBO: between 8-row groups, 1024),
+  swizzle mode 1 (128 bytes). Issue is asynchronous: ``wgmma_fence`` before a batch whose
+  registers ordinary code wrote, ``wgmma_commit`` closes a group, ``wgmma_wait(n)`` waits until
+  at most ``n`` groups are in flight. In the simulator a product completes when issued.
+- **setmaxnreg** (``inc``/``dec``): a warpgroup's register budget (a no-op in the simulator).
+- **Named barriers** (``bar.sync id, n``): ``n`` threads of some warps meet (FA-3's ping-pong).
+
+The simulator twins keep their state (mbarrier phases, the warpgroups' register exchanges) in
+Python objects keyed by the block's buffer, because a simulated block's threads are Python threads
+of one process; a wait that never completes raises after :data:`SIM_TIMEOUT` seconds instead of
+hanging, naming the barrier.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import numpy as np
+
+from numba_flash._cuda import cuda, float32  # first: chooses the world before numba.cuda loads
+
+from numba import uint32, uint64  # noqa: E402,F401
+
+from numba_flash._world import simulated
+from numba_flash.kernels.jit import device_jit
+
+TILE_ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows of 128 bytes
+SBO_128B = 1024  # bytes between 8-row groups of a 128-byte-swizzled operand
+BOX_COLS = 64  # 16-bit columns of a 128-byte swizzled box (TMA's box and wgmma's atom)
+_ALIGN_MASK = 0xFFFFFFFF & ~(TILE_ALIGN - 1)
+SIM_TIMEOUT = 300.0  # seconds a simulated wait may take before it is called a hang
+
+
+def smem_bytes(tile_bytes: int) -> int:
+    """Dynamic shared memory for ``tile_bytes`` of 1024-aligned tiles (the start rounded up)."""
+    return tile_bytes + (0 if simulated() else TILE_ALIGN)
+
+
+def swizzle_128b(address):
+    """Where byte ``address`` of a row-major 128-byte-row box lives (TMA's SWIZZLE_128B)."""
+    return address ^ (((address >> 7) & 7) << 4)
+
+
+if simulated():
+    # ----------------------------------------------------------------------------------------
+    # Simulator twins
+    # ----------------------------------------------------------------------------------------
+    _LOCK = threading.Condition(threading.Lock())
+    _BARRIERS: dict = {}  # (buffer, address) -> [count, pending, tx, phase]
+    _GROUPS: dict = {}  # (buffer, group) -> (threading.Barrier, exchange dict)
+
+    def _buffer_key(smem):
+        return smem.__array_interface__["data"][0]
+
+    def _half_values(bits, kind):
+        bits = np.asarray(bits, np.uint16)
+        if kind == "f16":
+            return bits.view(np.float16).astype(np.float64)
+        return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
+
+    def _half_bits(x, kind):
+        x = np.float32(x)
+        if kind == "f16":
+            return int(np.float16(x).view(np.uint16))
+        u = int(np.asarray(x).view(np.uint32))
+        if (u & 0x7F800000) == 0x7F800000 and (u & 0x7FFFFF):
+            return 0x7FC0
+        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
+
+    def _group(smem, group, parties):
+        key = (_buffer_key(smem), group, parties)
+        with _LOCK:
+            hit = _GROUPS.get(key)
+            if hit is None:
+                hit = _GROUPS[key] = (threading.Barrier(parties, timeout=SIM_TIMEOUT), {})
+        return hit
+
+    def _exchange(smem, group, parties, slot, value):
+        """Every one of ``parties`` threads of ``group`` posts ``value`` at ``slot``; returns all posts
+        (a register exchange: what the hardware's warpgroup-wide operations see)."""
+        barrier, posts = _group(smem, group, parties)
+        posts[slot] = value
+        barrier.wait()
+        seen = dict(posts)
+        barrier.wait()  # everyone has read before the next exchange overwrites
+        return seen
+
+    def _warpgroup_lane():
+        tid = cuda.threadIdx.x
+        return tid // 128, tid % 128
+
+    @device_jit
+    def tile_base(smem):
+        """The address of the first 1024-aligned byte of ``smem`` (0 in the simulator)."""
+        return 0
+
+    @device_jit
+    def mbarrier_init(smem, bar, count):
+        """An mbarrier at ``bar`` expecting ``count`` arrivals per phase."""
+        with _LOCK:
+            _BARRIERS[(_buffer_key(smem), int(bar))] = [int(count), int(count), 0, 0]
+
+    @device_jit
+    def fence_barrier_init():
+        """Make the mbarrier inits visible to the async proxy (TMA)."""
+        return
+
+    def _advance(state):
+        if state[1] == 0 and state[2] == 0:
+            state[1] = state[0]
+            state[3] ^= 1
+            _LOCK.notify_all()
+
+    def _state(smem, bar):
+        state = _BARRIERS.get((_buffer_key(smem), int(bar)))
+        if state is None:
+            raise RuntimeError(f"mbarrier at {int(bar)} used before mbarrier_init")
+        return state
+
+    @device_jit
+    def mbarrier_arrive(smem, bar):
+        """One arrival on the current phase."""
+        with _LOCK:
+            state = _state(smem, bar)
+            state[1] -= 1
+            _advance(state)
+
+    @device_jit
+    def mbarrier_arrive_expect_tx(smem, bar, nbytes):
+        """``nbytes`` more transaction bytes expected on the current phase, and one arrival."""
+        with _LOCK:
+            state = _state(smem, bar)
+            state[2] += int(nbytes)
+            state[1] -= 1
+            _advance(state)
+
+    def _complete_tx(smem, bar, nbytes):
+        with _LOCK:
+            state = _state(smem, bar)
+            state[2] -= int(nbytes)
+            _advance(state)
+
+    @device_jit
+    def mbarrier_wait(smem, bar, parity):
+        """Wait until the phase of parity ``parity`` has completed."""
+        with _LOCK:
+            state = _state(smem, bar)
+            if not _LOCK.wait_for(lambda: state[3] != (int(parity) & 1), timeout=SIM_TIMEOUT):
+                raise RuntimeError(f"mbarrier at {int(bar)}: phase {int(parity)} never completed (a hang on the GPU)")
+
+    @functools.lru_cache(maxsize=None)
+    def tma_box_loader(rows: int):
+        """``load(smem, dst, tmap, src, d0, n0, h, b, bar)``: the ``rows x 64`` box of ``src``
+        (B, H, N, D) at (row ``n0``, column ``d0``) of head (b, h), swizzled into ``dst``, zeros past
+        the tensor's ends, its bytes counted on mbarrier ``bar``."""
+
+        @device_jit
+        def load(smem, dst, tmap, src, d0, n0, h, b, bar):
+            n_rows, n_cols = src.shape[2], src.shape[3]
+            box = np.zeros((rows, BOX_COLS), np.uint16)
+            r1, c1 = min(rows, max(0, n_rows - n0)), min(BOX_COLS, max(0, n_cols - d0))
+            if r1 > 0 and c1 > 0:
+                box[:r1, :c1] = src[b, h, n0:n0 + r1, d0:d0 + c1]
+            half = smem.view(np.uint16)
+            rr, cc = np.meshgrid(np.arange(rows), np.arange(BOX_COLS), indexing="ij")
+            half[swizzle_128b(int(dst) + rr * 128 + cc * 2) // 2] = box
+            _complete_tx(smem, bar, rows * BOX_COLS * 2)
+
+        return load
+
+    @device_jit
+    def wgmma_fence():
+        """Order ordinary register writes before the next wgmma (nothing to order here)."""
+        return
+
+    @device_jit
+    def wgmma_commit():
+        """Close the group of wgmma issued since the last commit."""
+        return
+
+    @device_jit
+    def wgmma_wait(n):
+        """Wait until at most ``n`` committed groups are in flight (simulated ones complete at issue)."""
+        return
+
+    @device_jit
+    def setmaxnreg_inc(n):
+        """Raise the warpgroup's registers per thread to ``n`` (the simulator has no budget)."""
+        return
+
+    @device_jit
+    def setmaxnreg_dec(n):
+        """Lower the warpgroup's registers per thread to ``n``."""
+        return
+
+    @device_jit
+    def named_barrier(smem, bar_id, threads):
+        """``bar.sync bar_id, threads``: wait until ``threads`` threads have arrived at ``bar_id``."""
+        _group(smem, ("bar", int(bar_id)), int(threads))[0].wait()
+
+    @device_jit
+    def descriptor(address, lbo, sbo):
+        """A wgmma matrix descriptor of a 128-byte-swizzled operand at ``address``."""
+        return ((int(address) & 0x3FFFF) >> 4) | (((int(lbo) >> 4) & 0x3FFF) << 16) | \
+            (((int(sbo) >> 4) & 0x3FFF) << 32) | (1 << 62)
+
+    def _decode(desc):
+        desc = int(desc)
+        return (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+
+    def _k_major(smem, desc, rows, kind):
+        """The rows x 16 operand (rows of 16 K-values) a K-major descriptor names."""
+        start, _, sbo = _decode(desc)
+        r, k = np.meshgrid(np.arange(rows), np.arange(16), indexing="ij")
+        addr = start + (r // 8) * sbo + (r % 8) * 128 + k * 2
+        return _half_values(smem.view(np.uint16)[swizzle_128b(addr) // 2], kind)
+
+    def _n_major(smem, desc, n, kind):
+        """The 16 x n operand (16 K-rows of n values, in 64-column boxes LBO apart) of an N-major
+        descriptor."""
+        start, lbo, sbo = _decode(desc)
+        k, c = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
+        addr = start + (c // BOX_COLS) * lbo + (k // 8) * sbo + (k % 8) * 128 + (c % BOX_COLS) * 2
+        return _half_values(smem.view(np.uint16)[swizzle_128b(addr) // 2], kind)
+
+    def _accumulate(acc, a_rows, b, n, scale_d):
+        """acc (this thread's fragment) = scale_d * acc + (A B) at the thread's entries."""
+        _, lane = _warpgroup_lane()
+        w, g, t = lane // 32, (lane % 32) // 4, lane % 4
+        for half, row in ((0, 16 * w + g), (1, 16 * w + g + 8)):
+            prod = a_rows[row] @ b  # (n,)
+            for j in range(n // 8):
+                for e in range(2):
+                    i = 4 * j + 2 * half + e
+                    old = float(acc[i]) if int(scale_d) else 0.0
+                    acc[i] = float32(old + float(prod[8 * j + 2 * t + e]))
+
+    @functools.lru_cache(maxsize=None)
+    def wgmma_ss(n: int, kind: str, tnsp_b: int = 0):
+        """``mma(smem, acc, desc_a, desc_b, scale_d)``: acc = scale_d * acc + A B, A 64x16 and B
+        16xn (K-major, or N-major with ``tnsp_b``) in shared memory."""
+
+        @device_jit
+        def mma(smem, acc, desc_a, desc_b, scale_d):
+            a_rows = _k_major(smem, desc_a, 64, kind)
+            b = _n_major(smem, desc_b, n, kind) if tnsp_b else _k_major(smem, desc_b, n, kind).T
+            _accumulate(acc, a_rows, b, n, scale_d)
+
+        return mma
+
+    @functools.lru_cache(maxsize=None)
+    def wgmma_rs(n: int, kind: str, tnsp_b: int = 1):
+        """``mma(smem, acc, a0, a1, a2, a3, desc_b, scale_d)``: A from the warpgroup's registers."""
+
+        @device_jit
+        def mma(smem, acc, a0, a1, a2, a3, desc_b, scale_d):
+            wg, lane = _warpgroup_lane()
+            posts = _exchange(smem, ("wgmma", wg), 128, lane, (int(a0), int(a1), int(a2), int(a3)))
+            bits = np.zeros((64, 16), np.uint16)
+            for other, words in posts.items():
+                w, g, t = other // 32, (other % 32) // 4, other % 4
+                for word, (r, c) in zip(words, ((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
+                    bits[16 * w + r, c] = word & 0xFFFF
+                    bits[16 * w + r, c + 1] = word >> 16
+            a_rows = _half_values(bits, kind)
+            b = _n_major(smem, desc_b, n, kind) if tnsp_b else _k_major(smem, desc_b, n, kind).T
+            _accumulate(acc, a_rows, b, n, scale_d)
+
+        return mma
+
+    @functools.lru_cache(maxsize=None)
+    def pack_pair(kind: str):
+        """``pack(lo, hi)``: two float32 -> one word of two 16-bit values (lo in the low half)."""
+
+        @device_jit
+        def pack(lo, hi):
+            return uint32(_half_bits(lo, kind) | (_half_bits(hi, kind) << 16))
+
+        return pack
+
+    @functools.lru_cache(maxsize=None)
+    def quad_reduce(combine):
+        """``reduce(smem, x)``: ``combine`` over the four lanes of the thread's quad (the threads
+        holding one accumulator row) -- two shuffles on the GPU."""
+
+        @device_jit
+        def reduce(smem, x):
+            wg, lane = _warpgroup_lane()
+            posts = _exchange(smem, ("quad", wg), 128, lane, x)
+            first = lane - lane % 4
+            out = posts[first]
+            for i in range(1, 4):
+                out = combine(out, posts[first + i])
+            return out
+
+        return reduce
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    _I16, _I32, _I64, _F32 = ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+    def _asm(builder, ret, argtys, text, constraints, args, convergent=False, side_effect=True):
+        fn = ir.InlineAsm(ir.FunctionType(ret, argtys), text, constraints, side_effect=side_effect)
+        # .sync.aligned instructions are convergent: LLVM must not sink them into divergent code
+        return builder.call(fn, args, attrs=("convergent",) if convergent else ())
+
+    def _as(context, builder, val, ty, to):
+        return context.cast(builder, val, ty, to)
+
+    def _statement(text, convergent=False):
+        @intrinsic
+        def statement(typingctx):
+            def codegen(context, builder, sig, args):
+                _asm(builder, ir.VoidType(), [], text, "~{memory}", [], convergent)
+                return context.get_dummy_value()
+
+            return types.void(), codegen
+
+        return statement
+
+    def _literal_statement(fmt):
+        """``f(N)`` emitting ``fmt.format(N)``, ``N`` an integer literal (a compile-time constant)."""
+
+        @intrinsic
+        def statement(typingctx, n):
+            if not isinstance(n, types.IntegerLiteral):
+                return None
+            text = fmt.format(n.literal_value)
+
+            def codegen(context, builder, sig, args):
+                _asm(builder, ir.VoidType(), [], text, "~{memory}", [], True)
+                return context.get_dummy_value()
+
+            return types.void(n), codegen
+
+        return statement
+
+    def _u32_args(context, builder, arg_types, args):
+        return [_as(context, builder, a, t, types.uint32) for a, t in zip(args, arg_types)]
+
+    @intrinsic
+    def _base(typingctx, smem):
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            p = builder.bitcast(ary.data, ir.IntType(8).as_pointer())
+            return builder.ptrtoint(builder.addrspacecast(p, ir.IntType(8).as_pointer(3)), _I32)
+
+        return types.uint32(smem), codegen
+
+    @intrinsic
+    def _global_address(typingctx, arr):
+        def codegen(context, builder, sig, args):
+            ary = context.make_array(sig.args[0])(context, builder, value=args[0])
+            return builder.ptrtoint(ary.data, _I64)
+
+        return types.uint64(arr), codegen
+
+    @device_jit
+    def tile_base(smem):
+        """The shared-window address of the first 1024-aligned byte of ``smem``."""
+        return (_base(smem) + uint32(TILE_ALIGN - 1)) & uint32(_ALIGN_MASK)
+
+    def _barrier_op(text):
+        @intrinsic
+        def op(typingctx, smem, bar, value):
+            def codegen(context, builder, sig, args):
+                _asm(builder, ir.VoidType(), [_I32, _I32], text, "r,r,~{memory}",
+                     _u32_args(context, builder, sig.args[1:], args[1:]))
+                return context.get_dummy_value()
+
+            return types.void(smem, bar, value), codegen
+
+        return op
+
+    mbarrier_init_ = _barrier_op("mbarrier.init.shared::cta.b64 [$0], $1;")
+    _arrive_expect_tx = _barrier_op("mbarrier.arrive.expect_tx.shared::cta.b64 _, [$0], $1;")
+    # the labels live in a { } scope, so the loop can be inlined many times (CUTLASS's pattern)
+    _wait_parity = _barrier_op(
+        "{\n.reg .pred P1;\nLAB_WAIT:\nmbarrier.try_wait.parity.shared::cta.b64 P1, [$0], $1;\n"
+        "@P1 bra DONE;\nbra LAB_WAIT;\nDONE:\n}")
+
+    @intrinsic
+    def _arrive(typingctx, smem, bar):
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [_I32], "mbarrier.arrive.shared::cta.b64 _, [$0];", "r,~{memory}",
+                 [_as(context, builder, args[1], sig.args[1], types.uint32)])
+            return context.get_dummy_value()
+
+        return types.void(smem, bar), codegen
+
+    fence_barrier_init = _statement("fence.mbarrier_init.release.cluster;")
+
+    @device_jit
+    def mbarrier_init(smem, bar, count):
+        """An mbarrier at ``bar`` expecting ``count`` arrivals per phase."""
+        mbarrier_init_(smem, bar, count)
+
+    @device_jit
+    def mbarrier_arrive(smem, bar):
+        """One arrival on the current phase."""
+        _arrive(smem, bar)
+
+    @device_jit
+    def mbarrier_arrive_expect_tx(smem, bar, nbytes):
+        """``nbytes`` more transaction bytes expected on the current phase, and one arrival."""
+        _arrive_expect_tx(smem, bar, nbytes)
+
+    @device_jit
+    def mbarrier_wait(smem, bar, parity):
+        """Wait until the phase of parity ``parity`` has completed."""
+        _wait_parity(smem, bar, parity)
+
+    @intrinsic
+    def _tma_load_4d(typingctx, dst, tmap, d0, n0, h, b, bar):
+        def codegen(context, builder, sig, args):
+            vals = [_as(context, builder, args[0], sig.args[0], types.uint32),
+                    _as(context, builder, args[1], sig.args[1], types.uint64)]
+            vals += [_as(context, builder, a, t, types.uint32) for a, t in zip(args[2:], sig.args[2:])]
+            _asm(builder, ir.VoidType(), [_I32, _I64, _I32, _I32, _I32, _I32, _I32],
+                 "cp.async.bulk.tensor.4d.shared::cluster.global.mbarrier::complete_tx::bytes"
+                 " [$0], [$1, {$2, $3, $4, $5}], [$6];", "r,l,r,r,r,r,r,~{memory}", vals)
+            return context.get_dummy_value()
+
+        return types.void(dst, tmap, d0, n0, h, b, bar), codegen
+
+    @functools.lru_cache(maxsize=None)
+    def tma_box_loader(rows: int):
+        """``load(smem, dst, tmap, src, d0, n0, h, b, bar)``: the ``rows x 64`` box at (row ``n0``,
+        column ``d0``) of head (b, h) of the tensor ``tmap`` (a ``CUtensorMap`` in global memory)
+        describes, swizzled into ``dst``; zeros past its ends; bytes counted on ``bar``."""
+
+        @device_jit
+        def load(smem, dst, tmap, src, d0, n0, h, b, bar):
+            _tma_load_4d(dst, _global_address(tmap), d0, n0, h, b, bar)
+
+        return load
+
+    wgmma_fence = _statement("wgmma.fence.sync.aligned;", convergent=True)
+    wgmma_commit = _statement("wgmma.commit_group.sync.aligned;", convergent=True)
+    wgmma_wait = _literal_statement("wgmma.wait_group.sync.aligned {};")
+    setmaxnreg_inc = _literal_statement("setmaxnreg.inc.sync.aligned.u32 {};")
+    setmaxnreg_dec = _literal_statement("setmaxnreg.dec.sync.aligned.u32 {};")
+
+    @intrinsic
+    def _bar_sync(typingctx, bar_id, threads):
+        def codegen(context, builder, sig, args):
+            _asm(builder, ir.VoidType(), [_I32, _I32], "bar.sync $0, $1;", "r,r,~{memory}",
+                 _u32_args(context, builder, sig.args, args), convergent=True)
+            return context.get_dummy_value()
+
+        return types.void(bar_id, threads), codegen
+
+    @device_jit
+    def named_barrier(smem, bar_id, threads):
+        """``bar.sync bar_id, threads``: wait until ``threads`` threads have arrived at ``bar_id``."""
+        _bar_sync(bar_id, threads)
+
+    @device_jit
+    def descriptor(address, lbo, sbo):
+        """A wgmma matrix descriptor of a 128-byte-swizzled operand at ``address``: bits 0-13
+        address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 62-63 the swizzle mode (1: 128 bytes)."""
+        d = uint64((address & 0x3FFFF) >> 4)
+        d |= uint64((lbo >> 4) & 0x3FFF) << uint64(16)
+        d |= uint64((sbo >> 4) & 0x3FFF) << uint64(32)
+        return d | (uint64(1) << uint64(62))
+
+    def _accumulator_ptrs(context, builder, aryty, ary, n):
+        data = context.make_array(aryty)(context, builder, value=ary).data
+        return [builder.gep(data, [ir.Constant(_I64, i)], inbounds=True) for i in range(n)]
+
+    _PTX_KIND = {"f16": "f16", "bf16": "bf16"}
+
+    @functools.lru_cache(maxsize=None)
+    def _wgmma(n: int, kind: str, tnsp_b: int, a_in_registers: bool):
+        count = n // 2  # float32 accumulators per thread
+        ab = _PTX_KIND[kind]
+        outs = "{" + ",".join(f"${i}" for i in range(count)) + "}"
+        if a_in_registers:
+            operands = [_I32] * 4 + [_I64, _I32]
+            a = "{" + ",".join(f"${count + i}" for i in range(4)) + "}"
+            text = (f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${count + 5}, 0;\n"
+                    f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {outs}, {a}, ${count + 4}, p, 1, 1, {tnsp_b};\n}}")
+            constraints = ",".join(["=f"] * count + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(count)])
+        else:
+            operands = [_I64, _I64, _I32]
+            text = (f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${count + 2}, 0;\n"
+                    f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {outs}, ${count}, ${count + 1}, p, 1, 1, 0, {tnsp_b};\n}}")
+            constraints = ",".join(["=f"] * count + ["l", "l", "r"] + [str(i) for i in range(count)])
+        widths = [types.uint32] * 4 + [types.uint64, types.uint32] if a_in_registers else [types.uint64, types.uint64, types.uint32]
+
+        def codegen(context, builder, sig, args):
+            ptrs = _accumulator_ptrs(context, builder, sig.args[0], args[0], count)
+            old = [builder.load(p) for p in ptrs]
+            ops = [_as(context, builder, a, t, w) for a, t, w in zip(args[1:], sig.args[1:], widths)]
+            r = _asm(builder, ir.LiteralStructType([_F32] * count), operands + [_F32] * count, text, constraints,
+                     ops + old, convergent=True)
+            for i, p in enumerate(ptrs):
+                builder.store(builder.extract_value(r, i), p)
+            return context.get_dummy_value()
+
+        if a_in_registers:
+            @intrinsic
+            def mma(typingctx, acc, a0, a1, a2, a3, desc_b, scale_d):
+                return types.void(acc, a0, a1, a2, a3, desc_b, scale_d), codegen
+        else:
+            @intrinsic
+            def mma(typingctx, acc, desc_a, desc_b, scale_d):
+                return types.void(acc, desc_a, desc_b, scale_d), codegen
+        return mma
+
+    @functools.lru_cache(maxsize=None)
+    def wgmma_ss(n: int, kind: str, tnsp_b: int = 0):
+        """``mma(smem, acc, desc_a, desc_b, scale_d)``: acc = scale_d * acc + A B, A 64x16 and B
+        16xn (K-major, or N-major with ``tnsp_b``) in shared memory."""
+        issue = _wgmma(n, kind, tnsp_b, False)
+
+        @device_jit
+        def mma(smem, acc, desc_a, desc_b, scale_d):
+            issue(acc, desc_a, desc_b, scale_d)
+
+        return mma
+
+    @functools.lru_cache(maxsize=None)
+    def wgmma_rs(n: int, kind: str, tnsp_b: int = 1):
+        """``mma(smem, acc, a0, a1, a2, a3, desc_b, scale_d)``: A from the warpgroup's registers."""
+        issue = _wgmma(n, kind, tnsp_b, True)
+
+        @device_jit
+        def mma(smem, acc, a0, a1, a2, a3, desc_b, scale_d):
+            issue(acc, a0, a1, a2, a3, desc_b, scale_d)
+
+        return mma
+
+    def _pack(mnemonic):
+        @intrinsic
+        def pack(typingctx, lo, hi):
+            def codegen(context, builder, sig, args):
+                lo_v, hi_v = (_as(context, builder, a, t, types.float32) for a, t in zip(args, sig.args))
+                return _asm(builder, _I32, [_F32, _F32], f"cvt.rn.{mnemonic}x2.f32 $0, $2, $1;", "=r,f,f",
+                            [lo_v, hi_v], side_effect=False)
+
+            return types.uint32(lo, hi), codegen
+
+        return pack
+
+    _PACKS = {"f16": _pack("f16"), "bf16": _pack("bf16")}
+
+    @functools.lru_cache(maxsize=None)
+    def pack_pair(kind: str):
+        """``pack(lo, hi)``: two float32 -> one word of two 16-bit values (lo in the low half)."""
+        cvt = _PACKS[kind]
+
+        @device_jit
+        def pack(lo, hi):
+            return cvt(lo, hi)
+
+        return pack
+
+    @functools.lru_cache(maxsize=None)
+    def quad_reduce(combine):
+        """``reduce(smem, x)``: ``combine`` over the four lanes of the thread's quad (the threads
+        holding one accumulator row): two shuffles."""
+
+        @device_jit
+        def reduce(smem, x):
+            x = combine(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 1))
+            return combine(x, cuda.shfl_xor_sync(0xFFFFFFFF, x, 2))
+
+        return reduce
