@@ -112,6 +112,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     pack = hopper.pack_pair(kind)
     quad_max = hopper.quad_reduce(nan_max)
     quad_sum = hopper.quad_reduce(add)
+    fence_s = hopper.register_fence(S_N)
+    fence_o = hopper.register_fence(O_N)
+    fence_p = hopper.register_fence(P_WORDS)
     SMEM_ALIGN = None if simulated() else hopper.TILE_ALIGN
 
     @device_jit
@@ -292,26 +295,74 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             l_run[r] = float32(0.0)
         q_at = base + 64 * c * 128  # this warpgroup's 64 rows of each Q box
         hopper.mbarrier_wait(smem, q_full(base), 0)
-        for it in range(count):
-            s = it % stages
-            phase = (it // stages) & 1
-            hopper.mbarrier_wait(smem, k_full(base, s), phase)
+        if overlap and count > 0:  # FA-3 Algorithm 2: the softmax of S_j under the product P_{j-1} V_{j-1}
+            hopper.mbarrier_wait(smem, k_full(base, 0), 0)
             hopper.wgmma_fence()
-            s_product(smem, base, s_acc, q_at, s)
+            s_product(smem, base, s_acc, q_at, 0)
             hopper.wgmma_commit()
             hopper.wgmma_wait(0)
-            col0 = (first + it) * block_n
-            needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
-            softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
-                         scale_log2)
-            rescale_o(o_acc, alpha)
+            fence_s(s_acc)
+            softmax_step(smem, s_acc, first * block_n,
+                         tile_needs_mask(first * block_n, block_n, first_row_last_key, last_row_first_key, WINDOW),
+                         t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run, scale_log2)
             to_fragments(s_acc, p)
-            hopper.mbarrier_wait(smem, v_full(base, s), phase)
+            for it in range(1, count):
+                s = it % stages
+                prev = (it - 1) % stages
+                hopper.mbarrier_wait(smem, k_full(base, s), (it // stages) & 1)
+                fence_s(s_acc)
+                hopper.wgmma_fence()
+                s_product(smem, base, s_acc, q_at, s)  # S_j = Q K_j^T, issued
+                hopper.wgmma_commit()
+                hopper.mbarrier_wait(smem, v_full(base, prev), ((it - 1) // stages) & 1)
+                fence_p(p)
+                pv_product(smem, base, o_acc, p, prev)  # O += P_{j-1} V_{j-1}, issued
+                hopper.wgmma_commit()
+                hopper.wgmma_wait(1)  # S_j is in
+                fence_s(s_acc)
+                col0 = (first + it) * block_n
+                needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
+                softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max,
+                             l_run, scale_log2)
+                hopper.wgmma_wait(0)  # P_{j-1} V_{j-1} is in: O can be rescaled, P and the slot reused
+                fence_o(o_acc)
+                fence_p(p)
+                hopper.mbarrier_arrive(smem, empty(base, prev))
+                rescale_o(o_acc, alpha)
+                to_fragments(s_acc, p)
+            last = (count - 1) % stages
+            hopper.mbarrier_wait(smem, v_full(base, last), ((count - 1) // stages) & 1)
+            fence_o(o_acc)
             hopper.wgmma_fence()
-            pv_product(smem, base, o_acc, p, s)
+            pv_product(smem, base, o_acc, p, last)
             hopper.wgmma_commit()
             hopper.wgmma_wait(0)
-            hopper.mbarrier_arrive(smem, empty(base, s))  # line 19: the slot is free
+            fence_o(o_acc)
+            hopper.mbarrier_arrive(smem, empty(base, last))
+        else:  # Algorithm 1 as written: each step's products and softmax in turn
+            for it in range(count):
+                s = it % stages
+                phase = (it // stages) & 1
+                hopper.mbarrier_wait(smem, k_full(base, s), phase)
+                hopper.wgmma_fence()
+                s_product(smem, base, s_acc, q_at, s)
+                hopper.wgmma_commit()
+                hopper.wgmma_wait(0)
+                fence_s(s_acc)
+                col0 = (first + it) * block_n
+                needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
+                softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max,
+                             l_run, scale_log2)
+                rescale_o(o_acc, alpha)
+                to_fragments(s_acc, p)
+                hopper.mbarrier_wait(smem, v_full(base, s), phase)
+                fence_o(o_acc)
+                hopper.wgmma_fence()
+                pv_product(smem, base, o_acc, p, s)
+                hopper.wgmma_commit()
+                hopper.wgmma_wait(0)
+                fence_o(o_acc)
+                hopper.mbarrier_arrive(smem, empty(base, s))  # line 19: the slot is free
         # Lines 21-23: O = diag(l)^-1 O~, L = m + log l; rows past Nq and columns past d_out unwritten
         for r in range(2):
             total = quad_sum(smem, l_run[r])

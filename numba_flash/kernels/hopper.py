@@ -222,6 +222,16 @@ if simulated():
         """Raise the warpgroup's registers per thread to ``n`` (the simulator has no budget)."""
         return
 
+    @functools.lru_cache(maxsize=None)
+    def register_fence(n: int):
+        """``fence(acc)``: pin ``acc[0:n]`` (nothing to pin here)."""
+
+        @device_jit
+        def fence(acc):
+            return
+
+        return fence
+
     @device_jit
     def setmaxnreg_dec(n):
         """Lower the warpgroup's registers per thread to ``n``."""
@@ -500,6 +510,29 @@ else:
         d |= uint64((lbo >> 4) & 0x3FFF) << uint64(16)
         d |= uint64((sbo >> 4) & 0x3FFF) << uint64(32)
         return d | (uint64(1) << uint64(62))
+
+    @functools.lru_cache(maxsize=None)
+    def register_fence(n: int):
+        """``fence(acc)``: an empty volatile asm that reads and writes ``acc[0:n]`` (CUTLASS's
+        ``warpgroup_fence_operand``), so the compiler moves no use of a wgmma's registers across the
+        ``wgmma_wait`` / ``wgmma_fence`` it is placed beside."""
+
+        @intrinsic
+        def fence(typingctx, acc):
+            def codegen(context, builder, sig, args):
+                ptrs = _accumulator_ptrs(context, builder, sig.args[0], args[0], n)
+                dtype = ptrs[0].type.pointee
+                code = "f" if isinstance(dtype, ir.FloatType) else "r"
+                old = [builder.load(p) for p in ptrs]
+                r = _asm(builder, ir.LiteralStructType([dtype] * n), [dtype] * n, "",
+                         ",".join([f"={code}"] * n + [str(i) for i in range(n)]), old)
+                for i, p in enumerate(ptrs):
+                    builder.store(r if n == 1 else builder.extract_value(r, i), p)
+                return context.get_dummy_value()
+
+            return types.void(acc), codegen
+
+        return fence
 
     def _accumulator_ptrs(context, builder, aryty, ary, n):
         data = context.make_array(aryty)(context, builder, value=ary).data

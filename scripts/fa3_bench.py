@@ -1,0 +1,216 @@
+"""FlashAttention-3 on the H200 (issue 23): correctness, then time against its peers, one run.
+
+1. Correctness of ``attention(..., algorithm="fa3")`` on awkward shapes (tails of every tile,
+   GQA/MQA, causal with Nq != Nk, windows, head dims that are not 64/128/256): the output against
+   float64 (FlashAttention's rule: at most twice a plain 16-bit implementation's error, plus a
+   small floor), the logsumexp, and bitwise determinism (two calls). A watchdog reports a hung
+   kernel (an mbarrier phase that never completes) after ``--watchdog`` seconds and exits 3.
+2. Timing (CUDA events around each of ``--repeats`` calls queued back to back, the median,
+   compilation excluded) of fa3, our fa2, and PyTorch SDPA's flash (FlashAttention-2) and cuDNN
+   backends on the same tensors; TFLOP/s with 4 B H Nq Nk D (halved when causal).
+
+    python scripts/fa3_bench.py --json docs/data/fa3_h200_<date>.json
+    python scripts/fa3_bench.py --quick            # correctness and one shape
+
+Needs a Hopper GPU and torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+
+CASES = [  # (B, H, Hkv, Nq, Nk, D, causal, window)
+    (1, 1, 1, 128, 128, 64, False, (-1, -1)),
+    (2, 4, 4, 300, 300, 128, False, (-1, -1)),
+    (2, 4, 2, 300, 517, 128, True, (-1, -1)),
+    (1, 8, 1, 1000, 333, 64, True, (-1, -1)),
+    (1, 4, 4, 129, 4097, 96, False, (-1, -1)),
+    (3, 2, 1, 1, 700, 40, False, (-1, -1)),
+    (1, 2, 2, 513, 1030, 256, True, (-1, -1)),
+    (1, 2, 2, 777, 777, 128, False, (100, 20)),
+    (1, 3, 3, 64, 64, 8, True, (-1, -1)),
+    (2, 2, 2, 2048, 2048, 200, False, (-1, -1)),
+]
+
+SHAPES = [  # (B, H, N, D) of the timing
+    (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 64), (1, 16, 16384, 128), (4, 16, 4096, 256),
+]
+
+
+def parse_args(argv):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--repeats", type=int, default=10, help="queued calls timed per entry (median)")
+    ap.add_argument("--json", help="write every row to this file")
+    ap.add_argument("--quick", action="store_true", help="the correctness cases and one timed shape")
+    ap.add_argument("--dtypes", default="float16,bfloat16")
+    ap.add_argument("--no-check", action="store_true", help="skip the correctness cases")
+    ap.add_argument("--watchdog", type=float, default=120.0, help="seconds before a kernel is called hung")
+    ap.add_argument("--tiles", default="", help="extra fa3 configurations to time: bm x bn x stages, comma-separated (e.g. 128x176x2)")
+    return ap.parse_args(argv)
+
+
+def wait(torch, what: str, seconds: float) -> None:
+    """Synchronise, or report a hang (an mbarrier phase that never completed) and exit 3."""
+    ev = torch.cuda.Event()
+    ev.record()
+    start = time.time()
+    while not ev.query():
+        if time.time() - start > seconds:
+            print(f"HANG {what}: still running after {seconds:.0f} s", flush=True)
+            sys.stdout.flush()
+            import os
+
+            os._exit(3)
+        time.sleep(0.001)
+
+
+def plain(q, k, v, causal, window, torch):
+    """A plain 16-bit attention (S and P in the inputs' dtype): the error the 2x rule scales."""
+    return reference(q, k, v, causal, window, torch, dtype=q.dtype)
+
+
+def reference(q, k, v, causal, window, torch, dtype=None):
+    dtype = dtype or torch.float64
+    group = q.shape[1] // k.shape[1]
+    q, k, v = q.to(dtype), k.repeat_interleave(group, 1).to(dtype), v.repeat_interleave(group, 1).to(dtype)
+    nq, nk = q.shape[2], k.shape[2]
+    s = (q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    i = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+    j = torch.arange(nk, device=q.device)[None]
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if right >= 0:
+        visible &= j <= i + right
+    if left >= 0:
+        visible &= j >= i - left
+    s = s.masked_fill(~visible, -math.inf)
+    m = s.amax(-1, keepdim=True).nan_to_num(neginf=0.0)
+    p = (s - m).exp()
+    lsum = p.sum(-1, keepdim=True)
+    o = (p.to(dtype) @ v) / lsum.clamp_min(1e-300).to(dtype)
+    lse = (m + lsum.log()).squeeze(-1)
+    return o.masked_fill(lsum == 0, 0), lse
+
+
+def check(torch, numba_flash, dtype, watchdog) -> list[dict]:
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for B, H, Hkv, Nq, Nk, D, causal, window in CASES:
+        q = torch.randn(B, H, Nq, D, device="cuda", dtype=dtype, generator=gen)
+        k = torch.randn(B, Hkv, Nk, D, device="cuda", dtype=dtype, generator=gen)
+        v = torch.randn(B, Hkv, Nk, D, device="cuda", dtype=dtype, generator=gen)
+        out = torch.full_like(q, float("nan"))
+        lse_out = torch.full((B, H, Nq), float("nan"), device="cuda")
+        label = f"{dtype} B{B} H{H}/{Hkv} {Nq}x{Nk} D{D} causal={causal} window={window}"
+        try:
+            o, lse = numba_flash.forward(q, k, v, causal=causal, window_size=window, algorithm="fa3", out=out,
+                                         lse_out=lse_out)
+            wait(torch, label, watchdog)
+            o2, _ = numba_flash.forward(q, k, v, causal=causal, window_size=window, algorithm="fa3")
+            wait(torch, label, watchdog)
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(case=label, status=f"error: {type(e).__name__}: {e}"))
+            print(f"FAIL {label}: {type(e).__name__}: {e}", flush=True)
+            continue
+        ref_o, ref_lse = reference(q, k, v, causal, window, torch)
+        base_o, _ = plain(q, k, v, causal, window, torch)
+        err = float((o.double() - ref_o).abs().max())
+        base = float((base_o.double() - ref_o).abs().max())
+        finite = torch.isfinite(ref_lse)
+        lse_err = float((lse.double() - ref_lse)[finite].abs().max()) if finite.any() else 0.0
+        inf_ok = bool(torch.equal(torch.isinf(lse), torch.isinf(ref_lse)))
+        same = bool(torch.equal(o, o2))
+        ok = err <= 2 * base + 1e-5 and lse_err < 1e-3 and inf_ok and same and not torch.isnan(o).any()
+        rows.append(dict(case=label, status="ok" if ok else "FAIL", err=err, plain_err=base, lse_err=lse_err,
+                         deterministic=same))
+        print(f"{'PASS' if ok else 'FAIL'} {label}: err {err:.2e} (plain {base:.2e}) lse {lse_err:.1e} "
+              f"-inf rows {'match' if inf_ok else 'DIFFER'} deterministic={same}", flush=True)
+    return rows
+
+
+def median_ms(torch, fn, repeats: int) -> float:
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
+    for s, e in zip(starts, ends):
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles) -> list[dict]:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    rows = []
+    for B, H, N, D in shapes:
+        for causal in (False, True):
+            q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
+            flops = 4 * B * H * N * N * D / (2 if causal else 1)
+            entries = {"fa3": lambda: numba_flash.attention(q, k, v, causal=causal, algorithm="fa3"),
+                       "fa2": lambda: numba_flash.attention(q, k, v, causal=causal)}
+            for tiles in extra_tiles:
+                bm, bn, st = tiles
+                entries[f"fa3 {bm}x{bn}x{st}"] = (lambda bm=bm, bn=bn, st=st: numba_flash.fa3.forward(
+                    q, k, v, causal=causal, block_m=bm, block_n=bn, stages=st))
+            entries["fa3 no overlap"] = lambda: numba_flash.fa3.forward(q, k, v, causal=causal, overlap=False)
+            for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
+                def sdpa(backend=backend):
+                    with sdpa_kernel(backend):
+                        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                entries[name] = sdpa
+            times = {}
+            for name, fn in entries.items():
+                try:
+                    times[name] = median_ms(torch, fn, repeats)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+            line = f"{dtype} B{B} H{H} N{N} D{D} causal={causal}:"
+            for name, ms in times.items():
+                tf = flops / ms / 1e9
+                ratio = times["flash"] / ms if "flash" in times else float("nan")
+                rows.append(dict(dtype=str(dtype), B=B, H=H, N=N, D=D, causal=causal, impl=name, ms=ms, tflops=tf,
+                                 vs_flash=ratio, vs_cudnn=times.get("cudnn", float("nan")) / ms))
+                line += f"  {name} {ms:.3f} ms {tf:.0f} TF ({ratio:.2f}x flash)"
+            print(line, flush=True)
+    return rows
+
+
+def main(argv=None) -> int:
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    import torch
+
+    import numba_flash
+    import numba_flash.fa3  # noqa: F401
+
+    meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),
+                command="python scripts/fa3_bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
+    print(meta, flush=True)
+    rows, failed = [], 0
+    extra = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
+    for name in args.dtypes.split(","):
+        dtype = getattr(torch, name)
+        if not args.no_check:
+            checked = check(torch, numba_flash, dtype, args.watchdog)
+            failed += sum(r["status"] != "ok" for r in checked)
+            rows += checked
+        rows += bench(torch, numba_flash, dtype, SHAPES[1:2] if args.quick else SHAPES, args.repeats, extra)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    print(f"{failed} correctness failures", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
