@@ -76,7 +76,7 @@ def test_not_an_array(qkv):
 
 def test_unknown_algorithm(qkv):
     with pytest.raises(ValueError, match="algorithm must be one of"):
-        attention(*qkv, algorithm="fa3")
+        attention(*qkv, algorithm="fa4")
 
 
 @pytest.mark.parametrize("bad", [0, 3, 512, 2.0, True, "64"])

@@ -1,0 +1,122 @@
+"""algorithm="fa3": FlashAttention-3's warp-specialized forward (numba_flash.fa3, kernels.fa3) and
+the Hopper primitives' simulator twins (kernels.hopper) it runs on in CI.
+
+On the simulator every wgmma, TMA copy and mbarrier is a Python twin with the PTX semantics; the
+same kernel source runs on the H200 (tests/gpu/test_gpu_fa3.py). Small shapes: a simulated block
+has 256 threads (one producer and one consumer warpgroup).
+"""
+
+import numpy as np
+import pytest
+
+from helpers import plain_fp16_attention, rel_err
+from conftest import SIMULATED
+
+import numba_flash
+from numba_flash import fa3, reference
+from numba_flash.api import forward
+
+pytestmark = pytest.mark.skipif(not SIMULATED, reason="the GPU runs these in tests/gpu/test_gpu_fa3.py")
+
+
+def _inputs(B, H, Hkv, Nq, Nk, D, dtype, seed):
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, H, Nq, D)).astype(dtype)
+    k = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
+    v = rng.standard_normal((B, Hkv, Nk, D)).astype(dtype)
+    return q, k, v
+
+
+CASES = [  # B, H, Hkv, Nq, Nk, D, causal, window, block_n
+    (1, 2, 1, 70, 150, 64, True, (-1, -1), 64),  # GQA, K/V tiles wrapping the stages, tails of both
+    (2, 1, 1, 130, 50, 40, True, (-1, -1), 64),  # Nq > Nk: rows that see no key; D padded to 64 by TMA
+    (1, 1, 1, 65, 200, 100, False, (30, 10), 32),  # a window hiding tiles on both sides; D padded to 128
+    (1, 2, 2, 1, 97, 64, False, (-1, -1), 64),  # one query row
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[3]}x{c[4]}-D{c[5]}-causal{c[6]}-window{c[7]}")
+def test_fa3_matches_float64(case):
+    B, H, Hkv, Nq, Nk, D, causal, window, block_n = case
+    q, k, v = _inputs(B, H, Hkv, Nq, Nk, D, np.float16, seed=Nq + Nk)
+    out = np.full((B, H, Nq, D), np.nan, np.float16)
+    lse_out = np.full((B, H, Nq), np.nan, np.float32)
+    o, lse = forward(q, k, v, causal=causal, window_size=window, algorithm="fa3", block_n=block_n,
+                                 out=out, lse_out=lse_out)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal, window_size=window)
+    err = np.abs(o.astype(np.float64) - ref_o).max()
+    plain = plain_fp16_attention(q, k, v, causal=window if window != (-1, -1) else causal).astype(np.float64)
+    assert err <= 2 * np.abs(plain - ref_o).max() + 1e-5
+    assert np.array_equal(np.isinf(lse), np.isinf(ref_lse))  # rows that see no key: -inf
+    finite = np.isfinite(ref_lse)
+    np.testing.assert_allclose(lse[finite], ref_lse[finite], atol=1e-4)
+    assert not np.isnan(o).any()
+
+
+def test_fa3_bfloat16():
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v = _inputs(1, 1, 1, 33, 80, 64, ml_dtypes.bfloat16, seed=3)
+    o = numba_flash.attention(q, k, v, algorithm="fa3", block_n=32)
+    ref_o, _ = reference.attention(q, k, v)
+    plain = plain_fp16_attention(q, k, v, dtype=ml_dtypes.bfloat16).astype(np.float64)
+    assert 0 < rel_err(o, ref_o) <= 2 * rel_err(plain, ref_o)
+
+
+def test_fa3_schedules_compute_the_same_function():
+    """FA-3 Algorithm 2's overlapped order and Algorithm 1's do the same arithmetic per row:
+    bitwise-equal outputs (and so does a deeper K/V ring)."""
+    q, k, v = _inputs(1, 1, 1, 64, 160, 64, np.float16, seed=5)
+    runs = [fa3.forward(q, k, v, causal=True, block_n=32, stages=st, overlap=ov)
+            for st, ov in ((2, True), (2, False), (3, True))]
+    for o, lse in runs[1:]:
+        assert np.array_equal(o, runs[0][0]) and np.array_equal(lse, runs[0][1])
+
+
+@pytest.mark.parametrize("kwargs, error, match", [
+    (dict(softcap=10.0), ValueError, "softcap"),
+    (dict(num_splits=2), ValueError, "num_splits"),
+    (dict(block_m=96), ValueError, "block_m"),
+    (dict(block_n=24), ValueError, "block_n"),
+    (dict(scale=-1.0), ValueError, "scale"),
+    (dict(precision="ieee"), ValueError, "precision"),
+])
+def test_fa3_refuses_what_it_cannot_run(kwargs, error, match):
+    q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float16, seed=0)
+    with pytest.raises(error, match=match):
+        numba_flash.attention(q, k, v, algorithm="fa3", **kwargs)
+
+
+def test_fa3_refuses_float32_and_wide_heads():
+    q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float32, seed=0)
+    with pytest.raises(TypeError, match="float16 and bfloat16"):
+        numba_flash.attention(q, k, v, algorithm="fa3")
+    q, k, v = _inputs(1, 1, 1, 8, 8, 257, np.float16, seed=0)
+    with pytest.raises(ValueError, match="256"):
+        numba_flash.attention(q, k, v, algorithm="fa3")
+
+
+def test_fa3_empty_problems():
+    q, k, v = _inputs(1, 2, 2, 5, 0, 16, np.float16, seed=0)
+    o, lse = numba_flash.attention(q, k, v, algorithm="fa3", return_lse=True)
+    assert np.all(o == 0) and np.all(np.isneginf(lse))
+    q, k, v = _inputs(1, 2, 2, 0, 7, 16, np.float16, seed=0)
+    o = numba_flash.attention(q, k, v, algorithm="fa3")
+    assert o.shape == (1, 2, 0, 16)
+
+
+def test_tensor_map_readiness():
+    """TMA reads an array in place only with 16-byte strides and base; else the host copies it."""
+    from numba_flash.launch import DeviceArray
+
+    def arr(shape, strides, ptr=0):
+        return DeviceArray(ptr, shape, strides, "uint16", 2, int(np.prod(shape)), False)
+
+    assert fa3.tma_ready(arr((2, 4, 100, 64), (4 * 100 * 128, 100 * 128, 128, 2)))
+    assert not fa3.tma_ready(arr((2, 4, 100, 60), (4 * 100 * 120, 100 * 120, 120, 2)))  # rows of 120 bytes
+    assert not fa3.tma_ready(arr((2, 4, 100, 64), (4 * 100 * 128, 100 * 128, 128, 2), ptr=8))  # misaligned base
+    assert not fa3.tma_ready(arr((2, 4, 100, 64), (4 * 100 * 128, 128, 4 * 128, 4)))  # strided head dim
+    assert fa3.tma_ready(arr((1, 4, 100, 64), (0, 100 * 128, 128, 2)))  # a dimension of one: its stride unused
+
+
+def test_kernel_head_dims():
+    assert [fa3.kernel_head_dim(d) for d in (1, 64, 65, 128, 129, 256)] == [64, 64, 128, 128, 256, 256]
