@@ -150,9 +150,11 @@ def tensor_map(x, rows: int, dtype: str, device_id: int):
 
 def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, precision=None, num_splits=None,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
-            block_mask=None, out=None, lse_out=None, variant=None, kv_tile_order=None, stages=None, overlap=True):
-    """``api.forward`` for ``algorithm="fa3"``: returns ``(o, lse)``. ``stages`` (K/V slots) and
-    ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining) are research knobs (``ablate``)."""
+            block_mask=None, out=None, lse_out=None, variant=None, kv_tile_order=None, stages=None, overlap=True,
+            pingpong=True, reallocate=True):
+    """``api.forward`` for ``algorithm="fa3"``: returns ``(o, lse)``. Research knobs (the v2 -> v3
+    ablation): ``stages`` (K/V slots), ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining),
+    ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg)."""
     _unsupported(softcap, alibi_slopes, mask_mod, score_mod, mod_args, block_mask, num_splits, precision, variant,
                  kv_tile_order)
     q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
@@ -189,7 +191,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             o[...] = 0
             lse[...] = -math.inf
             return o, lse
-        _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), bool(overlap))
+        _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), (bool(overlap), bool(pingpong), bool(reallocate)))
     return o, lse
 
 
@@ -222,13 +224,14 @@ def _padded_device(x):
     return y
 
 
-def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, overlap) -> None:
+def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule) -> None:
     from numba_flash.kernels.fa3 import fa3_kernel
     from numba_flash.kernels.jit import LOG2E
     from numba_flash.launch import device_array, launch, numba_launch
 
     kind = "f16" if p.dtype == "float16" else "bf16"
-    kernel = fa3_kernel(D, bm, bn, stages, p.window, kind, overlap, registers(bm))
+    overlap, pingpong, reallocate = schedule
+    kernel = fa3_kernel(D, bm, bn, stages, p.window, kind, overlap, pingpong, registers(bm) if reallocate else None)
     B, H, Nq, Dq = p.q_shape
     grid = (-(-Nq // bm), H, B)
     block = (kernel.fa3_threads,)

@@ -37,6 +37,13 @@ CASES = [  # (B, H, Hkv, Nq, Nk, D, causal, window)
     (2, 2, 2, 2048, 2048, 200, False, (-1, -1)),
 ]
 
+VARIANTS = {  # fa3 with a factor of FA-3's design removed (numba_flash.fa3.forward's knobs)
+    "fa3 no overlap": dict(overlap=False),
+    "fa3 no pingpong": dict(pingpong=False),
+    "fa3 neither": dict(overlap=False, pingpong=False),
+    "fa3 no setmaxnreg": dict(reallocate=False),
+}
+
 SHAPES = [  # (B, H, N, D) of the timing
     (4, 16, 4096, 64), (4, 16, 4096, 128), (1, 16, 16384, 64), (1, 16, 16384, 128), (4, 16, 4096, 256),
 ]
@@ -110,10 +117,10 @@ def check(torch, numba_flash, dtype, watchdog) -> list[dict]:
         lse_out = torch.full((B, H, Nq), float("nan"), device="cuda")
         label = f"{dtype} B{B} H{H}/{Hkv} {Nq}x{Nk} D{D} causal={causal} window={window}"
         try:
-            o, lse = numba_flash.forward(q, k, v, causal=causal, window_size=window, algorithm="fa3", out=out,
+            o, lse = numba_flash.api.forward(q, k, v, causal=causal, window_size=window, algorithm="fa3", out=out,
                                          lse_out=lse_out)
             wait(torch, label, watchdog)
-            o2, _ = numba_flash.forward(q, k, v, causal=causal, window_size=window, algorithm="fa3")
+            o2, _ = numba_flash.api.forward(q, k, v, causal=causal, window_size=window, algorithm="fa3")
             wait(torch, label, watchdog)
         except Exception as e:  # noqa: BLE001
             rows.append(dict(case=label, status=f"error: {type(e).__name__}: {e}"))
@@ -163,7 +170,9 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles) -> list[dict]
                 bm, bn, st = tiles
                 entries[f"fa3 {bm}x{bn}x{st}"] = (lambda bm=bm, bn=bn, st=st: numba_flash.fa3.forward(
                     q, k, v, causal=causal, block_m=bm, block_n=bn, stages=st))
-            entries["fa3 no overlap"] = lambda: numba_flash.fa3.forward(q, k, v, causal=causal, overlap=False)
+            if D <= 128:  # the v2 -> v3 factors, one removed at a time
+                for name, knobs in VARIANTS.items():
+                    entries[name] = lambda knobs=knobs: numba_flash.fa3.forward(q, k, v, causal=causal, **knobs)
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 def sdpa(backend=backend):
                     with sdpa_kernel(backend):
@@ -191,6 +200,7 @@ def main(argv=None) -> int:
     import torch
 
     import numba_flash
+    import numba_flash.api  # noqa: F401
     import numba_flash.fa3  # noqa: F401
 
     meta = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, date=time.strftime("%Y-%m-%d"),

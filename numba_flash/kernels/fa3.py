@@ -48,8 +48,8 @@ BOX = hopper.BOX_COLS
 class Fa3Layout:
     """Where things live in the block's shared memory (byte offsets from the 1024-aligned base):
     the Q tile (``head_dim / 64`` boxes of ``block_m`` rows x 128 bytes), ``stages`` slots of K and
-    V (boxes of ``block_n`` rows), then the mbarriers (8 bytes each): Q's, and per slot K's full,
-    V's full and the slot's empty."""
+    V (boxes of ``block_n`` rows), then the mbarriers (8 bytes each): Q's, and per slot K's and V's
+    full (the producer's TMA bytes landed) and K's and V's empty (every consumer thread is done with them)."""
 
     def __init__(self, head_dim: int, block_m: int, block_n: int, stages: int):
         self.head_dim, self.block_m, self.block_n, self.stages = head_dim, block_m, block_n, stages
@@ -59,7 +59,7 @@ class Fa3Layout:
         self.q_at = 0
         self.k_at = self.q_bytes  # slot s: k_at + 2 s kv_bytes; V right after K
         self.bars_at = self.q_bytes + 2 * stages * self.kv_bytes
-        self.tile_bytes = self.bars_at + 8 * (1 + 3 * stages)
+        self.tile_bytes = self.bars_at + 8 * (1 + 4 * stages)
 
     @property
     def smem_bytes(self) -> int:
@@ -86,14 +86,19 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int) -> N
 
 @kernel_factory
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
-               registers: tuple = (24, 240)):
+               pingpong: bool = True, registers=(24, 240)):
     """The FA-3 forward kernel for one configuration (all compile-time):
     ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, d_out)``.
 
     q (B, H, Nq, D), k and v (B, Hkv, Nk, D): 16-bit bit patterns (``kind`` "f16" or "bf16"), read
     only through TMA (the tensor maps; the simulator reads the arrays); o (B, H, Nq, d_out) bit
     patterns, lse (B, H, Nq) float32; ``scale_log2`` = scale * log2(e) (> 0); ``group`` = H / Hkv.
-    Grid (Q tiles, H, B), the Q tiles longest-first under a right bound (causal)."""
+    Grid (Q tiles, H, B), the Q tiles longest-first under a right bound (causal).
+
+    The ablation's factors (``numba-flash ablate --fa3``): ``overlap`` (section 3.2: S_j's softmax
+    under P_{j-1} V_{j-1}), ``pingpong`` (section 3.1: the consumer warpgroups take turns issuing
+    their products, so one's softmax runs under the other's GEMMs; needs two or more),
+    ``registers`` (setmaxnreg's (producer, consumer) registers; ``None``: no reallocation)."""
     check_fa3_tiles(head_dim, block_m, block_n, stages)
     L = Fa3Layout(head_dim, block_m, block_n, stages)
     CONSUMERS = block_m // 64
@@ -101,9 +106,12 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     Q_BOX, KV_BOX = block_m * 128, block_n * 128  # bytes of one 64-column box
     S_N, O_N, P_WORDS = block_n // 2, head_dim // 2, block_n // 4
     BARS, Q_BYTES, KV_BYTES, KV_AT = L.bars_at, L.q_bytes, L.kv_bytes, L.k_at
-    EMPTY_ARRIVALS = WARPGROUP * CONSUMERS  # every consumer thread (one instruction per warp)
+    RELEASES = WARPGROUP * CONSUMERS  # a slot's K or V is free when every consumer thread says so
     REVERSED = window[1] >= 0  # a right bound: later Q tiles walk more K/V tiles; start them first
-    PRODUCER_REGS, CONSUMER_REGS = registers
+    REALLOCATE = registers is not None
+    PRODUCER_REGS, CONSUMER_REGS = registers if REALLOCATE else (0, 0)
+    PINGPONG = pingpong and CONSUMERS > 1
+    TURN = 2 * WARPGROUP  # a turn's barrier: the waiting warpgroup's sync and the previous one's arrive
     WINDOW = window
     qk = hopper.wgmma_ss(block_n, kind, 0)
     pv = hopper.wgmma_rs(head_dim, kind, 1)
@@ -130,12 +138,30 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         return base + BARS + 8 + 8 * stages + 8 * s
 
     @device_jit
-    def empty(base, s):
+    def k_empty(base, s):
         return base + BARS + 8 + 16 * stages + 8 * s
+
+    @device_jit
+    def v_empty(base, s):
+        return base + BARS + 8 + 24 * stages + 8 * s
 
     @device_jit
     def k_slot(base, s):
         return base + KV_AT + 2 * KV_BYTES * s
+
+    @device_jit
+    def take_turn(smem, c):
+        """Ping-pong: wait until the previous consumer warpgroup has issued its products."""
+        if PINGPONG:
+            hopper.named_barrier_sync(smem, 1 + c, TURN)
+
+    @device_jit
+    def pass_turn(smem, c, last):
+        """Ping-pong: let the next consumer warpgroup issue (the last warpgroup's last turn is not
+        passed: its first was given at the start, so every barrier completes as often as it is waited on)."""
+        if PINGPONG:
+            if not (last and c == CONSUMERS - 1):
+                hopper.named_barrier_arrive(smem, 1 + (c + 1) % CONSUMERS, TURN)
 
     @device_jit
     def s_product(smem, base, s_acc, q_at, s):
@@ -244,28 +270,33 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             for s in range(stages):
                 hopper.mbarrier_init(smem, k_full(base, s), 1)
                 hopper.mbarrier_init(smem, v_full(base, s), 1)
-                hopper.mbarrier_init(smem, empty(base, s), EMPTY_ARRIVALS)
+                hopper.mbarrier_init(smem, k_empty(base, s), RELEASES)
+                hopper.mbarrier_init(smem, v_empty(base, s), RELEASES)
             hopper.fence_barrier_init()
         cuda.syncthreads()
         if wg == 0:  # the producer (Algorithm 1 lines 3-8)
-            hopper.setmaxnreg_dec(PRODUCER_REGS)
+            if REALLOCATE:
+                hopper.setmaxnreg_dec(PRODUCER_REGS)
             if tid == 0:
                 hopper.mbarrier_arrive_expect_tx(smem, q_full(base), Q_BYTES)
                 for x in range(BOXES):
                     load_q(smem, base + x * Q_BOX, tmap_q, q, x * BOX, m0, h, b, q_full(base))
                 for it in range(count):
                     s = it % stages
-                    hopper.mbarrier_wait(smem, empty(base, s), ((it // stages) & 1) ^ 1)
+                    free = ((it // stages) & 1) ^ 1  # a fresh slot's previous phase counts as complete
                     n0 = (first + it) * block_n
                     k_at = k_slot(base, s)
+                    hopper.mbarrier_wait(smem, k_empty(base, s), free)
                     hopper.mbarrier_arrive_expect_tx(smem, k_full(base, s), KV_BYTES)
                     for x in range(BOXES):
                         load_kv(smem, k_at + x * KV_BOX, tmap_k, k, x * BOX, n0, hk, b, k_full(base, s))
+                    hopper.mbarrier_wait(smem, v_empty(base, s), free)
                     hopper.mbarrier_arrive_expect_tx(smem, v_full(base, s), KV_BYTES)
                     for x in range(BOXES):
                         load_kv(smem, k_at + KV_BYTES + x * KV_BOX, tmap_v, v, x * BOX, n0, hk, b, v_full(base, s))
             return
-        hopper.setmaxnreg_inc(CONSUMER_REGS)
+        if REALLOCATE:
+            hopper.setmaxnreg_inc(CONSUMER_REGS)
         c = wg - 1
         lane = tid % WARPGROUP
         w = lane // 32
@@ -294,14 +325,19 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             m[r] = float32(NEG_INF)
             l_run[r] = float32(0.0)
         q_at = base + 64 * c * 128  # this warpgroup's 64 rows of each Q box
+        if PINGPONG and c == CONSUMERS - 1 and count > 0:
+            hopper.named_barrier_arrive(smem, 1, TURN)  # the first turn is the first warpgroup's
         hopper.mbarrier_wait(smem, q_full(base), 0)
         if overlap and count > 0:  # FA-3 Algorithm 2: the softmax of S_j under the product P_{j-1} V_{j-1}
             hopper.mbarrier_wait(smem, k_full(base, 0), 0)
+            take_turn(smem, c)
             hopper.wgmma_fence()
             s_product(smem, base, s_acc, q_at, 0)
             hopper.wgmma_commit()
+            pass_turn(smem, c, False)
             hopper.wgmma_wait(0)
             fence_s(s_acc)
+            hopper.mbarrier_arrive(smem, k_empty(base, 0))
             softmax_step(smem, s_acc, first * block_n,
                          tile_needs_mask(first * block_n, block_n, first_row_last_key, last_row_first_key, WINDOW),
                          t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run, scale_log2)
@@ -310,59 +346,69 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 s = it % stages
                 prev = (it - 1) % stages
                 hopper.mbarrier_wait(smem, k_full(base, s), (it // stages) & 1)
+                hopper.mbarrier_wait(smem, v_full(base, prev), ((it - 1) // stages) & 1)
+                take_turn(smem, c)
                 fence_s(s_acc)
                 hopper.wgmma_fence()
                 s_product(smem, base, s_acc, q_at, s)  # S_j = Q K_j^T, issued
                 hopper.wgmma_commit()
-                hopper.mbarrier_wait(smem, v_full(base, prev), ((it - 1) // stages) & 1)
                 fence_p(p)
                 pv_product(smem, base, o_acc, p, prev)  # O += P_{j-1} V_{j-1}, issued
                 hopper.wgmma_commit()
+                pass_turn(smem, c, False)
                 hopper.wgmma_wait(1)  # S_j is in
                 fence_s(s_acc)
+                hopper.mbarrier_arrive(smem, k_empty(base, s))
                 col0 = (first + it) * block_n
                 needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
                 softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max,
                              l_run, scale_log2)
-                hopper.wgmma_wait(0)  # P_{j-1} V_{j-1} is in: O can be rescaled, P and the slot reused
+                hopper.wgmma_wait(0)  # P_{j-1} V_{j-1} is in: O can be rescaled, P and V_{j-1}'s slot reused
                 fence_o(o_acc)
                 fence_p(p)
-                hopper.mbarrier_arrive(smem, empty(base, prev))
+                hopper.mbarrier_arrive(smem, v_empty(base, prev))
                 rescale_o(o_acc, alpha)
                 to_fragments(s_acc, p)
             last = (count - 1) % stages
             hopper.mbarrier_wait(smem, v_full(base, last), ((count - 1) // stages) & 1)
+            take_turn(smem, c)
             fence_o(o_acc)
             hopper.wgmma_fence()
             pv_product(smem, base, o_acc, p, last)
             hopper.wgmma_commit()
+            pass_turn(smem, c, True)
             hopper.wgmma_wait(0)
             fence_o(o_acc)
-            hopper.mbarrier_arrive(smem, empty(base, last))
+            hopper.mbarrier_arrive(smem, v_empty(base, last))
         else:  # Algorithm 1 as written: each step's products and softmax in turn
             for it in range(count):
                 s = it % stages
                 phase = (it // stages) & 1
                 hopper.mbarrier_wait(smem, k_full(base, s), phase)
+                take_turn(smem, c)
                 hopper.wgmma_fence()
                 s_product(smem, base, s_acc, q_at, s)
                 hopper.wgmma_commit()
+                pass_turn(smem, c, False)
                 hopper.wgmma_wait(0)
                 fence_s(s_acc)
+                hopper.mbarrier_arrive(smem, k_empty(base, s))
                 col0 = (first + it) * block_n
                 needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
-                softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max,
-                             l_run, scale_log2)
+                softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
+                             scale_log2)
                 rescale_o(o_acc, alpha)
                 to_fragments(s_acc, p)
                 hopper.mbarrier_wait(smem, v_full(base, s), phase)
+                take_turn(smem, c)
                 fence_o(o_acc)
                 hopper.wgmma_fence()
                 pv_product(smem, base, o_acc, p, s)
                 hopper.wgmma_commit()
+                pass_turn(smem, c, it == count - 1)
                 hopper.wgmma_wait(0)
                 fence_o(o_acc)
-                hopper.mbarrier_arrive(smem, empty(base, s))  # line 19: the slot is free
+                hopper.mbarrier_arrive(smem, v_empty(base, s))  # line 19: the slot is free
         # Lines 21-23: O = diag(l)^-1 O~, L = m + log l; rows past Nq and columns past d_out unwritten
         for r in range(2):
             total = quad_sum(smem, l_run[r])

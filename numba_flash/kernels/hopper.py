@@ -36,7 +36,8 @@ base is 0). Every primitive takes ``smem`` first so that its twin can reach the 
   registers ordinary code wrote, ``wgmma_commit`` closes a group, ``wgmma_wait(n)`` waits until
   at most ``n`` groups are in flight. In the simulator a product completes when issued.
 - **setmaxnreg** (``inc``/``dec``): a warpgroup's register budget (a no-op in the simulator).
-- **Named barriers** (``bar.sync id, n``): ``n`` threads of some warps meet (FA-3's ping-pong).
+- **Named barriers** (``bar.sync id, n`` waits, ``bar.arrive id, n`` does not): ``n`` threads of some
+  warps meet (FA-3's ping-pong hands the tensor cores from one consumer warpgroup to the other).
 
 The simulator twins keep their state (mbarrier phases, the warpgroups' register exchanges) in
 Python objects keyed by the block's buffer, because a simulated block's threads are Python threads
@@ -237,10 +238,30 @@ if simulated():
         """Lower the warpgroup's registers per thread to ``n``."""
         return
 
+    _NAMED: dict = {}  # (buffer, id) -> [arrived, generation]
+
+    def _named(smem, bar_id, threads, wait):
+        key = (_buffer_key(smem), int(bar_id))
+        with _LOCK:
+            state = _NAMED.setdefault(key, [0, 0])
+            generation = state[1]
+            state[0] += 1
+            if state[0] == int(threads):
+                state[0] = 0
+                state[1] += 1
+                _LOCK.notify_all()
+            elif wait and not _LOCK.wait_for(lambda: state[1] != generation, timeout=SIM_TIMEOUT):
+                raise RuntimeError(f"named barrier {int(bar_id)} never completed (a hang on the GPU)")
+
     @device_jit
-    def named_barrier(smem, bar_id, threads):
-        """``bar.sync bar_id, threads``: wait until ``threads`` threads have arrived at ``bar_id``."""
-        _group(smem, ("bar", int(bar_id)), int(threads))[0].wait()
+    def named_barrier_sync(smem, bar_id, threads):
+        """``bar.sync bar_id, threads``: arrive, and wait until ``threads`` threads have arrived."""
+        _named(smem, bar_id, threads, True)
+
+    @device_jit
+    def named_barrier_arrive(smem, bar_id, threads):
+        """``bar.arrive bar_id, threads``: arrive without waiting (the producer side of a hand-over)."""
+        _named(smem, bar_id, threads, False)
 
     @device_jit
     def descriptor(address, lbo, sbo):
@@ -488,19 +509,30 @@ else:
     setmaxnreg_inc = _literal_statement("setmaxnreg.inc.sync.aligned.u32 {};")
     setmaxnreg_dec = _literal_statement("setmaxnreg.dec.sync.aligned.u32 {};")
 
-    @intrinsic
-    def _bar_sync(typingctx, bar_id, threads):
-        def codegen(context, builder, sig, args):
-            _asm(builder, ir.VoidType(), [_I32, _I32], "bar.sync $0, $1;", "r,r,~{memory}",
-                 _u32_args(context, builder, sig.args, args), convergent=True)
-            return context.get_dummy_value()
+    def _bar(text):
+        @intrinsic
+        def bar(typingctx, bar_id, threads):
+            def codegen(context, builder, sig, args):
+                _asm(builder, ir.VoidType(), [_I32, _I32], text, "r,r,~{memory}",
+                     _u32_args(context, builder, sig.args, args), convergent=True)
+                return context.get_dummy_value()
 
-        return types.void(bar_id, threads), codegen
+            return types.void(bar_id, threads), codegen
+
+        return bar
+
+    _bar_sync = _bar("bar.sync $0, $1;")
+    _bar_arrive = _bar("bar.arrive $0, $1;")
 
     @device_jit
-    def named_barrier(smem, bar_id, threads):
-        """``bar.sync bar_id, threads``: wait until ``threads`` threads have arrived at ``bar_id``."""
+    def named_barrier_sync(smem, bar_id, threads):
+        """``bar.sync bar_id, threads``: arrive, and wait until ``threads`` threads have arrived."""
         _bar_sync(bar_id, threads)
+
+    @device_jit
+    def named_barrier_arrive(smem, bar_id, threads):
+        """``bar.arrive bar_id, threads``: arrive without waiting (the producer side of a hand-over)."""
+        _bar_arrive(bar_id, threads)
 
     @device_jit
     def descriptor(address, lbo, sbo):
