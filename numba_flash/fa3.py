@@ -235,24 +235,27 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule) -> None:
     B, H, Nq, Dq = p.q_shape
     grid = (-(-Nq // bm), H, B)
     block = (kernel.fa3_threads,)
-    scalars = [np.float32(p.scale * LOG2E), np.int32(Nq), np.int32(p.n_k), np.int32(p.group), np.int32(Dq)]
+    scalars = [np.float32(p.scale * LOG2E), np.int32(Nq), np.int32(p.n_k), np.int32(p.group)]
     kq, kk, kv, ko = (_kernel_view(x, ctx.kind) for x in (q, k, v, o))
+    pairs = _pairs_view(ko, D)  # the kernel writes O as 32-bit pairs, all D columns
+    wide = pairs if pairs is not None else _pairs_view(_empty_like(ko, (B, H, Nq, D), ctx.kind), D)
     klse = lse if ctx.kind != "torch" else _float_view(lse)
     if simulated():  # the twins read the arrays themselves; the tensor maps are unused words
         maps = [np.zeros(16, np.uint64) for _ in range(3)]
-        numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), ko, klse, *maps,
+        numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), wide, klse, *maps,
                                                  *scalars], kernel.fa3_smem)
+        _narrow(ko, wide, pairs, Dq)
         return
     from numba_flash._cuda import cuda
 
     if ctx.kind == "numpy":  # device copies there and back
         inputs = [cuda.to_device(_padded_host(x)) for x in (kq, kk, kv)]
-        outputs = [cuda.device_array(ko.shape, np.uint16), cuda.device_array(klse.shape, np.float32)]
+        outputs = [cuda.device_array(wide.shape, np.uint32), cuda.device_array(klse.shape, np.float32)]
         arrays = [device_array(x, "numba") for x in (*inputs, *outputs)]
         stream_ptr = 0
     else:
         inputs = [x if tma_ready(device_array(x, "cupy")) else _padded_device(x) for x in (kq, kk, kv)]
-        arrays = [device_array(x, "cupy") for x in (*inputs, ko, klse)]
+        arrays = [device_array(x, "cupy") for x in (*inputs, wide, klse)]
         stream_ptr = ctx.stream_ptr()
     device_id = ctx.device_id if ctx.device_id is not None else cuda.get_current_device().id
     maps = [tensor_map(arrays[0], bm, p.dtype, device_id), tensor_map(arrays[1], bn, p.dtype, device_id),
@@ -260,8 +263,38 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule) -> None:
     args = arrays + [device_array(m, "numba") for m in maps] + scalars
     launch(kernel, grid, block, stream_ptr, args, kernel.fa3_smem, device_id)
     if ctx.kind == "numpy":
-        ko[...] = outputs[0].copy_to_host()
+        wide[...] = outputs[0].copy_to_host()
         klse[...] = outputs[1].copy_to_host()
+    _narrow(ko, wide, pairs, Dq)
+
+
+def _pairs_view(x, width: int):
+    """``x`` (B, H, N, width) uint16 as (B, H, N, width / 2) uint32 pairs, or ``None`` when it is not
+    that wide or its rows cannot be seen as 32-bit words (strides, alignment)."""
+    if x.shape[3] != width or (x.strides[3] != 2 and width > 1):
+        return None
+    ptr = x.ctypes.data if isinstance(x, np.ndarray) else x.data.ptr
+    if ptr % 4 or any(s % 4 for s in x.strides[:3]):
+        return None
+    try:
+        return x.view(np.uint32)
+    except (ValueError, TypeError):
+        return None
+
+
+def _empty_like(x, shape, kind: str):
+    if isinstance(x, np.ndarray):
+        return np.empty(shape, np.uint16)
+    import cupy
+
+    return cupy.empty(shape, np.uint16)
+
+
+def _narrow(ko, wide, pairs, width: int) -> None:
+    """The output's first ``width`` columns from the kernel's padded pairs (nothing when the kernel
+    wrote the caller's buffer itself)."""
+    if pairs is None:
+        ko[...] = wide.view(np.uint16)[..., :width]
 
 
 def _float_view(x):

@@ -57,6 +57,9 @@ def parse_args(argv):
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness cases")
     ap.add_argument("--watchdog", type=float, default=120.0, help="seconds before a kernel is called hung")
+    ap.add_argument("--shapes", default="", help="timed shapes B,H,N,D separated by ';' (default: the issue's five)")
+    ap.add_argument("--cases", type=int, default=len(CASES), help="run only the first N correctness cases (sanitizers)")
+    ap.add_argument("--no-bench", action="store_true", help="correctness only")
     ap.add_argument("--tiles", default="", help="extra fa3 configurations to time: bm x bn x stages, comma-separated (e.g. 128x176x2)")
     return ap.parse_args(argv)
 
@@ -106,10 +109,10 @@ def reference(q, k, v, causal, window, torch, dtype=None):
     return o.masked_fill(lsum == 0, 0), lse
 
 
-def check(torch, numba_flash, dtype, watchdog) -> list[dict]:
+def check(torch, numba_flash, dtype, watchdog, cases=CASES) -> list[dict]:
     rows = []
     gen = torch.Generator(device="cuda").manual_seed(0)
-    for B, H, Hkv, Nq, Nk, D, causal, window in CASES:
+    for B, H, Hkv, Nq, Nk, D, causal, window in cases:
         q = torch.randn(B, H, Nq, D, device="cuda", dtype=dtype, generator=gen)
         k = torch.randn(B, Hkv, Nk, D, device="cuda", dtype=dtype, generator=gen)
         v = torch.randn(B, Hkv, Nk, D, device="cuda", dtype=dtype, generator=gen)
@@ -211,10 +214,13 @@ def main(argv=None) -> int:
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         if not args.no_check:
-            checked = check(torch, numba_flash, dtype, args.watchdog)
+            checked = check(torch, numba_flash, dtype, args.watchdog, CASES[: args.cases])
             failed += sum(r["status"] != "ok" for r in checked)
             rows += checked
-        rows += bench(torch, numba_flash, dtype, SHAPES[1:2] if args.quick else SHAPES, args.repeats, extra)
+        shapes = [tuple(int(x) for x in t.split(",")) for t in args.shapes.split(";") if t] or (
+            SHAPES[1:2] if args.quick else SHAPES)
+        if not args.no_bench:
+            rows += bench(torch, numba_flash, dtype, shapes, args.repeats, extra)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

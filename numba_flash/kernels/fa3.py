@@ -88,11 +88,11 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int) -> N
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
                pingpong: bool = True, registers=(24, 240)):
     """The FA-3 forward kernel for one configuration (all compile-time):
-    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, d_out)``.
+    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group)``.
 
-    q (B, H, Nq, D), k and v (B, Hkv, Nk, D): 16-bit bit patterns (``kind`` "f16" or "bf16"), read
-    only through TMA (the tensor maps; the simulator reads the arrays); o (B, H, Nq, d_out) bit
-    patterns, lse (B, H, Nq) float32; ``scale_log2`` = scale * log2(e) (> 0); ``group`` = H / Hkv.
+    q (B, H, Nq, Dq), k and v (B, Hkv, Nk, Dq), Dq <= D: 16-bit bit patterns (``kind`` "f16" or
+    "bf16"), read only through TMA (the tensor maps; the simulator reads the arrays: columns past Dq
+    read as zeros); o (B, H, Nq, D / 2) uint32, pairs of 16-bit values; lse (B, H, Nq) float32; ``scale_log2`` = scale * log2(e) (> 0); ``group`` = H / Hkv.
     Grid (Q tiles, H, B), the Q tiles longest-first under a right bound (causal).
 
     The ablation's factors (``numba-flash ablate --fa3``): ``overlap`` (section 3.2: S_j's softmax
@@ -247,7 +247,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         update_max(m, m_ref, alpha, tile_max)
         exponentials(s_acc, m_ref, l_run, alpha, scale_log2)
 
-    def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, d_out):
+    def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group):
         smem = cuda.shared.array(0, dtype=uint8, alignment=SMEM_ALIGN)
         base = hopper.tile_base(smem)
         tid = cuda.threadIdx.x
@@ -409,7 +409,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 hopper.wgmma_wait(0)
                 fence_o(o_acc)
                 hopper.mbarrier_arrive(smem, v_empty(base, s))  # line 19: the slot is free
-        # Lines 21-23: O = diag(l)^-1 O~, L = m + log l; rows past Nq and columns past d_out unwritten
+        # Lines 21-23: O = diag(l)^-1 O~, L = m + log l; rows past Nq unwritten
         for r in range(2):
             total = quad_sum(smem, l_run[r])
             l_run[r] = reciprocal_or_zero(total)
@@ -418,14 +418,11 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                     lse[b, h, row + 8 * r] = float32(NEG_INF)
                 else:
                     lse[b, h, row + 8 * r] = (m[r] + math.log2(total)) * float32(LN2)
-        for j in range(D // 8):
-            col = 8 * j + 2 * t
-            for r in range(2):
-                if row + 8 * r < n_q and col < d_out:
-                    word = pack(o_acc[4 * j + 2 * r] * l_run[r], o_acc[4 * j + 2 * r + 1] * l_run[r])
-                    o[b, h, row + 8 * r, col] = word & 0xFFFF
-                    if col + 1 < d_out:
-                        o[b, h, row + 8 * r, col + 1] = word >> 16
+        for r in range(2):  # o: the caller's (or a padded) output as pairs of 16-bit values
+            if row + 8 * r < n_q:
+                inv = l_run[r]
+                for j in range(D // 8):
+                    o[b, h, row + 8 * r, 4 * j + t] = pack(o_acc[4 * j + 2 * r] * inv, o_acc[4 * j + 2 * r + 1] * inv)
 
     threads = WARPGROUP * (CONSUMERS + 1)
     jitted = kernel_jit(fastmath={"contract", "afn", "arcp"}, launch_bounds=(threads, 1))(kernel)

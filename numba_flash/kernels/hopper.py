@@ -556,7 +556,7 @@ else:
                 dtype = ptrs[0].type.pointee
                 code = "f" if isinstance(dtype, ir.FloatType) else "r"
                 old = [builder.load(p) for p in ptrs]
-                r = _asm(builder, ir.LiteralStructType([dtype] * n), [dtype] * n, "",
+                r = _asm(builder, dtype if n == 1 else ir.LiteralStructType([dtype] * n), [dtype] * n, "",
                          ",".join([f"={code}"] * n + [str(i) for i in range(n)]), old)
                 for i, p in enumerate(ptrs):
                     builder.store(r if n == 1 else builder.extract_value(r, i), p)
