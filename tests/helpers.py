@@ -298,24 +298,34 @@ def script_module(filename: str, module_name: str | None = None):
     sys.modules.pop(module.__name__, None)
 
 
-def torch_scores(q, k, causal):
+def torch_scores(q, k, causal, window_size=(-1, -1)):
     """Scaled scores of torch tensors in their dtype, K's heads repeated for GQA, keys hidden by
-    the bottom-right causal mask at -inf: the GPU tests' reference attention starts here."""
+    the bottom-right causal mask and the window (FlashAttention's ``window_size``) at -inf: the
+    GPU tests' reference attention starts here."""
     import torch
 
     g = q.shape[1] // k.shape[1]
     s = q @ k.repeat_interleave(g, dim=1).transpose(-1, -2) / math.sqrt(q.shape[-1])
+    left, right = window_size
     if causal:
+        right = 0 if right < 0 else min(right, 0)
+    if left >= 0 or right >= 0:
         Nq, Nk = q.shape[2], k.shape[2]
-        i = torch.arange(Nq, device=q.device)[:, None]
+        i = torch.arange(Nq, device=q.device)[:, None] + (Nk - Nq)
         j = torch.arange(Nk, device=q.device)[None, :]
-        s = s.masked_fill(j > i + (Nk - Nq), -math.inf)
+        hidden = torch.zeros(Nq, Nk, dtype=torch.bool, device=q.device)
+        if right >= 0:
+            hidden |= j > i + right
+        if left >= 0:
+            hidden |= j < i - left
+        s = s.masked_fill(hidden, -math.inf)
     return s
 
 
-def torch_attention(q, k, v, causal):
+def torch_attention(q, k, v, causal, window_size=(-1, -1)):
     """softmax(scores) V of torch tensors in their dtype (rows that see no key: 0), autograd-ready."""
     import torch
 
     g = q.shape[1] // k.shape[1]
-    return torch.softmax(torch_scores(q, k, causal), dim=-1).nan_to_num(0.0) @ v.repeat_interleave(g, dim=1)
+    scores = torch_scores(q, k, causal, window_size)
+    return torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v.repeat_interleave(g, dim=1)

@@ -72,6 +72,17 @@ def test_fa3_schedules_compute_the_same_function():
         assert np.array_equal(o, runs[0][0]) and np.array_equal(lse, runs[0][1])
 
 
+def test_fa3_ping_pong_turns_compute_the_same_function():
+    """Two consumer warpgroups taking turns at the tensor cores (FA-3 section 3.1's ping-pong, named
+    barriers) change when products are issued, not what they compute."""
+    q, k, v = _inputs(1, 1, 1, 128, 70, 64, np.float16, seed=6)
+    turns = fa3.forward(q, k, v, block_m=128, block_n=32, pingpong=True)
+    alone = fa3.forward(q, k, v, block_m=128, block_n=32, pingpong=False, overlap=False)
+    assert np.array_equal(turns[0], alone[0]) and np.array_equal(turns[1], alone[1])
+    ref_o, _ = reference.attention(q, k, v)
+    assert rel_err(turns[0], ref_o) < 1e-3
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(softcap=10.0), ValueError, "softcap"),
     (dict(num_splits=2), ValueError, "num_splits"),
