@@ -104,6 +104,10 @@ def _parser() -> argparse.ArgumentParser:
                      help="also measure each variant's DRAM bytes and achieved occupancy with Nsight Compute "
                           "(the ncu binary; GPU only)")
     abl.add_argument("--ncu-dir", default="ablate-ncu", metavar="DIR", help="where --ncu writes its plan and raw CSV")
+    abl.add_argument("--fa3", action="store_true",
+                     help="the FA-2 -> FA-3 ablation instead: FA-2 beside the Hopper kernel with ping-pong, the "
+                          "intra-warpgroup overlap and setmaxnreg switched off in turn (16-bit: float32 runs as "
+                          "float16; default problem B4 H16 N4096 D128; FA-3's Table 2 beside it)")
 
     occ = add("occupancy", "registers, shared memory and occupancy per tile configuration (GPU or ptxas)")
     occ.add_argument("--algorithm", nargs="+", default=["fa1", "fa2"], choices=["fa1", "fa2"], help="kernels to profile")
@@ -281,6 +285,15 @@ def _print_rows(rows, notes, args, format_rows) -> None:
 
 def _ablate(args) -> int:
     from numba_flash.research.ablation import ablate, add_ncu, format_ablation, plot_waterfall
+
+    if args.fa3:
+        from numba_flash.research.fa3_ablation import ablate_fa3, format_fa3_ablation
+
+        result = _measure_rows("ablate", ablate_fa3, args)
+        if result is None:
+            return 2
+        _print_rows(*result, args, format_fa3_ablation)
+        return 0
 
     result = _measure_rows("ablate", ablate, args)
     if result is None:
