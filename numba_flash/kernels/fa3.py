@@ -118,7 +118,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     load_q = hopper.tma_box_loader(block_m)
     load_kv = hopper.tma_box_loader(block_n)
     pack = hopper.pack_pair(kind)
-    quad_max = hopper.quad_reduce(nan_max)
+    quad_max = hopper.quad_reduce(hopper.max_nan)
     quad_sum = hopper.quad_reduce(add)
     fence_s = hopper.register_fence(S_N)
     fence_o = hopper.register_fence(O_N)
@@ -194,7 +194,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         for r in range(2):
             x = float32(NEG_INF)
             for j in range(block_n // 8):
-                x = nan_max(x, nan_max(s_acc[4 * j + 2 * r], s_acc[4 * j + 2 * r + 1]))
+                x = hopper.max_nan(x, hopper.max_nan(s_acc[4 * j + 2 * r], s_acc[4 * j + 2 * r + 1]))
             tile_max[r] = quad_max(smem, x) * scale_log2
 
     @device_jit

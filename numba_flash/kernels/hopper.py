@@ -343,6 +343,13 @@ if simulated():
 
         return pack
 
+    @device_jit
+    def max_nan(a, b):
+        """max(a, b), NaN when either is NaN (``max.NaN.f32``: one instruction)."""
+        if a != a or b != b:
+            return float32(np.nan)
+        return float32(max(float(a), float(b)))
+
     @functools.lru_cache(maxsize=None)
     def quad_reduce(combine):
         """``reduce(smem, x)``: ``combine`` over the four lanes of the thread's quad (the threads
@@ -646,6 +653,20 @@ else:
         return pack
 
     _PACKS = {"f16": _pack("f16"), "bf16": _pack("bf16")}
+
+    @intrinsic
+    def _max_nan(typingctx, a, b):
+        def codegen(context, builder, sig, args):
+            x, y = (_as(context, builder, v, t, types.float32) for v, t in zip(args, sig.args))
+            return _asm(builder, _F32, [_F32, _F32], "max.NaN.f32 $0, $1, $2;", "=f,f,f", [x, y], side_effect=False)
+
+        return types.float32(a, b), codegen
+
+    @device_jit
+    def max_nan(a, b):
+        """max(a, b), NaN when either is NaN (``max.NaN.f32``: one FMNMX.NAN, where a compare-and-select
+        that keeps NaN takes four instructions)."""
+        return _max_nan(a, b)
 
     @functools.lru_cache(maxsize=None)
     def pack_pair(kind: str):

@@ -53,6 +53,17 @@ def test_fa3_matches_float64(case):
     assert not np.isnan(o).any()
 
 
+def test_fa3_nan_propagates_to_the_rows_it_touches():
+    """API.md section 1: a NaN score reaches exactly the rows that see it (the row max keeps NaN:
+    ``max.NaN.f32``), never the others."""
+    q, k, v = _inputs(1, 1, 1, 40, 40, 64, np.float16, seed=9)
+    k[0, 0, 20, 3] = np.nan
+    o, lse = fa3.forward(q, k, v, causal=True, block_n=16)
+    rows_seeing = np.arange(40) >= 20
+    assert np.isnan(o[0, 0, rows_seeing]).all(axis=-1).all() and np.isnan(lse[0, 0, rows_seeing]).all()
+    assert np.isfinite(o[0, 0, ~rows_seeing]).all() and np.isfinite(lse[0, 0, ~rows_seeing]).all()
+
+
 def test_fa3_bfloat16():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     q, k, v = _inputs(1, 1, 1, 33, 80, 64, ml_dtypes.bfloat16, seed=3)
