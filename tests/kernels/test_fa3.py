@@ -142,3 +142,17 @@ def test_tensor_map_readiness():
 
 def test_kernel_head_dims():
     assert [fa3.kernel_head_dim(d) for d in (1, 64, 65, 128, 129, 256)] == [64, 64, 128, 128, 256, 256]
+
+
+def test_fa3_refuses_a_gpu_that_is_not_hopper(monkeypatch):
+    """API.md 2f: elsewhere than compute capability 9.0, a ValueError naming the GPU and what it can run."""
+    from numba_flash._cuda import cuda
+
+    class Ampere:
+        name = b"NVIDIA A100-SXM4-80GB"
+        compute_capability = (8, 0)
+
+    monkeypatch.setattr(fa3, "simulated", lambda: False)
+    monkeypatch.setattr(cuda, "get_current_device", lambda: Ampere())
+    with pytest.raises(ValueError, match=r"A100.*8\.0.*'fa2' or 'fa1'"):
+        fa3.require_fa3_device(None)
