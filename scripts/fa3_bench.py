@@ -60,6 +60,7 @@ def parse_args(argv):
     ap.add_argument("--shapes", default="", help="timed shapes B,H,N,D separated by ';' (default: the issue's five)")
     ap.add_argument("--cases", type=int, default=len(CASES), help="run only the first N correctness cases (sanitizers)")
     ap.add_argument("--no-bench", action="store_true", help="correctness only")
+    ap.add_argument("--no-variants", action="store_true", help="time fa3 without its ablation's variants")
     ap.add_argument("--tiles", default="", help="extra fa3 configurations to time: bm x bn x stages, comma-separated (e.g. 128x176x2)")
     return ap.parse_args(argv)
 
@@ -159,7 +160,7 @@ def median_ms(torch, fn, repeats: int) -> float:
     return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
-def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles) -> list[dict]:
+def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
@@ -173,7 +174,7 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles) -> list[dict]
                 bm, bn, st = tiles
                 entries[f"fa3 {bm}x{bn}x{st}"] = (lambda bm=bm, bn=bn, st=st: numba_flash.fa3.forward(
                     q, k, v, causal=causal, block_m=bm, block_n=bn, stages=st))
-            if D <= 128:  # the v2 -> v3 factors, one removed at a time
+            if variants and D <= 128:  # the v2 -> v3 factors, one removed at a time
                 for name, knobs in VARIANTS.items():
                     entries[name] = lambda knobs=knobs: numba_flash.fa3.forward(q, k, v, causal=causal, **knobs)
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
@@ -220,7 +221,7 @@ def main(argv=None) -> int:
         shapes = [tuple(int(x) for x in t.split(",")) for t in args.shapes.split(";") if t] or (
             SHAPES[1:2] if args.quick else SHAPES)
         if not args.no_bench:
-            rows += bench(torch, numba_flash, dtype, shapes, args.repeats, extra)
+            rows += bench(torch, numba_flash, dtype, shapes, args.repeats, extra, not args.no_variants)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)
