@@ -84,9 +84,12 @@ def _parser() -> argparse.ArgumentParser:
     cmp.add_argument("--force", action="store_true",
                      help="run in the simulator (no GPU) even when that is expected to take more than 10 minutes")
 
+    cmp.add_argument("--algorithms", nargs="+", choices=["fa1", "fa2", "fa3"], default=["fa1", "fa2"], metavar="ALG",
+                     help="the kernels side by side: fa1, fa2, fa3 (FlashAttention-3 on Hopper: float16/bfloat16, "
+                          "compute capability 9.0 or the simulator) (default: fa1 fa2)")
     abl = add("ablate", "every point of the FA-1 -> FA-2 space (loop order, grid, rescale, O load) on the same inputs")
     for action in cmp._actions:  # compare's problem flags, the same defaults
-        if action.dest in ("help", "precision"):
+        if action.dest in ("help", "precision", "algorithms"):
             continue
         abl._add_action(action)
     # After ablate copied compare's flags: the backward has its two loop orders only (no variants).

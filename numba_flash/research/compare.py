@@ -84,23 +84,28 @@ def compare(args, progress=None):
 
     say = progress or (lambda line: None)
     backward = bool(getattr(args, "backward", False))
-    problem, notes = setup(args, say, backward=backward)
+    algorithms = tuple(getattr(args, "algorithms", None) or ALGORITHMS)
+    if backward and "fa3" in algorithms:
+        raise ValueError("fa3 has no backward yet: compare --backward takes --algorithms fa1 fa2")
+    problem, notes = setup(args, say, algorithms=algorithms, backward=backward)
     rows = []
-    for n, alg in enumerate(ALGORITHMS, 1):
+    for n, alg in enumerate(algorithms, 1):
         name = display_name(alg)
         started = time.perf_counter()
-        say(f"[{n}/{len(ALGORITHMS)}] {name}: {'simulating' if problem['sim'] else 'compiling, checking against float64, timing'} ...")
+        say(f"[{n}/{len(algorithms)}] {name}: {'simulating' if problem['sim'] else 'compiling, checking against float64, timing'} ...")
         row = measure(problem, alg, args.repeats, backward=backward)
         rows.append(row)
-        say(f"[{n}/{len(ALGORITHMS)}] {name}: done in {time.perf_counter() - started:.1f} s, relative error {row['rel_err']:.1e}")
+        say(f"[{n}/{len(algorithms)}] {name}: done in {time.perf_counter() - started:.1f} s, relative error {row['rel_err']:.1e}")
     if not problem["sim"]:
         say("timing the peers (CuPy matmul-softmax-matmul, PyTorch SDPA backends) ...")
         for name in peer_names(problem["p"]["dtype"]):
             notes.append(peer_note(measure_or_fail(problem, name, args.repeats, backward=backward)))
-        fa1, fa2 = rows
-        notes.append(f"FA-2 / FA-1 speed: {time_ratio(fa1, fa2):.2f}x")
-        if backward:
-            notes.append(f"FA-2 / FA-1 backward speed: {fa1['bwd_ms'] / fa2['bwd_ms']:.2f}x")
+        by_alg = dict(zip(algorithms, rows))
+        for slow, fast in (("fa1", "fa2"), ("fa2", "fa3")):
+            if slow in by_alg and fast in by_alg:
+                notes.append(f"{display_name(fast)} / {display_name(slow)} speed: {time_ratio(by_alg[slow], by_alg[fast]):.2f}x")
+        if backward and "fa1" in by_alg and "fa2" in by_alg:
+            notes.append(f"FA-2 / FA-1 backward speed: {by_alg['fa1']['bwd_ms'] / by_alg['fa2']['bwd_ms']:.2f}x")
     return rows, notes
 
 
@@ -131,6 +136,8 @@ def simulated_seconds(p: dict, algorithms=ALGORITHMS, backward: bool = False) ->
     kv = np.broadcast_to(zero, (p["batch"], p["kv_heads"], p["seq_k"], p["head_dim"]))
     total = 0.0
     for alg in algorithms:
+        if alg == "fa3":  # (its loop order is FA-2's; its simulated cost is of the same order)
+            alg = "fa2"
         problem = describe_problem(q, kv, kv, causal=p["causal"], algorithm=alg, precision=p["precision"])
         total += forward_seconds(configure(problem, p["block_m"], p["block_n"]))
         if backward:

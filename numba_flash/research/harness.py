@@ -145,6 +145,8 @@ def measure(problem, impl, repeats, *, warmup=WARMUP, variant=None, device_memor
     has none). Raises what the implementation raises (``ValueError`` for tiles it refuses)."""
     if impl in ALGORITHMS:
         return _measure_kernel(problem, impl, repeats, warmup, variant, device_memory, backward)
+    if impl == "fa3":
+        return _measure_fa3(problem, repeats, warmup)
     row = new_row(problem["p"], impl, "ok")
     ms = median_ms(_peer_call(problem, impl), warmup=warmup, repeats=repeats)
     row.update(ms=ms, tflops=tflops(problem["flops"], ms))
@@ -252,6 +254,53 @@ def _measure_kernel(problem, algorithm, repeats, warmup, variant, device_memory,
         ms = median_ms(run, warmup=warmup, repeats=repeats)
         row.update(ms=ms, tflops=tflops(problem["flops"], ms))
         row.update(compiled_resources(spec.kernel, spec.threads, spec.dynamic_smem).as_dict())
+    return row
+
+
+def _measure_fa3(problem, repeats, warmup) -> dict:
+    """The row of ``algorithm="fa3"`` (FlashAttention-3 on Hopper, ``numba_flash.fa3``): FA-2's
+    fields, its tiles and launch; the traffic model is FA-2's at the same tiles (the same loop
+    order: Q_i read once, K_j and V_j once per Q tile)."""
+    from numba_flash import fa3
+    from numba_flash.kernels.fa3 import check_fa3_tiles, fa3_kernel
+
+    p, q, k, v = (problem[key] for key in ("p", "q", "k", "v"))
+    B, H, Hkv, Nq, Nk, D = (p[key] for key in ("batch", "heads", "kv_heads", "seq", "seq_k", "head_dim"))
+    kernel_dim = fa3.kernel_head_dim(D)
+    dm, dn, stages = fa3.default_tiles(kernel_dim, p["causal"])
+    bm, bn = p["block_m"] or dm, p["block_n"] or dn
+    try:  # the tiles compare was given or defaulted to (FA-1 and FA-2's), where fa3 can build them
+        check_fa3_tiles(kernel_dim, bm, bn, stages)
+    except ValueError:
+        bm, bn = dm, dn
+
+    def run():
+        return fa3.forward(q, k, v, causal=p["causal"], block_m=bm, block_n=bn)
+
+    o, _ = run()
+    kind = "f16" if p["dtype"] == "float16" else "bf16"
+    window = (-1, 0) if p["causal"] else (-1, -1)
+    kernel = fa3_kernel(kernel_dim, bm, bn, stages, window, kind, True, True, fa3.registers(bm))
+    row = new_row(p, "fa3", "ok")
+    row.update(
+        algorithm="fa3",
+        regime=f"tensor cores (wgmma {kind}, TMA, warp-specialized)",
+        block_m=bm,
+        block_n=bn,
+        **_errors(o, problem),
+        modelled_bytes=traffic_bytes("fa2", B, H, Hkv, Nq, Nk, D, bm, bn, p["dtype"], p["causal"], tensor_cores=True),
+        smem_bytes=kernel.fa3_smem,
+        threads=kernel.fa3_threads,
+        blocks=-(-Nq // bm) * H * B,
+        num_splits=1,
+    )
+    del o
+    if not problem["sim"]:
+        from numba_flash.research.profiling.resources import compiled_resources
+
+        ms = median_ms(run, warmup=warmup, repeats=repeats)
+        row.update(ms=ms, tflops=tflops(problem["flops"], ms))
+        row.update(compiled_resources(kernel, kernel.fa3_threads, kernel.fa3_smem).as_dict())
     return row
 
 

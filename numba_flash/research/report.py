@@ -14,8 +14,8 @@ def shape_label(row: dict) -> str:
 
 
 def display_name(impl: str) -> str:
-    """``FA-1`` / ``FA-2`` for the numba_flash kernels; a peer's own name (``cupy``, ``torch-flash``)."""
-    return impl.upper().replace("FA", "FA-") if impl in ("fa1", "fa2") else impl
+    """``FA-1`` / ``FA-2`` / ``FA-3`` for the numba_flash kernels; a peer's own name (``cupy``, ``torch-flash``)."""
+    return impl.upper().replace("FA", "FA-") if impl in ("fa1", "fa2", "fa3") else impl
 
 
 def markdown_table(header: list[str], body: list[list[str]]) -> list[str]:
