@@ -123,6 +123,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     fence_s = hopper.register_fence(S_N)
     fence_o = hopper.register_fence(O_N)
     fence_p = hopper.register_fence(P_WORDS)
+    fence_l = hopper.register_fence(2)
     SMEM_ALIGN = None if simulated() else hopper.TILE_ALIGN
 
     @device_jit
@@ -363,6 +364,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
                 softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max,
                              l_run, scale_log2)
+                fence_s(s_acc)  # LLVM keeps the exponentials above the wait; ptxas still hoists the wait (perf log 19)
+                fence_l(l_run)
                 hopper.wgmma_wait(0)  # P_{j-1} V_{j-1} is in: O can be rescaled, P and V_{j-1}'s slot reused
                 fence_o(o_acc)
                 fence_p(p)
