@@ -201,6 +201,9 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
 
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
+    from numba_flash import needs
+
+    needs.exit_unless("fa3_bench.py", needs.gpu(), needs.module("torch"))
     import torch
 
     import numba_flash

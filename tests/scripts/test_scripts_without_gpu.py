@@ -28,6 +28,7 @@ RUNS = {
     "first_call.py": [],
     "flash_attn_grid.py": [],
     "hbm_read_ceiling.py": [],
+    "fa3_bench.py": [],
     "mask_gallery.py": [],
     "ncu_traffic.py": ["--out", "{tmp}/ncu"],
     "online_softmax_demo.py": None,
