@@ -59,7 +59,8 @@ class Fa3Layout:
         self.q_at = 0
         self.k_at = self.q_bytes  # slot s: k_at + 2 s kv_bytes; V right after K
         self.bars_at = self.q_bytes + 2 * stages * self.kv_bytes
-        self.tile_bytes = self.bars_at + 8 * (1 + 4 * stages)
+        self.sink_at = self.bars_at + 8 * (1 + 4 * stages)  # a word per thread: the ordered wait's store
+        self.tile_bytes = self.sink_at + 4 * 128 * (block_m // 64 + 1)
 
     @property
     def smem_bytes(self) -> int:
@@ -105,7 +106,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     BOXES, D = L.boxes, head_dim
     Q_BOX, KV_BOX = block_m * 128, block_n * 128  # bytes of one 64-column box
     S_N, O_N, P_WORDS = block_n // 2, head_dim // 2, block_n // 4
-    BARS, Q_BYTES, KV_BYTES, KV_AT = L.bars_at, L.q_bytes, L.kv_bytes, L.k_at
+    BARS, Q_BYTES, KV_BYTES, KV_AT, SINK = L.bars_at, L.q_bytes, L.kv_bytes, L.k_at, L.sink_at
     RELEASES = WARPGROUP * CONSUMERS  # a slot's K or V is free when every consumer thread says so
     REVERSED = window[1] >= 0  # a right bound: later Q tiles walk more K/V tiles; start them first
     REALLOCATE = registers is not None
@@ -364,9 +365,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
                 softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max,
                              l_run, scale_log2)
-                fence_s(s_acc)  # LLVM keeps the exponentials above the wait; ptxas still hoists the wait (perf log 19)
-                fence_l(l_run)
-                hopper.wgmma_wait(0)  # P_{j-1} V_{j-1} is in: O can be rescaled, P and V_{j-1}'s slot reused
+                # P_{j-1} V_{j-1} is in: O can be rescaled, P and V_{j-1}'s slot reused. The wait follows a
+                # store of the row sums, so ptxas cannot hoist it above S_j's exponentials (perf log 19)
+                hopper.wgmma_wait_after(smem, base + SINK + 4 * tid, l_run[0] + l_run[1])
                 fence_o(o_acc)
                 fence_p(p)
                 hopper.mbarrier_arrive(smem, v_empty(base, prev))

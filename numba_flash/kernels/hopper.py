@@ -214,6 +214,12 @@ if simulated():
         return
 
     @device_jit
+    def wgmma_wait_after(smem, address, value):
+        """``wgmma.wait_group 0`` after ``value`` is stored at shared ``address`` (the store kept: it
+        is what orders the wait on the GPU)."""
+        smem.view(np.float32)[int(address) // 4] = value
+
+    @device_jit
     def wgmma_wait(n):
         """Wait until at most ``n`` committed groups are in flight (simulated ones complete at issue)."""
         return
@@ -509,6 +515,24 @@ else:
             _tma_load_4d(dst, _global_address(tmap), d0, n0, h, b, bar)
 
         return load
+
+    @intrinsic
+    def _wait_after_store(typingctx, address, value):
+        def codegen(context, builder, sig, args):
+            a = _as(context, builder, args[0], sig.args[0], types.uint32)
+            v = _as(context, builder, args[1], sig.args[1], types.float32)
+            _asm(builder, ir.VoidType(), [_I32, _F32], "st.shared.f32 [$0], $1;\nwgmma.wait_group.sync.aligned 0;",
+                 "r,f,~{memory}", [a, v], convergent=True)
+            return context.get_dummy_value()
+
+        return types.void(address, value), codegen
+
+    @device_jit
+    def wgmma_wait_after(smem, address, value):
+        """``wgmma.wait_group 0`` after ``value`` is stored at shared ``address``: a wait ptxas cannot
+        schedule before the instructions that compute ``value`` (it hoists a bare wait to the top of
+        its block, ahead of independent work that Algorithm 2 wants under the products)."""
+        _wait_after_store(address, value)
 
     wgmma_fence = _statement("wgmma.fence.sync.aligned;", convergent=True)
     wgmma_commit = _statement("wgmma.commit_group.sync.aligned;", convergent=True)
