@@ -183,6 +183,22 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                hopper.descriptor(v_at + kk * 16 * 128, KV_BOX, hopper.SBO_128B), 1)
 
     @device_jit
+    def pv_step(smem, base, o_acc, p, it, c, last):
+        """O += P V of the ``it``-th K/V tile, issued on its own and waited for (Algorithm 1 line 18;
+        Algorithm 2's last step), then its V slot released (line 19)."""
+        s = it % stages
+        hopper.mbarrier_wait(smem, v_full(base, s), (it // stages) & 1)
+        take_turn(smem, c)
+        fence_o(o_acc)
+        hopper.wgmma_fence()
+        pv_product(smem, base, o_acc, p, s)
+        hopper.wgmma_commit()
+        pass_turn(smem, c, last)
+        hopper.wgmma_wait(0)
+        fence_o(o_acc)
+        hopper.mbarrier_arrive(smem, v_empty(base, s))
+
+    @device_jit
     def mask_scores(s_acc, col0, t, first_keys, last_keys):
         """Hidden (row, key) pairs -> -inf, on the accumulator layout (kernels.mask's rule)."""
         for j in range(block_n // 8):
@@ -373,17 +389,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 hopper.mbarrier_arrive(smem, v_empty(base, prev))
                 rescale_o(o_acc, alpha)
                 to_fragments(s_acc, p)
-            last = (count - 1) % stages
-            hopper.mbarrier_wait(smem, v_full(base, last), ((count - 1) // stages) & 1)
-            take_turn(smem, c)
-            fence_o(o_acc)
-            hopper.wgmma_fence()
-            pv_product(smem, base, o_acc, p, last)
-            hopper.wgmma_commit()
-            pass_turn(smem, c, True)
-            hopper.wgmma_wait(0)
-            fence_o(o_acc)
-            hopper.mbarrier_arrive(smem, v_empty(base, last))
+            pv_step(smem, base, o_acc, p, count - 1, c, True)
         else:  # Algorithm 1 as written: each step's products and softmax in turn
             for it in range(count):
                 s = it % stages
@@ -403,16 +409,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                              scale_log2)
                 rescale_o(o_acc, alpha)
                 to_fragments(s_acc, p)
-                hopper.mbarrier_wait(smem, v_full(base, s), phase)
-                take_turn(smem, c)
-                fence_o(o_acc)
-                hopper.wgmma_fence()
-                pv_product(smem, base, o_acc, p, s)
-                hopper.wgmma_commit()
-                pass_turn(smem, c, it == count - 1)
-                hopper.wgmma_wait(0)
-                fence_o(o_acc)
-                hopper.mbarrier_arrive(smem, v_empty(base, s))  # line 19: the slot is free
+                pv_step(smem, base, o_acc, p, it, c, it == count - 1)
         # Lines 21-23: O = diag(l)^-1 O~, L = m + log l; rows past Nq unwritten
         for r in range(2):
             total = quad_sum(smem, l_run[r])
