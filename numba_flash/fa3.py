@@ -21,8 +21,9 @@ import math
 import numpy as np
 
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, as_cupy_view
+from numba_flash.arrays import ArrayContext, as_cupy_view, zero_padded
 from numba_flash.problem import describe
+from numba_flash.tile_table import fa3_tiles
 
 ALGORITHM = "fa3"
 HOPPER = (9, 0)
@@ -36,16 +37,6 @@ def kernel_head_dim(head_dim: int) -> int:
         if head_dim <= d:
             return d
     raise ValueError(f"fa3 takes head dims up to 256; got {head_dim}")
-
-
-def default_tiles(head_dim: int, causal: bool) -> tuple[int, int, int]:
-    """(block_m, block_n, stages) of the kernel head dim: FA-3's choices where they fit (its
-    ``tile_size_fwd_sm90``: 128 x 128 at D <= 128, 128 x 80 at 256), small tiles in the simulator."""
-    if simulated():
-        return 64, 64, 2
-    if head_dim <= 128:
-        return 128, 128, 2
-    return 128, 80, 2
 
 
 def registers(block_m: int) -> tuple[int, int]:
@@ -165,7 +156,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     if not p.scale > 0:
         raise ValueError(f"algorithm='fa3' needs scale > 0; got {p.scale}")
     D = kernel_head_dim(p.head_dim)
-    dm, dn, ds = default_tiles(D, p.causal)
+    dm, dn, ds = fa3_tiles(D)
     bm = dm if block_m is None else block_m
     bn = dn if block_n is None else block_n
     st = ds if stages is None else stages
@@ -204,42 +195,37 @@ def _kernel_view(x, kind: str):
     return bits_view(x, kind, True)
 
 
-def _padded_host(x):
-    """A NumPy input as TMA reads it: contiguous, the head dim padded with zeros to a multiple of 8."""
-    width = -(-x.shape[3] // 8) * 8
-    if width == x.shape[3]:
-        return np.ascontiguousarray(x)
-    y = np.zeros(x.shape[:3] + (width,), x.dtype)
-    y[..., : x.shape[3]] = x
-    return y
+def _tma_copy(x):
+    """An input TMA cannot read where it is, copied: C-contiguous, the head dim zero-padded to a
+    multiple of 8 elements (16-byte rows)."""
+    return zero_padded(x, -(-x.shape[3] // 8) * 8)
 
 
-def _padded_device(x):
-    """A CuPy input TMA cannot read in place, copied: contiguous, the head dim padded to a multiple of 8."""
-    import cupy
+def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overlap=True, pingpong=True,
+               reallocate=True):
+    """The compiled-on-demand FA-3 kernel of checked problem ``p`` (``problem.Problem``) at the
+    kernel's ``head_dim`` and these tiles and schedule switches."""
+    from numba_flash.kernels.fa3 import fa3_kernel
 
-    B, H, N, D = x.shape
-    y = cupy.zeros((B, H, N, -(-D // 8) * 8), dtype=x.dtype)
-    y[..., :D] = x
-    return y
+    kind = "f16" if p.dtype == "float16" else "bf16"
+    return fa3_kernel(head_dim, block_m, block_n, stages, p.window, kind, overlap, pingpong,
+                      registers(block_m) if reallocate else None)
 
 
 def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule) -> None:
-    from numba_flash.kernels.fa3 import fa3_kernel
     from numba_flash.kernels.jit import LOG2E
     from numba_flash.launch import device_array, launch, numba_launch
+    from numba_flash.tensor_cores import bits_view
 
-    kind = "f16" if p.dtype == "float16" else "bf16"
-    overlap, pingpong, reallocate = schedule
-    kernel = fa3_kernel(D, bm, bn, stages, p.window, kind, overlap, pingpong, registers(bm) if reallocate else None)
+    kernel = kernel_for(p, D, bm, bn, stages, *schedule)
     B, H, Nq, Dq = p.q_shape
     grid = (-(-Nq // bm), H, B)
     block = (kernel.fa3_threads,)
     scalars = [np.float32(p.scale * LOG2E), np.int32(Nq), np.int32(p.n_k), np.int32(p.group)]
     kq, kk, kv, ko = (_kernel_view(x, ctx.kind) for x in (q, k, v, o))
     pairs = _pairs_view(ko, D)  # the kernel writes O as 32-bit pairs, all D columns
-    wide = pairs if pairs is not None else _pairs_view(_empty_like(ko, (B, H, Nq, D), ctx.kind), D)
-    klse = lse if ctx.kind != "torch" else _float_view(lse)
+    wide = pairs if pairs is not None else _pairs_view(_empty_like(ko, (B, H, Nq, D)), D)
+    klse = bits_view(lse, ctx.kind, False)
     if simulated():  # the twins read the arrays themselves; the tensor maps are unused words
         maps = [np.zeros(16, np.uint64) for _ in range(3)]
         numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), wide, klse, *maps,
@@ -249,12 +235,12 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule) -> None:
     from numba_flash._cuda import cuda
 
     if ctx.kind == "numpy":  # device copies there and back
-        inputs = [cuda.to_device(_padded_host(x)) for x in (kq, kk, kv)]
+        inputs = [cuda.to_device(np.ascontiguousarray(x) if x.shape[3] % 8 == 0 else _tma_copy(x)) for x in (kq, kk, kv)]
         outputs = [cuda.device_array(wide.shape, np.uint32), cuda.device_array(klse.shape, np.float32)]
         arrays = [device_array(x, "numba") for x in (*inputs, *outputs)]
         stream_ptr = 0
     else:
-        inputs = [x if tma_ready(device_array(x, "cupy")) else _padded_device(x) for x in (kq, kk, kv)]
+        inputs = [x if tma_ready(device_array(x, "cupy")) else _tma_copy(x) for x in (kq, kk, kv)]
         arrays = [device_array(x, "cupy") for x in (*inputs, wide, klse)]
         stream_ptr = ctx.stream_ptr()
     device_id = ctx.device_id if ctx.device_id is not None else cuda.get_current_device().id
@@ -282,7 +268,7 @@ def _pairs_view(x, width: int):
         return None
 
 
-def _empty_like(x, shape, kind: str):
+def _empty_like(x, shape):
     if isinstance(x, np.ndarray):
         return np.empty(shape, np.uint16)
     import cupy
@@ -296,8 +282,3 @@ def _narrow(ko, wide, pairs, width: int) -> None:
     if pairs is None:
         ko[...] = wide.view(np.uint16)[..., :width]
 
-
-def _float_view(x):
-    from numba_flash.tensor_cores import torch_as_cupy
-
-    return torch_as_cupy(x)

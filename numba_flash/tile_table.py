@@ -129,6 +129,19 @@ def forward_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
     return small if head_dim <= 64 else large
 
 
+# FlashAttention-3 on Hopper (kernels.fa3): (block_m, block_n, K/V stages) by the kernel's head dim,
+# FA-3's own choices where they fit (its tile_size_fwd_sm90): 128 x 128 up to D = 128, 128 x 80 at
+# 256 (two stages of 80-key K and V slots beside a 128-row Q: 226 KiB). The simulator: one consumer
+# warpgroup, 64-key tiles.
+FA3_TILES = {64: (128, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
+FA3_SIM_TILES = (64, 64, 2)
+
+
+def fa3_tiles(head_dim: int) -> tuple[int, int, int]:
+    """(block_m, block_n, stages) of the FA-3 forward; ``head_dim``: the kernel's (64, 128 or 256)."""
+    return FA3_SIM_TILES if simulated() else FA3_TILES[head_dim]
+
+
 # ------------------------------------------------------------------------------------------
 # Backward on CUDA cores (kernels.bwd: square block x block tiles)
 # ------------------------------------------------------------------------------------------

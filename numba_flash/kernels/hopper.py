@@ -80,6 +80,8 @@ if simulated():
     # ----------------------------------------------------------------------------------------
     # Simulator twins
     # ----------------------------------------------------------------------------------------
+    from numba_flash.kernels.mma import _bf16_bits, _f16_bits
+
     _LOCK = threading.Condition(threading.Lock())
     _BARRIERS: dict = {}  # (buffer, address) -> [count, pending, tx, phase]
     _GROUPS: dict = {}  # (buffer, group) -> (threading.Barrier, exchange dict)
@@ -92,15 +94,6 @@ if simulated():
         if kind == "f16":
             return bits.view(np.float16).astype(np.float64)
         return (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-
-    def _half_bits(x, kind):
-        x = np.float32(x)
-        if kind == "f16":
-            return int(np.float16(x).view(np.uint16))
-        u = int(np.asarray(x).view(np.uint32))
-        if (u & 0x7F800000) == 0x7F800000 and (u & 0x7FFFFF):
-            return 0x7FC0
-        return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) & 0xFFFF
 
     def _group(smem, group, parties):
         key = (_buffer_key(smem), group, parties)
@@ -342,10 +335,11 @@ if simulated():
     @functools.lru_cache(maxsize=None)
     def pack_pair(kind: str):
         """``pack(lo, hi)``: two float32 -> one word of two 16-bit values (lo in the low half)."""
+        to_bits = _f16_bits if kind == "f16" else _bf16_bits  # (kernels.mma's: round to nearest even)
 
         @device_jit
         def pack(lo, hi):
-            return uint32(_half_bits(lo, kind) | (_half_bits(hi, kind) << 16))
+            return uint32(to_bits(lo) | (to_bits(hi) << 16))
 
         return pack
 

@@ -262,12 +262,14 @@ def _measure_fa3(problem, repeats, warmup) -> dict:
     fields, its tiles and launch; the traffic model is FA-2's at the same tiles (the same loop
     order: Q_i read once, K_j and V_j once per Q tile)."""
     from numba_flash import fa3
-    from numba_flash.kernels.fa3 import check_fa3_tiles, fa3_kernel
+    from numba_flash.kernels.fa3 import check_fa3_tiles
+    from numba_flash.problem import describe as describe_problem
+    from numba_flash.tile_table import fa3_tiles
 
     p, q, k, v = (problem[key] for key in ("p", "q", "k", "v"))
     B, H, Hkv, Nq, Nk, D = (p[key] for key in ("batch", "heads", "kv_heads", "seq", "seq_k", "head_dim"))
     kernel_dim = fa3.kernel_head_dim(D)
-    dm, dn, stages = fa3.default_tiles(kernel_dim, p["causal"])
+    dm, dn, stages = fa3_tiles(kernel_dim)
     bm, bn = p["block_m"] or dm, p["block_n"] or dn
     try:  # the tiles compare was given or defaulted to (FA-1 and FA-2's), where fa3 can build them
         check_fa3_tiles(kernel_dim, bm, bn, stages)
@@ -278,13 +280,11 @@ def _measure_fa3(problem, repeats, warmup) -> dict:
         return fa3.forward(q, k, v, causal=p["causal"], block_m=bm, block_n=bn)
 
     o, _ = run()
-    kind = "f16" if p["dtype"] == "float16" else "bf16"
-    window = (-1, 0) if p["causal"] else (-1, -1)
-    kernel = fa3_kernel(kernel_dim, bm, bn, stages, window, kind, True, True, fa3.registers(bm))
+    kernel = fa3.kernel_for(describe_problem(q, k, v, causal=p["causal"]), kernel_dim, bm, bn, stages)
     row = new_row(p, "fa3", "ok")
     row.update(
         algorithm="fa3",
-        regime=f"tensor cores (wgmma {kind}, TMA, warp-specialized)",
+        regime=f"tensor cores (wgmma {'f16' if p['dtype'] == 'float16' else 'bf16'}, TMA, warp-specialized)",
         block_m=bm,
         block_n=bn,
         **_errors(o, problem),
