@@ -37,7 +37,7 @@ from numba import int32, uint8, uint32  # noqa: E402
 from numba_flash._world import simulated
 from numba_flash.kernels import hopper
 from numba_flash.kernels.jit import LN2, NEG_INF, device_jit, kernel_factory, kernel_jit
-from numba_flash.kernels.mask import first_visible_key, key_hidden, kv_tile_range, last_visible_key, tile_needs_mask
+from numba_flash.kernels.mask import first_visible_key, kv_tile_range, last_visible_key, tile_masker, tile_needs_mask
 from numba_flash.kernels.row_reduce import add
 from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, nan_max, reciprocal_or_zero
 
@@ -106,6 +106,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     BOXES, D = L.boxes, head_dim
     Q_BOX, KV_BOX = block_m * 128, block_n * 128  # bytes of one 64-column box
     S_N, O_N, P_WORDS = block_n // 2, head_dim // 2, block_n // 4
+    S_SHAPE = (block_n // 8, 4)
     BARS, Q_BYTES, KV_BYTES, KV_AT, SINK = L.bars_at, L.q_bytes, L.kv_bytes, L.k_at, L.sink_at
     RELEASES = WARPGROUP * CONSUMERS  # a slot's K or V is free when every consumer thread says so
     REVERSED = window[1] >= 0  # a right bound: later Q tiles walk more K/V tiles; start them first
@@ -199,12 +200,16 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         hopper.mbarrier_arrive(smem, v_empty(base, s))
 
     @device_jit
-    def mask_scores(s_acc, col0, t, first_keys, last_keys):
-        """Hidden (row, key) pairs -> -inf, on the accumulator layout (kernels.mask's rule)."""
-        for j in range(block_n // 8):
-            for e in range(4):
-                if key_hidden(col0 + 8 * j + 2 * t + (e & 1), first_keys[e >> 1], last_keys[e >> 1], WINDOW):
-                    s_acc[4 * j + e] = float32(NEG_INF)
+    def key_of(j, e):
+        """Entry (j, e) of a thread's S tile holds key 8 j + 2 t + (e & 1) past the tile's start
+        (``col0 + 2 t`` is passed as the tile's first key), of row ``e >> 1`` (row, row + 8)."""
+        return 8 * j + (e & 1)
+
+    @device_jit
+    def row_of(j, e):
+        return e >> 1
+
+    mask_scores = tile_masker(block_n // 8, 4, key_of, row_of)  # kernels.mask's one masking routine
 
     @device_jit
     def row_maxima(smem, s_acc, tile_max, scale_log2):
@@ -212,7 +217,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         for r in range(2):
             x = float32(NEG_INF)
             for j in range(block_n // 8):
-                x = hopper.max_nan(x, hopper.max_nan(s_acc[4 * j + 2 * r], s_acc[4 * j + 2 * r + 1]))
+                x = hopper.max_nan(x, hopper.max_nan(s_acc[j, 2 * r], s_acc[j, 2 * r + 1]))
             tile_max[r] = quad_max(smem, x) * scale_log2
 
     @device_jit
@@ -234,9 +239,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             part = float32(0.0)
             for j in range(block_n // 8):
                 for e in range(2):
-                    i = 4 * j + 2 * r + e
-                    x = math.exp2(s_acc[i] * scale_log2 - m_ref[r])
-                    s_acc[i] = x
+                    x = math.exp2(s_acc[j, 2 * r + e] * scale_log2 - m_ref[r])
+                    s_acc[j, 2 * r + e] = x
                     part += x
             l_run[r] = l_run[r] * alpha[r] + part
 
@@ -252,15 +256,15 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         """P~ as the 16-bit A fragments of the P V product: key columns 16kk..16kk+15 of the
         accumulator are exactly m16n8k16's A layout (the FA-2 trick, FA-3 section 3.1)."""
         for j in range(block_n // 8):
-            p[2 * j] = pack(s_acc[4 * j], s_acc[4 * j + 1])
-            p[2 * j + 1] = pack(s_acc[4 * j + 2], s_acc[4 * j + 3])
+            p[2 * j] = pack(s_acc[j, 0], s_acc[j, 1])
+            p[2 * j + 1] = pack(s_acc[j, 2], s_acc[j, 3])
 
     @device_jit
     def softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
                      scale_log2):
         """Lines 15-17 on a tile's S: mask, row max, the running max, P~ and l."""
         if needs_mask:
-            mask_scores(s_acc, col0, t, first_keys, last_keys)
+            mask_scores(s_acc, col0 + 2 * t, first_keys, last_keys, WINDOW)
         row_maxima(smem, s_acc, tile_max, scale_log2)
         update_max(m, m_ref, alpha, tile_max)
         exponentials(s_acc, m_ref, l_run, alpha, scale_log2)
@@ -329,7 +333,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         # Only the tiles a bound crosses take the element-wise mask (block-uniform test)
         first_row_last_key = last_visible_key(m0, n_q, n_k, WINDOW)
         last_row_first_key = first_visible_key(last_row, n_q, n_k, WINDOW)
-        s_acc = cuda.local.array(S_N, dtype=float32)
+        s_acc = cuda.local.array(S_SHAPE, dtype=float32)  # (8-key column tile, entry): the accumulator layout
         o_acc = cuda.local.array(O_N, dtype=float32)
         p = cuda.local.array(P_WORDS, dtype=uint32)
         m = cuda.local.array(2, dtype=float32)

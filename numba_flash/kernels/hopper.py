@@ -288,7 +288,8 @@ if simulated():
         return _half_values(smem.view(np.uint16)[swizzle_128b(addr) // 2], kind)
 
     def _accumulate(acc, a_rows, b, n, scale_d):
-        """acc (this thread's fragment) = scale_d * acc + (A B) at the thread's entries."""
+        """acc (this thread's fragment, any shape, read flat) = scale_d * acc + (A B) at the thread's entries."""
+        acc = acc.reshape(-1)
         _, lane = _warpgroup_lane()
         w, g, t = lane // 32, (lane % 32) // 4, lane % 4
         for half, row in ((0, 16 * w + g), (1, 16 * w + g + 8)):
