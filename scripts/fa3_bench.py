@@ -20,9 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
+import pathlib
 import sys
 import time
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from mask_gallery import median_ms  # noqa: E402 (queued timing: events around each call, one synchronisation)
 
 CASES = [  # (B, H, Hkv, Nq, Nk, D, causal, window)
     (1, 1, 1, 128, 128, 64, False, (-1, -1)),
@@ -146,20 +149,6 @@ def check(torch, numba_flash, dtype, watchdog, cases=CASES) -> list[dict]:
     return rows
 
 
-def median_ms(torch, fn, repeats: int) -> float:
-    fn()
-    fn()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(repeats)]
-    for s, e in zip(starts, ends):
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
-
-
 def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -185,7 +174,7 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
             times = {}
             for name, fn in entries.items():
                 try:
-                    times[name] = median_ms(torch, fn, repeats)
+                    times[name] = median_ms(fn, torch, repeats)
                 except Exception as e:  # noqa: BLE001
                     print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
             line = f"{dtype} B{B} H{H} N{N} D{D} causal={causal}:"

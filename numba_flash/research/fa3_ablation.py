@@ -42,12 +42,10 @@ PAPER_H100 = {  # FA-3 Table 2 (H100 SXM5, D = 128, non-causal, 16-bit): TFLOP/s
 
 def ablate_fa3(args, progress=None):
     """Measure every point of :data:`POINTS` on ``args``' problem; returns ``(rows, notes)``."""
-    import numpy as np
-
     from numba_flash import fa3
     from numba_flash._world import simulated
     from numba_flash.api import forward
-    from numba_flash.research.profiling.timing import attention_flops, tflops
+    from numba_flash.research.profiling.timing import attention_flops, median_ms, tflops
 
     say = progress or (lambda line: None)
     sim = simulated()
@@ -62,10 +60,10 @@ def ablate_fa3(args, progress=None):
     ref = _reference(q, k, v, args.causal)
     flops = attention_flops(B, H, N, Nk, D, args.causal)
     rows, notes = [], []
-    tiles = {} if sim else dict(block_m=args.block_m, block_n=args.block_n)
-    tiles = {key: value for key, value in tiles.items() if value is not None}
-    if sim:
-        tiles = dict(block_m=128, block_n=32)  # two consumer warpgroups: ping-pong has someone to hand over to
+    if sim:  # two consumer warpgroups: ping-pong has someone to hand over to
+        tiles = dict(block_m=128, block_n=32)
+    else:
+        tiles = {key: value for key, value in (("block_m", args.block_m), ("block_n", args.block_n)) if value is not None}
     for n, (name, knobs) in enumerate(POINTS, 1):
         say(f"[{n}/{len(POINTS)}] {name} ...")
         if knobs is None:
@@ -74,7 +72,7 @@ def ablate_fa3(args, progress=None):
             call = lambda knobs=knobs: fa3.forward(q, k, v, causal=args.causal, **tiles, **knobs)  # noqa: E731
         o, _ = call()
         err = _error(o, ref)
-        ms = None if sim else _median_ms(call, args.repeats)
+        ms = None if sim else median_ms(call, repeats=args.repeats)
         row = dict(point=name, dtype=dtype, batch=B, heads=H, seq=N, seq_k=Nk, head_dim=D, causal=bool(args.causal),
                    rel_err=err, ms=ms, tflops=None if ms is None else tflops(flops, ms),
                    paper_h100_tflops=PAPER_H100.get(name) if D == 128 and not args.causal else None)
@@ -131,23 +129,6 @@ def _error(o, ref) -> float:
 
     got = _host(o)[:1, :1].astype(np.float64)
     return float(np.linalg.norm(got - ref) / np.linalg.norm(ref))
-
-
-def _median_ms(call, repeats: int) -> float:
-    import statistics
-
-    import cupy
-
-    call()
-    cupy.cuda.Device().synchronize()
-    starts = [cupy.cuda.Event() for _ in range(repeats)]
-    ends = [cupy.cuda.Event() for _ in range(repeats)]
-    for s, e in zip(starts, ends):
-        s.record()
-        call()
-        e.record()
-    cupy.cuda.Device().synchronize()
-    return statistics.median(cupy.cuda.get_elapsed_time(s, e) for s, e in zip(starts, ends))
 
 
 def format_fa3_ablation(rows, notes) -> str:
