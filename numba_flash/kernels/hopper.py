@@ -80,7 +80,7 @@ if simulated():
     # ----------------------------------------------------------------------------------------
     # Simulator twins
     # ----------------------------------------------------------------------------------------
-    from numba_flash.kernels.mma import _bf16_bits, _f16_bits
+    from numba_flash.kernels.mma import HOST_HALF_BITS
 
     _LOCK = threading.Condition(threading.Lock())
     _BARRIERS: dict = {}  # (buffer, address) -> [count, pending, tx, phase]
@@ -336,7 +336,7 @@ if simulated():
     @functools.lru_cache(maxsize=None)
     def pack_pair(kind: str):
         """``pack(lo, hi)``: two float32 -> one word of two 16-bit values (lo in the low half)."""
-        to_bits = _f16_bits if kind == "f16" else _bf16_bits  # (kernels.mma's: round to nearest even)
+        to_bits = HOST_HALF_BITS[kind]  # (kernels.mma's: round to nearest even)
 
         @device_jit
         def pack(lo, hi):

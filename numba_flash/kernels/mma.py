@@ -103,6 +103,9 @@ def _split_bits(x) -> tuple[int, int]:
     return big, int(np.asarray(small, np.float32).view(np.uint32))
 
 
+HOST_HALF_BITS = {"f16": _f16_bits, "bf16": _bf16_bits}  # float32 -> 16-bit patterns on the host (simulator twins)
+
+
 def _f16_value(bits: int) -> float:
     return float(np.uint16(bits).view(np.float16))
 
