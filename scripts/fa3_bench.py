@@ -64,8 +64,21 @@ def parse_args(argv):
     ap.add_argument("--cases", type=int, default=len(CASES), help="run only the first N correctness cases (sanitizers)")
     ap.add_argument("--no-bench", action="store_true", help="correctness only")
     ap.add_argument("--no-variants", action="store_true", help="time fa3 without its ablation's variants")
-    ap.add_argument("--tiles", default="", help="extra fa3 configurations to time: bm x bn x stages, comma-separated (e.g. 128x176x2)")
+    ap.add_argument("--tiles", default="", help="extra fa3 configurations to time, comma-separated: bm x bn x stages, "
+                    "optionally with knobs removed after a '-' (e.g. 128x176x2, 192x128x2-nopingpong, "
+                    "128x128x2-nopingpong-nooverlap-noreallocate)")
     return ap.parse_args(argv)
+
+
+def tile_spec(text: str):
+    """``"192x128x2-nopingpong"`` -> (label, (192, 128, 2), {"pingpong": False})."""
+    tiles, *off = text.split("-")
+    knobs = {}
+    for name in off:
+        if not name.startswith("no") or name[2:] not in ("overlap", "pingpong", "reallocate"):
+            raise SystemExit(f"--tiles: unknown knob {name!r} in {text!r} (nooverlap, nopingpong, noreallocate)")
+        knobs[name[2:]] = False
+    return text, tuple(int(x) for x in tiles.split("x")), knobs
 
 
 def wait(torch, what: str, seconds: float) -> None:
@@ -159,10 +172,9 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
             flops = 4 * B * H * N * N * D / (2 if causal else 1)
             entries = {"fa3": lambda: numba_flash.attention(q, k, v, causal=causal, algorithm="fa3"),
                        "fa2": lambda: numba_flash.attention(q, k, v, causal=causal)}
-            for tiles in extra_tiles:
-                bm, bn, st = tiles
-                entries[f"fa3 {bm}x{bn}x{st}"] = (lambda bm=bm, bn=bn, st=st: numba_flash.fa3.forward(
-                    q, k, v, causal=causal, block_m=bm, block_n=bn, stages=st))
+            for label, (bm, bn, st), knobs in extra_tiles:
+                entries[f"fa3 {label}"] = (lambda bm=bm, bn=bn, st=st, knobs=knobs: numba_flash.fa3.forward(
+                    q, k, v, causal=causal, block_m=bm, block_n=bn, stages=st, **knobs))
             if variants and D <= 128:  # the v2 -> v3 factors, one removed at a time
                 for name, knobs in VARIANTS.items():
                     entries[name] = lambda knobs=knobs: numba_flash.fa3.forward(q, k, v, causal=causal, **knobs)
@@ -171,9 +183,13 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
                     with sdpa_kernel(backend):
                         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=causal)
                 entries[name] = sdpa
-            times = {}
+            times, gaps = {}, {}
+            expected = entries["flash"]().float()
             for name, fn in entries.items():
                 try:
+                    got = fn()
+                    got = (got[0] if isinstance(got, tuple) else got).float()
+                    gaps[name] = float((got - expected).abs().max())  # a fast wrong kernel shows here
                     times[name] = median_ms(fn, torch, repeats)
                 except Exception as e:  # noqa: BLE001
                     print(f"  {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
@@ -182,8 +198,9 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
                 tf = flops / ms / 1e9
                 ratio = times["flash"] / ms if "flash" in times else float("nan")
                 rows.append(dict(dtype=str(dtype), B=B, H=H, N=N, D=D, causal=causal, impl=name, ms=ms, tflops=tf,
-                                 vs_flash=ratio, vs_cudnn=times.get("cudnn", float("nan")) / ms))
-                line += f"  {name} {ms:.3f} ms {tf:.0f} TF ({ratio:.2f}x flash)"
+                                 vs_flash=ratio, vs_cudnn=times.get("cudnn", float("nan")) / ms,
+                                 max_diff_vs_flash=gaps[name]))
+                line += f"  {name} {ms:.3f} ms {tf:.0f} TF ({ratio:.2f}x flash, |diff| {gaps[name]:.0e})"
             print(line, flush=True)
     return rows
 
@@ -203,7 +220,7 @@ def main(argv=None) -> int:
                 command="python scripts/fa3_bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(meta, flush=True)
     rows, failed = [], 0
-    extra = [tuple(int(x) for x in t.split("x")) for t in args.tiles.split(",") if t]
+    extra = [tile_spec(t) for t in args.tiles.split(",") if t]
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         if not args.no_check:
