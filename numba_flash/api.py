@@ -16,7 +16,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from numba_flash import fa3, plans, switches, tile_cache, value_dim
+from numba_flash import fa3, fp8, plans, switches, tile_cache, value_dim
 from numba_flash.alibi import kernel_slopes
 from numba_flash._cuda import cuda
 from numba_flash._world import simulated
@@ -62,8 +62,11 @@ def attention(
     score_mod=None,
     mod_args=(),
     block_mask=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
-    """Scaled dot-product attention, forward pass, by FlashAttention-1 or -2.
+    """Scaled dot-product attention, forward pass, by FlashAttention-1, -2 or -3.
 
     Shapes (like ``torch.nn.functional.scaled_dot_product_attention``)::
 
@@ -114,7 +117,10 @@ def attention(
     without one it is derived on the device once per function, shape and ``mod_args`` contents.
 
     ``algorithm``: ``"fa2"`` (default; FlashAttention-2 Algorithm 1) or ``"fa1"``
-    (FlashAttention Algorithm 1). Both compute the same function.
+    (FlashAttention Algorithm 1). Both compute the same function. ``"fa3"`` (FlashAttention-3 on
+    Hopper, ``numba_flash.fa3``): float16 and bfloat16, and float8_e4m3fn inputs (torch) with
+    ``q_descale`` / ``k_descale`` / ``v_descale`` (float32 numbers or ``(B, Hkv)`` arrays: the real
+    inputs are ``q * q_descale``, ...), which return bfloat16 (``numba_flash.fp8``).
     ``block_m`` / ``block_n``: Q-tile and K/V-tile rows (``None``: tuned default);
     unsupported values raise ``ValueError`` listing the supported ones.
 
@@ -139,12 +145,15 @@ def attention(
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     dims = value_dim.value_dims(q, v)  # a v head dim of its own: run at the wider one (numba_flash.value_dim)
+    if dims is not None and fp8.is_fp8(v):
+        raise ValueError(f"float8 inputs take v with q's head dim; got {dims[0]} and {dims[1]}")
     if dims is not None:
         q, k, v, scale = value_dim.widen(q, k, v, scale, dims)
     o, lse = forward(
         q, k, v, causal=causal, scale=scale, algorithm=algorithm, block_m=block_m, block_n=block_n,
         precision=precision, num_splits=num_splits, window_size=window_size, softcap=softcap,
         alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args, block_mask=block_mask,
+        q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
     )
     if dims is not None:
         o = value_dim.narrow(o, dims[1])
@@ -174,6 +183,9 @@ def forward(
     score_mod=None,
     mod_args=(),
     block_mask=None,
+    q_descale=None,
+    k_descale=None,
+    v_descale=None,
 ):
     """:func:`attention` with the research knobs; always returns ``(o, lse)``.
 
@@ -192,7 +204,11 @@ def forward(
         return fa3.forward(q, k, v, causal=causal, scale=scale, block_m=block_m, block_n=block_n, precision=precision,
                            num_splits=num_splits, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
                            mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args, block_mask=block_mask, out=out,
-                           lse_out=lse_out, variant=variant, kv_tile_order=kv_tile_order)
+                           lse_out=lse_out, variant=variant, kv_tile_order=kv_tile_order, q_descale=q_descale,
+                           k_descale=k_descale, v_descale=v_descale)
+    if not (q_descale is None and k_descale is None and v_descale is None):
+        raise ValueError("q_descale, k_descale and v_descale are for algorithm='fa3' with float8_e4m3fn inputs; "
+                         f"got algorithm={algorithm!r}")
     key = None
     if (kv_tile_order is None and variant is None and alibi_slopes is None and block_mask is None
             and none_given(mask_mod, score_mod, mod_args)):

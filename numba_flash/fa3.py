@@ -9,31 +9,37 @@ else raises ``ValueError`` naming the GPU and the algorithms it can run.
 
 What ``fa3`` takes today: causal, ``window_size``, GQA/MQA, any lengths, head dims 1 to 256 (the
 kernels are built for 64, 128 and 256; the TMA boxes read zeros past D), ``return_lse``, ``out`` /
-``lse_out``, ``block_m`` / ``block_n``. Not yet: softcap, ALiBi, ``mask_mod`` / ``score_mod``,
-``num_splits > 1``, float8 -- each raises a ``ValueError`` that says so.
+``lse_out``, ``block_m`` / ``block_n``; float8_e4m3fn inputs with ``q_descale`` / ``k_descale`` /
+``v_descale`` (bfloat16 out; ``numba_flash.fp8``: kernels at D 128 and 256). Not yet: softcap, ALiBi,
+``mask_mod`` / ``score_mod``, ``num_splits > 1`` -- each raises a ``ValueError`` that says so.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 
 import numpy as np
 
+from numba_flash import fp8 as fp8_inputs
 from numba_flash._world import simulated
 from numba_flash.arrays import ArrayContext, as_cupy_view, zero_padded
-from numba_flash.problem import describe
+from numba_flash.problem import FP8_DTYPE, describe
 from numba_flash.tile_table import fa3_tiles
 
 ALGORITHM = "fa3"
 HOPPER = (9, 0)
 KERNEL_HEAD_DIMS = (64, 128, 256)
+FP8_KERNEL_HEAD_DIMS = (128, 256)  # e4m3 rows of 128 bytes
 TMA_ALIGNMENT = 16  # bytes: a tensor's base and every stride but the innermost (which is one element)
+KERNEL_KIND = {"float16": "f16", "bfloat16": "bf16", FP8_DTYPE: "e4m3"}
 
 
-def kernel_head_dim(head_dim: int) -> int:
-    """The head dim the kernel is built for: the next of 64, 128, 256 (TMA zero-fills the rest)."""
-    for d in KERNEL_HEAD_DIMS:
+def kernel_head_dim(head_dim: int, fp8: bool = False) -> int:
+    """The head dim the kernel is built for: the next of 64, 128, 256 (fp8: 128, 256; TMA
+    zero-fills the rest)."""
+    for d in FP8_KERNEL_HEAD_DIMS if fp8 else KERNEL_HEAD_DIMS:
         if head_dim <= d:
             return d
     raise ValueError(f"fa3 takes head dims up to 256; got {head_dim}")
@@ -87,7 +93,7 @@ _MAPS_KEPT = 256
 
 
 def tma_ready(x) -> bool:
-    """Can TMA read ``x`` (a ``launch.DeviceArray``, 4-D, 16-bit) where it is: the innermost stride
+    """Can TMA read ``x`` (a ``launch.DeviceArray``, 4-D, 16- or 8-bit) where it is: the innermost stride
     one element, the others and the base 16-byte multiples."""
     if x.strides[3] != x.itemsize and x.shape[3] > 1:
         return False
@@ -98,8 +104,9 @@ def tma_ready(x) -> bool:
 
 def tensor_map(x, rows: int, dtype: str, device_id: int):
     """The ``CUtensorMap`` (16 uint64 words in device memory, a numba device array) that lets TMA
-    copy ``rows x 64``-element boxes of the (B, H, N, D) 16-bit array ``x`` (a ``launch.DeviceArray``)
-    with the 128-byte swizzle, zeros past its ends; made once per pointer, shape, strides and box."""
+    copy ``rows x 128``-byte boxes (64 16-bit or 128 8-bit elements) of the (B, H, N, D) array ``x``
+    (a ``launch.DeviceArray``; ``dtype`` its element type's name) with the 128-byte swizzle, zeros
+    past its ends; made once per pointer, shape, strides and box."""
     key = (device_id, x.ptr, x.shape, x.strides, dtype, rows)
     hit = _MAPS.get(key)
     if hit is not None:
@@ -117,10 +124,11 @@ def tensor_map(x, rows: int, dtype: str, device_id: int):
             strides[i] = max(TMA_ALIGNMENT, -(-D * x.itemsize // TMA_ALIGNMENT) * TMA_ALIGNMENT)
     u64, u32 = driver.cuuint64_t, driver.cuuint32_t
     data_type = {"float16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_FLOAT16,
-                 "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16}[dtype]
+                 "bfloat16": driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+                 FP8_DTYPE: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}[dtype]
     err, tmap = driver.cuTensorMapEncodeTiled(
         data_type, 4, int(x.ptr), [u64(d) for d in dims], [u64(s) for s in strides],
-        [u32(64), u32(rows), u32(1), u32(1)], [u32(1)] * 4,
+        [u32(128 // x.itemsize), u32(rows), u32(1), u32(1)], [u32(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
@@ -142,21 +150,26 @@ def tensor_map(x, rows: int, dtype: str, device_id: int):
 def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, precision=None, num_splits=None,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
             block_mask=None, out=None, lse_out=None, variant=None, kv_tile_order=None, stages=None, overlap=True,
-            pingpong=True, reallocate=True):
+            pingpong=True, reallocate=True, q_descale=None, k_descale=None, v_descale=None):
     """``api.forward`` for ``algorithm="fa3"``: returns ``(o, lse)``. Research knobs (the v2 -> v3
     ablation): ``stages`` (K/V slots), ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining),
-    ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg)."""
+    ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg). float8_e4m3fn
+    inputs: ``q_descale`` / ``k_descale`` / ``v_descale`` (``numba_flash.fp8.descales``), bfloat16 out."""
     _unsupported(softcap, alibi_slopes, mask_mod, score_mod, mod_args, block_mask, num_splits, precision, variant,
                  kv_tile_order)
     q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     out, lse_out = (None if x is None else as_cupy_view(x, name) for x, name in ((out, "out"), (lse_out, "lse_out")))
-    p = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", window_size=window_size)
-    if p.dtype not in ("float16", "bfloat16"):
-        raise TypeError(f"algorithm='fa3' runs float16 and bfloat16 inputs; got {p.dtype} (use 'fa2' for float32)")
+    p = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", window_size=window_size, fp8=True)
+    if p.dtype not in KERNEL_KIND:
+        raise TypeError(f"algorithm='fa3' runs float16, bfloat16 and float8_e4m3fn inputs; got {p.dtype} "
+                        f"(use 'fa2' for float32)")
+    fp8 = p.dtype == FP8_DTYPE
+    if not fp8 and not (q_descale is None and k_descale is None and v_descale is None):
+        raise ValueError(f"q_descale, k_descale and v_descale are for float8_e4m3fn inputs; got {p.dtype} inputs")
     if not p.scale > 0:
         raise ValueError(f"algorithm='fa3' needs scale > 0; got {p.scale}")
-    D = kernel_head_dim(p.head_dim)
-    dm, dn, ds = fa3_tiles(D)
+    D = kernel_head_dim(p.head_dim, fp8)
+    dm, dn, ds = fa3_tiles(D, fp8)
     bm = dm if block_m is None else block_m
     bn = dn if block_n is None else block_n
     st = ds if stages is None else stages
@@ -165,16 +178,24 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     for name, value in (("block_m", bm), ("block_n", bn), ("stages", st)):
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"fa3: {name} must be an int; got {value!r}")
-    check_fa3_tiles(D, int(bm), int(bn), int(st))
+    check_fa3_tiles(D, int(bm), int(bn), int(st), KERNEL_KIND[p.dtype])
     ctx = ArrayContext(p.kind, q)
     B, H, Nq, Dq = p.q_shape
+    out_dtype = "bfloat16" if fp8 else p.dtype
     if out is not None and (tuple(out.shape) != (B, H, Nq, Dq)):
         raise ValueError(f"out must have shape {(B, H, Nq, Dq)}; got {tuple(out.shape)}")
+    if out is not None and str(out.dtype).rsplit(".", 1)[-1] != out_dtype:
+        raise TypeError(f"out must be {out_dtype} (fa3's output for {p.dtype} inputs); got {out.dtype}")
     if lse_out is not None and (tuple(lse_out.shape) != (B, H, Nq)):
         raise ValueError(f"lse_out must have shape {(B, H, Nq)}; got {tuple(lse_out.shape)}")
     with ctx.on_device():
         require_fa3_device(ctx.device_id)
-        o = out if out is not None else ctx.empty((B, H, Nq, Dq), p.dtype)
+        o = out if out is not None else ctx.empty((B, H, Nq, Dq), out_dtype)
+        scales = None
+        if fp8:  # checked before the early returns: bad descales raise on any shape
+            with _caller_stream(ctx):
+                scales = fp8_inputs.descales(q_descale, k_descale, v_descale, B, p.kv_heads, ctx.kind,
+                                             _kernel_view(q, ctx.kind, True))
         lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
         if B * H * Nq == 0:
             return o, lse
@@ -182,23 +203,27 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             o[...] = 0
             lse[...] = -math.inf
             return o, lse
-        _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), (bool(overlap), bool(pingpong), bool(reallocate)))
+        _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), (bool(overlap), bool(pingpong), bool(reallocate)),
+                scales)
     return o, lse
 
 
-def _kernel_view(x, kind: str):
-    """A 16-bit array as the kernel's uint16 bit patterns (torch: a CuPy view)."""
+def _kernel_view(x, kind: str, fp8: bool = False):
+    """A 16-bit array as the kernel's uint16 bit patterns, an e4m3 one as uint8 (torch: a CuPy view)."""
     from numba_flash.tensor_cores import bits_view
 
+    if fp8:
+        return fp8_inputs.byte_view(x, kind)
     if kind == "numpy":
         x = x.astype(x.dtype.newbyteorder("="), copy=False)
     return bits_view(x, kind, True)
 
 
 def _tma_copy(x):
-    """An input TMA cannot read where it is, copied: C-contiguous, the head dim zero-padded to a
-    multiple of 8 elements (16-byte rows)."""
-    return zero_padded(x, -(-x.shape[3] // 8) * 8)
+    """An input TMA cannot read where it is, copied: C-contiguous, the head dim zero-padded to
+    16-byte rows."""
+    per_row = TMA_ALIGNMENT // x.itemsize
+    return zero_padded(x, -(-x.shape[3] // per_row) * per_row)
 
 
 def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overlap=True, pingpong=True,
@@ -207,46 +232,80 @@ def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overla
     kernel's ``head_dim`` and these tiles and schedule switches."""
     from numba_flash.kernels.fa3 import fa3_kernel
 
-    kind = "f16" if p.dtype == "float16" else "bf16"
-    return fa3_kernel(head_dim, block_m, block_n, stages, p.window, kind, overlap, pingpong,
+    return fa3_kernel(head_dim, block_m, block_n, stages, p.window, KERNEL_KIND[p.dtype], overlap, pingpong,
                       registers(block_m) if reallocate else None)
 
 
-def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule) -> None:
+_NO_DESCALES: dict = {}  # device id -> the (1, 1, 3) float32 array 16-bit kernels take (and never read)
+
+
+def _no_descales(device_id):
+    if device_id is None:
+        return np.ones((1, 1, 3), np.float32)
+    hit = _NO_DESCALES.get(device_id)
+    if hit is None:
+        import cupy
+
+        with cupy.cuda.Device(device_id):
+            hit = _NO_DESCALES[device_id] = cupy.ones((1, 1, 3), np.float32)
+    return hit
+
+
+def _caller_stream(ctx):
+    """CuPy's work (fp8's V^T and descales) on the stream the kernel will be launched on."""
+    if ctx.kind == "numpy" or simulated():
+        return contextlib.nullcontext()
+    import cupy
+
+    return cupy.cuda.ExternalStream(ctx.stream_ptr())
+
+
+def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales=None) -> None:
     from numba_flash.kernels.jit import LOG2E
     from numba_flash.launch import device_array, launch, numba_launch
     from numba_flash.tensor_cores import bits_view
 
+    fp8 = p.dtype == FP8_DTYPE
     kernel = kernel_for(p, D, bm, bn, stages, *schedule)
     B, H, Nq, Dq = p.q_shape
     grid = (-(-Nq // bm), H, B)
     block = (kernel.fa3_threads,)
     scalars = [np.float32(p.scale * LOG2E), np.int32(Nq), np.int32(p.n_k), np.int32(p.group)]
-    kq, kk, kv, ko = (_kernel_view(x, ctx.kind) for x in (q, k, v, o))
+    kq, kk, kv = (_kernel_view(x, ctx.kind, fp8) for x in (q, k, v))
+    if fp8:  # V^T, its keys in P's register order (numba_flash.fp8), made on the caller's stream
+        with _caller_stream(ctx):
+            kv = fp8_inputs.transposed_values(kv)
+    ko = _kernel_view(o, ctx.kind)
     pairs = _pairs_view(ko, D)  # the kernel writes O as 32-bit pairs, all D columns
     wide = pairs if pairs is not None else _pairs_view(_empty_like(ko, (B, H, Nq, D)), D)
     klse = bits_view(lse, ctx.kind, False)
     if simulated():  # the twins read the arrays themselves; the tensor maps are unused words
         maps = [np.zeros(16, np.uint64) for _ in range(3)]
         numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), wide, klse, *maps,
-                                                 *scalars], kernel.fa3_smem)
+                                                 *scalars, scales if fp8 else _no_descales(None)], kernel.fa3_smem)
         _narrow(ko, wide, pairs, Dq)
         return
     from numba_flash._cuda import cuda
 
+    per_row = TMA_ALIGNMENT // kq.itemsize
     if ctx.kind == "numpy":  # device copies there and back
-        inputs = [cuda.to_device(np.ascontiguousarray(x) if x.shape[3] % 8 == 0 else _tma_copy(x)) for x in (kq, kk, kv)]
+        inputs = [cuda.to_device(np.ascontiguousarray(x) if x.shape[3] % per_row == 0 else _tma_copy(x))
+                  for x in (kq, kk, kv)]
         outputs = [cuda.device_array(wide.shape, np.uint32), cuda.device_array(klse.shape, np.float32)]
         arrays = [device_array(x, "numba") for x in (*inputs, *outputs)]
+        extra = cuda.to_device(scales if fp8 else np.ones((1, 1, 3), np.float32))
         stream_ptr = 0
     else:
         inputs = [x if tma_ready(device_array(x, "cupy")) else _tma_copy(x) for x in (kq, kk, kv)]
         arrays = [device_array(x, "cupy") for x in (*inputs, wide, klse)]
         stream_ptr = ctx.stream_ptr()
     device_id = ctx.device_id if ctx.device_id is not None else cuda.get_current_device().id
+    if ctx.kind != "numpy":
+        extra = scales if fp8 else _no_descales(device_id)
     maps = [tensor_map(arrays[0], bm, p.dtype, device_id), tensor_map(arrays[1], bn, p.dtype, device_id),
-            tensor_map(arrays[2], bn, p.dtype, device_id)]
+            tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id)]  # fp8: V^T's boxes, D rows
     args = arrays + [device_array(m, "numba") for m in maps] + scalars
+    args.append(device_array(extra, "numba" if ctx.kind == "numpy" else "cupy"))
     launch(kernel, grid, block, stream_ptr, args, kernel.fa3_smem, device_id)
     if ctx.kind == "numpy":
         wide[...] = outputs[0].copy_to_host()

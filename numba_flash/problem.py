@@ -32,6 +32,7 @@ __all__ = ["ALGORITHMS", "DTYPES", "TENSOR_CORE_KIND", "Problem", "describe", "r
 
 ALGORITHMS = ("fa1", "fa2")  # the loop nests of kernels.KERNEL_FACTORIES
 DTYPES = ("float16", "bfloat16", "float32")
+FP8_DTYPE = "float8_e4m3fn"  # fa3 only (numba_flash.fp8)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 TENSOR_CORE_KIND = {"float16": "f16", "bfloat16": "bf16"}  # precision=None: the 16-bit dtypes' kinds
 
@@ -127,13 +128,14 @@ def regime(precision, dtype: str) -> str:
 
 def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=None, names=("q", "k", "v"),
              window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None,
-             mod_args=(), block_mask=None, block_sparse=False) -> Problem:
+             mod_args=(), block_mask=None, block_sparse=False, fp8=False) -> Problem:
     """The checked :class:`Problem` of ``attention(q, k, v, causal=..., scale=..., algorithm=...,
     precision=..., window_size=..., softcap=..., alibi_slopes=..., mask_mod=..., ...)``; raises
     before anything runs, with a message naming the argument as the caller's signature spells it
     (``names``: ``decode``'s are ``q``, ``k_cache``, ``v_cache``). ``block_sparse``: the kernels
     may walk ``mask_mod``'s block mask (``block_mask``, checked, or derived at launch); the paths
-    that cannot say ``False`` and refuse a ``block_mask``."""
+    that cannot say ``False`` and refuse a ``block_mask``. ``fp8``: float8_e4m3fn inputs are taken too
+    (``algorithm="fa3"``, ``numba_flash.fp8``)."""
     nq, nk, nv = names
     kinds = [kind_of(x, name) for x, name in zip((q, k, v), names)]
     if len(set(kinds)) != 1:
@@ -158,8 +160,9 @@ def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=No
         raise ValueError(f"{nq}'s heads ({H}) must be a multiple of {nk}'s and {nv}'s heads ({Hkv})")
     dtypes = [dtype_name(x, kind) for x in (q, k, v)]
     for name, dt in zip(names, dtypes):
-        if dt not in DTYPES:
-            raise TypeError(f"{name} must be float16, bfloat16 or float32; got {dt}")
+        if dt not in DTYPES and not (fp8 and dt == FP8_DTYPE):
+            hint = " (float8 inputs: algorithm='fa3', on Hopper)" if dt.startswith("float8") else ""
+            raise TypeError(f"{name} must be float16, bfloat16 or float32; got {dt}{hint}")
     if len(set(dtypes)) != 1:
         raise TypeError(f"{nq}, {nk} and {nv} must have one dtype; got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
     if algorithm not in ALGORITHMS:

@@ -136,10 +136,16 @@ def forward_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
 # and V slots beside a 128-row Q: 226 KiB). The simulator: one consumer warpgroup, 64-key tiles.
 FA3_TILES = {64: (192, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
 FA3_SIM_TILES = (64, 64, 2)
+# float8 (e4m3): block_n a multiple of 128 (V^T's 128-key boxes); 128 x 128 at D = 128 and 256
+FA3_FP8_TILES = {128: (128, 128, 2), 256: (128, 128, 2)}
+FA3_FP8_SIM_TILES = (64, 128, 2)
 
 
-def fa3_tiles(head_dim: int) -> tuple[int, int, int]:
-    """(block_m, block_n, stages) of the FA-3 forward; ``head_dim``: the kernel's (64, 128 or 256)."""
+def fa3_tiles(head_dim: int, fp8: bool = False) -> tuple[int, int, int]:
+    """(block_m, block_n, stages) of the FA-3 forward; ``head_dim``: the kernel's (64, 128 or 256;
+    fp8: 128 or 256)."""
+    if fp8:
+        return FA3_FP8_SIM_TILES if simulated() else FA3_FP8_TILES[head_dim]
     return FA3_SIM_TILES if simulated() else FA3_TILES[head_dim]
 
 

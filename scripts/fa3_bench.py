@@ -64,9 +64,11 @@ def parse_args(argv):
     ap.add_argument("--cases", type=int, default=len(CASES), help="run only the first N correctness cases (sanitizers)")
     ap.add_argument("--no-bench", action="store_true", help="correctness only")
     ap.add_argument("--no-variants", action="store_true", help="time fa3 without its ablation's variants")
+    ap.add_argument("--fp8", action="store_true", help="also time fa3 on float8_e4m3fn copies of the float16 inputs "
+                    "(V^T made in the call, timed with it) and check fp8 against float64 beside a plain fp8 attention")
     ap.add_argument("--tiles", default="", help="extra fa3 configurations to time, comma-separated: bm x bn x stages, "
                     "optionally with knobs removed after a '-' (e.g. 128x176x2, 192x128x2-nopingpong, "
-                    "128x128x2-nopingpong-nooverlap-noreallocate)")
+                    "128x128x2-nopingpong-nooverlap-noreallocate; -fp8: on the float8 inputs of --fp8)")
     return ap.parse_args(argv)
 
 
@@ -75,6 +77,9 @@ def tile_spec(text: str):
     tiles, *off = text.split("-")
     knobs = {}
     for name in off:
+        if name == "fp8":  # on the float8 copies of the inputs
+            knobs["fp8"] = True
+            continue
         if not name.startswith("no") or name[2:] not in ("overlap", "pingpong", "reallocate"):
             raise SystemExit(f"--tiles: unknown knob {name!r} in {text!r} (nooverlap, nopingpong, noreallocate)")
         knobs[name[2:]] = False
@@ -162,7 +167,7 @@ def check(torch, numba_flash, dtype, watchdog, cases=CASES) -> list[dict]:
     return rows
 
 
-def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True) -> list[dict]:
+def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True, fp8=False) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     rows = []
@@ -172,9 +177,16 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
             flops = 4 * B * H * N * N * D / (2 if causal else 1)
             entries = {"fa3": lambda: numba_flash.attention(q, k, v, causal=causal, algorithm="fa3"),
                        "fa2": lambda: numba_flash.attention(q, k, v, causal=causal)}
+            q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v)) if fp8 else (None,) * 3
+            if fp8 and dtype == torch.float16:  # FA-3 section 3.3: the e4m3 products
+                entries["fa3 fp8"] = lambda: numba_flash.attention(q8, k8, v8, causal=causal, algorithm="fa3")
             for label, (bm, bn, st), knobs in extra_tiles:
-                entries[f"fa3 {label}"] = (lambda bm=bm, bn=bn, st=st, knobs=knobs: numba_flash.fa3.forward(
-                    q, k, v, causal=causal, block_m=bm, block_n=bn, stages=st, **knobs))
+                knobs = dict(knobs)
+                inputs = (q8, k8, v8) if knobs.pop("fp8", False) else (q, k, v)
+                if inputs[0] is None:
+                    continue
+                entries[f"fa3 {label}"] = (lambda bm=bm, bn=bn, st=st, knobs=knobs, inputs=inputs: numba_flash.fa3.forward(
+                    *inputs, causal=causal, block_m=bm, block_n=bn, stages=st, **knobs))
             if variants and D <= 128:  # the v2 -> v3 factors, one removed at a time
                 for name, knobs in VARIANTS.items():
                     entries[name] = lambda knobs=knobs: numba_flash.fa3.forward(q, k, v, causal=causal, **knobs)
@@ -199,8 +211,9 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
                 ratio = times["flash"] / ms if "flash" in times else float("nan")
                 rows.append(dict(dtype=str(dtype), B=B, H=H, N=N, D=D, causal=causal, impl=name, ms=ms, tflops=tf,
                                  vs_flash=ratio, vs_cudnn=times.get("cudnn", float("nan")) / ms,
-                                 max_diff_vs_flash=gaps[name]))
-                line += f"  {name} {ms:.3f} ms {tf:.0f} TF ({ratio:.2f}x flash, |diff| {gaps[name]:.0e})"
+                                 max_diff_vs_flash=gaps[name], vs_fa3=times.get("fa3", float("nan")) / ms))
+                versus = f", {times['fa3'] / ms:.2f}x fa3" if name == "fa3 fp8" and "fa3" in times else ""
+                line += f"  {name} {ms:.3f} ms {tf:.0f} TF ({ratio:.2f}x flash{versus}, |diff| {gaps[name]:.0e})"
             print(line, flush=True)
     return rows
 
@@ -230,7 +243,7 @@ def main(argv=None) -> int:
         shapes = [tuple(int(x) for x in t.split(",")) for t in args.shapes.split(";") if t] or (
             SHAPES[1:2] if args.quick else SHAPES)
         if not args.no_bench:
-            rows += bench(torch, numba_flash, dtype, shapes, args.repeats, extra, not args.no_variants)
+            rows += bench(torch, numba_flash, dtype, shapes, args.repeats, extra, not args.no_variants, args.fp8)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(meta=meta, rows=rows), f, indent=1)

@@ -198,6 +198,33 @@ def plain_fp16_attention(q, k, v, causal=False, scale=None, dtype=np.float16):
     return np.einsum("bhij,bhjd->bhid", p.astype(np.float32), v.astype(np.float32)).astype(dtype)
 
 
+def plain_fp8_attention(q, k, v, causal=False, scale=None):
+    """Attention as a plain float8 (e4m3) implementation does it, on the dequantized inputs ``q``,
+    ``k``, ``v`` (float64 values of e4m3 numbers times their descales): S from exact products
+    accumulated in float32 (an fp8 GEMM's float32 output), the softmax in float32, the normalised
+    P rounded to e4m3 (the operand of the second fp8 GEMM), O accumulated in float32 and rounded to
+    bfloat16 (fa3's fp8 output). The bar of the fp8 tests: at most twice this one's error."""
+    import ml_dtypes
+
+    from numba_flash.kernels import e4m3
+
+    q, k, v = (to_numpy(x).astype(np.float32) for x in (q, k, v))
+    B, H, Nq, D = q.shape
+    Nk = k.shape[2]
+    g = H // k.shape[1]
+    k, v = np.repeat(k, g, axis=1), np.repeat(v, g, axis=1)
+    scale = 1 / np.sqrt(D) if scale is None else scale
+    s = np.einsum("bhid,bhjd->bhij", q, k) * np.float32(scale)
+    seen = visible_matrix(causal, Nq, Nk)
+    if seen is not None:
+        s = np.where(seen, s, np.float32(-np.inf))
+    m = s.max(axis=-1, keepdims=True)
+    p = np.exp(s - np.where(np.isfinite(m), m, 0))
+    l = p.sum(axis=-1, keepdims=True)
+    p = e4m3.values_of(e4m3.bits_of(p / np.where(l > 0, l, 1))).astype(np.float32)
+    return np.einsum("bhij,bhjd->bhid", p, v).astype(ml_dtypes.bfloat16)
+
+
 def run_poisoned(xp, q, k, v, **kw):
     """``forward`` into NaN-poisoned buffers; the CUDA-core kernels unless ``precision`` is given
     (their tiles go down to one row; the tensor-core kernels have tests of their own)."""

@@ -51,11 +51,11 @@ class Fa3Layout:
     V (boxes of ``block_n`` rows), then the mbarriers (8 bytes each): Q's, and per slot K's and V's
     full (the producer's TMA bytes landed) and K's and V's empty (every consumer thread is done with them)."""
 
-    def __init__(self, head_dim: int, block_m: int, block_n: int, stages: int):
+    def __init__(self, head_dim: int, block_m: int, block_n: int, stages: int, elem_bytes: int = 2):
         self.head_dim, self.block_m, self.block_n, self.stages = head_dim, block_m, block_n, stages
-        self.boxes = head_dim // BOX
-        self.q_bytes = block_m * head_dim * 2
-        self.kv_bytes = block_n * head_dim * 2
+        self.boxes = head_dim * elem_bytes // hopper.BOX_BYTES
+        self.q_bytes = block_m * head_dim * elem_bytes
+        self.kv_bytes = block_n * head_dim * elem_bytes  # fp8: V's slot holds V^T (D rows of block_n keys)
         self.q_at = 0
         self.k_at = self.q_bytes  # slot s: k_at + 2 s kv_bytes; V right after K
         self.bars_at = self.q_bytes + 2 * stages * self.kv_bytes
@@ -67,17 +67,20 @@ class Fa3Layout:
         return hopper.smem_bytes(self.tile_bytes)
 
 
-def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int) -> None:
-    """ValueError unless the kernel can be built for these tiles."""
+def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind: str = "f16") -> None:
+    """ValueError unless the kernel can be built for these tiles (``kind``: "f16", "bf16", "e4m3")."""
     if head_dim not in (64, 128, 256):
         raise ValueError(f"fa3 kernels are built for head dims 64, 128, 256; got {head_dim}")
+    if kind == "e4m3" and (head_dim == 64 or block_n % 128):
+        raise ValueError(f"fa3 in float8: head dims 128 or 256 (128-byte rows) and block_n a multiple of 128 "
+                         f"(V^T's 128-key boxes); got D={head_dim}, block_n={block_n}")
     if block_m % 64 or not 64 <= block_m <= 192:
         raise ValueError(f"fa3: block_m must be 64, 128 or 192 (64 rows per consumer warpgroup); got {block_m}")
     if block_n % 16 or not 16 <= block_n <= 256:
         raise ValueError(f"fa3: block_n must be a multiple of 16 from 16 to 256; got {block_n}")
     if stages < 1:
         raise ValueError(f"fa3: stages must be at least 1; got {stages}")
-    layout = Fa3Layout(head_dim, block_m, block_n, stages)
+    layout = Fa3Layout(head_dim, block_m, block_n, stages, hopper.element_bytes(kind))
     from numba_flash.arch import SMEM_OPTIN_LIMIT as MAX_DYNAMIC_SMEM
 
     if layout.smem_bytes > MAX_DYNAMIC_SMEM:
@@ -89,23 +92,36 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int) -> N
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
                pingpong: bool = True, registers=(24, 240)):
     """The FA-3 forward kernel for one configuration (all compile-time):
-    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group)``.
+    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, descale)``.
 
     q (B, H, Nq, Dq), k and v (B, Hkv, Nk, Dq), Dq <= D: 16-bit bit patterns (``kind`` "f16" or
     "bf16"), read only through TMA (the tensor maps; the simulator reads the arrays: columns past Dq
     read as zeros); o (B, H, Nq, D / 2) uint32, pairs of 16-bit values; lse (B, H, Nq) float32; ``scale_log2`` = scale * log2(e) (> 0); ``group`` = H / Hkv.
     Grid (Q tiles, H, B), the Q tiles longest-first under a right bound (causal).
 
+    ``kind`` "e4m3" (FA-3 section 3.3, fp8): q and k e4m3 bytes; ``v`` is V^T, (B, Hkv, Dq, Nk'),
+    its keys permuted within each 32 (``numba_flash.fp8.value_order``) so that P's accumulator
+    registers are the A operand of the e4m3 ``wgmma`` as they stand (8-bit operands are K-major
+    only); ``descale`` (B, Hkv, 3) float32: q's, k's and v's descaling factors (FA-3's q_descale,
+    k_descale, v_descale; unread for 16-bit kinds); P~ is exp2(x - m + 8), in [0, 256] (FA-3's
+    offset: e4m3's range), the 2^8 cancelling in O / l and taken out of the logsumexp; o bfloat16 pairs.
+
     The ablation's factors (``numba-flash ablate --fa3``): ``overlap`` (section 3.2: S_j's softmax
     under P_{j-1} V_{j-1}), ``pingpong`` (section 3.1: the consumer warpgroups take turns issuing
     their products, so one's softmax runs under the other's GEMMs; needs two or more),
     ``registers`` (setmaxnreg's (producer, consumer) registers; ``None``: no reallocation)."""
-    check_fa3_tiles(head_dim, block_m, block_n, stages)
-    L = Fa3Layout(head_dim, block_m, block_n, stages)
+    check_fa3_tiles(head_dim, block_m, block_n, stages, kind)
+    FP8 = kind == "e4m3"
+    ELEM = hopper.element_bytes(kind)
+    L = Fa3Layout(head_dim, block_m, block_n, stages, ELEM)
     CONSUMERS = block_m // 64
     BOXES, D = L.boxes, head_dim
-    Q_BOX, KV_BOX = block_m * 128, block_n * 128  # bytes of one 64-column box
-    S_N, O_N, P_WORDS = block_n // 2, head_dim // 2, block_n // 4
+    BOX_ELEMS = hopper.BOX_BYTES // ELEM  # columns of a 128-byte box
+    Q_BOX, KV_BOX = block_m * 128, block_n * 128  # bytes of one box
+    VT_BOX, VT_BOXES = head_dim * 128, block_n // 128  # fp8: V^T's boxes (D rows of 128 keys)
+    S_STEPS = D * ELEM // hopper.K_BYTES  # wgmma products along D
+    S_N, O_N, P_WORDS = block_n // 2, head_dim // 2, block_n * ELEM // 8
+    P_OFFSET = 8.0 if FP8 else 0.0  # FA-3's fp8 softmax: P~ = exp2(x - m + 8), in e4m3's range
     S_SHAPE = (block_n // 8, 4)
     BARS, Q_BYTES, KV_BYTES, KV_AT, SINK = L.bars_at, L.q_bytes, L.kv_bytes, L.k_at, L.sink_at
     RELEASES = WARPGROUP * CONSUMERS  # a slot's K or V is free when every consumer thread says so
@@ -116,10 +132,11 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     TURN = 2 * WARPGROUP  # a turn's barrier: the waiting warpgroup's sync and the previous one's arrive
     WINDOW = window
     qk = hopper.wgmma_ss(block_n, kind, 0)
-    pv = hopper.wgmma_rs(head_dim, kind, 1)
-    load_q = hopper.tma_box_loader(block_m)
-    load_kv = hopper.tma_box_loader(block_n)
-    pack = hopper.pack_pair(kind)
+    pv = hopper.wgmma_rs(head_dim, kind, 0 if FP8 else 1)  # fp8: V^T, K-major; 16-bit: V, N-major
+    load_q = hopper.tma_box_loader(block_m, ELEM)
+    load_kv = hopper.tma_box_loader(block_n, ELEM)
+    load_vt = hopper.tma_box_loader(head_dim, ELEM)
+    pack = hopper.pack_pair("bf16" if FP8 else kind)  # O's pairs: fp8 writes bfloat16
     quad_max = hopper.quad_reduce(hopper.max_nan)
     quad_sum = hopper.quad_reduce(add)
     fence_s = hopper.register_fence(S_N)
@@ -170,18 +187,24 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     def s_product(smem, base, s_acc, q_at, s):
         """S = Q_i K_j^T (Algorithm 1 line 14): D / 16 SS products from the slot's K."""
         k_at = k_slot(base, s)
-        for ks in range(D // 16):
+        for ks in range(S_STEPS):
             box, kk = ks // 4, ks % 4
             qk(smem, s_acc, hopper.descriptor(q_at + box * Q_BOX + kk * 32, 16, hopper.SBO_128B),
                hopper.descriptor(k_at + box * KV_BOX + kk * 32, 16, hopper.SBO_128B), ks)
 
     @device_jit
     def pv_product(smem, base, o_acc, p, s):
-        """O += P V_j (line 18): block_n / 16 RS products, P from registers, V N-major."""
+        """O += P V_j (line 18): block_n / 16 RS products, P from registers, V N-major (fp8:
+        block_n / 32 products, V^T K-major, 32 keys a 32-byte step along its 128-key boxes)."""
         v_at = k_slot(base, s) + KV_BYTES
-        for kk in range(block_n // 16):
-            pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
-               hopper.descriptor(v_at + kk * 16 * 128, KV_BOX, hopper.SBO_128B), 1)
+        if FP8:
+            for kk in range(block_n // 32):
+                pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
+                   hopper.descriptor(v_at + (kk // 4) * VT_BOX + (kk % 4) * 32, 16, hopper.SBO_128B), 1)
+        else:
+            for kk in range(block_n // 16):
+                pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
+                   hopper.descriptor(v_at + kk * 16 * 128, KV_BOX, hopper.SBO_128B), 1)
 
     @device_jit
     def pv_step(smem, base, o_acc, p, it, c, last):
@@ -237,9 +260,12 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         (line 17; the quad's partial sums are added once, at the end)."""
         for r in range(2):
             part = float32(0.0)
+            bias = m_ref[r]
+            if FP8:
+                bias = bias - float32(P_OFFSET)
             for j in range(block_n // 8):
                 for e in range(2):
-                    x = math.exp2(s_acc[j, 2 * r + e] * scale_log2 - m_ref[r])
+                    x = math.exp2(s_acc[j, 2 * r + e] * scale_log2 - bias)
                     s_acc[j, 2 * r + e] = x
                     part += x
             l_run[r] = l_run[r] * alpha[r] + part
@@ -253,11 +279,22 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
 
     @device_jit
     def to_fragments(s_acc, p):
-        """P~ as the 16-bit A fragments of the P V product: key columns 16kk..16kk+15 of the
-        accumulator are exactly m16n8k16's A layout (the FA-2 trick, FA-3 section 3.1)."""
-        for j in range(block_n // 8):
-            p[2 * j] = pack(s_acc[j, 0], s_acc[j, 1])
-            p[2 * j + 1] = pack(s_acc[j, 2], s_acc[j, 3])
+        """P~ as the A fragments of the P V product. 16-bit: key columns 16kk..16kk+15 of the
+        accumulator are exactly m16n8k16's A layout (the FA-2 trick, FA-3 section 3.1). e4m3: a
+        register holds keys 4t..4t+3 of a 32-key step in m16n8k32's layout, where the accumulator
+        gives the thread keys 2t, 2t+1, 8+2t, 9+2t; they are packed as they stand, and V^T's keys
+        were put in that order on the host (FA-3 section 3.3's layout mismatch, solved without shuffles)."""
+        if FP8:
+            for kk in range(block_n // 32):
+                j = 4 * kk
+                p[4 * kk] = hopper.pack_e4m3(s_acc[j, 0], s_acc[j, 1], s_acc[j + 1, 0], s_acc[j + 1, 1])
+                p[4 * kk + 1] = hopper.pack_e4m3(s_acc[j, 2], s_acc[j, 3], s_acc[j + 1, 2], s_acc[j + 1, 3])
+                p[4 * kk + 2] = hopper.pack_e4m3(s_acc[j + 2, 0], s_acc[j + 2, 1], s_acc[j + 3, 0], s_acc[j + 3, 1])
+                p[4 * kk + 3] = hopper.pack_e4m3(s_acc[j + 2, 2], s_acc[j + 2, 3], s_acc[j + 3, 2], s_acc[j + 3, 3])
+        else:
+            for j in range(block_n // 8):
+                p[2 * j] = pack(s_acc[j, 0], s_acc[j, 1])
+                p[2 * j + 1] = pack(s_acc[j, 2], s_acc[j, 3])
 
     @device_jit
     def softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
@@ -269,7 +306,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         update_max(m, m_ref, alpha, tile_max)
         exponentials(s_acc, m_ref, l_run, alpha, scale_log2)
 
-    def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group):
+    def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, descale):
         smem = cuda.shared.array(0, dtype=uint8, alignment=SMEM_ALIGN)
         base = hopper.tile_base(smem)
         tid = cuda.threadIdx.x
@@ -281,6 +318,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             tile = cuda.gridDim.x - 1 - tile
         m0 = tile * block_m
         hk = h // group
+        if FP8:  # S = (q_descale q)(k_descale k)^T: the descales join the scale
+            scale_log2 = scale_log2 * descale[b, hk, 0] * descale[b, hk, 1]
         # The K/V tiles this Q tile walks (FA-2 section 3.1.1: those some row sees)
         last_row = min(m0 + block_m, n_q) - 1
         first_key = first_visible_key(m0, n_q, n_k, WINDOW)
@@ -302,7 +341,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             if tid == 0:
                 hopper.mbarrier_arrive_expect_tx(smem, q_full(base), Q_BYTES)
                 for x in range(BOXES):
-                    load_q(smem, base + x * Q_BOX, tmap_q, q, x * BOX, m0, h, b, q_full(base))
+                    load_q(smem, base + x * Q_BOX, tmap_q, q, x * BOX_ELEMS, m0, h, b, q_full(base))
                 for it in range(count):
                     s = it % stages
                     free = ((it // stages) & 1) ^ 1  # a fresh slot's previous phase counts as complete
@@ -311,11 +350,15 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                     hopper.mbarrier_wait(smem, k_empty(base, s), free)
                     hopper.mbarrier_arrive_expect_tx(smem, k_full(base, s), KV_BYTES)
                     for x in range(BOXES):
-                        load_kv(smem, k_at + x * KV_BOX, tmap_k, k, x * BOX, n0, hk, b, k_full(base, s))
+                        load_kv(smem, k_at + x * KV_BOX, tmap_k, k, x * BOX_ELEMS, n0, hk, b, k_full(base, s))
                     hopper.mbarrier_wait(smem, v_empty(base, s), free)
                     hopper.mbarrier_arrive_expect_tx(smem, v_full(base, s), KV_BYTES)
-                    for x in range(BOXES):
-                        load_kv(smem, k_at + KV_BYTES + x * KV_BOX, tmap_v, v, x * BOX, n0, hk, b, v_full(base, s))
+                    if FP8:  # V^T: boxes of 128 keys, all D rows
+                        for x in range(VT_BOXES):
+                            load_vt(smem, k_at + KV_BYTES + x * VT_BOX, tmap_v, v, n0 + 128 * x, 0, hk, b, v_full(base, s))
+                    else:
+                        for x in range(BOXES):
+                            load_kv(smem, k_at + KV_BYTES + x * KV_BOX, tmap_v, v, x * BOX, n0, hk, b, v_full(base, s))
             return
         if REALLOCATE:
             hopper.setmaxnreg_inc(CONSUMER_REGS)
@@ -421,11 +464,15 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             if t == 0 and row + 8 * r < n_q:
                 if total == 0:
                     lse[b, h, row + 8 * r] = float32(NEG_INF)
+                elif FP8:
+                    lse[b, h, row + 8 * r] = (m[r] + math.log2(total) - float32(P_OFFSET)) * float32(LN2)
                 else:
                     lse[b, h, row + 8 * r] = (m[r] + math.log2(total)) * float32(LN2)
         for r in range(2):  # o: the caller's (or a padded) output as pairs of 16-bit values
             if row + 8 * r < n_q:
                 inv = l_run[r]
+                if FP8:
+                    inv = inv * descale[b, hk, 2]
                 for j in range(D // 8):
                     o[b, h, row + 8 * r, 4 * j + t] = pack(o_acc[4 * j + 2 * r] * inv, o_acc[4 * j + 2 * r + 1] * inv)
 

@@ -12,7 +12,7 @@ on the GPU the 32-bit shared-window address (:func:`tile_base` rounds the buffer
 1024 bytes, the 128-byte swizzle's period), in the simulator the byte offset into ``smem`` (the
 base is 0). Every primitive takes ``smem`` first so that its twin can reach the bytes.
 
-- **Tiles** are 16-bit, in boxes of 64 columns (128-byte rows) written by TMA with
+- **Tiles** are 16-bit or 8-bit (e4m3), in boxes of 128-byte rows (64 or 128 columns) written by TMA with
   ``CU_TENSOR_MAP_SWIZZLE_128B``: byte ``a`` of a row-major box lands at ``a ^ (((a >> 7) & 7) << 4)``
   (the 16-byte chunk index XOR the row modulo 8; :func:`swizzle_128b`), which is also the layout
   ``wgmma`` reads with the 128-byte swizzle mode.
@@ -24,7 +24,8 @@ base is 0). Every primitive takes ``smem`` first so that its twin can reach the 
   ``(B, H, N, D)`` tensor, described by a ``CUtensorMap`` in global memory
   (``numba_flash.fa3.tensor_map``); rows or columns past the tensor's end read as zeros; the
   bytes are counted on an mbarrier.
-- **wgmma** (``wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}``): one warpgroup (128 threads,
+- **wgmma** (``wgmma.mma_async.sync.aligned.m64nNk16.f32.{f16,bf16}``, and ``m64nNk32.f32.e4m3.e4m3``
+  for fp8: 32 K-values per product, both operands K-major, A registers of four 8-bit values): one warpgroup (128 threads,
   warp ``w`` owning rows ``16w..16w+15``) multiplies a 64x16 A by a 16xN B into float32
   accumulators, ``acc[4j + e]`` = (row ``g`` or ``g + 8``, column ``8j + 2t + e % 2``) as the
   ``mma.m16n8`` C fragment (``g = lane / 4``, ``t = lane % 4``). A comes from shared memory (SS:
@@ -62,6 +63,13 @@ from numba_flash.kernels.jit import device_jit
 TILE_ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows of 128 bytes
 SBO_128B = 1024  # bytes between 8-row groups of a 128-byte-swizzled operand
 BOX_COLS = 64  # 16-bit columns of a 128-byte swizzled box (TMA's box and wgmma's atom)
+BOX_BYTES = 128  # a swizzled box's row
+K_BYTES = 32  # the K extent of one wgmma in bytes: 16 16-bit values, 32 e4m3 ones
+
+
+def element_bytes(kind: str) -> int:
+    """Bytes of one operand element: 2 for "f16" / "bf16", 1 for "e4m3"."""
+    return 1 if kind == "e4m3" else 2
 _ALIGN_MASK = 0xFFFFFFFF & ~(TILE_ALIGN - 1)
 SIM_TIMEOUT = 300.0  # seconds a simulated wait may take before it is called a hang
 
@@ -90,6 +98,10 @@ if simulated():
         return smem.__array_interface__["data"][0]
 
     def _half_values(bits, kind):
+        if kind == "e4m3":
+            from numba_flash.kernels.e4m3 import values_of
+
+            return values_of(bits)
         bits = np.asarray(bits, np.uint16)
         if kind == "f16":
             return bits.view(np.float16).astype(np.float64)
@@ -177,22 +189,22 @@ if simulated():
                 raise RuntimeError(f"mbarrier at {int(bar)}: phase {int(parity)} never completed (a hang on the GPU)")
 
     @functools.lru_cache(maxsize=None)
-    def tma_box_loader(rows: int):
-        """``load(smem, dst, tmap, src, d0, n0, h, b, bar)``: the ``rows x 64`` box of ``src``
-        (B, H, N, D) at (row ``n0``, column ``d0``) of head (b, h), swizzled into ``dst``, zeros past
-        the tensor's ends, its bytes counted on mbarrier ``bar``."""
+    def tma_box_loader(rows: int, elem_bytes: int = 2):
+        """``load(smem, dst, tmap, src, d0, n0, h, b, bar)``: the ``rows x (128 / elem_bytes)`` box
+        of ``src`` (B, H, N, D) at (row ``n0``, column ``d0``) of head (b, h), swizzled into ``dst``,
+        zeros past the tensor's ends, its bytes counted on mbarrier ``bar``."""
+        cols, unit = BOX_BYTES // elem_bytes, (np.uint8 if elem_bytes == 1 else np.uint16)
 
         @device_jit
         def load(smem, dst, tmap, src, d0, n0, h, b, bar):
             n_rows, n_cols = src.shape[2], src.shape[3]
-            box = np.zeros((rows, BOX_COLS), np.uint16)
-            r1, c1 = min(rows, max(0, n_rows - n0)), min(BOX_COLS, max(0, n_cols - d0))
+            box = np.zeros((rows, cols), unit)
+            r1, c1 = min(rows, max(0, n_rows - n0)), min(cols, max(0, n_cols - d0))
             if r1 > 0 and c1 > 0:
                 box[:r1, :c1] = src[b, h, n0:n0 + r1, d0:d0 + c1]
-            half = smem.view(np.uint16)
-            rr, cc = np.meshgrid(np.arange(rows), np.arange(BOX_COLS), indexing="ij")
-            half[swizzle_128b(int(dst) + rr * 128 + cc * 2) // 2] = box
-            _complete_tx(smem, bar, rows * BOX_COLS * 2)
+            rr, cc = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
+            smem.view(unit)[swizzle_128b(int(dst) + rr * BOX_BYTES + cc * elem_bytes) // elem_bytes] = box
+            _complete_tx(smem, bar, rows * BOX_BYTES)
 
         return load
 
@@ -273,11 +285,13 @@ if simulated():
         return (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
 
     def _k_major(smem, desc, rows, kind):
-        """The rows x 16 operand (rows of 16 K-values) a K-major descriptor names."""
+        """The rows x K operand (rows of K = 32 bytes of K-values: 16 or 32) a K-major descriptor names."""
         start, _, sbo = _decode(desc)
-        r, k = np.meshgrid(np.arange(rows), np.arange(16), indexing="ij")
-        addr = start + (r // 8) * sbo + (r % 8) * 128 + k * 2
-        return _half_values(smem.view(np.uint16)[swizzle_128b(addr) // 2], kind)
+        size = element_bytes(kind)
+        unit = np.uint8 if size == 1 else np.uint16
+        r, k = np.meshgrid(np.arange(rows), np.arange(K_BYTES // size), indexing="ij")
+        addr = start + (r // 8) * sbo + (r % 8) * 128 + k * size
+        return _half_values(smem.view(unit)[swizzle_128b(addr) // size], kind)
 
     def _n_major(smem, desc, n, kind):
         """The 16 x n operand (16 K-rows of n values, in 64-column boxes LBO apart) of an N-major
@@ -321,12 +335,14 @@ if simulated():
         def mma(smem, acc, a0, a1, a2, a3, desc_b, scale_d):
             wg, lane = _warpgroup_lane()
             posts = _exchange(smem, ("wgmma", wg), 128, lane, (int(a0), int(a1), int(a2), int(a3)))
-            bits = np.zeros((64, 16), np.uint16)
-            for other, words in posts.items():
+            per_word = 4 // element_bytes(kind)  # values in a register: 2 16-bit, 4 e4m3
+            bits = np.zeros((64, 8 * per_word), np.uint16)
+            for other, words in posts.items():  # mma.m16n8k16's A layout, or m16n8k32's for 8-bit
                 w, g, t = other // 32, (other % 32) // 4, other % 4
-                for word, (r, c) in zip(words, ((g, 2 * t), (g + 8, 2 * t), (g, 2 * t + 8), (g + 8, 2 * t + 8))):
-                    bits[16 * w + r, c] = word & 0xFFFF
-                    bits[16 * w + r, c + 1] = word >> 16
+                for i, word in enumerate(words):
+                    r, c = g + 8 * (i % 2), per_word * t + 4 * per_word * (i // 2)
+                    for e in range(per_word):
+                        bits[16 * w + r, c + e] = (word >> (32 // per_word * e)) & (0xFFFF if per_word == 2 else 0xFF)
             a_rows = _half_values(bits, kind)
             b = _n_major(smem, desc_b, n, kind) if tnsp_b else _k_major(smem, desc_b, n, kind).T
             _accumulate(acc, a_rows, b, n, scale_d)
@@ -343,6 +359,14 @@ if simulated():
             return uint32(to_bits(lo) | (to_bits(hi) << 16))
 
         return pack
+
+    @device_jit
+    def pack_e4m3(x0, x1, x2, x3):
+        """Four float32 -> one word of four e4m3 values (``x0`` in the lowest byte; round to nearest
+        even, saturated to +-448)."""
+        from numba_flash.kernels.e4m3 import host_bits
+
+        return uint32(host_bits(x0) | (host_bits(x1) << 8) | (host_bits(x2) << 16) | (host_bits(x3) << 24))
 
     @device_jit
     def max_nan(a, b):
@@ -500,8 +524,8 @@ else:
         return types.void(dst, tmap, d0, n0, h, b, bar), codegen
 
     @functools.lru_cache(maxsize=None)
-    def tma_box_loader(rows: int):
-        """``load(smem, dst, tmap, src, d0, n0, h, b, bar)``: the ``rows x 64`` box at (row ``n0``,
+    def tma_box_loader(rows: int, elem_bytes: int = 2):
+        """``load(smem, dst, tmap, src, d0, n0, h, b, bar)``: the ``rows x (128 / elem_bytes)`` box at (row ``n0``,
         column ``d0``) of head (b, h) of the tensor ``tmap`` (a ``CUtensorMap`` in global memory)
         describes, swizzled into ``dst``; zeros past its ends; bytes counted on ``bar``."""
 
@@ -596,23 +620,30 @@ else:
         data = context.make_array(aryty)(context, builder, value=ary).data
         return [builder.gep(data, [ir.Constant(_I64, i)], inbounds=True) for i in range(n)]
 
-    _PTX_KIND = {"f16": "f16", "bf16": "bf16"}
+    _PTX_KIND = {"f16": "f16", "bf16": "bf16", "e4m3": "e4m3"}
 
     @functools.lru_cache(maxsize=None)
     def _wgmma(n: int, kind: str, tnsp_b: int, a_in_registers: bool):
         count = n // 2  # float32 accumulators per thread
         ab = _PTX_KIND[kind]
+        k = K_BYTES // element_bytes(kind)
+        if kind == "e4m3":  # 8-bit operands are K-major only: no transpose immediates
+            if tnsp_b:
+                raise ValueError("wgmma on e4m3 takes K-major B only (tnsp_b=0)")
+            trans_rs, trans_ss = "", ""
+        else:
+            trans_rs, trans_ss = f", {tnsp_b}", f", 0, {tnsp_b}"
         outs = "{" + ",".join(f"${i}" for i in range(count)) + "}"
         if a_in_registers:
             operands = [_I32] * 4 + [_I64, _I32]
             a = "{" + ",".join(f"${count + i}" for i in range(4)) + "}"
             text = (f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${count + 5}, 0;\n"
-                    f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {outs}, {a}, ${count + 4}, p, 1, 1, {tnsp_b};\n}}")
+                    f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ab}.{ab} {outs}, {a}, ${count + 4}, p, 1, 1{trans_rs};\n}}")
             constraints = ",".join(["=f"] * count + ["r"] * 4 + ["l", "r"] + [str(i) for i in range(count)])
         else:
             operands = [_I64, _I64, _I32]
             text = (f"{{\n.reg .pred p;\nsetp.ne.b32 p, ${count + 2}, 0;\n"
-                    f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ab}.{ab} {outs}, ${count}, ${count + 1}, p, 1, 1, 0, {tnsp_b};\n}}")
+                    f"wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ab}.{ab} {outs}, ${count}, ${count + 1}, p, 1, 1{trans_ss};\n}}")
             constraints = ",".join(["=f"] * count + ["l", "l", "r"] + [str(i) for i in range(count)])
         widths = [types.uint32] * 4 + [types.uint64, types.uint32] if a_in_registers else [types.uint64, types.uint64, types.uint32]
 
@@ -672,6 +703,22 @@ else:
         return pack
 
     _PACKS = {"f16": _pack("f16"), "bf16": _pack("bf16")}
+
+    @intrinsic
+    def _pack_e4m3(typingctx, x0, x1, x2, x3):
+        def codegen(context, builder, sig, args):
+            vals = [_as(context, builder, a, t, types.float32) for a, t in zip(args, sig.args)]
+            text = ("{\n.reg .b16 lo, hi;\ncvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+                    "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\nmov.b32 $0, {lo, hi};\n}")
+            return _asm(builder, _I32, [_F32] * 4, text, "=r,f,f,f,f", vals, side_effect=False)
+
+        return types.uint32(x0, x1, x2, x3), codegen
+
+    @device_jit
+    def pack_e4m3(x0, x1, x2, x3):
+        """Four float32 -> one word of four e4m3 values (``x0`` in the lowest byte; round to nearest
+        even, saturated to +-448): two ``cvt.rn.satfinite.e4m3x2.f32``."""
+        return _pack_e4m3(x0, x1, x2, x3)
 
     @intrinsic
     def _max_nan(typingctx, a, b):

@@ -128,3 +128,71 @@ def test_fa3_strided_and_foreign_inputs():
     o = numba_flash.attention(odd, odd, odd, algorithm="fa3")
     err, allowed = _rule(o, odd, odd, odd, False)
     assert err <= allowed
+
+
+def _fp8_inputs(torch, shape, seed=11):
+    """e4m3 q, k, v (B, H/Hkv, N, D), (B, Hkv) float32 descales, and the dequantized float64 values."""
+    B, H, Hkv, Nq, Nk, D = shape
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    q8, k8, v8 = ((2 * torch.randn(B, h, n, D, device="cuda", generator=gen)).to(torch.float8_e4m3fn)
+                  for h, n in ((H, Nq), (Hkv, Nk), (Hkv, Nk)))
+    scales = [0.3 + 1.5 * torch.rand(B, Hkv, device="cuda", generator=gen) for _ in range(3)]
+    g = H // Hkv
+    real = [x.double() * s.double().repeat_interleave(h // Hkv, 1)[:, :, None, None]
+            for x, s, h in ((q8, scales[0], H), (k8, scales[1], Hkv), (v8, scales[2], Hkv))]
+    assert g >= 1
+    return (q8, k8, v8), scales, real
+
+
+def _plain_fp8(torch, q, k, v, causal):
+    """A plain fp8 implementation on the dequantized values: float32 S and softmax, the normalised
+    P rounded to e4m3, O in float32, bfloat16 out (tests/helpers.py's plain_fp8_attention)."""
+    import math
+
+    g = q.shape[1] // k.shape[1]
+    k, v = k.float().repeat_interleave(g, 1), v.float().repeat_interleave(g, 1)
+    s = (q.float() @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    if causal:
+        nq, nk = s.shape[-2:]
+        i = torch.arange(nq, device="cuda")[:, None] + (nk - nq)
+        s = s.masked_fill(torch.arange(nk, device="cuda")[None] > i, float("-inf"))
+    p = torch.softmax(s, -1).nan_to_num(0.0)
+    return (p.to(torch.float8_e4m3fn).float() @ v).to(torch.bfloat16)
+
+
+FP8_SHAPES = [  # B, H, Hkv, Nq, Nk, D
+    (2, 8, 8, 1024, 1024, 128), (1, 8, 2, 777, 2049, 128), (2, 4, 1, 333, 517, 256), (1, 4, 4, 1500, 700, 96),
+    (3, 2, 2, 1, 4096, 64),
+]
+
+
+@pytest.mark.parametrize("shape", FP8_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_fa3_fp8_forward(shape):
+    """float8_e4m3fn with (B, Hkv) descales: within twice a plain fp8 implementation's error against
+    float64, lse against float64, bfloat16 out, poisoned buffers filled, bitwise deterministic."""
+    torch = _hopper()
+    from numba_flash.api import forward
+
+    (q8, k8, v8), (qs, ks, vs), (qd, kd, vd) = _fp8_inputs(torch, shape)
+    for causal in (False, True):
+        out = torch.full(q8.shape, float("nan"), device="cuda", dtype=torch.bfloat16)
+        lse_out = torch.full(q8.shape[:3], float("nan"), device="cuda")
+        o, lse = forward(q8, k8, v8, causal=causal, algorithm="fa3", q_descale=qs, k_descale=ks, v_descale=vs,
+                         out=out, lse_out=lse_out)
+        _finish(torch)
+        ref = torch_attention(qd, kd, vd, causal)
+        err = float((o.double() - ref).abs().max())
+        plain = float((_plain_fp8(torch, qd, kd, vd, causal).double() - ref).abs().max())
+        assert err <= 2 * plain, (causal, err, plain)
+        g = qd.shape[1] // kd.shape[1]
+        s = (qd @ kd.repeat_interleave(g, 1).transpose(-1, -2)) / qd.shape[-1] ** 0.5
+        if causal:
+            nq, nk = s.shape[-2:]
+            i = torch.arange(nq, device="cuda")[:, None] + (nk - nq)
+            s = s.masked_fill(torch.arange(nk, device="cuda")[None] > i, float("-inf"))
+        ref_lse = torch.logsumexp(s, -1)
+        finite = torch.isfinite(ref_lse)
+        assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
+        assert float((lse.double() - ref_lse)[finite].abs().max()) < 1e-3
+        again, _ = forward(q8, k8, v8, causal=causal, algorithm="fa3", q_descale=qs, k_descale=ks, v_descale=vs)
+        assert o.dtype == torch.bfloat16 and torch.equal(o, again)

@@ -110,7 +110,7 @@ def test_fa3_refuses_what_it_cannot_run(kwargs, error, match):
 
 def test_fa3_refuses_float32_and_wide_heads():
     q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float32, seed=0)
-    with pytest.raises(TypeError, match="float16 and bfloat16"):
+    with pytest.raises(TypeError, match="float16, bfloat16 and float8_e4m3fn"):
         numba_flash.attention(q, k, v, algorithm="fa3")
     q, k, v = _inputs(1, 1, 1, 8, 8, 257, np.float16, seed=0)
     with pytest.raises(ValueError, match="256"):
