@@ -17,7 +17,6 @@ kernels are built for 64, 128 and 256; the TMA boxes read zeros past D), ``retur
 from __future__ import annotations
 
 import collections
-import contextlib
 import math
 
 import numpy as np
@@ -191,11 +190,8 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     with ctx.on_device():
         require_fa3_device(ctx.device_id)
         o = out if out is not None else ctx.empty((B, H, Nq, Dq), out_dtype)
-        scales = None
-        if fp8:  # checked before the early returns: bad descales raise on any shape
-            with _caller_stream(ctx):
-                scales = fp8_inputs.descales(q_descale, k_descale, v_descale, B, p.kv_heads, ctx.kind,
-                                             _kernel_view(q, ctx.kind, True))
+        # checked before the early returns: bad descales raise on any shape (16-bit: ones, unread)
+        scales = fp8_inputs.descales(q_descale, k_descale, v_descale, B, p.kv_heads, ctx.kind, ctx.device_id)
         lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
         if B * H * Nq == 0:
             return o, lse
@@ -236,30 +232,6 @@ def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overla
                       registers(block_m) if reallocate else None)
 
 
-_NO_DESCALES: dict = {}  # device id -> the (1, 1, 3) float32 array 16-bit kernels take (and never read)
-
-
-def _no_descales(device_id):
-    if device_id is None:
-        return np.ones((1, 1, 3), np.float32)
-    hit = _NO_DESCALES.get(device_id)
-    if hit is None:
-        import cupy
-
-        with cupy.cuda.Device(device_id):
-            hit = _NO_DESCALES[device_id] = cupy.ones((1, 1, 3), np.float32)
-    return hit
-
-
-def _caller_stream(ctx):
-    """CuPy's work (fp8's V^T and descales) on the stream the kernel will be launched on."""
-    if ctx.kind == "numpy" or simulated():
-        return contextlib.nullcontext()
-    import cupy
-
-    return cupy.cuda.ExternalStream(ctx.stream_ptr())
-
-
 def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales=None) -> None:
     from numba_flash.kernels.jit import LOG2E
     from numba_flash.launch import device_array, launch, numba_launch
@@ -272,9 +244,8 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales=None) -
     block = (kernel.fa3_threads,)
     scalars = [np.float32(p.scale * LOG2E), np.int32(Nq), np.int32(p.n_k), np.int32(p.group)]
     kq, kk, kv = (_kernel_view(x, ctx.kind, fp8) for x in (q, k, v))
-    if fp8:  # V^T, its keys in P's register order (numba_flash.fp8), made on the caller's stream
-        with _caller_stream(ctx):
-            kv = fp8_inputs.transposed_values(kv)
+    if fp8 and (ctx.kind == "numpy" or simulated()):  # V^T, its keys in P's register order (numba_flash.fp8)
+        kv = fp8_inputs.transposed_values(kv)
     ko = _kernel_view(o, ctx.kind)
     pairs = _pairs_view(ko, D)  # the kernel writes O as 32-bit pairs, all D columns
     wide = pairs if pairs is not None else _pairs_view(_empty_like(ko, (B, H, Nq, D)), D)
@@ -282,7 +253,7 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales=None) -
     if simulated():  # the twins read the arrays themselves; the tensor maps are unused words
         maps = [np.zeros(16, np.uint64) for _ in range(3)]
         numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), wide, klse, *maps,
-                                                 *scalars, scales if fp8 else _no_descales(None)], kernel.fa3_smem)
+                                                 *scalars, *scales], kernel.fa3_smem)
         _narrow(ko, wide, pairs, Dq)
         return
     from numba_flash._cuda import cuda
@@ -293,19 +264,20 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales=None) -
                   for x in (kq, kk, kv)]
         outputs = [cuda.device_array(wide.shape, np.uint32), cuda.device_array(klse.shape, np.float32)]
         arrays = [device_array(x, "numba") for x in (*inputs, *outputs)]
-        extra = cuda.to_device(scales if fp8 else np.ones((1, 1, 3), np.float32))
+        extra = [device_array(x, "numba") for x in scales]  # (scales holds the device copies)
         stream_ptr = 0
+        device_id = ctx.device_id if ctx.device_id is not None else cuda.get_current_device().id
     else:
+        stream_ptr = ctx.stream_ptr()
+        device_id = ctx.device_id if ctx.device_id is not None else cuda.get_current_device().id
+        if fp8:  # V^T in one pass on the caller's stream (kernels.value_transpose)
+            kv = fp8_inputs.transposed_values(kv, stream_ptr, device_id)
         inputs = [x if tma_ready(device_array(x, "cupy")) else _tma_copy(x) for x in (kq, kk, kv)]
         arrays = [device_array(x, "cupy") for x in (*inputs, wide, klse)]
-        stream_ptr = ctx.stream_ptr()
-    device_id = ctx.device_id if ctx.device_id is not None else cuda.get_current_device().id
-    if ctx.kind != "numpy":
-        extra = scales if fp8 else _no_descales(device_id)
+        extra = scales
     maps = [tensor_map(arrays[0], bm, p.dtype, device_id), tensor_map(arrays[1], bn, p.dtype, device_id),
             tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id)]  # fp8: V^T's boxes, D rows
-    args = arrays + [device_array(m, "numba") for m in maps] + scalars
-    args.append(device_array(extra, "numba" if ctx.kind == "numpy" else "cupy"))
+    args = arrays + [device_array(m, "numba") for m in maps] + scalars + list(extra)
     launch(kernel, grid, block, stream_ptr, args, kernel.fa3_smem, device_id)
     if ctx.kind == "numpy":
         wide[...] = outputs[0].copy_to_host()

@@ -5,13 +5,13 @@ FA-3 (Shah et al. 2024, section 3.3) runs Q K^T and P V as e4m3 ``wgmma`` produc
 
 - **Descaling.** Quantized inputs carry per-tensor (or per batch and K/V head) factors:
   ``q_descale``, ``k_descale``, ``v_descale`` (FA-3's names: float32 scalars or ``(B, Hkv)``
-  arrays; the real values are ``q * q_descale``, ...). :func:`descales` packs them as the
-  kernel's ``(B, Hkv, 3)`` float32 array: ``q_descale k_descale`` joins the softmax scale,
-  ``v_descale`` multiplies O at the end.
+  arrays; the real values are ``q * q_descale``, ...). :func:`descales` gives them to the kernel
+  as three (B, Hkv) arrays without a copy (numbers: a cached device value seen with zero strides):
+  ``q_descale k_descale`` joins the softmax scale, ``v_descale`` multiplies O at the end.
 - **V's layout.** 8-bit ``wgmma`` operands must be K-major; for O += P V the K dimension is the
   keys, so V is needed as V^T (each head-dim row holding consecutive keys). FA-3 transposes V
   tiles in the kernel (its producer warps); here :func:`transposed_values` writes V^T once per
-  call on the device (one pass of V, a few percent of the attention's time at N = 4096).
+  call on the device (``kernels.value_transpose``: one pass over V).
 - **P's registers.** The S accumulator gives a thread keys ``2t, 2t+1, 8+2t, 9+2t`` of each 16,
   where the e4m3 A operand wants ``4t..4t+3`` (FA-3's "layout mismatch", which it fixes with
   register shuffles). A sum over keys does not care in which order it runs, so V^T's keys are
@@ -59,61 +59,123 @@ def byte_view(x, kind: str):
     return x.view(np.uint8)
 
 
-def transposed_values(v_bytes):
-    """V^T of ``v_bytes`` (B, Hkv, Nk, D) uint8 (CuPy or NumPy): (B, Hkv, D, Nk') C-contiguous,
-    Nk' = Nk rounded up to 32 (zero keys past Nk), each 32 keys in :func:`value_order`."""
-    xp = _array_module(v_bytes)
+def transposed_values(v_bytes, stream_ptr: int = 0, device_id=None):
+    """V^T of ``v_bytes`` (B, Hkv, Nk, D) uint8: (B, Hkv, D, Nk') C-contiguous, Nk' = Nk rounded up
+    to 32 (zero keys past Nk), each 32 keys in :func:`value_order`. NumPy (the simulator): array
+    operations; CuPy: one pass of ``kernels.value_transpose`` on the stream ``stream_ptr``."""
     B, H, N, D = v_bytes.shape
     padded_n = -(-N // KEY_CHUNK) * KEY_CHUNK
-    padded = xp.zeros((B, H, padded_n, D), np.uint8)
-    padded[:, :, :N] = v_bytes
-    chunks = padded.reshape(B, H, padded_n // KEY_CHUNK, KEY_CHUNK, D)[:, :, :, xp.asarray(value_order())]
-    return xp.ascontiguousarray(chunks.transpose(0, 1, 4, 2, 3)).reshape(B, H, D, padded_n)
+    if isinstance(v_bytes, np.ndarray):
+        padded = np.zeros((B, H, padded_n, D), np.uint8)
+        padded[:, :, :N] = v_bytes
+        chunks = padded.reshape(B, H, padded_n // KEY_CHUNK, KEY_CHUNK, D)[:, :, :, value_order()]
+        return np.ascontiguousarray(chunks.transpose(0, 1, 4, 2, 3)).reshape(B, H, D, padded_n)
+    import cupy
+
+    from numba_flash.kernels.value_transpose import THREADS, TILE, transpose_values
+    from numba_flash.launch import device_array, launch
+
+    words = _word_view(v_bytes)
+    if words is None:  # rows that are not whole aligned words: a padded copy (D to a multiple of 16)
+        from numba_flash.arrays import zero_padded
+
+        words = _word_view(zero_padded(v_bytes, -(-D // 16) * 16))
+    vt = cupy.empty((B, H, D, padded_n), np.uint8)
+    vt_words = vt.view(np.uint32)
+    grid = (-(-padded_n // TILE), -(-words.shape[3] * 4 // TILE), B * H)
+    launch(transpose_values, grid, (THREADS,), stream_ptr,
+           [device_array(words, "cupy"), device_array(vt_words, "cupy"), np.int32(N)], 0, device_id)
+    return vt
 
 
-def descales(q_descale, k_descale, v_descale, batch: int, kv_heads: int, kind: str, like):
-    """The kernel's (B, Hkv, 3) float32 descaling factors (q's, k's, v's) on ``like``'s device
-    (``like``: a CuPy or NumPy array); each argument ``None`` (1), a positive finite number, or a
-    float32 array of shape (B, Hkv) of the inputs' library (device arrays are not read back: their
-    values are the caller's to keep positive, as in FA-3)."""
-    xp = _array_module(like)
-    parts = []
+def _word_view(x):
+    """``x`` (B, H, N, D) uint8 CuPy as (B, H, N, D / 4) uint32 over the same memory, or ``None``
+    when its rows are not whole aligned words."""
+    import cupy
+
+    B, H, N, D = x.shape
+    if D % 4 or (x.strides[3] != 1 and D > 1) or x.data.ptr % 4 or any(s % 4 for s in x.strides[:3]):
+        return None
+    return cupy.ndarray((B, H, N, D // 4), np.uint32, memptr=x.data, strides=x.strides[:3] + (4,))
+
+
+def descales(q_descale, k_descale, v_descale, batch: int, kv_heads: int, kind: str, device_id=None):
+    """The kernel's three (B, Hkv) float32 descale arguments (q's, k's, v's), each ``None`` (1), a
+    positive finite number, or a float32 array of shape (B, Hkv) or () of the inputs' library.
+    Simulator: NumPy arrays; a GPU: ``launch.DeviceArray`` views (numbers: a cached one-element
+    device array seen with zero strides; arrays: in place, no copy, values unread -- the caller's to
+    keep positive, as in FA-3); NumPy inputs on a GPU: numba device copies."""
+    from numba_flash._world import simulated
+
+    out = []
     for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
-        if value is None:
-            value = 1.0
+        value = 1.0 if value is None else value
         if isinstance(value, bool):
             raise TypeError(f"{name} must be a number or a float32 array of shape {(batch, kv_heads)}; got a bool")
         if isinstance(value, (int, float, np.integer, np.floating)):
             if not (math.isfinite(float(value)) and float(value) > 0):
                 raise ValueError(f"{name} must be positive and finite; got {value}")
-            parts.append(xp.full((batch, kv_heads), float(value), np.float32))
+            value = np.float32(value)
+            if simulated() or kind == "numpy":
+                out.append(_host_or_device(np.broadcast_to(np.asarray(value, np.float32), (batch, kv_heads))))
+            else:
+                out.append(_broadcast(_constant(float(value), device_id), batch, kv_heads))
             continue
-        array = _as_array(value, name, kind)
-        if tuple(array.shape) not in ((batch, kv_heads), ()):
+        array_kind = "torch" if type(value).__module__.startswith("torch") else (
+            "numpy" if isinstance(value, np.ndarray) else "cupy" if type(value).__module__.startswith("cupy") else None)
+        if array_kind is None:
+            raise TypeError(f"{name} must be a number or a float32 array of the inputs' library; got {type(value).__name__}")
+        shape = tuple(value.shape)
+        if shape not in ((batch, kv_heads), ()):
             raise ValueError(f"{name} must be a number or an array of shape {(batch, kv_heads)} (batch, K/V heads); "
-                             f"got shape {tuple(array.shape)}")
-        if array.dtype != np.float32:
-            raise TypeError(f"{name} must be float32; got {array.dtype}")
-        if isinstance(array, np.ndarray) and not (np.isfinite(array).all() and (array > 0).all()):
-            raise ValueError(f"{name} must be positive and finite")
-        parts.append(xp.broadcast_to(xp.asarray(array), (batch, kv_heads)))
-    return xp.ascontiguousarray(xp.stack(parts, axis=-1).astype(np.float32))
+                             f"got shape {shape}")
+        if str(value.dtype).rsplit(".", 1)[-1] != "float32":
+            raise TypeError(f"{name} must be float32; got {value.dtype}")
+        if array_kind == "numpy":
+            if not (np.isfinite(value).all() and (value > 0).all()):
+                raise ValueError(f"{name} must be positive and finite")
+            out.append(_host_or_device(np.broadcast_to(value, (batch, kv_heads))))
+            continue
+        if simulated() or kind == "numpy":
+            raise TypeError(f"{name}: a device array with {kind} inputs; pass NumPy arrays or numbers")
+        from numba_flash.launch import device_array
+
+        out.append(_broadcast(device_array(value, array_kind), batch, kv_heads))
+    return out
 
 
-def _as_array(value, name: str, kind: str):
-    """A descale array as CuPy (torch, CuPy) or NumPy; TypeError for anything else."""
-    if kind == "torch" and type(value).__module__.startswith("torch"):
-        from numba_flash.tensor_cores import torch_as_cupy
-
-        return torch_as_cupy(value)
-    if isinstance(value, np.ndarray) or type(value).__module__.startswith("cupy"):
-        return value
-    raise TypeError(f"{name} must be a number or a float32 array of the inputs' library; got {type(value).__name__}")
+_CONSTANTS: dict = {}  # (device id, value) -> one-element CuPy float32 array
 
 
-def _array_module(x):
-    if isinstance(x, np.ndarray):
-        return np
-    import cupy
+def _constant(value: float, device_id):
+    key = (device_id, value)
+    hit = _CONSTANTS.get(key)
+    if hit is None:
+        import cupy
 
-    return cupy
+        with cupy.cuda.Device(device_id if device_id is not None else cupy.cuda.runtime.getDevice()) as device:
+            hit = _CONSTANTS[key] = cupy.full((1,), value, np.float32)
+            device.synchronize()  # made once; then read from any stream
+        if len(_CONSTANTS) > 64:
+            _CONSTANTS.pop(next(iter(_CONSTANTS)))
+    return hit
+
+
+def _broadcast(x, batch: int, kv_heads: int):
+    """A (B, Hkv) ``DeviceArray`` of ``x`` (a one-element CuPy array, or a (B, Hkv) / () DeviceArray)."""
+    from numba_flash.launch import DeviceArray, device_array
+
+    d = x if isinstance(x, DeviceArray) else device_array(x, "cupy")
+    strides = d.strides if len(d.shape) == 2 else (0, 0)
+    return DeviceArray(d.ptr, (batch, kv_heads), strides, "float32", 4, batch * kv_heads, False)
+
+
+def _host_or_device(x):
+    """A host (B, Hkv) array as the kernel takes it: itself in the simulator, a numba device copy on a GPU."""
+    from numba_flash._world import simulated
+
+    if simulated():
+        return np.array(x, np.float32)  # a writable copy (the simulator writes arguments back)
+    from numba_flash._cuda import cuda
+
+    return cuda.to_device(np.array(x, np.float32))

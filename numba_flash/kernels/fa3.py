@@ -92,7 +92,7 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
                pingpong: bool = True, registers=(24, 240)):
     """The FA-3 forward kernel for one configuration (all compile-time):
-    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, descale)``.
+    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale)``.
 
     q (B, H, Nq, Dq), k and v (B, Hkv, Nk, Dq), Dq <= D: 16-bit bit patterns (``kind`` "f16" or
     "bf16"), read only through TMA (the tensor maps; the simulator reads the arrays: columns past Dq
@@ -102,8 +102,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     ``kind`` "e4m3" (FA-3 section 3.3, fp8): q and k e4m3 bytes; ``v`` is V^T, (B, Hkv, Dq, Nk'),
     its keys permuted within each 32 (``numba_flash.fp8.value_order``) so that P's accumulator
     registers are the A operand of the e4m3 ``wgmma`` as they stand (8-bit operands are K-major
-    only); ``descale`` (B, Hkv, 3) float32: q's, k's and v's descaling factors (FA-3's q_descale,
-    k_descale, v_descale; unread for 16-bit kinds); P~ is exp2(x - m + 8), in [0, 256] (FA-3's
+    only); ``q_descale``, ``k_descale``, ``v_descale``: (B, Hkv) float32 descaling factors (FA-3's;
+    unread for 16-bit kinds); P~ is exp2(x - m + 8), in [0, 256] (FA-3's
     offset: e4m3's range), the 2^8 cancelling in O / l and taken out of the logsumexp; o bfloat16 pairs.
 
     The ablation's factors (``numba-flash ablate --fa3``): ``overlap`` (section 3.2: S_j's softmax
@@ -306,7 +306,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         update_max(m, m_ref, alpha, tile_max)
         exponentials(s_acc, m_ref, l_run, alpha, scale_log2)
 
-    def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, descale):
+    def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale):
         smem = cuda.shared.array(0, dtype=uint8, alignment=SMEM_ALIGN)
         base = hopper.tile_base(smem)
         tid = cuda.threadIdx.x
@@ -319,7 +319,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         m0 = tile * block_m
         hk = h // group
         if FP8:  # S = (q_descale q)(k_descale k)^T: the descales join the scale
-            scale_log2 = scale_log2 * descale[b, hk, 0] * descale[b, hk, 1]
+            scale_log2 = scale_log2 * q_descale[b, hk] * k_descale[b, hk]
         # The K/V tiles this Q tile walks (FA-2 section 3.1.1: those some row sees)
         last_row = min(m0 + block_m, n_q) - 1
         first_key = first_visible_key(m0, n_q, n_k, WINDOW)
@@ -472,7 +472,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             if row + 8 * r < n_q:
                 inv = l_run[r]
                 if FP8:
-                    inv = inv * descale[b, hk, 2]
+                    inv = inv * v_descale[b, hk]
                 for j in range(D // 8):
                     o[b, h, row + 8 * r, 4 * j + t] = pack(o_acc[4 * j + 2 * r] * inv, o_acc[4 * j + 2 * r + 1] * inv)
 

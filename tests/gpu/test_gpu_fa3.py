@@ -193,6 +193,9 @@ def test_fa3_fp8_forward(shape):
         ref_lse = torch.logsumexp(s, -1)
         finite = torch.isfinite(ref_lse)
         assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))
-        assert float((lse.double() - ref_lse)[finite].abs().max()) < 1e-3
+        # Hopper's e4m3 wgmma keeps about 14 bits of its float32 sums (DeepSeek-V3's report, 3.3.2):
+        # S carries ~1e-4 of its own size, so lse is held to 1e-3 of the largest score (16-bit: 1e-3)
+        scores = float(s[torch.isfinite(s)].abs().max())
+        assert float((lse.double() - ref_lse)[finite].abs().max()) < 1e-3 * max(1.0, scores)
         again, _ = forward(q8, k8, v8, causal=causal, algorithm="fa3", q_descale=qs, k_descale=ks, v_descale=vs)
         assert o.dtype == torch.bfloat16 and torch.equal(o, again)

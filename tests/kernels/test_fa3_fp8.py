@@ -148,3 +148,19 @@ def test_fp8_kernel_head_dims():
     with pytest.raises(ValueError):
         fa3.kernel_head_dim(257, True)
     assert math.isclose(float(e4m3.values_of(e4m3.bits_of(256.0))), 256.0)  # P~'s largest value, 2^8, is exact
+
+
+@pytest.mark.skipif(not SIMULATED, reason="the GPU path is tests/gpu/test_gpu_fa3.py's (fp8 through CuPy arrays)")
+def test_transpose_kernel_matches_the_host_layout():
+    """kernels.value_transpose (the device path of fp8.transposed_values) writes what the NumPy
+    path writes: keys past Nk zero, head-dim rows past a 64-byte tile edge included."""
+    from numba_flash.kernels.value_transpose import THREADS, TILE, transpose_values
+
+    rng = np.random.default_rng(4)
+    v = rng.integers(1, 255, (1, 2, 70, 72)).astype(np.uint8)  # 70 keys: a partial 32-key chunk
+    expected = fp8.transposed_values(v)
+    vt = np.full(expected.shape, 0xAB, np.uint8)  # poisoned
+    grid = (-(-vt.shape[3] // TILE), -(-v.shape[3] // TILE), v.shape[0] * v.shape[1])
+    words = vt.view(np.uint32)
+    transpose_values[grid, THREADS](np.ascontiguousarray(v).view(np.uint32), words, np.int32(70))
+    assert np.array_equal(words.view(np.uint8), expected)
