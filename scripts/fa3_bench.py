@@ -8,9 +8,13 @@
 2. Timing (CUDA events around each of ``--repeats`` calls queued back to back, the median,
    compilation excluded) of fa3, our fa2, and PyTorch SDPA's flash (FlashAttention-2) and cuDNN
    backends on the same tensors; TFLOP/s with 4 B H Nq Nk D (halved when causal).
+3. ``--fp8``: the same correctness cases on float8_e4m3fn inputs with (B, Hkv) descales (against
+   float64 beside a plain fp8 implementation), and fa3 timed on e4m3 copies of the float16 inputs
+   (its ratio to fa3 on float16 in the same run: FA-3 section 3.3).
 
     python scripts/fa3_bench.py --json docs/data/fa3_h200_<date>.json
     python scripts/fa3_bench.py --quick            # correctness and one shape
+    python scripts/fa3_bench.py --fp8 --dtypes float16 --no-variants   # fp8 beside float16
 
 Needs a Hopper GPU and torch.
 """
@@ -167,6 +171,72 @@ def check(torch, numba_flash, dtype, watchdog, cases=CASES) -> list[dict]:
     return rows
 
 
+def plain_fp8(q, k, v, causal, window, torch):
+    """A plain fp8 attention on dequantized float64 ``q``, ``k``, ``v``: float32 S and softmax, the
+    normalised P rounded to e4m3, float32 O, bfloat16 out (tests/helpers.py's plain_fp8_attention)."""
+    p = torch.softmax(_scores(q.float(), k.float(), causal, window, torch), -1).nan_to_num(0.0)
+    g = q.shape[1] // k.shape[1]
+    return (p.to(torch.float8_e4m3fn).float() @ v.float().repeat_interleave(g, 1)).to(torch.bfloat16)
+
+
+def _scores(q, k, causal, window, torch):
+    group = q.shape[1] // k.shape[1]
+    s = (q @ k.repeat_interleave(group, 1).transpose(-1, -2)) / math.sqrt(q.shape[-1])
+    nq, nk = s.shape[-2:]
+    i = torch.arange(nq, device=q.device)[:, None] + (nk - nq)
+    j = torch.arange(nk, device=q.device)[None]
+    left, right = window
+    if causal:
+        right = 0 if right < 0 else min(right, 0)
+    visible = torch.ones(nq, nk, dtype=torch.bool, device=q.device)
+    if right >= 0:
+        visible &= j <= i + right
+    if left >= 0:
+        visible &= j >= i - left
+    return s.masked_fill(~visible, -math.inf)
+
+
+def check_fp8(torch, numba_flash, watchdog, cases=CASES) -> list[dict]:
+    """fa3 on e4m3 inputs with (B, Hkv) descales: the error against float64 (dequantized inputs)
+    at most twice a plain fp8 implementation's, lse within 1e-3 of the largest score (Hopper's e4m3
+    products keep ~14 bits of their sums), bfloat16 out, bitwise deterministic."""
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    for B, H, Hkv, Nq, Nk, D, causal, window in cases:
+        q8, k8, v8 = ((2 * torch.randn(B, h, n, D, device="cuda", generator=gen)).to(torch.float8_e4m3fn)
+                      for h, n in ((H, Nq), (Hkv, Nk), (Hkv, Nk)))
+        scales = [0.3 + 1.5 * torch.rand(B, Hkv, device="cuda", generator=gen) for _ in range(3)]
+        real = [x.double() * sc.double().repeat_interleave(x.shape[1] // Hkv, 1)[:, :, None, None]
+                for x, sc in zip((q8, k8, v8), scales)]
+        label = f"float8_e4m3fn B{B} H{H}/{Hkv} {Nq}x{Nk} D{D} causal={causal} window={window}"
+        try:
+            kw = dict(causal=causal, window_size=window, algorithm="fa3", q_descale=scales[0], k_descale=scales[1],
+                      v_descale=scales[2])
+            o, lse = numba_flash.api.forward(q8, k8, v8, **kw)
+            wait(torch, label, watchdog)
+            o2, _ = numba_flash.api.forward(q8, k8, v8, **kw)
+            wait(torch, label, watchdog)
+        except Exception as e:  # noqa: BLE001
+            rows.append(dict(case=label, status=f"error: {type(e).__name__}: {e}"))
+            print(f"FAIL {label}: {type(e).__name__}: {e}", flush=True)
+            continue
+        ref_o, ref_lse = reference(*real, causal, window, torch)
+        err = float((o.double() - ref_o).abs().max())
+        base = float((plain_fp8(*real, causal, window, torch).double() - ref_o).abs().max())
+        s = _scores(real[0], real[1], causal, window, torch)
+        top = float(s[torch.isfinite(s)].abs().max()) if torch.isfinite(s).any() else 1.0
+        finite = torch.isfinite(ref_lse)
+        lse_err = float((lse.double() - ref_lse)[finite].abs().max()) if finite.any() else 0.0
+        same = bool(torch.equal(o, o2))
+        ok = (err <= 2 * base + 1e-5 and lse_err < 1e-3 * max(1.0, top) and same and o.dtype == torch.bfloat16
+              and bool(torch.equal(torch.isinf(lse), torch.isinf(ref_lse))) and not torch.isnan(o).any())
+        rows.append(dict(case=label, status="ok" if ok else "FAIL", err=err, plain_err=base, lse_err=lse_err,
+                         deterministic=same))
+        print(f"{'PASS' if ok else 'FAIL'} {label}: err {err:.2e} (plain fp8 {base:.2e}) lse {lse_err:.1e} "
+              f"(largest score {top:.0f}) deterministic={same}", flush=True)
+    return rows
+
+
 def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True, fp8=False) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -234,6 +304,10 @@ def main(argv=None) -> int:
     print(meta, flush=True)
     rows, failed = [], 0
     extra = [tile_spec(t) for t in args.tiles.split(",") if t]
+    if args.fp8 and not args.no_check:
+        checked = check_fp8(torch, numba_flash, args.watchdog, CASES[: args.cases])
+        failed += sum(r["status"] != "ok" for r in checked)
+        rows += checked
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
         if not args.no_check:
