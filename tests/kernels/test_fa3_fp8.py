@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from helpers import plain_fp8_attention
+from helpers import examples, plain_fp8_attention
 from conftest import SIMULATED
 
 import numba_flash
@@ -40,7 +40,7 @@ def test_e4m3_values_match_ml_dtypes_for_every_pattern():
     assert e4m3.values_of(0x7E) == 448.0 and e4m3.values_of(0x01) == 2.0 ** -9
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.floats(min_value=-440, max_value=440, allow_nan=False, width=32))
 def test_e4m3_rounding_matches_ml_dtypes(x):
     assert int(e4m3.bits_of(x)) == int(np.float32(x).astype(F8).view(np.uint8))
