@@ -19,6 +19,8 @@ from numba_flash.kernels.jit import device_jit, kernel_jit
 TILE = 64  # keys and head-dim bytes of a block's tile
 THREADS = 256
 WORDS = TILE // 4  # 32-bit words along a tile's row
+PER_THREAD = TILE * WORDS // THREADS  # words each thread moves
+SHARED_SHAPE = (TILE, TILE + 4)  # [key][d]; padded rows spread the banks (a constant: the GPU needs one)
 
 
 @device_jit
@@ -32,24 +34,29 @@ def ordered_key(p):
 @kernel_jit()
 def transpose_values(v_words, vt_words, n_k):
     """vt (B, H, D, Nk' / 4) uint32 (four e4m3 keys a word) from v (B, H, Nk, D / 4) uint32 (four
-    head-dim bytes a word); grid (ceil(Nk' / 64), ceil(D / 64), B H), 256 threads."""
-    tile = cuda.shared.array((TILE, TILE + 4), dtype=uint8)  # [key][d]; padded rows spread the banks
+    head-dim bytes a word); grid (ceil(Nk' / 64), ceil(D / 64), B H), 256 threads. Each thread's
+    four loads (and four stores) are issued before any is used: the loops have constant trip
+    counts, so they unroll and the block keeps 4 KiB in flight."""
+    tile = cuda.shared.array(SHARED_SHAPE, dtype=uint8)
+    words = cuda.local.array(PER_THREAD, dtype=uint32)
     heads = v_words.shape[1]
     b, h = cuda.blockIdx.z // heads, cuda.blockIdx.z % heads
     k0, d0 = cuda.blockIdx.x * TILE, cuda.blockIdx.y * TILE
     tid = cuda.threadIdx.x
-    for i in range(tid, TILE * WORDS, THREADS):  # read: 64 keys x 16 words of head dim
-        key, w = i // WORDS, i % WORDS
-        word = uint32(0)
+    for r in range(PER_THREAD):  # read: 64 keys x 16 words of head dim
+        key, w = (tid + THREADS * r) // WORDS, (tid + THREADS * r) % WORDS
+        words[r] = uint32(0)
         if k0 + key < n_k and d0 // 4 + w < v_words.shape[3]:
-            word = v_words[b, h, k0 + key, d0 // 4 + w]
+            words[r] = v_words[b, h, k0 + key, d0 // 4 + w]
+    for r in range(PER_THREAD):
+        key, w = (tid + THREADS * r) // WORDS, (tid + THREADS * r) % WORDS
         for e in range(4):
-            tile[key, 4 * w + e] = uint8((word >> uint32(8 * e)) & uint32(0xFF))
+            tile[key, 4 * w + e] = uint8((words[r] >> uint32(8 * e)) & uint32(0xFF))
     cuda.syncthreads()
-    for i in range(tid, TILE * WORDS, THREADS):  # write: 64 head-dim rows x 16 words of keys
-        d, w = i // WORDS, i % WORDS
+    for r in range(PER_THREAD):  # write: 64 head-dim rows x 16 words of keys
+        d, w = (tid + THREADS * r) // WORDS, (tid + THREADS * r) % WORDS
+        word = uint32(0)
+        for e in range(4):
+            word |= uint32(tile[ordered_key(4 * w + e), d]) << uint32(8 * e)
         if d0 + d < vt_words.shape[2] and k0 // 4 + w < vt_words.shape[3]:
-            word = uint32(0)
-            for e in range(4):
-                word |= uint32(tile[ordered_key(4 * w + e), d]) << uint32(8 * e)
             vt_words[b, h, d0 + d, k0 // 4 + w] = word
