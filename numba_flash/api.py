@@ -118,7 +118,8 @@ def attention(
 
     ``algorithm``: ``"fa2"`` (default; FlashAttention-2 Algorithm 1) or ``"fa1"``
     (FlashAttention Algorithm 1). Both compute the same function. ``"fa3"`` (FlashAttention-3 on
-    Hopper, ``numba_flash.fa3``): float16 and bfloat16, and float8_e4m3fn inputs (torch) with
+    Hopper, ``numba_flash.fa3``): float16 and bfloat16, and float8_e4m3fn inputs (torch; NumPy
+    through ``ml_dtypes`` in the simulator) with
     ``q_descale`` / ``k_descale`` / ``v_descale`` (float32 numbers or ``(B, Hkv)`` arrays: the real
     inputs are ``q * q_descale``, ...), which return bfloat16 (``numba_flash.fp8``).
     ``block_m`` / ``block_n``: Q-tile and K/V-tile rows (``None``: tuned default);
@@ -145,7 +146,7 @@ def attention(
     if not isinstance(return_lse, (bool, np.bool_)):
         raise TypeError(f"return_lse must be a bool; got {type(return_lse).__name__}")
     dims = value_dim.value_dims(q, v)  # a v head dim of its own: run at the wider one (numba_flash.value_dim)
-    if dims is not None and fp8.is_fp8(v):
+    if dims is not None and algorithm == "fa3" and fp8.is_fp8(v):
         raise ValueError(f"float8 inputs take v with q's head dim; got {dims[0]} and {dims[1]}")
     if dims is not None:
         q, k, v, scale = value_dim.widen(q, k, v, scale, dims)

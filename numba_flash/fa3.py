@@ -17,6 +17,7 @@ kernels are built for 64, 128 and 256; the TMA boxes read zeros past D), ``retur
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 
 import numpy as np
@@ -187,11 +188,12 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
         raise TypeError(f"out must be {out_dtype} (fa3's output for {p.dtype} inputs); got {out.dtype}")
     if lse_out is not None and (tuple(lse_out.shape) != (B, H, Nq)):
         raise ValueError(f"lse_out must have shape {(B, H, Nq)}; got {tuple(lse_out.shape)}")
-    with ctx.on_device():
+    with ctx.on_device(), _caller_stream(ctx):  # CuPy's work of this call (copies, V^T, descales) on the caller's stream
         require_fa3_device(ctx.device_id)
         o = out if out is not None else ctx.empty((B, H, Nq, Dq), out_dtype)
-        # checked before the early returns: bad descales raise on any shape (16-bit: ones, unread)
-        scales = fp8_inputs.descales(q_descale, k_descale, v_descale, B, p.kv_heads, ctx.kind, ctx.device_id)
+        # checked before the early returns: bad descales raise on any shape (16-bit: ones, unread);
+        # the buffers made for them (owners) live until the launch is queued
+        scales, owners = fp8_inputs.descales(q_descale, k_descale, v_descale, B, p.kv_heads, ctx.kind, ctx.device_id)
         lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
         if B * H * Nq == 0:
             return o, lse
@@ -201,7 +203,19 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             return o, lse
         _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), (bool(overlap), bool(pingpong), bool(reallocate)),
                 scales)
+        del owners
     return o, lse
+
+
+def _caller_stream(ctx):
+    """torch inputs: CuPy's current stream set to torch's for the call (``arrays.cupy_stream``), so
+    a padded copy, V^T and the descale buffers are ordered with the caller's work and the kernel;
+    CuPy's is the caller's already; NumPy and the simulator have none."""
+    if ctx.kind != "torch" or simulated():
+        return contextlib.nullcontext()
+    from numba_flash.arrays import cupy_stream
+
+    return cupy_stream(ctx.stream_ptr())
 
 
 def _kernel_view(x, kind: str, fp8: bool = False):
@@ -232,7 +246,7 @@ def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overla
                       registers(block_m) if reallocate else None)
 
 
-def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales=None) -> None:
+def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales) -> None:
     from numba_flash.kernels.jit import LOG2E
     from numba_flash.launch import device_array, launch, numba_launch
     from numba_flash.tensor_cores import bits_view
@@ -244,7 +258,7 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales=None) -
     block = (kernel.fa3_threads,)
     scalars = [np.float32(p.scale * LOG2E), np.int32(Nq), np.int32(p.n_k), np.int32(p.group)]
     kq, kk, kv = (_kernel_view(x, ctx.kind, fp8) for x in (q, k, v))
-    if fp8 and (ctx.kind == "numpy" or simulated()):  # V^T, its keys in P's register order (numba_flash.fp8)
+    if fp8 and ctx.kind == "numpy":  # V^T, its keys in P's register order (numba_flash.fp8)
         kv = fp8_inputs.transposed_values(kv)
     ko = _kernel_view(o, ctx.kind)
     pairs = _pairs_view(ko, D)  # the kernel writes O as 32-bit pairs, all D columns
@@ -259,6 +273,7 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales=None) -
     from numba_flash._cuda import cuda
 
     per_row = TMA_ALIGNMENT // kq.itemsize
+    device_id = ctx.device_id if ctx.device_id is not None else cuda.get_current_device().id
     if ctx.kind == "numpy":  # device copies there and back
         inputs = [cuda.to_device(np.ascontiguousarray(x) if x.shape[3] % per_row == 0 else _tma_copy(x))
                   for x in (kq, kk, kv)]
@@ -266,10 +281,8 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales=None) -
         arrays = [device_array(x, "numba") for x in (*inputs, *outputs)]
         extra = [device_array(x, "numba") for x in scales]  # (scales holds the device copies)
         stream_ptr = 0
-        device_id = ctx.device_id if ctx.device_id is not None else cuda.get_current_device().id
     else:
         stream_ptr = ctx.stream_ptr()
-        device_id = ctx.device_id if ctx.device_id is not None else cuda.get_current_device().id
         if fp8:  # V^T in one pass on the caller's stream (kernels.value_transpose)
             kv = fp8_inputs.transposed_values(kv, stream_ptr, device_id)
         inputs = [x if tma_ready(device_array(x, "cupy")) else _tma_copy(x) for x in (kq, kk, kv)]

@@ -100,14 +100,20 @@ def _word_view(x):
 
 
 def descales(q_descale, k_descale, v_descale, batch: int, kv_heads: int, kind: str, device_id=None):
-    """The kernel's three (B, Hkv) float32 descale arguments (q's, k's, v's), each ``None`` (1), a
-    positive finite number, or a float32 array of shape (B, Hkv) or () of the inputs' library.
-    Simulator: NumPy arrays; a GPU: ``launch.DeviceArray`` views (numbers: a cached one-element
-    device array seen with zero strides; arrays: in place, no copy, values unread -- the caller's to
-    keep positive, as in FA-3); NumPy inputs on a GPU: numba device copies."""
+    """``(arguments, owners)``: the kernel's three (B, Hkv) float32 descale arguments (q's, k's,
+    v's), each given as ``None`` (1), a positive finite number, or a float32 array of shape (B, Hkv)
+    or () -- NumPy with NumPy inputs, a device array (torch or CuPy) on the inputs' GPU otherwise --
+    and the device buffers made for this call (keep them until the launch is queued).
+
+    Simulator: NumPy arrays. NumPy inputs on a GPU: numba device copies. torch / CuPy inputs:
+    ``launch.DeviceArray`` views, no copy of an array (its values unread: keeping them positive is
+    the caller's, as in FA-3); a number: 1 is a cached device value, any other a one-element buffer
+    filled on the current CuPy stream (the caller's: ``fa3.forward`` runs this under it), both seen
+    with zero strides."""
     from numba_flash._world import simulated
 
-    out = []
+    host = simulated() or kind == "numpy"
+    out, owners = [], []
     for name, value in (("q_descale", q_descale), ("k_descale", k_descale), ("v_descale", v_descale)):
         value = 1.0 if value is None else value
         if isinstance(value, bool):
@@ -115,54 +121,66 @@ def descales(q_descale, k_descale, v_descale, batch: int, kv_heads: int, kind: s
         if isinstance(value, (int, float, np.integer, np.floating)):
             if not (math.isfinite(float(value)) and float(value) > 0):
                 raise ValueError(f"{name} must be positive and finite; got {value}")
-            value = np.float32(value)
-            if simulated() or kind == "numpy":
-                out.append(_host_or_device(np.broadcast_to(np.asarray(value, np.float32), (batch, kv_heads))))
+            if host:
+                out.append(_host_or_device(np.full((batch, kv_heads), value, np.float32)))
             else:
-                out.append(_broadcast(_constant(float(value), device_id), batch, kv_heads))
+                one = _one(device_id) if float(value) == 1.0 else _filled(float(value))
+                owners.append(one)
+                out.append(_broadcast(one, batch, kv_heads))
             continue
         array_kind = "torch" if type(value).__module__.startswith("torch") else (
             "numpy" if isinstance(value, np.ndarray) else "cupy" if type(value).__module__.startswith("cupy") else None)
         if array_kind is None:
-            raise TypeError(f"{name} must be a number or a float32 array of the inputs' library; got {type(value).__name__}")
+            raise TypeError(f"{name} must be a number or a float32 array; got {type(value).__name__}")
         shape = tuple(value.shape)
         if shape not in ((batch, kv_heads), ()):
             raise ValueError(f"{name} must be a number or an array of shape {(batch, kv_heads)} (batch, K/V heads); "
                              f"got shape {shape}")
         if str(value.dtype).rsplit(".", 1)[-1] != "float32":
             raise TypeError(f"{name} must be float32; got {value.dtype}")
+        if (array_kind == "numpy") != host:
+            where = "NumPy arrays or numbers with NumPy inputs" if host else "device arrays or numbers with device inputs"
+            raise TypeError(f"{name}: {where}; got a {array_kind} array with {kind} inputs")
         if array_kind == "numpy":
             if not (np.isfinite(value).all() and (value > 0).all()):
                 raise ValueError(f"{name} must be positive and finite")
             out.append(_host_or_device(np.broadcast_to(value, (batch, kv_heads))))
             continue
-        if simulated() or kind == "numpy":
-            raise TypeError(f"{name}: a device array with {kind} inputs; pass NumPy arrays or numbers")
+        on = value.device.index if array_kind == "torch" else value.device.id
+        if array_kind == "torch" and not value.is_cuda:
+            on = None
+        if on is None or (device_id is not None and on != device_id):
+            raise ValueError(f"{name} must be on the inputs' GPU ({device_id}); got {value.device}")
         from numba_flash.launch import device_array
 
         out.append(_broadcast(device_array(value, array_kind), batch, kv_heads))
-    return out
+    return out, owners
 
 
-_CONSTANTS: dict = {}  # (device id, value) -> one-element CuPy float32 array
+_ONES: dict = {}  # device id -> a one-element CuPy float32 array holding 1
 
 
-def _constant(value: float, device_id):
-    key = (device_id, value)
-    hit = _CONSTANTS.get(key)
+def _one(device_id):
+    hit = _ONES.get(device_id)
     if hit is None:
         import cupy
 
         with cupy.cuda.Device(device_id if device_id is not None else cupy.cuda.runtime.getDevice()) as device:
-            hit = _CONSTANTS[key] = cupy.full((1,), value, np.float32)
+            hit = _ONES[device_id] = cupy.ones((1,), np.float32)
             device.synchronize()  # made once; then read from any stream
-        if len(_CONSTANTS) > 64:
-            _CONSTANTS.pop(next(iter(_CONSTANTS)))
     return hit
 
 
+def _filled(value: float):
+    """A one-element float32 buffer holding ``value``, filled on the current CuPy stream."""
+    import cupy
+
+    return cupy.full((1,), value, np.float32)
+
+
 def _broadcast(x, batch: int, kv_heads: int):
-    """A (B, Hkv) ``DeviceArray`` of ``x`` (a one-element CuPy array, or a (B, Hkv) / () DeviceArray)."""
+    """A (B, Hkv) ``DeviceArray`` of ``x`` (a one-element CuPy array, or a (B, Hkv) / () DeviceArray);
+    never C-contiguous, so every descale argument compiles to one signature."""
     from numba_flash.launch import DeviceArray, device_array
 
     d = x if isinstance(x, DeviceArray) else device_array(x, "cupy")

@@ -161,8 +161,9 @@ def describe(q, k, v, *, causal=False, scale=None, algorithm="fa2", precision=No
     dtypes = [dtype_name(x, kind) for x in (q, k, v)]
     for name, dt in zip(names, dtypes):
         if dt not in DTYPES and not (fp8 and dt == FP8_DTYPE):
-            hint = " (float8 inputs: algorithm='fa3', on Hopper)" if dt.startswith("float8") else ""
-            raise TypeError(f"{name} must be float16, bfloat16 or float32; got {dt}{hint}")
+            allowed = "float16, bfloat16, float32 or float8_e4m3fn" if fp8 else "float16, bfloat16 or float32"
+            hint = " (float8_e4m3fn inputs: algorithm='fa3', on Hopper)" if dt == FP8_DTYPE and not fp8 else ""
+            raise TypeError(f"{name} must be {allowed}; got {dt}{hint}")
     if len(set(dtypes)) != 1:
         raise TypeError(f"{nq}, {nk} and {nv} must have one dtype; got {dtypes[0]}, {dtypes[1]}, {dtypes[2]}")
     if algorithm not in ALGORITHMS:

@@ -48,7 +48,7 @@ BOX = hopper.BOX_COLS
 class Fa3Layout:
     """Where things live in the block's shared memory (byte offsets from the 1024-aligned base):
     the Q tile (``head_dim / 64`` boxes of ``block_m`` rows x 128 bytes), ``stages`` slots of K and
-    V (boxes of ``block_n`` rows), then the mbarriers (8 bytes each): Q's, and per slot K's and V's
+    V (boxes of ``block_n`` rows; e4m3: V^T, boxes of ``D`` rows of 128 keys), then the mbarriers (8 bytes each): Q's, and per slot K's and V's
     full (the producer's TMA bytes landed) and K's and V's empty (every consumer thread is done with them)."""
 
     def __init__(self, head_dim: int, block_m: int, block_n: int, stages: int, elem_bytes: int = 2):
@@ -185,7 +185,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
 
     @device_jit
     def s_product(smem, base, s_acc, q_at, s):
-        """S = Q_i K_j^T (Algorithm 1 line 14): D / 16 SS products from the slot's K."""
+        """S = Q_i K_j^T (Algorithm 1 line 14): D / 16 SS products from the slot's K (e4m3: D / 32)."""
         k_at = k_slot(base, s)
         for ks in range(S_STEPS):
             box, kk = ks // 4, ks % 4

@@ -70,6 +70,8 @@ K_BYTES = 32  # the K extent of one wgmma in bytes: 16 16-bit values, 32 e4m3 on
 def element_bytes(kind: str) -> int:
     """Bytes of one operand element: 2 for "f16" / "bf16", 1 for "e4m3"."""
     return 1 if kind == "e4m3" else 2
+
+
 _ALIGN_MASK = 0xFFFFFFFF & ~(TILE_ALIGN - 1)
 SIM_TIMEOUT = 300.0  # seconds a simulated wait may take before it is called a hang
 
