@@ -42,12 +42,11 @@ def value_order() -> np.ndarray:
     """``order[p]``: the key (within a 32-key step) that column ``p`` of V^T holds, so that P's
     accumulator registers are the e4m3 A operand as they stand: the A register of thread ``t``
     holds k-positions ``4t..4t+3`` (and ``16+4t..``), the accumulator gives it keys
-    ``2t, 2t+1, 8+2t, 9+2t`` (and 16 more)."""
-    order = np.empty(KEY_CHUNK, np.int64)
-    for half in (0, 16):
-        for t in range(4):
-            order[half + 4 * t: half + 4 * t + 4] = [half + 2 * t, half + 2 * t + 1, half + 8 + 2 * t, half + 9 + 2 * t]
-    return order
+    ``2t, 2t+1, 8+2t, 9+2t`` (and 16 more). The device pass's own rule
+    (``kernels.value_transpose.ordered_key``), read on the host."""
+    from numba_flash.kernels.value_transpose import ordered_key
+
+    return np.array([ordered_key.py_func(p) for p in range(KEY_CHUNK)], np.int64)
 
 
 def byte_view(x, kind: str):

@@ -42,7 +42,6 @@ from numba_flash.kernels.row_reduce import add
 from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, nan_max, reciprocal_or_zero
 
 WARPGROUP = 128
-BOX = hopper.BOX_COLS
 
 
 class Fa3Layout:
@@ -118,8 +117,10 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     BOXES, D = L.boxes, head_dim
     BOX_ELEMS = hopper.BOX_BYTES // ELEM  # columns of a 128-byte box
     Q_BOX, KV_BOX = block_m * 128, block_n * 128  # bytes of one box
-    VT_BOX, VT_BOXES = head_dim * 128, block_n // 128  # fp8: V^T's boxes (D rows of 128 keys)
+    VT_BOX = head_dim * 128  # fp8: bytes of one of V^T's boxes (D rows of 128 keys)
+    V_BOX, V_BOXES = (VT_BOX, block_n // 128) if FP8 else (KV_BOX, BOXES)  # V's slot, as TMA fills it
     S_STEPS = D * ELEM // hopper.K_BYTES  # wgmma products along D
+    PV_STEPS = block_n * ELEM // hopper.K_BYTES  # and along the keys
     S_N, O_N, P_WORDS = block_n // 2, head_dim // 2, block_n * ELEM // 8
     P_OFFSET = 8.0 if FP8 else 0.0  # FA-3's fp8 softmax: P~ = exp2(x - m + 8), in e4m3's range
     S_SHAPE = (block_n // 8, 4)
@@ -135,7 +136,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     pv = hopper.wgmma_rs(head_dim, kind, 0 if FP8 else 1)  # fp8: V^T, K-major; 16-bit: V, N-major
     load_q = hopper.tma_box_loader(block_m, ELEM)
     load_kv = hopper.tma_box_loader(block_n, ELEM)
-    load_vt = hopper.tma_box_loader(head_dim, ELEM)
+    load_v = hopper.tma_box_loader(head_dim, ELEM) if FP8 else load_kv
     pack = hopper.pack_pair("bf16" if FP8 else kind)  # O's pairs: fp8 writes bfloat16
     quad_max = hopper.quad_reduce(hopper.max_nan)
     quad_sum = hopper.quad_reduce(add)
@@ -197,14 +198,31 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         """O += P V_j (line 18): block_n / 16 RS products, P from registers, V N-major (fp8:
         block_n / 32 products, V^T K-major, 32 keys a 32-byte step along its 128-key boxes)."""
         v_at = k_slot(base, s) + KV_BYTES
+        for kk in range(PV_STEPS):
+            pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], v_descriptor(v_at, kk), 1)
+
+    @device_jit
+    def v_descriptor(v_at, kk):
+        """The B operand of the ``kk``-th P V product: 16 rows of V (N-major: 64-column boxes
+        ``KV_BOX`` apart), or e4m3's 32 keys of V^T (K-major: a 32-byte step along 128-key boxes)."""
         if FP8:
-            for kk in range(block_n // 32):
-                pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
-                   hopper.descriptor(v_at + (kk // 4) * VT_BOX + (kk % 4) * 32, 16, hopper.SBO_128B), 1)
-        else:
-            for kk in range(block_n // 16):
-                pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
-                   hopper.descriptor(v_at + kk * 16 * 128, KV_BOX, hopper.SBO_128B), 1)
+            return hopper.descriptor(v_at + (kk // 4) * VT_BOX + (kk % 4) * 32, 16, hopper.SBO_128B)
+        return hopper.descriptor(v_at + kk * 16 * 128, KV_BOX, hopper.SBO_128B)
+
+    @device_jit
+    def s_step(smem, base, s_acc, q_at, it, c):
+        """S = Q K^T of the ``it``-th K/V tile, issued on its own and waited for (Algorithm 1 lines
+        13-14; Algorithm 2's first step), then its K slot released."""
+        s = it % stages
+        hopper.mbarrier_wait(smem, k_full(base, s), (it // stages) & 1)
+        take_turn(smem, c)
+        hopper.wgmma_fence()
+        s_product(smem, base, s_acc, q_at, s)
+        hopper.wgmma_commit()
+        pass_turn(smem, c, False)
+        hopper.wgmma_wait(0)
+        fence_s(s_acc)
+        hopper.mbarrier_arrive(smem, k_empty(base, s))
 
     @device_jit
     def pv_step(smem, base, o_acc, p, it, c, last):
@@ -260,9 +278,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         (line 17; the quad's partial sums are added once, at the end)."""
         for r in range(2):
             part = float32(0.0)
-            bias = m_ref[r]
-            if FP8:
-                bias = bias - float32(P_OFFSET)
+            bias = m_ref[r] - float32(P_OFFSET)
             for j in range(block_n // 8):
                 for e in range(2):
                     x = math.exp2(s_acc[j, 2 * r + e] * scale_log2 - bias)
@@ -353,12 +369,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                         load_kv(smem, k_at + x * KV_BOX, tmap_k, k, x * BOX_ELEMS, n0, hk, b, k_full(base, s))
                     hopper.mbarrier_wait(smem, v_empty(base, s), free)
                     hopper.mbarrier_arrive_expect_tx(smem, v_full(base, s), KV_BYTES)
-                    if FP8:  # V^T: boxes of 128 keys, all D rows
-                        for x in range(VT_BOXES):
-                            load_vt(smem, k_at + KV_BYTES + x * VT_BOX, tmap_v, v, n0 + 128 * x, 0, hk, b, v_full(base, s))
-                    else:
-                        for x in range(BOXES):
-                            load_kv(smem, k_at + KV_BYTES + x * KV_BOX, tmap_v, v, x * BOX, n0, hk, b, v_full(base, s))
+                    for x in range(V_BOXES):  # fp8: V^T's boxes of 128 keys (columns), all D rows
+                        load_v(smem, k_at + KV_BYTES + x * V_BOX, tmap_v, v, n0 + 128 * x if FP8 else x * BOX_ELEMS,
+                               0 if FP8 else n0, hk, b, v_full(base, s))
             return
         if REALLOCATE:
             hopper.setmaxnreg_inc(CONSUMER_REGS)
@@ -394,15 +407,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             hopper.named_barrier_arrive(smem, 1, TURN)  # the first turn is the first warpgroup's
         hopper.mbarrier_wait(smem, q_full(base), 0)
         if overlap and count > 0:  # FA-3 Algorithm 2: the softmax of S_j under the product P_{j-1} V_{j-1}
-            hopper.mbarrier_wait(smem, k_full(base, 0), 0)
-            take_turn(smem, c)
-            hopper.wgmma_fence()
-            s_product(smem, base, s_acc, q_at, 0)
-            hopper.wgmma_commit()
-            pass_turn(smem, c, False)
-            hopper.wgmma_wait(0)
-            fence_s(s_acc)
-            hopper.mbarrier_arrive(smem, k_empty(base, 0))
+            s_step(smem, base, s_acc, q_at, 0, c)
             softmax_step(smem, s_acc, first * block_n,
                          tile_needs_mask(first * block_n, block_n, first_row_last_key, last_row_first_key, WINDOW),
                          t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run, scale_log2)
@@ -439,17 +444,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             pv_step(smem, base, o_acc, p, count - 1, c, True)
         else:  # Algorithm 1 as written: each step's products and softmax in turn
             for it in range(count):
-                s = it % stages
-                phase = (it // stages) & 1
-                hopper.mbarrier_wait(smem, k_full(base, s), phase)
-                take_turn(smem, c)
-                hopper.wgmma_fence()
-                s_product(smem, base, s_acc, q_at, s)
-                hopper.wgmma_commit()
-                pass_turn(smem, c, False)
-                hopper.wgmma_wait(0)
-                fence_s(s_acc)
-                hopper.mbarrier_arrive(smem, k_empty(base, s))
+                s_step(smem, base, s_acc, q_at, it, c)
                 col0 = (first + it) * block_n
                 needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
                 softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
@@ -464,10 +459,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             if t == 0 and row + 8 * r < n_q:
                 if total == 0:
                     lse[b, h, row + 8 * r] = float32(NEG_INF)
-                elif FP8:
-                    lse[b, h, row + 8 * r] = (m[r] + math.log2(total) - float32(P_OFFSET)) * float32(LN2)
                 else:
-                    lse[b, h, row + 8 * r] = (m[r] + math.log2(total)) * float32(LN2)
+                    lse[b, h, row + 8 * r] = (m[r] + math.log2(total) - float32(P_OFFSET)) * float32(LN2)
         for r in range(2):  # o: the caller's (or a padded) output as pairs of 16-bit values
             if row + 8 * r < n_q:
                 inv = l_run[r]

@@ -99,7 +99,7 @@ if simulated():
     def _buffer_key(smem):
         return smem.__array_interface__["data"][0]
 
-    def _half_values(bits, kind):
+    def _operand_values(bits, kind):
         if kind == "e4m3":
             from numba_flash.kernels.e4m3 import values_of
 
@@ -293,7 +293,7 @@ if simulated():
         unit = np.uint8 if size == 1 else np.uint16
         r, k = np.meshgrid(np.arange(rows), np.arange(K_BYTES // size), indexing="ij")
         addr = start + (r // 8) * sbo + (r % 8) * 128 + k * size
-        return _half_values(smem.view(unit)[swizzle_128b(addr) // size], kind)
+        return _operand_values(smem.view(unit)[swizzle_128b(addr) // size], kind)
 
     def _n_major(smem, desc, n, kind):
         """The 16 x n operand (16 K-rows of n values, in 64-column boxes LBO apart) of an N-major
@@ -301,7 +301,7 @@ if simulated():
         start, lbo, sbo = _decode(desc)
         k, c = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
         addr = start + (c // BOX_COLS) * lbo + (k // 8) * sbo + (k % 8) * 128 + (c % BOX_COLS) * 2
-        return _half_values(smem.view(np.uint16)[swizzle_128b(addr) // 2], kind)
+        return _operand_values(smem.view(np.uint16)[swizzle_128b(addr) // 2], kind)
 
     def _accumulate(acc, a_rows, b, n, scale_d):
         """acc (this thread's fragment, any shape, read flat) = scale_d * acc + (A B) at the thread's entries."""
@@ -345,7 +345,7 @@ if simulated():
                     r, c = g + 8 * (i % 2), per_word * t + 4 * per_word * (i // 2)
                     for e in range(per_word):
                         bits[16 * w + r, c + e] = (word >> (32 // per_word * e)) & (0xFFFF if per_word == 2 else 0xFF)
-            a_rows = _half_values(bits, kind)
+            a_rows = _operand_values(bits, kind)
             b = _n_major(smem, desc_b, n, kind) if tnsp_b else _k_major(smem, desc_b, n, kind).T
             _accumulate(acc, a_rows, b, n, scale_d)
 
