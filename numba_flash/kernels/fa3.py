@@ -209,36 +209,30 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             return hopper.descriptor(v_at + (kk // 4) * VT_BOX + (kk % 4) * 32, 16, hopper.SBO_128B)
         return hopper.descriptor(v_at + kk * 16 * 128, KV_BOX, hopper.SBO_128B)
 
-    @device_jit
-    def s_step(smem, base, s_acc, q_at, it, c):
-        """S = Q K^T of the ``it``-th K/V tile, issued on its own and waited for (Algorithm 1 lines
-        13-14; Algorithm 2's first step), then its K slot released."""
-        s = it % stages
-        hopper.mbarrier_wait(smem, k_full(base, s), (it // stages) & 1)
-        take_turn(smem, c)
-        hopper.wgmma_fence()
-        s_product(smem, base, s_acc, q_at, s)
-        hopper.wgmma_commit()
-        pass_turn(smem, c, False)
-        hopper.wgmma_wait(0)
-        fence_s(s_acc)
-        hopper.mbarrier_arrive(smem, k_empty(base, s))
+    def issued_step(full, empty, product, fence):
+        """``step(smem, base, acc, operand, it, c, last)``: one product of the ``it``-th K/V tile,
+        issued on its own and waited for, between the slot's ``full`` and ``empty`` mbarriers: S =
+        Q K^T (Algorithm 1 lines 13-14, Algorithm 2's first step) or O += P V (line 18, Algorithm 2's
+        last step) and the slot's release (line 19)."""
 
-    @device_jit
-    def pv_step(smem, base, o_acc, p, it, c, last):
-        """O += P V of the ``it``-th K/V tile, issued on its own and waited for (Algorithm 1 line 18;
-        Algorithm 2's last step), then its V slot released (line 19)."""
-        s = it % stages
-        hopper.mbarrier_wait(smem, v_full(base, s), (it // stages) & 1)
-        take_turn(smem, c)
-        fence_o(o_acc)
-        hopper.wgmma_fence()
-        pv_product(smem, base, o_acc, p, s)
-        hopper.wgmma_commit()
-        pass_turn(smem, c, last)
-        hopper.wgmma_wait(0)
-        fence_o(o_acc)
-        hopper.mbarrier_arrive(smem, v_empty(base, s))
+        @device_jit
+        def step(smem, base, acc, operand, it, c, last):
+            s = it % stages
+            hopper.mbarrier_wait(smem, full(base, s), (it // stages) & 1)
+            take_turn(smem, c)
+            fence(acc)
+            hopper.wgmma_fence()
+            product(smem, base, acc, operand, s)
+            hopper.wgmma_commit()
+            pass_turn(smem, c, last)
+            hopper.wgmma_wait(0)
+            fence(acc)
+            hopper.mbarrier_arrive(smem, empty(base, s))
+
+        return step
+
+    s_step = issued_step(k_full, k_empty, s_product, fence_s)
+    pv_step = issued_step(v_full, v_empty, pv_product, fence_o)
 
     @device_jit
     def key_of(j, e):
@@ -407,7 +401,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             hopper.named_barrier_arrive(smem, 1, TURN)  # the first turn is the first warpgroup's
         hopper.mbarrier_wait(smem, q_full(base), 0)
         if overlap and count > 0:  # FA-3 Algorithm 2: the softmax of S_j under the product P_{j-1} V_{j-1}
-            s_step(smem, base, s_acc, q_at, 0, c)
+            s_step(smem, base, s_acc, q_at, 0, c, False)
             softmax_step(smem, s_acc, first * block_n,
                          tile_needs_mask(first * block_n, block_n, first_row_last_key, last_row_first_key, WINDOW),
                          t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run, scale_log2)
@@ -444,7 +438,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             pv_step(smem, base, o_acc, p, count - 1, c, True)
         else:  # Algorithm 1 as written: each step's products and softmax in turn
             for it in range(count):
-                s_step(smem, base, s_acc, q_at, it, c)
+                s_step(smem, base, s_acc, q_at, it, c, False)
                 col0 = (first + it) * block_n
                 needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
                 softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
