@@ -7,11 +7,14 @@ shape and strides, so a loop over the same buffers encodes them once) and launch
 stream. API.md section 2f: float16 and bfloat16, compute capability 9.0 or the simulator; anything
 else raises ``ValueError`` naming the GPU and the algorithms it can run.
 
-What ``fa3`` takes today: causal, ``window_size``, GQA/MQA, any lengths, head dims 1 to 256 (the
-kernels are built for 64, 128 and 256; the TMA boxes read zeros past D), ``return_lse``, ``out`` /
-``lse_out``, ``block_m`` / ``block_n``; float8_e4m3fn inputs with ``q_descale`` / ``k_descale`` /
-``v_descale`` (bfloat16 out; ``numba_flash.fp8``: kernels at D 128 and 256). Not yet: softcap, ALiBi,
-``mask_mod`` / ``score_mod``, ``num_splits > 1`` -- each raises a ``ValueError`` that says so.
+What ``fa3`` takes today: causal, ``window_size``, ``softcap``, ``alibi_slopes``, ``mask_mod`` /
+``score_mod`` / ``mod_args`` (a ``mask_mod`` walks its block mask: the caller's ``block_mask`` or
+one derived at the kernel's tiles, ``numba_flash.block_sparse``), GQA/MQA, any lengths, head dims 1
+to 256 (the kernels are built for 64, 128 and 256; the TMA boxes read zeros past D),
+``return_lse``, ``out`` / ``lse_out``, ``block_m`` / ``block_n``; float8_e4m3fn inputs with
+``q_descale`` / ``k_descale`` / ``v_descale`` (bfloat16 out; ``numba_flash.fp8``: kernels at D 128
+and 256). Not yet: ``num_splits > 1``, ``precision``, ``variant``, ``kv_tile_order`` -- each raises
+a ``ValueError`` that says so.
 """
 
 from __future__ import annotations
@@ -70,12 +73,8 @@ def require_fa3_device(device_id) -> None:
                          f"{name} is {cc[0]}.{cc[1]}: use algorithm='fa2' or 'fa1'")
 
 
-def _unsupported(softcap, alibi_slopes, mask_mod, score_mod, mod_args, block_mask, num_splits, precision, variant,
-                 kv_tile_order) -> None:
-    given = [name for name, off in (
-        ("softcap", not softcap), ("alibi_slopes", alibi_slopes is None), ("mask_mod", mask_mod is None),
-        ("score_mod", score_mod is None), ("mod_args", not mod_args), ("block_mask", block_mask is None),
-        ("variant", variant is None), ("kv_tile_order", kv_tile_order is None)) if not off]
+def _unsupported(num_splits, precision, variant, kv_tile_order) -> None:
+    given = [name for name, off in (("variant", variant is None), ("kv_tile_order", kv_tile_order is None)) if not off]
     if num_splits not in (None, 1):
         given.append("num_splits > 1")
     if precision is not None:
@@ -155,11 +154,17 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     ablation): ``stages`` (K/V slots), ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining),
     ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg). float8_e4m3fn
     inputs: ``q_descale`` / ``k_descale`` / ``v_descale`` (``numba_flash.fp8.descales``), bfloat16 out."""
-    _unsupported(softcap, alibi_slopes, mask_mod, score_mod, mod_args, block_mask, num_splits, precision, variant,
-                 kv_tile_order)
+    _unsupported(num_splits, precision, variant, kv_tile_order)
     q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     out, lse_out = (None if x is None else as_cupy_view(x, name) for x, name in ((out, "out"), (lse_out, "lse_out")))
-    p = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", window_size=window_size, fp8=True)
+    if alibi_slopes is not None:
+        alibi_slopes = as_cupy_view(alibi_slopes, "alibi_slopes")
+    if isinstance(mod_args, (tuple, list)):
+        mod_args = tuple(as_cupy_view(a, f"mod_args[{i}]") for i, a in enumerate(mod_args))
+    # (every mod checked as for fa2; a mask_mod walks its block mask, block_sparse)
+    p = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", window_size=window_size, softcap=softcap,
+                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args,
+                 block_mask=block_mask, block_sparse=True, fp8=True)
     if p.dtype not in KERNEL_KIND:
         raise TypeError(f"algorithm='fa3' runs float16, bfloat16 and float8_e4m3fn inputs; got {p.dtype} "
                         f"(use 'fa2' for float32)")
@@ -243,20 +248,29 @@ def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overla
     from numba_flash.kernels.fa3 import fa3_kernel
 
     return fa3_kernel(head_dim, block_m, block_n, stages, p.window, KERNEL_KIND[p.dtype], overlap, pingpong,
-                      registers(block_m) if reallocate else None)
+                      registers(block_m) if reallocate else None, p.softcap > 0, p.alibi, p.user_mods)
 
 
 def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales) -> None:
+    from numba_flash.alibi import slopes_argument
+    from numba_flash.block_sparse import lists_at
     from numba_flash.kernels.jit import LOG2E
     from numba_flash.launch import device_array, launch, numba_launch
     from numba_flash.tensor_cores import bits_view
+    from numba_flash.user_mods import compiling
 
     fp8 = p.dtype == FP8_DTYPE
+    user = p.user_mods
     kernel = kernel_for(p, D, bm, bn, stages, *schedule)
     B, H, Nq, Dq = p.q_shape
     grid = (-(-Nq // bm), H, B)
     block = (kernel.fa3_threads,)
     scalars = [np.float32(p.scale * LOG2E), np.int32(Nq), np.int32(p.n_k), np.int32(p.group)]
+    # the score mods' arguments (kernels.fa3: softcap_log2, alibi[, mod_args[, walk_counts, walk_lists]])
+    slopes = slopes_argument(p, ctx.kind)
+    mods = [np.float32(p.softcap * LOG2E)]
+    mod_arrays = [] if user is None else [tuple(p.mod_args)]
+    lists = [] if user is None or not user.block_sparse else lists_at(ctx, p, (bm, bn), "q")
     kq, kk, kv = (_kernel_view(x, ctx.kind, fp8) for x in (q, k, v))
     if fp8 and ctx.kind == "numpy":  # V^T, its keys in P's register order (numba_flash.fp8)
         kv = fp8_inputs.transposed_values(kv)
@@ -266,8 +280,11 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales) -> Non
     klse = bits_view(lse, ctx.kind, False)
     if simulated():  # the twins read the arrays themselves; the tensor maps are unused words
         maps = [np.zeros(16, np.uint64) for _ in range(3)]
-        numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), wide, klse, *maps,
-                                                 *scalars, *scales], kernel.fa3_smem)
+        with compiling(user):
+            numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), wide, klse, *maps,
+                                                     *scalars, *scales, *mods, np.ascontiguousarray(slopes),
+                                                     *(tuple(np.ascontiguousarray(a) for a in arrays)
+                                                       for arrays in mod_arrays), *lists], kernel.fa3_smem)
         _narrow(ko, wide, pairs, Dq)
         return
     from numba_flash._cuda import cuda
@@ -280,6 +297,10 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales) -> Non
         outputs = [cuda.device_array(wide.shape, np.uint32), cuda.device_array(klse.shape, np.float32)]
         arrays = [device_array(x, "numba") for x in (*inputs, *outputs)]
         extra = [device_array(x, "numba") for x in scales]  # (scales holds the device copies)
+        copies = [cuda.to_device(np.ascontiguousarray(slopes)),  # (alive until the results are copied back)
+                  *(tuple(cuda.to_device(np.ascontiguousarray(a)) for a in arrays_) for arrays_ in mod_arrays)]
+        mod_tail = [device_array(copies[0], "numba"), *(tuple(device_array(x, "numba") for x in arrays_)
+                                                        for arrays_ in copies[1:])]
         stream_ptr = 0
     else:
         stream_ptr = ctx.stream_ptr()
@@ -288,10 +309,14 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales) -> Non
         inputs = [x if tma_ready(device_array(x, "cupy")) else _tma_copy(x) for x in (kq, kk, kv)]
         arrays = [device_array(x, "cupy") for x in (*inputs, wide, klse)]
         extra = scales
+        mod_tail = [device_array(slopes, ctx.kind)] + [tuple(device_array(a, ctx.kind) for a in arrays_)
+                                                        for arrays_ in mod_arrays]
     maps = [tensor_map(arrays[0], bm, p.dtype, device_id), tensor_map(arrays[1], bn, p.dtype, device_id),
             tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id)]  # fp8: V^T's boxes, D rows
-    args = arrays + [device_array(m, "numba") for m in maps] + scalars + list(extra)
-    launch(kernel, grid, block, stream_ptr, args, kernel.fa3_smem, device_id)
+    args = (arrays + [device_array(m, "numba") for m in maps] + scalars + list(extra) + mods + mod_tail
+            + [device_array(x, "numba") for x in lists])
+    with compiling(user):
+        launch(kernel, grid, block, stream_ptr, args, kernel.fa3_smem, device_id)
     if ctx.kind == "numpy":
         wide[...] = outputs[0].copy_to_host()
         klse[...] = outputs[1].copy_to_host()

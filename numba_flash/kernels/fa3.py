@@ -35,7 +35,8 @@ from numba_flash._cuda import cuda, float32  # first: chooses the world before n
 from numba import int32, uint8, uint32  # noqa: E402
 
 from numba_flash._world import simulated
-from numba_flash.kernels import hopper
+from numba_flash.kernels import hopper, score_mods
+from numba_flash.kernels.block_info import list_row, listed_partial, listed_range, listed_tile
 from numba_flash.kernels.jit import LN2, NEG_INF, device_jit, kernel_factory, kernel_jit
 from numba_flash.kernels.mask import first_visible_key, kv_tile_range, last_visible_key, tile_masker, tile_needs_mask
 from numba_flash.kernels.row_reduce import add
@@ -89,9 +90,11 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind
 
 @kernel_factory
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
-               pingpong: bool = True, registers=(24, 240)):
+               pingpong: bool = True, registers=(24, 240), softcap: bool = False, alibi: bool = False,
+               user_mods=None):
     """The FA-3 forward kernel for one configuration (all compile-time):
-    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale)``.
+    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
+    softcap_log2, alibi[, mod_args[, walk_counts, walk_lists]])``.
 
     q (B, H, Nq, Dq), k and v (B, Hkv, Nk, Dq), Dq <= D: 16-bit bit patterns (``kind`` "f16" or
     "bf16"), read only through TMA (the tensor maps; the simulator reads the arrays: columns past Dq
@@ -108,7 +111,16 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     The ablation's factors (``numba-flash ablate --fa3``): ``overlap`` (section 3.2: S_j's softmax
     under P_{j-1} V_{j-1}), ``pingpong`` (section 3.1: the consumer warpgroups take turns issuing
     their products, so one's softmax runs under the other's GEMMs; needs two or more),
-    ``registers`` (setmaxnreg's (producer, consumer) registers; ``None``: no reallocation)."""
+    ``registers`` (setmaxnreg's (producer, consumer) registers; ``None``: no reallocation).
+
+    Score modifications (API.md 2c; ``kernels.score_mods``, as the other engines take them):
+    ``softcap`` (the cap in log2 units is the argument ``softcap_log2``), ``alibi`` (the argument
+    ``alibi``: (B, H) slopes in log2 units), ``user_mods`` (a ``score_mods.UserMods``: a user's
+    ``mask_mod`` / ``score_mod``, their arrays the tuple ``mod_args``; block-sparse, the walk visits
+    the tiles of a block mask's lists ``walk_counts`` / ``walk_lists`` (``kernels.block_info``),
+    the producer and the consumers reading the same entries, and ``mask_mod`` runs on the partial
+    ones only). With any of them the tile is scaled first, then modified, then masked; without,
+    the scale stays folded into the row max and the exponentials' FFMA (not one instruction more)."""
     check_fa3_tiles(head_dim, block_m, block_n, stages, kind)
     FP8 = kind == "e4m3"
     ELEM = hopper.element_bytes(kind)
@@ -126,7 +138,11 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     S_SHAPE = (block_n // 8, 4)
     BARS, Q_BYTES, KV_BYTES, KV_AT, SINK = L.bars_at, L.q_bytes, L.kv_bytes, L.k_at, L.sink_at
     RELEASES = WARPGROUP * CONSUMERS  # a slot's K or V is free when every consumer thread says so
-    REVERSED = window[1] >= 0  # a right bound: later Q tiles walk more K/V tiles; start them first
+    SOFTCAP, ALIBI, USER = bool(softcap), bool(alibi), user_mods is not None
+    SPARSE = USER and user_mods.block_sparse
+    MODDED = SOFTCAP or ALIBI or USER  # the tile is scaled before the max (the mods act on scaled scores)
+    # a right bound (or a block mask: a causal one, say): later Q tiles walk more K/V tiles; start them first
+    REVERSED = window[1] >= 0 or SPARSE
     REALLOCATE = registers is not None
     PRODUCER_REGS, CONSUMER_REGS = registers if REALLOCATE else (0, 0)
     PINGPONG = pingpong and CONSUMERS > 1
@@ -307,16 +323,73 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 p[2 * j + 1] = pack(s_acc[j, 2], s_acc[j, 3])
 
     @device_jit
+    def thread_row(i):
+        """A consumer thread's rows: ``row`` and ``row + 8`` (the accumulator layout)."""
+        return 8 * i
+
+    cap_scores = score_mods.tile_soft_capper(block_n // 8, 4, True)  # tanh.approx, as the 16-bit engines
+    alibi_scores = score_mods.tile_alibi(block_n // 8, 4, key_of, row_of)
+    scale_alibi_scores = score_mods.tile_alibi_scaled(block_n // 8, 4, key_of, row_of)
+    row_alibi = score_mods.alibi_rows(2, thread_row)
+    row_queries = score_mods.query_rows(2, thread_row) if USER else None
+    user_scores = score_mods.tile_user_mods(block_n // 8, 4, key_of, row_of, user_mods) if USER else None
+
+    @device_jit
+    def modify_scores(s_acc, keys0, scale_log2, cap, slopes, diags, n_k, b, positions, heads, mod_args, partial):
+        """S in log2 units with API.md 2c's modifications, in its order: the scale, the soft cap,
+        ALiBi's bias (alone under a right edge at the diagonal: fused with the scale, linear
+        there), a user's ``score_mod`` and ``mask_mod`` (``partial``: the tile's entries may be
+        hidden)."""
+        if ALIBI and not SOFTCAP and WINDOW[1] == 0:
+            scale_alibi_scores(s_acc, scale_log2, keys0, slopes, diags)
+        else:
+            for j in range(block_n // 8):
+                for e in range(4):
+                    s_acc[j, e] *= scale_log2
+            if SOFTCAP:
+                cap_scores(s_acc, cap)
+            if ALIBI:
+                alibi_scores(s_acc, keys0, slopes, diags)
+        if USER:
+            user_scores(s_acc, keys0, n_k, b, positions, heads, mod_args, partial)
+
+    @device_jit
     def softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
-                     scale_log2):
-        """Lines 15-17 on a tile's S: mask, row max, the running max, P~ and l."""
+                     scale_log2, mods):
+        """Lines 15-17 on a tile's S: the mods (``mods``: ``(cap, slopes, diags, n_k, b, positions,
+        heads, mod_args, partial)``, read when the kernel has any), mask, row max, the running max,
+        P~ and l."""
+        scale = scale_log2
+        if MODDED:
+            modify_scores(s_acc, col0 + 2 * t, scale_log2, *mods)
+            scale = float32(1.0)
         if needs_mask:
             mask_scores(s_acc, col0 + 2 * t, first_keys, last_keys, WINDOW)
-        row_maxima(smem, s_acc, tile_max, scale_log2)
+        row_maxima(smem, s_acc, tile_max, scale)
         update_max(m, m_ref, alpha, tile_max)
-        exponentials(s_acc, m_ref, l_run, alpha, scale_log2)
+        exponentials(s_acc, m_ref, l_run, alpha, scale)
 
-    def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale):
+    @device_jit
+    def walked_tile(listed, first, it):
+        """The K/V tile of the walk's step ``it``: ``first + it``, or block-sparse, the tile of the
+        list's entry ``first + it``."""
+        if SPARSE:
+            return listed_tile(listed[first + it])
+        return first + it
+
+    @device_jit
+    def walked_partial(listed, first, it):
+        """Whether a user's ``mask_mod`` applies to step ``it``'s tile: always, but on a block
+        mask's full tiles."""
+        if SPARSE:
+            return listed_partial(listed[first + it])
+        return True
+
+    @device_jit
+    def body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
+             softcap_log2, alibi, mod_args, walk_counts, walk_lists):
+        """The kernel (one body for the signatures below: with user mods, their arrays' tuple; with
+        a block mask, its tile lists too)."""
         smem = cuda.shared.array(0, dtype=uint8, alignment=SMEM_ALIGN)
         base = hopper.tile_base(smem)
         tid = cuda.threadIdx.x
@@ -336,6 +409,14 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         last_key = last_visible_key(last_row, n_q, n_k, WINDOW)
         n_tiles = (n_k + block_n - 1) // block_n
         first, count = kv_tile_range(first_key, last_key, n_tiles, block_n, WINDOW)
+        if SPARSE:  # [first, first + count) index the block mask's list: its tiles in the range above
+            n_listed, listed = list_row(walk_counts, walk_lists, b, h, tile)
+            lo, hi = 0, n_listed
+            if WINDOW[0] >= 0 or WINDOW[1] >= 0:  # (a built-in mask: its range of the list, by bisection)
+                lo, hi = listed_range(listed, n_listed, first, count)
+            first, count = lo, hi - lo
+        else:
+            listed = walk_lists  # (not read)
         if tid == 0:
             hopper.mbarrier_init(smem, q_full(base), 1)
             for s in range(stages):
@@ -355,7 +436,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 for it in range(count):
                     s = it % stages
                     free = ((it // stages) & 1) ^ 1  # a fresh slot's previous phase counts as complete
-                    n0 = (first + it) * block_n
+                    n0 = walked_tile(listed, first, it) * block_n
                     k_at = k_slot(base, s)
                     hopper.mbarrier_wait(smem, k_empty(base, s), free)
                     hopper.mbarrier_arrive_expect_tx(smem, k_full(base, s), KV_BYTES)
@@ -380,6 +461,14 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         for r in range(2):
             first_keys[r] = first_visible_key(row + 8 * r, n_q, n_k, WINDOW)
             last_keys[r] = last_visible_key(row + 8 * r, n_q, n_k, WINDOW)
+        slopes = cuda.local.array(2, dtype=float32)  # ALiBi: each row's slope and diagonal key (score_mods)
+        diags = cuda.local.array(2, dtype=int32)
+        positions = cuda.local.array(2, dtype=int32)  # a user's mods: each row's query position and head
+        heads = cuda.local.array(2, dtype=int32)
+        if ALIBI:
+            row_alibi(alibi, b, h, row, n_q, n_k, 1, slopes, diags)
+        if USER:
+            row_queries(h, row, n_q, 1, positions, heads)
         # Only the tiles a bound crosses take the element-wise mask (block-uniform test)
         first_row_last_key = last_visible_key(m0, n_q, n_k, WINDOW)
         last_row_first_key = first_visible_key(last_row, n_q, n_k, WINDOW)
@@ -402,9 +491,12 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         hopper.mbarrier_wait(smem, q_full(base), 0)
         if overlap and count > 0:  # FA-3 Algorithm 2: the softmax of S_j under the product P_{j-1} V_{j-1}
             s_step(smem, base, s_acc, q_at, 0, c, False)
-            softmax_step(smem, s_acc, first * block_n,
-                         tile_needs_mask(first * block_n, block_n, first_row_last_key, last_row_first_key, WINDOW),
-                         t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run, scale_log2)
+            col0 = walked_tile(listed, first, 0) * block_n
+            softmax_step(smem, s_acc, col0,
+                         tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW),
+                         t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run, scale_log2,
+                         (softcap_log2, slopes, diags, n_k, b, positions, heads, mod_args,
+                          walked_partial(listed, first, 0)))
             to_fragments(s_acc, p)
             for it in range(1, count):
                 s = it % stages
@@ -423,10 +515,11 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 hopper.wgmma_wait(1)  # S_j is in
                 fence_s(s_acc)
                 hopper.mbarrier_arrive(smem, k_empty(base, s))
-                col0 = (first + it) * block_n
+                col0 = walked_tile(listed, first, it) * block_n
                 needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
                 softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max,
-                             l_run, scale_log2)
+                             l_run, scale_log2, (softcap_log2, slopes, diags, n_k, b, positions, heads, mod_args,
+                                                 walked_partial(listed, first, it)))
                 # P_{j-1} V_{j-1} is in: O can be rescaled, P and V_{j-1}'s slot reused. The wait follows a
                 # store of the row sums, so ptxas cannot hoist it above S_j's exponentials (perf log 19)
                 hopper.wgmma_wait_after(smem, base + SINK + 4 * tid, l_run[0] + l_run[1])
@@ -439,10 +532,11 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         else:  # Algorithm 1 as written: each step's products and softmax in turn
             for it in range(count):
                 s_step(smem, base, s_acc, q_at, it, c, False)
-                col0 = (first + it) * block_n
+                col0 = walked_tile(listed, first, it) * block_n
                 needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
                 softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
-                             scale_log2)
+                             scale_log2, (softcap_log2, slopes, diags, n_k, b, positions, heads, mod_args,
+                                          walked_partial(listed, first, it)))
                 rescale_o(o_acc, alpha)
                 to_fragments(s_acc, p)
                 pv_step(smem, base, o_acc, p, it, c, it == count - 1)
@@ -464,6 +558,21 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                     o[b, h, row + 8 * r, 4 * j + t] = pack(o_acc[4 * j + 2 * r] * inv, o_acc[4 * j + 2 * r + 1] * inv)
 
     threads = WARPGROUP * (CONSUMERS + 1)
+    if not USER:
+        def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale,
+                   v_descale, softcap_log2, alibi):
+            body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
+                 softcap_log2, alibi, (), (), ())
+    elif not SPARSE:
+        def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale,
+                   v_descale, softcap_log2, alibi, mod_args):
+            body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
+                 softcap_log2, alibi, mod_args, (), ())
+    else:  # a block mask's lists (int32 (B or 1, H or 1, tiles) counts and (.., tiles, tiles) entries) after mod_args
+        def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale,
+                   v_descale, softcap_log2, alibi, mod_args, walk_counts, walk_lists):
+            body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
+                 softcap_log2, alibi, mod_args, walk_counts, walk_lists)
     jitted = kernel_jit(fastmath={"contract", "afn", "arcp"}, launch_bounds=(threads, 1))(kernel)
     jitted.fa3_threads = threads
     jitted.fa3_smem = L.smem_bytes

@@ -95,7 +95,7 @@ def test_fa3_ping_pong_turns_compute_the_same_function():
 
 
 @pytest.mark.parametrize("kwargs, error, match", [
-    (dict(softcap=10.0), ValueError, "softcap"),
+    (dict(kv_tile_order=[0]), ValueError, "kv_tile_order"),
     (dict(num_splits=2), ValueError, "num_splits"),
     (dict(block_m=96), ValueError, "block_m"),
     (dict(block_n=24), ValueError, "block_n"),
@@ -105,7 +105,7 @@ def test_fa3_ping_pong_turns_compute_the_same_function():
 def test_fa3_refuses_what_it_cannot_run(kwargs, error, match):
     q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float16, seed=0)
     with pytest.raises(error, match=match):
-        numba_flash.attention(q, k, v, algorithm="fa3", **kwargs)
+        forward(q, k, v, algorithm="fa3", **kwargs)
 
 
 def test_fa3_refuses_float32_and_wide_heads():
