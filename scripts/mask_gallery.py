@@ -1,7 +1,7 @@
 """The mask gallery: each mask numba_flash compiles into its kernels, checked and timed (issue 24).
 
     python scripts/mask_gallery.py [--seq 32768] [--heads 16] [--head-dim 128] [--dtype float16]
-                                   [--backward] [--json out.json] [--only ALiBi ...]
+                                   [--algorithm fa2|fa3] [--backward] [--json out.json] [--only ALiBi ...]
 
 For every entry (no mask, causal, sliding windows, tanh softcap, ALiBi, a causal ``mask_mod``,
 document masking by ``mask_mod``), in one process on the GPU at hand:
@@ -26,6 +26,8 @@ document masking by ``mask_mod``), in one process on the GPU at hand:
    ``causal=True`` (``vs_builtin``; issue 24: at most 1.05). The ``mask_mod`` entries walk their
    block mask: derived by the kernels at their own tiles, or (``block_mask 128``) FlexAttention's
    block size, made on the host with ``numba_flash.block_mask`` and carried to the kernel's tiles.
+
+``--algorithm fa3``: every entry on FlashAttention-3's Hopper kernel (a forward: no ``--backward``).
 
 One line per measurement goes to stderr as it runs; the table is printed at the end (Markdown)
 and written with ``--json``. Needs a GPU, CuPy and torch.
@@ -149,7 +151,7 @@ def visible(window, n_q, n_k, torch, device):
     return spec.visible(i, j, n_q, n_k), spec.visible_pairs(n_q, n_k)
 
 
-def check(kwargs, window, dtype, backward, seq, torch) -> str:
+def check(kwargs, window, dtype, backward, seq, torch, algorithm="fa2") -> str:
     """The small-shape check of one entry (its window scaled from length ``seq`` to 1000): 'ok'
     or what failed."""
     import numba_flash
@@ -194,9 +196,9 @@ def check(kwargs, window, dtype, backward, seq, torch) -> str:
     if backward:
         import numba_flash.torch as nft
 
-        o = nft.attention(q, k, v, **scaled)
+        o = nft.attention(q, k, v, algorithm=algorithm, **scaled)
     else:
-        o = numba_flash.attention(q.detach(), k.detach(), v.detach(), **scaled)
+        o = numba_flash.attention(q.detach(), k.detach(), v.detach(), algorithm=algorithm, **scaled)
     err = float((o.double() - ref).abs().max())
     bar = 2 * float((base.double() - ref).abs().max()) + 1e-6
     if err > bar:
@@ -233,12 +235,16 @@ def main(argv=None) -> int:
     ap.add_argument("--heads", type=int, default=16)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--dtype", default="float16", choices=["float16", "bfloat16"])
+    ap.add_argument("--algorithm", default="fa2", choices=["fa2", "fa1", "fa3"],
+                    help="the forward's loop design (fa3: FlashAttention-3 on Hopper)")
     ap.add_argument("--backward", action="store_true", help="also check and time the backward")
     ap.add_argument("--json", help="write the rows here")
     ap.add_argument("--only", nargs="+", metavar="TEXT",
                     help="only the entries whose name contains one of these (and 'no mask' and 'causal', the "
                          "baselines of every cost)")
     args = ap.parse_args(argv)
+    if args.backward and args.algorithm == "fa3":
+        ap.error("--backward times the backward, which fa3 does not have (it is a forward); drop one")
     from numba_flash import needs
 
     needs.exit_unless("mask_gallery.py", needs.gpu(), needs.module("cupy"), needs.module("torch"))
@@ -258,12 +264,12 @@ def main(argv=None) -> int:
         if args.only and name not in ("no mask", "causal") and not any(s in name for s in args.only):
             continue
         t0 = time.time()
-        status = check(kwargs, window, args.dtype, args.backward, n, torch)
+        status = check(kwargs, window, args.dtype, args.backward, n, torch, args.algorithm)
         documents = kwargs.get("mask_mod") == "documents"
         mod_causal = kwargs.get("mask_mod") == "causal"
         kwargs = with_documents(resolved(kwargs, args.heads, torch), n, torch)
         pairs = _pairs((-1, 0) if mod_causal else window, n) if not documents else int(document_visible(n, torch).sum())
-        ms = median_ms(lambda kw=kwargs: numba_flash.attention(q, k, v, **kw), torch)
+        ms = median_ms(lambda kw=kwargs: numba_flash.attention(q, k, v, algorithm=args.algorithm, **kw), torch)
         row = dict(mask=name, check=status, ms=ms, visible=pairs / (n * n),
                    tflops=4 * args.head_dim * args.heads * pairs / ms / 1e9)
         capped = any(m in kwargs for m in MODS)
@@ -290,12 +296,12 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001 -- a peer that cannot run is reported, not fatal
                 row["sdpa_dense_mask_ms"] = f"failed: {type(e).__name__}"
         if args.backward and "mask_mod" not in kwargs:  # (a user's mods: the backward is timed without them here)
-            o, lse = numba_flash.attention(q, k, v, return_lse=True, **kwargs)
+            o, lse = numba_flash.attention(q, k, v, return_lse=True, algorithm=args.algorithm, **kwargs)
             row["backward_ms"] = median_ms(
                 lambda o=o, lse=lse, kw=kwargs: attention_backward(do, q, k, v, o, lse, **kw), torch)
         rows.append(row)
         print(f"[{time.time() - t0:6.1f} s] {json.dumps(row)}", file=sys.stderr, flush=True)
-    print(f"\nB1 H{args.heads} N{n} D{args.head_dim} {args.dtype} ({torch.cuda.get_device_name()})\n")
+    print(f"\nB1 H{args.heads} N{n} D{args.head_dim} {args.dtype} {args.algorithm} ({torch.cuda.get_device_name()})\n")
     cols = ["mask", "check", "visible", "ms", "tflops", "cost_rule", "mod_cost", "vs_builtin", "sdpa_causal_ms",
             "sdpa_dense_mask_ms", "flex_ms"]
     if args.backward:
@@ -306,7 +312,7 @@ def main(argv=None) -> int:
         print("| " + " | ".join(_fmt(r.get(c, "")) for c in cols) + " |")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(shape=[1, args.heads, n, args.head_dim], dtype=args.dtype,
+            json.dump(dict(shape=[1, args.heads, n, args.head_dim], dtype=args.dtype, algorithm=args.algorithm,
                            device=torch.cuda.get_device_name(), rows=rows), f, indent=1)
     return 0 if all(r["check"] == "ok" for r in rows) else 1
 

@@ -385,7 +385,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             return listed_partial(listed[first + it])
         return True
 
-    @device_jit
+    FASTMATH = {"contract", "afn", "arcp"}
+
+    @device_jit(fastmath=FASTMATH)  # (the kernel's flags: math.log2 of the lse is MUFU.LG2)
     def body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
              softcap_log2, alibi, mod_args, walk_counts, walk_lists):
         """The kernel (one body for the signatures below: with user mods, their arrays' tuple; with
@@ -573,7 +575,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                    v_descale, softcap_log2, alibi, mod_args, walk_counts, walk_lists):
             body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
                  softcap_log2, alibi, mod_args, walk_counts, walk_lists)
-    jitted = kernel_jit(fastmath={"contract", "afn", "arcp"}, launch_bounds=(threads, 1))(kernel)
+    jitted = kernel_jit(fastmath=FASTMATH, launch_bounds=(threads, 1))(kernel)
     jitted.fa3_threads = threads
     jitted.fa3_smem = L.smem_bytes
     return jitted

@@ -68,12 +68,16 @@ def kernel_identity(kernel) -> str | None:
     return getattr(kernel, "numba_flash_identity", None)
 
 
-def device_jit(func):
+def device_jit(func=None, *, fastmath=None):
     """``cuda.jit(device=True)``, inlined at the NVVM level (``alwaysinline``) so that the
-    caller's local arrays (the S and O micro-tiles, the copy registers) can stay in registers."""
+    caller's local arrays (the S and O micro-tiles, the copy registers) can stay in registers.
+    ``fastmath``: numba's flags for the function's own code (a kernel's body written as a device
+    function takes the kernel's: they do not reach an inlined callee)."""
+    if func is None:
+        return functools.partial(device_jit, fastmath=fastmath)
     if simulated():
         return cuda.jit(device=True)(func)
-    return cuda.jit(device=True, forceinline=True)(func)
+    return cuda.jit(device=True, forceinline=True, **({} if fastmath is None else {"fastmath": fastmath}))(func)
 
 
 def _tile_view(context, builder, signature, smem, at, count: int):

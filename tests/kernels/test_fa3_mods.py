@@ -125,3 +125,20 @@ def test_a_score_mod_with_a_causal_mask(rng):
     ref_o, ref_lse = reference.attention(q, k, v, causal=True, score_mod=relative_bias, mod_args=(table,))
     plain_o, _ = reference.attention(q, k, v, causal=True)
     _check(o, lse, ref_o, ref_lse, plain_o)
+
+
+def test_fp8_takes_the_soft_cap(rng):
+    """float8 inputs with a cap: the descales join the scale before the cap (the cap acts on the
+    real scores); compared with the float64 reference on the dequantized values."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v = (rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn)
+               for shape in ((1, 1, 40, 128), (1, 1, 130, 128), (1, 1, 130, 128)))
+    qs, ks, vs = 1.5, 0.5, 2.0
+    o = numba_flash.attention(q, k, v, algorithm="fa3", softcap=0.5, causal=True, q_descale=qs, k_descale=ks,
+                              v_descale=vs)
+    real = [x.astype(np.float64) * s for x, s in ((q, qs), (k, ks), (v, vs))]
+    ref_o, _ = reference.attention(*real, softcap=0.5, causal=True)
+    uncapped, _ = reference.attention(*real, causal=True)
+    err = np.abs(o.astype(np.float64) - ref_o).max()
+    assert err < 0.05 * np.abs(ref_o).max()  # (e4m3 P and V: a few percent)
+    assert np.abs(uncapped - ref_o).max() > 4 * err  # the cap changes the result beyond that
