@@ -21,7 +21,9 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import math
+from dataclasses import replace
 
 import numpy as np
 
@@ -106,14 +108,45 @@ def tensor_map(x, rows: int, dtype: str, device_id: int):
     copy ``rows x 128``-byte boxes (64 16-bit or 128 8-bit elements) of the (B, H, N, D) array ``x``
     (a ``launch.DeviceArray``; ``dtype`` its element type's name) with the 128-byte swizzle, zeros
     past its ends; made once per pointer, shape, strides and box."""
-    key = (device_id, x.ptr, x.shape, x.strides, dtype, rows)
+    return _kept((device_id, x.ptr, x.shape, x.strides, dtype, rows), lambda: _encoded(x, rows, dtype))
+
+
+def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds) -> object:
+    """A packed batch's maps (API.md 2d): ``(B, 16)`` words in device memory, row ``b`` the map of
+    sequence ``b``'s rows ``bounds[b] .. bounds[b + 1]`` of the ``(1, H, total, D)`` view ``x``
+    alone, so that TMA reads zeros past that sequence's end (not the next sequence's rows); made
+    once per pointer, shape, strides, box and bounds."""
+    bounds = np.asarray(bounds, np.int64)
+    key = (device_id, x.ptr, x.shape, x.strides, dtype, rows, bounds.tobytes())
+
+    def make():
+        row_bytes = x.strides[2]
+        return np.stack([_encoded(x._replace(ptr=x.ptr + int(a) * row_bytes, shape=(1, x.shape[1], max(1, int(b - a)),
+                                                                                     x.shape[3])), rows, dtype)
+                         for a, b in zip(bounds[:-1], bounds[1:])])
+
+    return _kept(key, make)
+
+
+def _kept(key, make):
+    """The device words of ``make()`` (NumPy uint64), made once per ``key`` and kept (the least
+    recently used dropped first)."""
     hit = _MAPS.get(key)
     if hit is not None:
         _MAPS.move_to_end(key)
         return hit
-    from cuda.bindings import driver
-
     from numba_flash._cuda import cuda
+
+    words = cuda.to_device(make())
+    _MAPS[key] = words
+    if len(_MAPS) > _MAPS_KEPT:
+        _MAPS.popitem(last=False)
+    return words
+
+
+def _encoded(x, rows: int, dtype: str) -> np.ndarray:
+    """``cuTensorMapEncodeTiled`` of :func:`tensor_map`'s map of ``x``, as 16 uint64 words."""
+    from cuda.bindings import driver
 
     B, H, N, D = x.shape
     strides = list(x.strides[:3][::-1])  # bytes: n, h, b
@@ -134,11 +167,7 @@ def tensor_map(x, rows: int, dtype: str, device_id: int):
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != driver.CUresult.CUDA_SUCCESS:
         raise RuntimeError(f"cuTensorMapEncodeTiled failed ({err}) for shape {x.shape}, strides {x.strides}")
-    words = cuda.to_device(np.array([int(w) for w in tmap.opaque], dtype=np.uint64))
-    _MAPS[key] = words
-    if len(_MAPS) > _MAPS_KEPT:
-        _MAPS.popitem(last=False)
-    return words
+    return np.array([int(w) for w in tmap.opaque], dtype=np.uint64)
 
 
 # ------------------------------------------------------------------------------------------
@@ -149,11 +178,13 @@ def tensor_map(x, rows: int, dtype: str, device_id: int):
 def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, precision=None, num_splits=None,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
             block_mask=None, out=None, lse_out=None, variant=None, kv_tile_order=None, stages=None, overlap=True,
-            pingpong=True, reallocate=True, q_descale=None, k_descale=None, v_descale=None):
+            pingpong=True, reallocate=True, q_descale=None, k_descale=None, v_descale=None, packed=None):
     """``api.forward`` for ``algorithm="fa3"``: returns ``(o, lse)``. Research knobs (the v2 -> v3
     ablation): ``stages`` (K/V slots), ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining),
     ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg). float8_e4m3fn
-    inputs: ``q_descale`` / ``k_descale`` / ``v_descale`` (``numba_flash.fp8.descales``), bfloat16 out."""
+    inputs: ``q_descale`` / ``k_descale`` / ``v_descale`` (``numba_flash.fp8.descales``), bfloat16 out.
+    ``packed``: a ``varlen.PackedBatch`` (``attention_varlen``): q, k, v, ``out`` and ``lse_out`` are
+    its ``(1, H, total, ...)`` views (both given), ``alibi_slopes`` ``(H,)`` or a row per sequence."""
     _unsupported(num_splits, precision, variant, kv_tile_order)
     q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     out, lse_out = (None if x is None else as_cupy_view(x, name) for x, name in ((out, "out"), (lse_out, "lse_out")))
@@ -163,8 +194,14 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
         mod_args = tuple(as_cupy_view(a, f"mod_args[{i}]") for i, a in enumerate(mod_args))
     # (every mod checked as for fa2; a mask_mod walks its block mask, block_sparse)
     p = describe(q, k, v, causal=causal, scale=scale, algorithm="fa2", window_size=window_size, softcap=softcap,
-                 alibi_slopes=alibi_slopes, mask_mod=mask_mod, score_mod=score_mod, mod_args=mod_args,
-                 block_mask=block_mask, block_sparse=True, fp8=True)
+                 alibi_slopes=None if packed is not None else alibi_slopes, mask_mod=mask_mod, score_mod=score_mod,
+                 mod_args=mod_args, block_mask=block_mask, block_sparse=True, fp8=True)
+    if packed is not None:
+        if p.dtype == FP8_DTYPE or p.user_mods is not None:
+            raise ValueError("algorithm='fa3' on a packed batch takes 16-bit inputs and the built-in masks and mods "
+                             "(float8 and mask_mod / score_mod: rectangular batches)")
+        if alibi_slopes is not None:  # (H,) or a row per sequence, checked against the sequences
+            p = replace(p, alibi_slopes=packed.slopes(alibi_slopes, p), alibi=True)
     if p.dtype not in KERNEL_KIND:
         raise TypeError(f"algorithm='fa3' runs float16, bfloat16 and float8_e4m3fn inputs; got {p.dtype} "
                         f"(use 'fa2' for float32)")
@@ -207,7 +244,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             lse[...] = -math.inf
             return o, lse
         _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), (bool(overlap), bool(pingpong), bool(reallocate)),
-                scales)
+                scales, packed)
         del owners
     return o, lse
 
@@ -242,16 +279,25 @@ def _tma_copy(x):
 
 
 def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overlap=True, pingpong=True,
-               reallocate=True):
+               reallocate=True, varlen=False):
     """The compiled-on-demand FA-3 kernel of checked problem ``p`` (``problem.Problem``) at the
-    kernel's ``head_dim`` and these tiles and schedule switches."""
+    kernel's ``head_dim`` and these tiles and schedule switches (``varlen``: a packed batch's)."""
     from numba_flash.kernels.fa3 import fa3_kernel
 
     return fa3_kernel(head_dim, block_m, block_n, stages, p.window, KERNEL_KIND[p.dtype], overlap, pingpong,
-                      registers(block_m) if reallocate else None, p.softcap > 0, p.alibi, p.user_mods)
+                      registers(block_m) if reallocate else None, p.softcap > 0, p.alibi, p.user_mods, bool(varlen))
 
 
-def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales) -> None:
+@functools.lru_cache(maxsize=None)
+def _no_bounds(device_id):
+    """The ``seqlens`` argument of a rectangular call (never read): int32 zeros on the device."""
+    from numba_flash._cuda import cuda
+
+    with cuda.gpus[device_id]:
+        return cuda.to_device(np.zeros((2, 1), np.int32))
+
+
+def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed=None) -> None:
     from numba_flash.alibi import slopes_argument
     from numba_flash.block_sparse import lists_at
     from numba_flash.kernels.jit import LOG2E
@@ -261,9 +307,11 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales) -> Non
 
     fp8 = p.dtype == FP8_DTYPE
     user = p.user_mods
-    kernel = kernel_for(p, D, bm, bn, stages, *schedule)
+    kernel = kernel_for(p, D, bm, bn, stages, *schedule, varlen=packed is not None)
     B, H, Nq, Dq = p.q_shape
-    grid = (-(-Nq // bm), H, B)
+    grid = (-(-Nq // bm), H, B) if packed is None else (-(-packed.max_seqlen_q // bm), H, packed.sequences)
+    if grid[0] == 0:
+        return
     block = (kernel.fa3_threads,)
     scalars = [np.float32(p.scale * LOG2E), np.int32(Nq), np.int32(p.n_k), np.int32(p.group)]
     # the score mods' arguments (kernels.fa3: softcap_log2, alibi[, mod_args[, walk_counts, walk_lists]])
@@ -279,12 +327,17 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales) -> Non
     wide = pairs if pairs is not None else _pairs_view(_empty_like(ko, (B, H, Nq, D)), D)
     klse = bits_view(lse, ctx.kind, False)
     if simulated():  # the twins read the arrays themselves; the tensor maps are unused words
-        maps = [np.zeros(16, np.uint64) for _ in range(3)]
+        maps = [np.zeros(16 if packed is None else (packed.sequences, 16), np.uint64) for _ in range(3)]
+        written = [np.ascontiguousarray(x) for x in (wide, klse)]  # (the simulator's arguments are whole buffers)
         with compiling(user):
-            numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), wide, klse, *maps,
+            numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), *written, *maps,
                                                      *scalars, *scales, *mods, np.ascontiguousarray(slopes),
+                                                     np.zeros((2, 1), np.int32) if packed is None else packed.bounds,
                                                      *(tuple(np.ascontiguousarray(a) for a in arrays)
                                                        for arrays in mod_arrays), *lists], kernel.fa3_smem)
+        for x, y in zip((wide, klse), written):
+            if x is not y:
+                x[...] = y
         _narrow(ko, wide, pairs, Dq)
         return
     from numba_flash._cuda import cuda
@@ -298,9 +351,10 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales) -> Non
         arrays = [device_array(x, "numba") for x in (*inputs, *outputs)]
         extra = [device_array(x, "numba") for x in scales]  # (scales holds the device copies)
         copies = [cuda.to_device(np.ascontiguousarray(slopes)),  # (alive until the results are copied back)
+                  _no_bounds(device_id) if packed is None else cuda.to_device(packed.bounds),
                   *(tuple(cuda.to_device(np.ascontiguousarray(a)) for a in arrays_) for arrays_ in mod_arrays)]
-        mod_tail = [device_array(copies[0], "numba"), *(tuple(device_array(x, "numba") for x in arrays_)
-                                                        for arrays_ in copies[1:])]
+        mod_tail = [device_array(copies[0], "numba"), device_array(copies[1], "numba"),
+                    *(tuple(device_array(x, "numba") for x in arrays_) for arrays_ in copies[2:])]
         stream_ptr = 0
     else:
         stream_ptr = ctx.stream_ptr()
@@ -309,10 +363,17 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales) -> Non
         inputs = [x if tma_ready(device_array(x, "cupy")) else _tma_copy(x) for x in (kq, kk, kv)]
         arrays = [device_array(x, "cupy") for x in (*inputs, wide, klse)]
         extra = scales
-        mod_tail = [device_array(slopes, ctx.kind)] + [tuple(device_array(a, ctx.kind) for a in arrays_)
-                                                        for arrays_ in mod_arrays]
-    maps = [tensor_map(arrays[0], bm, p.dtype, device_id), tensor_map(arrays[1], bn, p.dtype, device_id),
-            tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id)]  # fp8: V^T's boxes, D rows
+        bounds = (device_array(_no_bounds(device_id), "numba") if packed is None
+                  else device_array(packed.bounds, ctx.kind))
+        mod_tail = [device_array(slopes, ctx.kind), bounds] + [tuple(device_array(a, ctx.kind) for a in arrays_)
+                                                                for arrays_ in mod_arrays]
+    if packed is None:
+        maps = [tensor_map(arrays[0], bm, p.dtype, device_id), tensor_map(arrays[1], bn, p.dtype, device_id),
+                tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id)]  # fp8: V^T's boxes, D rows
+    else:  # a map per sequence (its rows alone: zeros past its end)
+        cu_q, cu_k = packed.host_bounds
+        maps = [sequence_maps(arrays[0], bm, p.dtype, device_id, cu_q), sequence_maps(arrays[1], bn, p.dtype, device_id, cu_k),
+                sequence_maps(arrays[2], bn, p.dtype, device_id, cu_k)]
     args = (arrays + [device_array(m, "numba") for m in maps] + scalars + list(extra) + mods + mod_tail
             + [device_array(x, "numba") for x in lists])
     with compiling(user):

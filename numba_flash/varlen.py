@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import collections
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from numba_flash import api, value_dim
 from numba_flash.alibi import check_slopes
-from numba_flash.arrays import ArrayContext, as_cupy_view, host_values, kind_of
+from numba_flash.arrays import ArrayContext, as_cupy_view, dtype_name, host_values, kind_of
 from numba_flash.checks import sequence_bounds
 from numba_flash.problem import describe
 
@@ -61,6 +61,9 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
         return (o, lse) if return_lse else o
     (q, k, v), kind = _packed_inputs(("q", q), ("k", k), ("v", v))
     views = [_heads_first(x, kind) for x in (q, k, v)]  # (the checks of describe name q, k, v)
+    if algorithm == "fa3":  # FlashAttention-3's kernel, a tensor map per sequence (numba_flash.fa3)
+        return _fa3_varlen(q, k, v, views, kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                           window_size, softcap, alibi_slopes, return_lse, precision, batch)
     problem = describe(*views, causal=causal, scale=scale, algorithm=algorithm, precision=precision,
                        window_size=window_size, softcap=softcap)
     total_q, H, D = (int(n) for n in q.shape)
@@ -85,6 +88,26 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
             else:  # no sequence has keys: o = 0, lse = -inf (as for a fully masked row)
                 o[...] = 0
                 lse[...] = -np.inf
+    return (o, lse) if return_lse else o
+
+
+def _fa3_varlen(q, k, v, views, kind, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, scale,
+                window_size, softcap, alibi_slopes, return_lse, precision, batch):
+    """:func:`attention_varlen` with ``algorithm="fa3"``: the same checks and results, the kernel
+    ``fa3``'s (writing o and lse through their heads-first views)."""
+    from numba_flash import fa3
+
+    total_q, H, D = (int(n) for n in q.shape)
+    ctx = ArrayContext(kind, q)
+    if batch is None:
+        batch = packed_batch(ctx, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, int(k.shape[0]))
+    batch.check(ctx, total_q, int(k.shape[0]))
+    with ctx.on_device():
+        o = ctx.empty((total_q, H, D), dtype_name(q, kind))
+        lse = ctx.empty((H, total_q), "float32")
+    fa3.forward(*views, causal=causal, scale=scale, window_size=window_size, softcap=softcap,
+                alibi_slopes=alibi_slopes, precision=precision, out=_heads_first(o, kind), lse_out=lse[None],
+                packed=batch)
     return (o, lse) if return_lse else o
 
 
@@ -146,6 +169,7 @@ class PackedBatch:
     total_q: int  # (what the prefix sums end at: checked against each call's arrays)
     total_k: int
     device_id: object = None
+    host_bounds: object = field(default=None, compare=False, repr=False)  # the same, NumPy int32 (fa3's maps)
 
     def check(self, ctx: ArrayContext, total_q: int, total_k: int) -> None:
         """``ValueError`` unless this batch was made for packed rows of these totals on the inputs'
@@ -175,7 +199,7 @@ def packed_batch(ctx: ArrayContext, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, ma
     with ctx.on_device():
         bounds = _device_bounds(np.array([cu_q, cu_k], dtype=np.int32), ctx.kind, ctx)
     return PackedBatch(bounds, len(cu_q) - 1, longest_q, longest_k, total_q, total_k,
-                       None if ctx.kind == "numpy" else ctx.device_id)
+                       None if ctx.kind == "numpy" else ctx.device_id, np.array([cu_q, cu_k], dtype=np.int32))
 
 
 def _packed_inputs(*named):

@@ -36,7 +36,7 @@ from numba import int32, uint8, uint32  # noqa: E402
 
 from numba_flash._world import simulated
 from numba_flash.kernels import hopper, score_mods
-from numba_flash.kernels.block_info import list_row, listed_partial, listed_range, listed_tile
+from numba_flash.kernels.block_info import list_row, listed_partial, listed_range, listed_tile, sequence_span
 from numba_flash.kernels.jit import LN2, NEG_INF, device_jit, kernel_factory, kernel_jit
 from numba_flash.kernels.mask import first_visible_key, kv_tile_range, last_visible_key, tile_masker, tile_needs_mask
 from numba_flash.kernels.row_reduce import add
@@ -91,10 +91,10 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind
 @kernel_factory
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
                pingpong: bool = True, registers=(24, 240), softcap: bool = False, alibi: bool = False,
-               user_mods=None):
+               user_mods=None, varlen: bool = False):
     """The FA-3 forward kernel for one configuration (all compile-time):
     ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
-    softcap_log2, alibi[, mod_args[, walk_counts, walk_lists]])``.
+    softcap_log2, alibi, seqlens[, mod_args[, walk_counts, walk_lists]])``.
 
     q (B, H, Nq, Dq), k and v (B, Hkv, Nk, Dq), Dq <= D: 16-bit bit patterns (``kind`` "f16" or
     "bf16"), read only through TMA (the tensor maps; the simulator reads the arrays: columns past Dq
@@ -120,7 +120,14 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     the tiles of a block mask's lists ``walk_counts`` / ``walk_lists`` (``kernels.block_info``),
     the producer and the consumers reading the same entries, and ``mask_mod`` runs on the partial
     ones only). With any of them the tile is scaled first, then modified, then masked; without,
-    the scale stays folded into the row max and the exponentials' FFMA (not one instruction more)."""
+    the scale stays folded into the row max and the exponentials' FFMA (not one instruction more).
+
+    ``varlen`` (API.md 2d, a packed batch): q, k, v, o and lse are ``(1, heads, total, ...)`` views,
+    ``seqlens`` the int32 ``(2, B + 1)`` prefix sums (``kernels.block_info.sequence_span``), the grid
+    (Q tiles of the longest sequence, H, B), and the tensor maps ``(B, 16)``: sequence ``b``'s own
+    map describes its rows only, so TMA reads zeros past its end, never the next sequence's keys
+    and values (no value of another sequence, NaN or not, reaches its P V). Without ``varlen``
+    ``seqlens`` is not read."""
     check_fa3_tiles(head_dim, block_m, block_n, stages, kind)
     FP8 = kind == "e4m3"
     ELEM = hopper.element_bytes(kind)
@@ -138,7 +145,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     S_SHAPE = (block_n // 8, 4)
     BARS, Q_BYTES, KV_BYTES, KV_AT, SINK = L.bars_at, L.q_bytes, L.kv_bytes, L.k_at, L.sink_at
     RELEASES = WARPGROUP * CONSUMERS  # a slot's K or V is free when every consumer thread says so
-    SOFTCAP, ALIBI, USER = bool(softcap), bool(alibi), user_mods is not None
+    SOFTCAP, ALIBI, USER, VARLEN = bool(softcap), bool(alibi), user_mods is not None, bool(varlen)
     SPARSE = USER and user_mods.block_sparse
     MODDED = SOFTCAP or ALIBI or USER  # the tile is scaled before the max (the mods act on scaled scores)
     # a right bound (or a block mask: a causal one, say): later Q tiles walk more K/V tiles; start them first
@@ -389,7 +396,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
 
     @device_jit(fastmath=FASTMATH)  # (the kernel's flags: math.log2 of the lse is MUFU.LG2)
     def body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
-             softcap_log2, alibi, mod_args, walk_counts, walk_lists):
+             softcap_log2, alibi, seqlens, mod_args, walk_counts, walk_lists):
         """The kernel (one body for the signatures below: with user mods, their arrays' tuple; with
         a block mask, its tile lists too)."""
         smem = cuda.shared.array(0, dtype=uint8, alignment=SMEM_ALIGN)
@@ -402,6 +409,19 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         if REVERSED:
             tile = cuda.gridDim.x - 1 - tile
         m0 = tile * block_m
+        if VARLEN:  # sequence b: its rows of every array and its own tensor maps; then batch 0 of them
+            q0, q1, k0, k1 = sequence_span(seqlens, b)
+            n_q = q1 - q0
+            n_k = k1 - k0
+            if m0 >= n_q:  # a Q tile past this sequence's end: no work (the whole block returns)
+                return
+            q, k, v, o, lse = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], o[:, :, q0:q1], lse[:, :, q0:q1]
+            map_q, map_k, map_v = tmap_q[b], tmap_k[b], tmap_v[b]
+            if ALIBI:
+                alibi = alibi[b : b + 1]
+            b = 0
+        else:
+            map_q, map_k, map_v = tmap_q, tmap_k, tmap_v
         hk = h // group
         if FP8:  # S = (q_descale q)(k_descale k)^T: the descales join the scale
             scale_log2 = scale_log2 * q_descale[b, hk] * k_descale[b, hk]
@@ -434,7 +454,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             if tid == 0:
                 hopper.mbarrier_arrive_expect_tx(smem, q_full(base), Q_BYTES)
                 for x in range(BOXES):
-                    load_q(smem, base + x * Q_BOX, tmap_q, q, x * BOX_ELEMS, m0, h, b, q_full(base))
+                    load_q(smem, base + x * Q_BOX, map_q, q, x * BOX_ELEMS, m0, h, b, q_full(base))
                 for it in range(count):
                     s = it % stages
                     free = ((it // stages) & 1) ^ 1  # a fresh slot's previous phase counts as complete
@@ -443,11 +463,11 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                     hopper.mbarrier_wait(smem, k_empty(base, s), free)
                     hopper.mbarrier_arrive_expect_tx(smem, k_full(base, s), KV_BYTES)
                     for x in range(BOXES):
-                        load_kv(smem, k_at + x * KV_BOX, tmap_k, k, x * BOX_ELEMS, n0, hk, b, k_full(base, s))
+                        load_kv(smem, k_at + x * KV_BOX, map_k, k, x * BOX_ELEMS, n0, hk, b, k_full(base, s))
                     hopper.mbarrier_wait(smem, v_empty(base, s), free)
                     hopper.mbarrier_arrive_expect_tx(smem, v_full(base, s), KV_BYTES)
                     for x in range(V_BOXES):  # fp8: V^T's boxes of 128 keys (columns), all D rows
-                        load_v(smem, k_at + KV_BYTES + x * V_BOX, tmap_v, v, n0 + 128 * x if FP8 else x * BOX_ELEMS,
+                        load_v(smem, k_at + KV_BYTES + x * V_BOX, map_v, v, n0 + 128 * x if FP8 else x * BOX_ELEMS,
                                0 if FP8 else n0, hk, b, v_full(base, s))
             return
         if REALLOCATE:
@@ -562,19 +582,19 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     threads = WARPGROUP * (CONSUMERS + 1)
     if not USER:
         def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale,
-                   v_descale, softcap_log2, alibi):
+                   v_descale, softcap_log2, alibi, seqlens):
             body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
-                 softcap_log2, alibi, (), (), ())
+                 softcap_log2, alibi, seqlens, (), (), ())
     elif not SPARSE:
         def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale,
-                   v_descale, softcap_log2, alibi, mod_args):
+                   v_descale, softcap_log2, alibi, seqlens, mod_args):
             body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
-                 softcap_log2, alibi, mod_args, (), ())
+                 softcap_log2, alibi, seqlens, mod_args, (), ())
     else:  # a block mask's lists (int32 (B or 1, H or 1, tiles) counts and (.., tiles, tiles) entries) after mod_args
         def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale,
-                   v_descale, softcap_log2, alibi, mod_args, walk_counts, walk_lists):
+                   v_descale, softcap_log2, alibi, seqlens, mod_args, walk_counts, walk_lists):
             body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
-                 softcap_log2, alibi, mod_args, walk_counts, walk_lists)
+                 softcap_log2, alibi, seqlens, mod_args, walk_counts, walk_lists)
     jitted = kernel_jit(fastmath=FASTMATH, launch_bounds=(threads, 1))(kernel)
     jitted.fa3_threads = threads
     jitted.fa3_smem = L.smem_bytes

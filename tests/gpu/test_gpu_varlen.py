@@ -51,12 +51,15 @@ def _reference(q, k, v, cu_q, cu_k, causal, window, dtype, torch):
     return out
 
 
-@pytest.mark.parametrize("algorithm", ["fa2", "fa1"])
+@pytest.mark.parametrize("algorithm", ["fa2", "fa1", "fa3"])
 @pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee")])
 @pytest.mark.parametrize("causal, window", [(True, (-1, -1)), (False, (-1, -1)), (False, (100, 30))])
 def test_varlen_forward_grid(algorithm, dtype, precision, causal, window):
     torch = pytest.importorskip("torch")
     import numba_flash
+
+    if algorithm == "fa3" and (dtype == "float32" or torch.cuda.get_device_capability() != (9, 0)):
+        pytest.skip("fa3: 16-bit inputs on a Hopper GPU")
 
     gen = torch.Generator().manual_seed(3)
     dt = getattr(torch, dtype)
@@ -195,3 +198,29 @@ def test_host_prefix_sums_that_change_every_call():
         ref = _reference(q, k, v, cu, cu, True, (-1, -1), None, torch)
         base = float((_reference(q, k, v, cu, cu, True, (-1, -1), torch.float16, torch).double() - ref).abs().max())
         assert float((o.double() - ref).abs().max()) <= 2 * base + 1e-6, step
+
+
+def test_fa3_sequences_never_see_each_others_values():
+    """fa3 reads each sequence through a tensor map of its own rows: NaN and inf in one sequence's
+    keys and values reach no other sequence's output, whatever the tile a boundary falls in."""
+    torch = pytest.importorskip("torch")
+    import numba_flash
+
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fa3: a Hopper GPU")
+    gen = torch.Generator().manual_seed(5)
+    lens = [100, 37, 300, 1, 129]
+    cu = [0]
+    for n in lens:
+        cu.append(cu[-1] + n)
+    q, k, v = (torch.randn(cu[-1], 4, 128, generator=gen).to("cuda", torch.float16) for _ in range(3))
+    ref = _reference(q, k, v, cu, cu, True, (-1, -1), None, torch)
+    k, v = k.clone(), v.clone()
+    k[cu[1] : cu[2]] = float("nan")  # sequence 1: its rows follow sequence 0's partial tile
+    v[cu[1] : cu[2]] = float("inf")
+    v[cu[3] : cu[4]] = float("nan")  # sequence 3 (one row), right after sequence 2
+    o = numba_flash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), causal=True, algorithm="fa3")
+    for b in (0, 2, 4):
+        rows = slice(cu[b], cu[b + 1])
+        assert torch.isfinite(o[rows]).all(), b
+        assert float((o[rows].double() - ref[rows]).abs().max()) < 1e-2, b

@@ -142,3 +142,28 @@ def test_fp8_takes_the_soft_cap(rng):
     err = np.abs(o.astype(np.float64) - ref_o).max()
     assert err < 0.05 * np.abs(ref_o).max()  # (e4m3 P and V: a few percent)
     assert np.abs(uncapped - ref_o).max() > 4 * err  # the cap changes the result beyond that
+
+
+# ------------------------------------------------------------------------------ packed batches
+
+
+def test_a_packed_batch_matches_the_reference(rng):
+    """``attention_varlen(algorithm="fa3")`` (API.md 2d): sequences of lengths 0, 1 and tails,
+    one with queries and no keys, GQA, causal and ALiBi per sequence. NaN in the values of the
+    sequence after a partial K/V tile: each sequence's tensor map ends at its rows (the simulator's
+    loads read the sequence's slice), so nothing of the next sequence reaches P V."""
+    lens_q, lens_k = [70, 0, 1, 33], [40, 3, 0, 90]
+    cu_q = np.concatenate([[0], np.cumsum(lens_q)]).astype(np.int32)
+    cu_k = np.concatenate([[0], np.cumsum(lens_k)]).astype(np.int32)
+    q = rng.standard_normal((cu_q[-1], 2, 64)).astype(np.float16)
+    k, v = (rng.standard_normal((cu_k[-1], 1, 64)).astype(np.float16) for _ in range(2))
+    slopes = rng.uniform(0.1, 1.0, (4, 2)).astype(np.float32)
+    ref_o, ref_lse = reference.attention_varlen(q, k, v, cu_q, cu_k, 70, 90, causal=True, alibi_slopes=slopes)
+    v = v.copy()
+    v[cu_k[1] : cu_k[2]] = np.nan  # sequence 1's values: right after sequence 0's partial last tile
+    o, lse = numba_flash.attention_varlen(q, k, v, cu_q, cu_k, 70, 90, causal=True, alibi_slopes=slopes,
+                                          algorithm="fa3", return_lse=True)
+    assert o.shape == q.shape and lse.shape == (2, cu_q[-1])
+    assert np.abs(o.astype(np.float64) - ref_o).max() < TOL
+    finite = np.isfinite(ref_lse)
+    assert np.array_equal(finite, np.isfinite(lse)) and np.abs(lse[finite] - ref_lse[finite]).max() < 1e-3
