@@ -3,7 +3,8 @@
 Documents of random lengths summing to ``--total`` tokens (seeded; each at least 128), causal,
 float16: the time of
 
-- ``numba_flash.attention_varlen`` (FA-2, no padding: blocks over the real lengths);
+- ``numba_flash.attention_varlen`` (``--algorithm``: FA-2 by default, ``fa3`` FlashAttention-3's
+  Hopper kernel; no padding: blocks over the real lengths);
 - ``numba_flash.attention`` on a rectangle of the same tokens (``B = documents``, ``N = total /
   documents``): the rectangular kernel, compared by TFLOP/s since its work differs;
 - PyTorch SDPA on the documents padded to the longest (``(documents, H, longest, D)``, flash
@@ -16,7 +17,7 @@ FLOPs 4 H D sum(len^2) / 2 for the causal documents. Checks the varlen output ag
 loop over the documents on the first 4 documents (FlashAttention's 2x rule against a plain
 float16 one). Needs a GPU and torch.
 
-    python scripts/varlen_bench.py --json docs/data/varlen_h200_<date>.json
+    python scripts/varlen_bench.py [--algorithm fa3] --json docs/data/varlen_h200_<date>.json
 """
 
 from __future__ import annotations
@@ -70,10 +71,14 @@ def main(argv=None) -> int:
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--algorithm", default="fa2", choices=["fa2", "fa1", "fa3"],
+                    help="the loop design of attention_varlen and of the rectangle (fa3: a forward)")
     ap.add_argument("--backward", action="store_true",
                     help="also time attention_backward_varlen against the rectangle's backward (FA-2, atomics)")
     ap.add_argument("--json", help="write the row here")
     args = ap.parse_args(argv)
+    if args.backward and args.algorithm == "fa3":
+        ap.error("--backward times the backward, which fa3 does not have (it is a forward); drop one")
     from numba_flash import needs
 
     needs.exit_unless("varlen_bench.py", needs.gpu(), needs.module("torch"))
@@ -89,11 +94,13 @@ def main(argv=None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(args.seed)
     q, k, v = (torch.randn(total, H, D, device="cuda", generator=gen).half() for _ in range(3))
     flops = 4 * H * D * sum(n * n for n in lens) / 2
-    row = dict(total=total, documents=n_docs, lengths=lens, heads=H, head_dim=D, dtype="float16", causal=True)
-    print(f"{n_docs} documents, {total} tokens, longest {longest}; H{H} D{D} float16 causal", flush=True)
+    row = dict(total=total, documents=n_docs, lengths=lens, heads=H, head_dim=D, dtype="float16", causal=True,
+               algorithm=args.algorithm)
+    print(f"{n_docs} documents, {total} tokens, longest {longest}; H{H} D{D} float16 causal, {args.algorithm}",
+          flush=True)
 
     def varlen():
-        return numba_flash.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True)
+        return numba_flash.attention_varlen(q, k, v, cu, cu, longest, longest, causal=True, algorithm=args.algorithm)
 
     row["check"] = check(varlen(), q, k, v, cu.tolist(), torch)
     row["varlen_ms"] = median_ms(varlen, torch, args.repeats)
@@ -102,7 +109,8 @@ def main(argv=None) -> int:
 
     n_rect = total // n_docs  # the rectangle of the same tokens
     rq, rk, rv = (x.reshape(n_docs, n_rect, H, D).transpose(1, 2).contiguous() for x in (q, k, v))
-    row["rect_ms"] = median_ms(lambda: numba_flash.attention(rq, rk, rv, causal=True), torch, args.repeats)
+    row["rect_ms"] = median_ms(lambda: numba_flash.attention(rq, rk, rv, causal=True, algorithm=args.algorithm), torch,
+                               args.repeats)
     row["rect_tflops"] = 4 * n_docs * H * n_rect * n_rect * D / 2 / row["rect_ms"] / 1e9
     row["varlen_vs_rect_throughput"] = row["varlen_tflops"] / row["rect_tflops"]
     print(f"  attention, B{n_docs} N{n_rect} (rectangle): {row['rect_ms']:.3f} ms, {row['rect_tflops']:.0f} TFLOP/s; "

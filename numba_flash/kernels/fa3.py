@@ -19,8 +19,13 @@ block per Q tile of ``block_m = 64 x consumers`` rows and ``128 x (consumers + 1
   tile's S is issued, then the current P V, and the softmax of the next S runs while P V is in
   flight (its exponentials under the tensor cores' work); O is rescaled after P V completes.
 - What the tiles see: ``kernels.mask`` (causal, windows, the tails: the K/V tiles walked, the
-  tiles that need the element-wise mask, each row's first and last visible key), exactly as FA-2.
-  TMA zero-fills rows past Nq and Nk and columns past D (so any head dim up to the kernel's runs).
+  tiles that need the element-wise mask, each row's first and last visible key), exactly as FA-2;
+  the score modifications (softcap, ALiBi, a user's ``mask_mod`` / ``score_mod``) are
+  ``kernels.score_mods``' routines on this kernel's register layout, and a ``mask_mod``'s block
+  mask is walked as FA-2 walks it (``kernels.block_info``'s lists: the producer loads the listed
+  K/V tiles only). TMA zero-fills rows past Nq and Nk and columns past D (so any head dim up to
+  the kernel's runs); a packed batch (``varlen``) has a tensor map per sequence, so the zeros
+  start at each sequence's end.
 
 One source for the GPU and the simulator: every Hopper instruction is a ``kernels.hopper``
 primitive with a Python twin.
