@@ -8,13 +8,19 @@
 2. Timing (CUDA events around each of ``--repeats`` calls queued back to back, the median,
    compilation excluded) of fa3, our fa2, and PyTorch SDPA's flash (FlashAttention-2) and cuDNN
    backends on the same tensors; TFLOP/s with 4 B H Nq Nk D (halved when causal).
-3. ``--fp8``: the same correctness cases on float8_e4m3fn inputs with (B, Hkv) descales (against
+3. ``--mods``: correctness of the score modifications and packed batches on fa3 (softcap, ALiBi,
+   a document ``mask_mod`` walking its block mask, a ``score_mod`` bias table, ``attention_varlen``)
+   on small awkward shapes, against float64 (``numba_flash.reference``): the error at most twice
+   fa2's on the same call (our tensor-core forward, itself checked by FlashAttention's rule), plus
+   a floor; with ``--no-bench``, what compute-sanitizer runs on these kernels.
+4. ``--fp8``: the same correctness cases on float8_e4m3fn inputs with (B, Hkv) descales (against
    float64 beside a plain fp8 implementation), and fa3 timed on e4m3 copies of the float16 inputs
    (its ratio to fa3 on float16 in the same run: FA-3 section 3.3).
 
     python scripts/fa3_bench.py --json docs/data/fa3_h200_<date>.json
     python scripts/fa3_bench.py --quick            # correctness and one shape
     python scripts/fa3_bench.py --fp8 --dtypes float16 --no-variants   # fp8 beside float16
+    compute-sanitizer --tool racecheck python scripts/fa3_bench.py --mods --no-check --no-bench
 
 Needs a Hopper GPU and torch.
 """
@@ -68,6 +74,8 @@ def parse_args(argv):
     ap.add_argument("--cases", type=int, default=len(CASES), help="run only the first N correctness cases (sanitizers)")
     ap.add_argument("--no-bench", action="store_true", help="correctness only")
     ap.add_argument("--no-variants", action="store_true", help="time fa3 without its ablation's variants")
+    ap.add_argument("--mods", action="store_true", help="check softcap, ALiBi, mask_mod, score_mod and packed batches "
+                    "on fa3 (small shapes; against float64, at most twice fa2's error)")
     ap.add_argument("--fp8", action="store_true", help="also time fa3 on float8_e4m3fn copies of the float16 inputs "
                     "(V^T made in the call, timed with it) and check fp8 against float64 beside a plain fp8 attention")
     ap.add_argument("--tiles", default="", help="extra fa3 configurations to time, comma-separated: bm x bn x stages, "
@@ -168,6 +176,69 @@ def check(torch, numba_flash, dtype, watchdog, cases=CASES) -> list[dict]:
                          deterministic=same))
         print(f"{'PASS' if ok else 'FAIL'} {label}: err {err:.2e} (plain {base:.2e}) lse {lse_err:.1e} "
               f"-inf rows {'match' if inf_ok else 'DIFFER'} deterministic={same}", flush=True)
+    return rows
+
+
+def same_document(b, h, q_idx, kv_idx, doc):
+    return doc[q_idx + 217] == doc[kv_idx]  # (queries: the last 300 of 517 positions)
+
+
+def relative_bias(score, b, h, q_idx, kv_idx, table):
+    return score + table[h, q_idx - kv_idx + 517]
+
+
+def mod_cases(torch, dtype, gen):
+    """(label, q, k, v, keyword arguments) of ``--mods``: B2 H4/2 300x517 D128 (tails, GQA, Nq != Nk)
+    with each modification, and a packed batch."""
+    B, H, Hkv, Nq, Nk, D = 2, 4, 2, 300, 517, 128
+    q = torch.randn(B, H, Nq, D, device="cuda", dtype=dtype, generator=gen)
+    k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", dtype=dtype, generator=gen) for _ in range(2))
+    doc = torch.sort(torch.randint(0, 4, (Nk,), device="cuda", generator=gen)).values.to(torch.int32)
+    table = 0.5 * torch.randn(H, Nq + Nk + 1, device="cuda", generator=gen)
+    slopes = torch.rand(B, H, device="cuda", generator=gen) * 0.1
+    return [
+        ("softcap 3, causal", (3 * q, k, v), dict(softcap=3.0, causal=True)),
+        ("ALiBi (B, H), window (200, -1)", (q, k, v), dict(alibi_slopes=slopes, window_size=(200, -1))),
+        ("ALiBi, causal (fused with the scale)", (q, k, v), dict(alibi_slopes=slopes, causal=True)),
+        ("documents by mask_mod (block-sparse)", (q, k, v), dict(mask_mod=same_document, mod_args=(doc,))),
+        ("score_mod bias table, causal", (q, k, v), dict(score_mod=relative_bias, mod_args=(table,), causal=True)),
+    ]
+
+
+def check_mods(torch, numba_flash, dtype, watchdog) -> list[dict]:
+    """``--mods``: fa3 with each score modification, and on a packed batch, against float64."""
+    import numpy as np
+
+    from numba_flash import reference as oracle
+
+    rows = []
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    host = (lambda x: x.float().cpu().numpy().astype(np.float64))
+
+    def judged(label, o, fa2_o, ref_o):
+        err = float(np.abs(host(o) - ref_o).max())
+        base = float(np.abs(host(fa2_o) - ref_o).max())
+        ok = err <= 2 * base + 1e-4 and not torch.isnan(o).any()
+        rows.append(dict(case=f"{dtype} {label}", status="ok" if ok else "FAIL", err=err, fa2_err=base))
+        print(f"{'PASS' if ok else 'FAIL'} {dtype} {label}: err {err:.2e} (fa2 {base:.2e})", flush=True)
+
+    for label, (q, k, v), kw in mod_cases(torch, dtype, gen):
+        o = numba_flash.attention(q, k, v, algorithm="fa3", **kw)
+        wait(torch, label, watchdog)
+        fa2_o = numba_flash.attention(q, k, v, algorithm="fa2", **kw)
+        ref_kw = {n: (tuple(a.cpu().numpy() for a in x) if n == "mod_args" else
+                      x.cpu().numpy() if hasattr(x, "cpu") else x) for n, x in kw.items()}
+        ref_o, _ = oracle.attention(*(host(x) for x in (q, k, v)), **ref_kw)
+        judged(label, o, fa2_o, ref_o)
+    lens = [100, 0, 1, 300, 129]  # a packed batch: an empty sequence, a one-row one, tails
+    cu = np.concatenate([[0], np.cumsum(lens)]).astype(np.int32)
+    q, k, v = (torch.randn(int(cu[-1]), 4, 128, device="cuda", dtype=dtype, generator=gen) for _ in range(3))
+    kw = dict(causal=True, softcap=5.0)
+    o = numba_flash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), algorithm="fa3", **kw)
+    wait(torch, "varlen", watchdog)
+    fa2_o = numba_flash.attention_varlen(q, k, v, cu, cu, max(lens), max(lens), algorithm="fa2", **kw)
+    ref_o, _ = oracle.attention_varlen(*(host(x) for x in (q, k, v)), cu, cu, max(lens), max(lens), **kw)
+    judged("attention_varlen, causal, softcap 5", o, fa2_o, ref_o)
     return rows
 
 
@@ -312,6 +383,10 @@ def main(argv=None) -> int:
         rows += checked
     for name in args.dtypes.split(","):
         dtype = getattr(torch, name)
+        if args.mods:
+            checked = check_mods(torch, numba_flash, dtype, args.watchdog)
+            failed += sum(r["status"] != "ok" for r in checked)
+            rows += checked
         if not args.no_check:
             checked = check(torch, numba_flash, dtype, args.watchdog, CASES[: args.cases])
             failed += sum(r["status"] != "ok" for r in checked)
