@@ -124,8 +124,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     ``mask_mod`` / ``score_mod``, their arrays the tuple ``mod_args``; block-sparse, the walk visits
     the tiles of a block mask's lists ``walk_counts`` / ``walk_lists`` (``kernels.block_info``),
     the producer and the consumers reading the same entries, and ``mask_mod`` runs on the partial
-    ones only). With any of them the tile is scaled first, then modified, then masked; without,
-    the scale stays folded into the row max and the exponentials' FFMA (not one instruction more).
+    ones only). With softcap, ALiBi or a ``score_mod`` the tile is scaled first, then modified,
+    then masked; without (a ``mask_mod`` alone only hides entries), the scale stays folded into the
+    row max and the exponentials' FFMA (not one instruction more).
 
     ``varlen`` (API.md 2d, a packed batch): q, k, v, o and lse are ``(1, heads, total, ...)`` views,
     ``seqlens`` the int32 ``(2, B + 1)`` prefix sums (``kernels.block_info.sequence_span``), the grid
@@ -152,7 +153,10 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     RELEASES = WARPGROUP * CONSUMERS  # a slot's K or V is free when every consumer thread says so
     SOFTCAP, ALIBI, USER, VARLEN = bool(softcap), bool(alibi), user_mods is not None, bool(varlen)
     SPARSE = USER and user_mods.block_sparse
-    MODDED = SOFTCAP or ALIBI or USER  # the tile is scaled before the max (the mods act on scaled scores)
+    MODDED = SOFTCAP or ALIBI or USER
+    # the tile is scaled before the max where a mod acts on scaled scores (a mask_mod alone only
+    # hides entries: the scale stays folded into the exponentials, as without mods)
+    PRESCALED = SOFTCAP or ALIBI or (USER and user_mods.score_mod is not None)
     # a right bound (or a block mask: a causal one, say): later Q tiles walk more K/V tiles; start them first
     REVERSED = window[1] >= 0 or SPARSE
     REALLOCATE = registers is not None
@@ -351,10 +355,10 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         """S in log2 units with API.md 2c's modifications, in its order: the scale, the soft cap,
         ALiBi's bias (alone under a right edge at the diagonal: fused with the scale, linear
         there), a user's ``score_mod`` and ``mask_mod`` (``partial``: the tile's entries may be
-        hidden)."""
+        hidden; a ``mask_mod`` alone sees the scores unscaled, which it does not read)."""
         if ALIBI and not SOFTCAP and WINDOW[1] == 0:
             scale_alibi_scores(s_acc, scale_log2, keys0, slopes, diags)
-        else:
+        elif PRESCALED:
             for j in range(block_n // 8):
                 for e in range(4):
                     s_acc[j, e] *= scale_log2
@@ -374,6 +378,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         scale = scale_log2
         if MODDED:
             modify_scores(s_acc, col0 + 2 * t, scale_log2, *mods)
+        if PRESCALED:
             scale = float32(1.0)
         if needs_mask:
             mask_scores(s_acc, col0 + 2 * t, first_keys, last_keys, WINDOW)
