@@ -157,6 +157,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     # the tile is scaled before the max where a mod acts on scaled scores (a mask_mod alone only
     # hides entries: the scale stays folded into the exponentials, as without mods)
     PRESCALED = SOFTCAP or ALIBI or (USER and user_mods.score_mod is not None)
+    # the cap alone (FA-3's way): the tile holds tanh(S scale / cap), and the softmax multiplies by
+    # the cap where it multiplied by the scale (one FMUL and one tanh more per score)
+    CAP_FOLDED = SOFTCAP and not ALIBI and not (USER and user_mods.score_mod is not None)
     # a right bound (or a block mask: a causal one, say): later Q tiles walk more K/V tiles; start them first
     REVERSED = window[1] >= 0 or SPARSE
     REALLOCATE = registers is not None
@@ -344,6 +347,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         return 8 * i
 
     cap_scores = score_mods.tile_soft_capper(block_n // 8, 4, True)  # tanh.approx, as the 16-bit engines
+    tanh = score_mods.fast_tanh
     alibi_scores = score_mods.tile_alibi(block_n // 8, 4, key_of, row_of)
     scale_alibi_scores = score_mods.tile_alibi_scaled(block_n // 8, 4, key_of, row_of)
     row_alibi = score_mods.alibi_rows(2, thread_row)
@@ -356,7 +360,12 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         ALiBi's bias (alone under a right edge at the diagonal: fused with the scale, linear
         there), a user's ``score_mod`` and ``mask_mod`` (``partial``: the tile's entries may be
         hidden; a ``mask_mod`` alone sees the scores unscaled, which it does not read)."""
-        if ALIBI and not SOFTCAP and WINDOW[1] == 0:
+        if CAP_FOLDED:  # tanh(S scale / cap); the cap multiplies it in the softmax
+            k = scale_log2 / cap
+            for j in range(block_n // 8):
+                for e in range(4):
+                    s_acc[j, e] = tanh(s_acc[j, e] * k)
+        elif ALIBI and not SOFTCAP and WINDOW[1] == 0:
             scale_alibi_scores(s_acc, scale_log2, keys0, slopes, diags)
         elif PRESCALED:
             for j in range(block_n // 8):
@@ -378,7 +387,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         scale = scale_log2
         if MODDED:
             modify_scores(s_acc, col0 + 2 * t, scale_log2, *mods)
-        if PRESCALED:
+        if CAP_FOLDED:
+            scale = mods[0]  # (the cap in log2 units)
+        elif PRESCALED:
             scale = float32(1.0)
         if needs_mask:
             mask_scores(s_acc, col0 + 2 * t, first_keys, last_keys, WINDOW)
