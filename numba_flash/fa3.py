@@ -178,10 +178,13 @@ def _encoded(x, rows: int, dtype: str) -> np.ndarray:
 def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, precision=None, num_splits=None,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
             block_mask=None, out=None, lse_out=None, variant=None, kv_tile_order=None, stages=None, overlap=True,
-            pingpong=True, reallocate=True, q_descale=None, k_descale=None, v_descale=None, packed=None):
+            pingpong=True, reallocate=True, poly_exp2=0, q_descale=None, k_descale=None, v_descale=None,
+            packed=None):
     """``api.forward`` for ``algorithm="fa3"``: returns ``(o, lse)``. Research knobs (the v2 -> v3
     ablation): ``stages`` (K/V slots), ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining),
-    ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg). float8_e4m3fn
+    ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg), ``poly_exp2``
+    (eighths of the exponentials computed on the FMA units, ``kernels.poly_exp2``: FA-4's emulation,
+    slower on the H200 at every share). float8_e4m3fn
     inputs: ``q_descale`` / ``k_descale`` / ``v_descale`` (``numba_flash.fp8.descales``), bfloat16 out.
     ``packed``: a ``varlen.PackedBatch`` (``attention_varlen``): q, k, v, ``out`` and ``lse_out`` are
     its ``(1, H, total, ...)`` views (both given), ``alibi_slopes`` ``(H,)`` or a row per sequence."""
@@ -221,6 +224,8 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
         if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
             raise ValueError(f"fa3: {name} must be an int; got {value!r}")
     check_fa3_tiles(D, int(bm), int(bn), int(st), KERNEL_KIND[p.dtype])
+    if isinstance(poly_exp2, bool) or not isinstance(poly_exp2, (int, np.integer)) or not 0 <= poly_exp2 <= 8:
+        raise ValueError(f"fa3: poly_exp2 counts eighths of the exponentials, an int from 0 to 8; got {poly_exp2!r}")
     ctx = ArrayContext(p.kind, q)
     B, H, Nq, Dq = p.q_shape
     out_dtype = "bfloat16" if fp8 else p.dtype
@@ -243,7 +248,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             o[...] = 0
             lse[...] = -math.inf
             return o, lse
-        _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), (bool(overlap), bool(pingpong), bool(reallocate)),
+        _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2)),
                 scales, packed)
         del owners
     return o, lse
@@ -279,13 +284,14 @@ def _tma_copy(x):
 
 
 def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overlap=True, pingpong=True,
-               reallocate=True, varlen=False):
+               reallocate=True, poly_exp2=0, varlen=False):
     """The compiled-on-demand FA-3 kernel of checked problem ``p`` (``problem.Problem``) at the
     kernel's ``head_dim`` and these tiles and schedule switches (``varlen``: a packed batch's)."""
     from numba_flash.kernels.fa3 import fa3_kernel
 
     return fa3_kernel(head_dim, block_m, block_n, stages, p.window, KERNEL_KIND[p.dtype], overlap, pingpong,
-                      registers(block_m) if reallocate else None, p.softcap > 0, p.alibi, p.user_mods, bool(varlen))
+                      registers(block_m) if reallocate else None, p.softcap > 0, p.alibi, p.user_mods, bool(varlen),
+                      int(poly_exp2))
 
 
 @functools.lru_cache(maxsize=None)

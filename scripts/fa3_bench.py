@@ -80,7 +80,8 @@ def parse_args(argv):
                     "(V^T made in the call, timed with it) and check fp8 against float64 beside a plain fp8 attention")
     ap.add_argument("--tiles", default="", help="extra fa3 configurations to time, comma-separated: bm x bn x stages, "
                     "optionally with knobs removed after a '-' (e.g. 128x176x2, 192x128x2-nopingpong, "
-                    "128x128x2-nopingpong-nooverlap-noreallocate; -fp8: on the float8 inputs of --fp8)")
+                    "128x128x2-nopingpong-nooverlap-noreallocate; -fp8: on the float8 inputs of --fp8; -poly2: "
+                    "2/8 of the exponentials on the FMA units; -softcap50: with softcap=50)")
     return ap.parse_args(argv)
 
 
@@ -92,8 +93,15 @@ def tile_spec(text: str):
         if name == "fp8":  # on the float8 copies of the inputs
             knobs["fp8"] = True
             continue
+        if name.startswith("poly") and name[4:].isdigit():  # eighths of the exponentials on the FMA units
+            knobs["poly_exp2"] = int(name[4:])
+            continue
+        if name.startswith("softcap") and name[7:].replace(".", "", 1).isdigit():  # with a soft cap
+            knobs["softcap"] = float(name[7:])
+            continue
         if not name.startswith("no") or name[2:] not in ("overlap", "pingpong", "reallocate"):
-            raise SystemExit(f"--tiles: unknown knob {name!r} in {text!r} (nooverlap, nopingpong, noreallocate)")
+            raise SystemExit(f"--tiles: unknown knob {name!r} in {text!r} (nooverlap, nopingpong, noreallocate, "
+                             "polyN, softcapC, fp8)")
         knobs[name[2:]] = False
     return text, tuple(int(x) for x in tiles.split("x")), knobs
 

@@ -41,6 +41,7 @@ from numba import int32, uint8, uint32  # noqa: E402
 
 from numba_flash._world import simulated
 from numba_flash.kernels import hopper, score_mods
+from numba_flash.kernels.poly_exp2 import exp2_poly
 from numba_flash.kernels.block_info import list_row, listed_partial, listed_range, listed_tile, sequence_span
 from numba_flash.kernels.jit import LN2, NEG_INF, device_jit, kernel_factory, kernel_jit
 from numba_flash.kernels.mask import first_visible_key, kv_tile_range, last_visible_key, tile_masker, tile_needs_mask
@@ -96,7 +97,7 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind
 @kernel_factory
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
                pingpong: bool = True, registers=(24, 240), softcap: bool = False, alibi: bool = False,
-               user_mods=None, varlen: bool = False):
+               user_mods=None, varlen: bool = False, poly_exp2: int = 0):
     """The FA-3 forward kernel for one configuration (all compile-time):
     ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
     softcap_log2, alibi, seqlens[, mod_args[, walk_counts, walk_lists]])``.
@@ -117,6 +118,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     under P_{j-1} V_{j-1}), ``pingpong`` (section 3.1: the consumer warpgroups take turns issuing
     their products, so one's softmax runs under the other's GEMMs; needs two or more),
     ``registers`` (setmaxnreg's (producer, consumer) registers; ``None``: no reallocation).
+    ``poly_exp2`` (0-8): that many eighths of P~'s exponentials computed by a cubic on the FMA
+    units (``kernels.poly_exp2``, FlashAttention-4's emulation) instead of the MUFU. Measured on
+    the H200 it is slower at every share (performance log 22): the MUFU is not this kernel's bound.
 
     Score modifications (API.md 2c; ``kernels.score_mods``, as the other engines take them):
     ``softcap`` (the cap in log2 units is the argument ``softcap_log2``), ``alibi`` (the argument
@@ -135,6 +139,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     and values (no value of another sequence, NaN or not, reaches its P V). Without ``varlen``
     ``seqlens`` is not read."""
     check_fa3_tiles(head_dim, block_m, block_n, stages, kind)
+    if not 0 <= poly_exp2 <= 8:
+        raise ValueError(f"fa3: poly_exp2 counts eighths of the exponentials, 0 to 8; got {poly_exp2}")
+    POLY = int(poly_exp2)
     FP8 = kind == "e4m3"
     ELEM = hopper.element_bytes(kind)
     L = Fa3Layout(head_dim, block_m, block_n, stages, ELEM)
@@ -304,13 +311,18 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     @device_jit
     def exponentials(s_acc, m_ref, l_run, alpha, scale_log2):
         """P~ = exp2(S scale_log2 - m) in place (line 16); l = alpha l + this thread's rowsum(P~)
-        (line 17; the quad's partial sums are added once, at the end)."""
+        (line 17; the quad's partial sums are added once, at the end). ``POLY`` eighths of the
+        column groups take the cubic (``poly_exp2``), the rest ``ex2.approx``."""
         for r in range(2):
             part = float32(0.0)
             bias = m_ref[r] - float32(P_OFFSET)
             for j in range(block_n // 8):
                 for e in range(2):
-                    x = math.exp2(s_acc[j, 2 * r + e] * scale_log2 - bias)
+                    x = s_acc[j, 2 * r + e] * scale_log2 - bias
+                    if (j * POLY) % 8 < POLY:  # POLY eighths of the columns, spread: the FMA units' share
+                        x = exp2_poly(x)
+                    else:
+                        x = math.exp2(x)
                     s_acc[j, 2 * r + e] = x
                     part += x
             l_run[r] = l_run[r] * alpha[r] + part

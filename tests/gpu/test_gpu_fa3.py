@@ -197,3 +197,64 @@ def test_fa3_fp8_forward(shape):
         assert float((lse.double() - ref_lse)[finite].abs().max()) < 1e-3 * max(1.0, scores)
         again, _ = forward(q8, k8, v8, causal=causal, algorithm="fa3", q_descale=qs, k_descale=ks, v_descale=vs)
         assert o.dtype == torch.bfloat16 and torch.equal(o, again)
+
+
+def test_poly_exp2_is_its_host_twin():
+    """``kernels.poly_exp2`` on the GPU (one inline-PTX block) against the host's statement of it:
+    within one float32 ulp everywhere (the host's FMA rounds twice, via float64), exactly 0 for
+    masked scores, and within the cubic's bound of 2^x."""
+    _hopper()
+    from numba import cuda
+
+    from numba_flash.kernels.poly_exp2 import MAX_RELATIVE_ERROR, exp2_poly, host_exp2_poly
+
+    @cuda.jit
+    def apply(x, y):
+        i = cuda.grid(1)
+        if i < x.size:
+            y[i] = exp2_poly(x[i])
+
+    rng = np.random.default_rng(3)
+    x = np.concatenate([np.linspace(-130, 8, 1_000_001), rng.uniform(-30, 0, 100_000),
+                        [-np.inf, -127.0, -126.5, 0.0, -0.0]]).astype(np.float32)
+    y = cuda.device_array_like(x)
+    apply[-(-x.size // 256), 256](x, y)
+    got, want = y.copy_to_host(), host_exp2_poly(x)
+    assert np.abs(got.view(np.int32).astype(np.int64) - want.view(np.int32)).max() <= 1
+    assert np.all(got[x <= -127] == 0)
+    live = x > -125
+    rel = np.abs(got[live].astype(np.float64) / np.exp2(x[live].astype(np.float64)) - 1)
+    assert rel.max() <= MAX_RELATIVE_ERROR + 2e-7
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("poly", [2, 4, 8])
+def test_fa3_poly_exp2(poly, dtype):
+    """A share of P~'s exponentials by the cubic (FA-4's emulation): FlashAttention's rule, the rows
+    that see no key exactly 0 with lse -inf, the logsumexp within 1e-3, a soft cap, D = 64 and 128."""
+    torch = _hopper()
+    from numba_flash import fa3
+
+    dt = getattr(torch, dtype)
+    for shape, causal, softcap in (((2, 8, 2, 1500, 1000, 128), True, 0.0), ((1, 8, 8, 1024, 2000, 64), False, 0.0),
+                                   ((1, 4, 4, 900, 900, 128), True, 30.0)):
+        q, k, v = _inputs(torch, shape, dt)
+        out = torch.full_like(q, float("nan"))
+        lse_out = torch.full(q.shape[:3], float("nan"), device="cuda")
+        o, lse = fa3.forward(q, k, v, causal=causal, softcap=softcap, poly_exp2=poly, out=out, lse_out=lse_out)
+        _finish(torch)
+        base, base_lse = fa3.forward(q, k, v, causal=causal, softcap=softcap, poly_exp2=0)
+        assert torch.equal(torch.isinf(lse), torch.isinf(base_lse))
+        finite = torch.isfinite(base_lse)
+        assert float((lse - base_lse)[finite].abs().max()) < 1e-3
+        blind = max(0, shape[3] - shape[4]) if causal else 0
+        assert float(o[:, :, :blind].abs().max() if blind else 0) == 0
+        if softcap:  # the reference with the cap: fa2's (checked against float64 in test_gpu_masks)
+            import numba_flash
+
+            ref = numba_flash.attention(*(x.float() for x in (q, k, v)), causal=causal, softcap=softcap)
+            plain = base.float()
+            err, allowed = float((o.float() - ref).abs().max()), 2 * float((plain - ref).abs().max()) + 1e-3
+        else:
+            err, allowed = _rule(o, q, k, v, causal)
+        assert err <= allowed, (shape, err, allowed)
