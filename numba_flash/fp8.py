@@ -43,10 +43,10 @@ def value_order() -> np.ndarray:
     accumulator registers are the e4m3 A operand as they stand: the A register of thread ``t``
     holds k-positions ``4t..4t+3`` (and ``16+4t..``), the accumulator gives it keys
     ``2t, 2t+1, 8+2t, 9+2t`` (and 16 more). The device pass's own rule
-    (``kernels.value_transpose.ordered_key``), read on the host."""
-    from numba_flash.kernels.value_transpose import ordered_key
+    (``kernels.value_transpose.group_key`` of output word ``p // 4``, position ``p % 4``), read on the host."""
+    from numba_flash.kernels.value_transpose import group_key
 
-    return np.array([ordered_key.py_func(p) for p in range(KEY_CHUNK)], np.int64)
+    return np.array([group_key.py_func(p // 4, p % 4) for p in range(KEY_CHUNK)], np.int64)
 
 
 def byte_view(x, kind: str):
@@ -71,7 +71,7 @@ def transposed_values(v_bytes, stream_ptr: int = 0, device_id=None):
         return np.ascontiguousarray(chunks.transpose(0, 1, 4, 2, 3)).reshape(B, H, D, padded_n)
     import cupy
 
-    from numba_flash.kernels.value_transpose import THREADS, TILE, transpose_values
+    from numba_flash.kernels.value_transpose import THREADS, TILE_BYTES, TILE_KEYS, transpose_values
     from numba_flash.launch import device_array, launch
 
     words = _word_view(v_bytes)
@@ -79,11 +79,13 @@ def transposed_values(v_bytes, stream_ptr: int = 0, device_id=None):
         from numba_flash.arrays import zero_padded
 
         words = _word_view(zero_padded(v_bytes, -(-D // 16) * 16))
+    words = cupy.ascontiguousarray(words)  # (a strided view: one copy; the kernel reads flat rows)
+    row_words = words.shape[3]
     vt = cupy.empty((B, H, D, padded_n), np.uint8)
-    vt_words = vt.view(np.uint32)
-    grid = (-(-padded_n // TILE), -(-words.shape[3] * 4 // TILE), B * H)
+    grid = (-(-padded_n // TILE_KEYS), -(-row_words * 4 // TILE_BYTES), B * H)
     launch(transpose_values, grid, (THREADS,), stream_ptr,
-           [device_array(words, "cupy"), device_array(vt_words, "cupy"), np.int32(N)], 0, device_id)
+           [device_array(words.reshape(-1), "cupy"), device_array(vt.view(np.uint32).reshape(-1), "cupy"), np.int32(N),
+            np.int32(row_words), np.int32(D), np.int32(padded_n // 4)], 0, device_id)
     return vt
 
 

@@ -153,14 +153,19 @@ def test_fp8_kernel_head_dims():
 @pytest.mark.skipif(not SIMULATED, reason="the GPU path is tests/gpu/test_gpu_fa3.py's (fp8 through CuPy arrays)")
 def test_transpose_kernel_matches_the_host_layout():
     """kernels.value_transpose (the device path of fp8.transposed_values) writes what the NumPy
-    path writes: keys past Nk zero, head-dim rows past a 64-byte tile edge included."""
-    from numba_flash.kernels.value_transpose import THREADS, TILE, transpose_values
+    path writes: keys past Nk zero, head-dim rows past a 64-byte tile edge included, padded
+    head-dim bytes (rows of whole words past D) not written."""
+    from numba_flash.kernels.value_transpose import THREADS, TILE_BYTES, TILE_KEYS, transpose_values
 
     rng = np.random.default_rng(4)
-    v = rng.integers(1, 255, (1, 2, 70, 72)).astype(np.uint8)  # 70 keys: a partial 32-key chunk
-    expected = fp8.transposed_values(v)
-    vt = np.full(expected.shape, 0xAB, np.uint8)  # poisoned
-    grid = (-(-vt.shape[3] // TILE), -(-v.shape[3] // TILE), v.shape[0] * v.shape[1])
-    words = vt.view(np.uint32)
-    transpose_values[grid, THREADS](np.ascontiguousarray(v).view(np.uint32), words, np.int32(70))
-    assert np.array_equal(words.view(np.uint8), expected)
+    for n_k, d, d_words in ((70, 72, 18), (160, 20, 8)):  # 70 keys: a partial chunk; 160: past a 128-key tile
+        v = rng.integers(1, 255, (1, 2, n_k, d)).astype(np.uint8)
+        expected = fp8.transposed_values(v)
+        vt = np.full(expected.shape, 0xAB, np.uint8)  # poisoned
+        padded = np.zeros(v.shape[:3] + (4 * d_words,), np.uint8)  # rows of whole words (d_words 8: D padded to 32)
+        padded[..., :d] = v
+        grid = (-(-vt.shape[3] // TILE_KEYS), -(-4 * d_words // TILE_BYTES), v.shape[0] * v.shape[1])
+        words = vt.view(np.uint32)
+        transpose_values[grid, THREADS](padded.view(np.uint32).reshape(-1), words.reshape(-1), np.int32(n_k),
+                                        np.int32(d_words), np.int32(d), np.int32(vt.shape[3] // 4))
+        assert np.array_equal(words.view(np.uint8), expected), (n_k, d)
