@@ -78,3 +78,10 @@ def test_fa3_with_every_exponential_on_the_fma_units(dtype, rng):
     np.testing.assert_allclose(lse[:, :, blind:], ref_lse[:, :, blind:], atol=1e-3)
     base, _ = fa3.forward(q, k, v, causal=True)
     assert not np.array_equal(o, base)  # the cubic ran: P~ differs from ex2.approx's somewhere
+
+
+@pytest.mark.parametrize("bad", [9, -1, True, 2.0])
+def test_fa3_refuses_a_share_that_is_not_eighths(bad):
+    q = np.ones((1, 1, 4, 64), np.float16)
+    with pytest.raises(ValueError, match="poly_exp2"):
+        fa3.forward(q, q, q, poly_exp2=bad)
