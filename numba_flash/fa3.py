@@ -13,8 +13,9 @@ one derived at the kernel's tiles, ``numba_flash.block_sparse``), GQA/MQA, any l
 to 256 (the kernels are built for 64, 128 and 256; the TMA boxes read zeros past D),
 ``return_lse``, ``out`` / ``lse_out``, ``block_m`` / ``block_n``; float8_e4m3fn inputs with
 ``q_descale`` / ``k_descale`` / ``v_descale`` (bfloat16 out; ``numba_flash.fp8``: kernels at D 128
-and 256). Not yet: ``num_splits > 1``, ``precision``, ``variant``, ``kv_tile_order`` -- each raises
-a ``ValueError`` that says so.
+and 256); ``num_splits`` (split-KV: float32 partials merged by ``kernels.combine``; ``None``: the
+``split_kv`` heuristic for the kernel's grid, which splits only a grid that leaves SMs idle). Not
+yet: ``precision``, ``variant``, ``kv_tile_order`` -- each raises a ``ValueError`` that says so.
 """
 
 from __future__ import annotations
@@ -75,10 +76,8 @@ def require_fa3_device(device_id) -> None:
                          f"{name} is {cc[0]}.{cc[1]}: use algorithm='fa2' or 'fa1'")
 
 
-def _unsupported(num_splits, precision, variant, kv_tile_order) -> None:
+def _unsupported(precision, variant, kv_tile_order) -> None:
     given = [name for name, off in (("variant", variant is None), ("kv_tile_order", kv_tile_order is None)) if not off]
-    if num_splits not in (None, 1):
-        given.append("num_splits > 1")
     if precision is not None:
         given.append(f"precision={precision!r}")
     if given:
@@ -188,7 +187,12 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     inputs: ``q_descale`` / ``k_descale`` / ``v_descale`` (``numba_flash.fp8.descales``), bfloat16 out.
     ``packed``: a ``varlen.PackedBatch`` (``attention_varlen``): q, k, v, ``out`` and ``lse_out`` are
     its ``(1, H, total, ...)`` views (both given), ``alibi_slopes`` ``(H,)`` or a row per sequence."""
-    _unsupported(num_splits, precision, variant, kv_tile_order)
+    _unsupported(precision, variant, kv_tile_order)
+    from numba_flash.split_kv import check_num_splits
+
+    num_splits = check_num_splits(num_splits, ALGORITHM)
+    if packed is not None and num_splits not in (None, 1):
+        raise ValueError("algorithm='fa3' runs a packed batch unsplit: num_splits must be None or 1")
     q, k, v = (as_cupy_view(x, name) for x, name in ((q, "q"), (k, "k"), (v, "v")))
     out, lse_out = (None if x is None else as_cupy_view(x, name) for x, name in ((out, "out"), (lse_out, "lse_out")))
     if alibi_slopes is not None:
@@ -248,10 +252,49 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             o[...] = 0
             lse[...] = -math.inf
             return o, lse
-        _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2)),
-                scales, packed)
+        schedule = (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2))
+        splits = 1 if packed is not None else _splits(num_splits, p, D, int(bm), int(bn), int(st), ctx.device_id)
+        if splits == 1:
+            _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, packed)
+        else:
+            _split_launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, splits)
         del owners
     return o, lse
+
+
+def _splits(num_splits, p, D: int, bm: int, bn: int, stages: int, device_id) -> int:
+    """The call's K/V splits: the caller's, or (``None``) ``split_kv``'s heuristic for this grid --
+    one Q tile per block, the blocks an SM holds by shared memory, the Q tile's K/V tiles."""
+    if num_splits is not None:
+        return num_splits
+    if simulated():
+        return 1
+    from numba_flash.kernels.fa3 import Fa3Layout, WARPGROUP
+    from numba_flash.kernels.hopper import element_bytes
+    from numba_flash.split_kv import multiprocessors, num_splits_heuristic, resident_blocks
+
+    B, H, Nq, _ = p.q_shape
+    smem = Fa3Layout(D, bm, bn, stages, element_bytes(KERNEL_KIND[p.dtype])).smem_bytes
+    return num_splits_heuristic(-(-Nq // bm) * B * H, multiprocessors(device_id),
+                                resident_blocks(WARPGROUP * (bm // 64 + 1), smem), -(-p.n_k // bn))
+
+
+def _split_launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, splits) -> None:
+    """Split-KV (API.md 2b): the kernel writes ``splits`` float32 partials of every row
+    (``kernels.fa3``'s ``split``), ``kernels.combine`` merges them into ``o`` and ``lse``."""
+    from numba_flash.simulator import quiet_kernels
+    from numba_flash.split_kv import combine
+
+    B, H, Nq, Dq = p.q_shape
+    o_parts = ctx.empty((splits * B, H, Nq, D), "float32")
+    lse_parts = ctx.empty((splits * B, H, Nq), "float32")
+    _launch(ctx, p, q, k, v, o_parts, lse_parts, D, bm, bn, stages, schedule, scales, splits=splits)
+    bf16 = str(o.dtype).rsplit(".", 1)[-1] == "bfloat16"
+    target = ctx.empty((B, H, Nq, Dq), "float32") if bf16 and ctx.on_host else o
+    with quiet_kernels():
+        combine(ctx, o_parts, lse_parts, target, lse, bits="bf16" if bf16 and target is o else None)
+    if target is not o:
+        o[...] = target
 
 
 def _caller_stream(ctx):
@@ -284,14 +327,15 @@ def _tma_copy(x):
 
 
 def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overlap=True, pingpong=True,
-               reallocate=True, poly_exp2=0, varlen=False):
+               reallocate=True, poly_exp2=0, varlen=False, split=False):
     """The compiled-on-demand FA-3 kernel of checked problem ``p`` (``problem.Problem``) at the
-    kernel's ``head_dim`` and these tiles and schedule switches (``varlen``: a packed batch's)."""
+    kernel's ``head_dim`` and these tiles and schedule switches (``varlen``: a packed batch's;
+    ``split``: split-KV's partials)."""
     from numba_flash.kernels.fa3 import fa3_kernel
 
     return fa3_kernel(head_dim, block_m, block_n, stages, p.window, KERNEL_KIND[p.dtype], overlap, pingpong,
                       registers(block_m) if reallocate else None, p.softcap > 0, p.alibi, p.user_mods, bool(varlen),
-                      int(poly_exp2))
+                      int(poly_exp2), bool(split))
 
 
 @functools.lru_cache(maxsize=None)
@@ -303,7 +347,9 @@ def _no_bounds(device_id):
         return cuda.to_device(np.zeros((2, 1), np.int32))
 
 
-def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed=None) -> None:
+def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed=None, splits=1) -> None:
+    """One launch of the kernel into ``o`` / ``lse`` (``splits > 1``: the float32 partials
+    ``(splits * B, H, Nq, D)`` and ``(splits * B, H, Nq)``, written as they stand)."""
     from numba_flash.alibi import slopes_argument
     from numba_flash.block_sparse import lists_at
     from numba_flash.kernels.jit import LOG2E
@@ -313,9 +359,9 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
 
     fp8 = p.dtype == FP8_DTYPE
     user = p.user_mods
-    kernel = kernel_for(p, D, bm, bn, stages, *schedule, varlen=packed is not None)
+    kernel = kernel_for(p, D, bm, bn, stages, *schedule, varlen=packed is not None, split=splits > 1)
     B, H, Nq, Dq = p.q_shape
-    grid = (-(-Nq // bm), H, B) if packed is None else (-(-packed.max_seqlen_q // bm), H, packed.sequences)
+    grid = (-(-Nq // bm), H, B * splits) if packed is None else (-(-packed.max_seqlen_q // bm), H, packed.sequences)
     if grid[0] == 0:
         return
     block = (kernel.fa3_threads,)
@@ -328,9 +374,12 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
     kq, kk, kv = (_kernel_view(x, ctx.kind, fp8) for x in (q, k, v))
     if fp8 and ctx.kind == "numpy":  # V^T, its keys in P's register order (numba_flash.fp8)
         kv = fp8_inputs.transposed_values(kv)
-    ko = _kernel_view(o, ctx.kind)
-    pairs = _pairs_view(ko, D)  # the kernel writes O as 32-bit pairs, all D columns
-    wide = pairs if pairs is not None else _pairs_view(_empty_like(ko, (B, H, Nq, D)), D)
+    if splits > 1:  # float32 partials, all D columns, written in place
+        ko = wide = pairs = bits_view(o, ctx.kind, False)
+    else:
+        ko = _kernel_view(o, ctx.kind)
+        pairs = _pairs_view(ko, D)  # the kernel writes O as 32-bit pairs, all D columns
+        wide = pairs if pairs is not None else _pairs_view(_empty_like(ko, (B, H, Nq, D)), D)
     klse = bits_view(lse, ctx.kind, False)
     if simulated():  # the twins read the arrays themselves; the tensor maps are unused words
         maps = [np.zeros(16 if packed is None else (packed.sequences, 16), np.uint64) for _ in range(3)]
@@ -353,7 +402,7 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
     if ctx.kind == "numpy":  # device copies there and back
         inputs = [cuda.to_device(np.ascontiguousarray(x) if x.shape[3] % per_row == 0 else _tma_copy(x))
                   for x in (kq, kk, kv)]
-        outputs = [cuda.device_array(wide.shape, np.uint32), cuda.device_array(klse.shape, np.float32)]
+        outputs = [cuda.device_array(wide.shape, wide.dtype), cuda.device_array(klse.shape, np.float32)]
         arrays = [device_array(x, "numba") for x in (*inputs, *outputs)]
         extra = [device_array(x, "numba") for x in scales]  # (scales holds the device copies)
         copies = [cuda.to_device(np.ascontiguousarray(slopes)),  # (alive until the results are copied back)

@@ -42,7 +42,8 @@ from numba import int32, uint8, uint32  # noqa: E402
 from numba_flash._world import simulated
 from numba_flash.kernels import hopper, score_mods
 from numba_flash.kernels.poly_exp2 import exp2_poly
-from numba_flash.kernels.block_info import list_row, listed_partial, listed_range, listed_tile, sequence_span
+from numba_flash.kernels.block_info import (list_row, listed_partial, listed_range, listed_tile, sequence_span,
+                                           split_tiles)
 from numba_flash.kernels.jit import LN2, NEG_INF, device_jit, kernel_factory, kernel_jit
 from numba_flash.kernels.mask import first_visible_key, kv_tile_range, last_visible_key, tile_masker, tile_needs_mask
 from numba_flash.kernels.row_reduce import add
@@ -97,7 +98,7 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind
 @kernel_factory
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
                pingpong: bool = True, registers=(24, 240), softcap: bool = False, alibi: bool = False,
-               user_mods=None, varlen: bool = False, poly_exp2: int = 0):
+               user_mods=None, varlen: bool = False, poly_exp2: int = 0, split: bool = False):
     """The FA-3 forward kernel for one configuration (all compile-time):
     ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
     softcap_log2, alibi, seqlens[, mod_args[, walk_counts, walk_lists]])``.
@@ -132,6 +133,13 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     then masked; without (a ``mask_mod`` alone only hides entries), the scale stays folded into the
     row max and the exponentials' FFMA (not one instruction more).
 
+    ``split`` (split-KV, API.md 2b: ``num_splits``): the grid's z is ``S * B`` (split ``s`` of batch ``b``
+    at ``s * B + b``); a Q tile's walk (its visible K/V tiles, or its block-mask list) is cut into
+    ``S`` contiguous ranges (``kernels.block_info.split_tiles``), and each block writes its range's
+    *partial* result, O normalised over its keys as float32 into ``o (S*B, H, Nq, D)`` and its
+    logsumexp into ``lse (S*B, H, Nq)`` (an empty range: O = 0, lse = -inf), which
+    ``kernels.combine`` merges.
+
     ``varlen`` (API.md 2d, a packed batch): q, k, v, o and lse are ``(1, heads, total, ...)`` views,
     ``seqlens`` the int32 ``(2, B + 1)`` prefix sums (``kernels.block_info.sequence_span``), the grid
     (Q tiles of the longest sequence, H, B), and the tensor maps ``(B, 16)``: sequence ``b``'s own
@@ -159,6 +167,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     BARS, Q_BYTES, KV_BYTES, KV_AT, SINK = L.bars_at, L.q_bytes, L.kv_bytes, L.k_at, L.sink_at
     RELEASES = WARPGROUP * CONSUMERS  # a slot's K or V is free when every consumer thread says so
     SOFTCAP, ALIBI, USER, VARLEN = bool(softcap), bool(alibi), user_mods is not None, bool(varlen)
+    SPLIT = bool(split)
+    if SPLIT and VARLEN:
+        raise ValueError("fa3: a packed batch (varlen) runs unsplit")
     SPARSE = USER and user_mods.block_sparse
     MODDED = SOFTCAP or ALIBI or USER
     # the tile is scaled before the max where a mod acts on scaled scores (a mask_mod alone only
@@ -438,6 +449,11 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         wg = tid // WARPGROUP
         h = cuda.blockIdx.y
         b = cuda.blockIdx.z
+        split, n_splits = 0, 1
+        if SPLIT:  # block z: split s of batch b at s * B + b, where the partials go too
+            n_batch = q.shape[0]
+            split, b = b // n_batch, b % n_batch
+            n_splits = cuda.gridDim.z // n_batch
         tile = cuda.blockIdx.x
         if REVERSED:
             tile = cuda.gridDim.x - 1 - tile
@@ -455,6 +471,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             b = 0
         else:
             map_q, map_k, map_v = tmap_q, tmap_k, tmap_v
+        b_out = b + split * q.shape[0]  # (unsplit: b)
         hk = h // group
         if FP8:  # S = (q_descale q)(k_descale k)^T: the descales join the scale
             scale_log2 = scale_log2 * q_descale[b, hk] * k_descale[b, hk]
@@ -472,6 +489,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             first, count = lo, hi - lo
         else:
             listed = walk_lists  # (not read)
+        if SPLIT:  # this split's share of the walk
+            lo, hi = split_tiles(count, n_splits, split)
+            first, count = first + lo, hi - lo
         if tid == 0:
             hopper.mbarrier_init(smem, q_full(base), 1)
             for s in range(stages):
@@ -601,16 +621,20 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             l_run[r] = reciprocal_or_zero(total)
             if t == 0 and row + 8 * r < n_q:
                 if total == 0:
-                    lse[b, h, row + 8 * r] = float32(NEG_INF)
+                    lse[b_out, h, row + 8 * r] = float32(NEG_INF)
                 else:
-                    lse[b, h, row + 8 * r] = (m[r] + math.log2(total) - float32(P_OFFSET)) * float32(LN2)
-        for r in range(2):  # o: the caller's (or a padded) output as pairs of 16-bit values
+                    lse[b_out, h, row + 8 * r] = (m[r] + math.log2(total) - float32(P_OFFSET)) * float32(LN2)
+        for r in range(2):  # o: the caller's (or a padded) output as pairs of 16-bit values; split: float32
             if row + 8 * r < n_q:
                 inv = l_run[r]
                 if FP8:
                     inv = inv * v_descale[b, hk]
                 for j in range(D // 8):
-                    o[b, h, row + 8 * r, 4 * j + t] = pack(o_acc[4 * j + 2 * r] * inv, o_acc[4 * j + 2 * r + 1] * inv)
+                    if SPLIT:
+                        o[b_out, h, row + 8 * r, 8 * j + 2 * t] = o_acc[4 * j + 2 * r] * inv
+                        o[b_out, h, row + 8 * r, 8 * j + 2 * t + 1] = o_acc[4 * j + 2 * r + 1] * inv
+                    else:
+                        o[b, h, row + 8 * r, 4 * j + t] = pack(o_acc[4 * j + 2 * r] * inv, o_acc[4 * j + 2 * r + 1] * inv)
 
     threads = WARPGROUP * (CONSUMERS + 1)
     if not USER:

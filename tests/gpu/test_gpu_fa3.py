@@ -258,3 +258,50 @@ def test_fa3_poly_exp2(poly, dtype):
         else:
             err, allowed = _rule(o, q, k, v, causal)
         assert err <= allowed, (shape, err, allowed)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fa3_split_kv(dtype):
+    """num_splits on fa3 (float32 partials, kernels.combine): long keys, few Q tiles, causal rows that
+    see no key, GQA, a given count and the heuristic's (which splits this grid), against float64
+    and the unsplit kernel; poisoned outputs."""
+    torch = _hopper()
+    from numba_flash import fa3
+
+    dt = getattr(torch, dtype)
+    for shape, causal in (((1, 8, 2, 300, 20000, 128), False), ((2, 4, 4, 700, 500, 64), True),
+                          ((1, 4, 1, 129, 9000, 256), True)):
+        q, k, v = _inputs(torch, shape, dt)
+        whole, whole_lse = fa3.forward(q, k, v, causal=causal, num_splits=1)
+        for splits in (3, None):
+            out = torch.full_like(q, float("nan"))
+            lse_out = torch.full(q.shape[:3], float("nan"), device="cuda")
+            o, lse = fa3.forward(q, k, v, causal=causal, num_splits=splits, out=out, lse_out=lse_out)
+            _finish(torch)
+            err, allowed = _rule(o, q, k, v, causal)
+            assert err <= allowed, (shape, splits, err, allowed)
+            assert torch.equal(torch.isinf(lse), torch.isinf(whole_lse))
+            finite = torch.isfinite(whole_lse)
+            assert float((lse - whole_lse)[finite].abs().max()) < 1e-4
+            assert float((o.float() - whole.float()).abs().max()) < 2e-2
+            blind = max(0, shape[3] - shape[4]) if causal else 0
+            assert float(o[:, :, :blind].abs().max() if blind else 0) == 0
+
+
+def test_fa3_split_kv_fp8():
+    """Split-KV on float8 inputs: each split's P~ is quantized to e4m3 against its own running max, so
+    the merged output is not the unsplit one's to bfloat16's rounding; it is held to the fp8 rule
+    (within twice a plain fp8 implementation's error against float64), bfloat16 out."""
+    torch = _hopper()
+    from numba_flash import fa3
+
+    (q8, k8, v8), scales, (qd, kd, vd) = _fp8_inputs(torch, (1, 8, 2, 256, 12000, 128))
+    whole, whole_lse = fa3.forward(q8, k8, v8, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2])
+    o, lse = fa3.forward(q8, k8, v8, q_descale=scales[0], k_descale=scales[1], v_descale=scales[2], num_splits=4)
+    _finish(torch)
+    assert o.dtype == torch.bfloat16
+    ref = torch_attention(qd, kd, vd, False)
+    err = float((o.double() - ref).abs().max())
+    plain = float((_plain_fp8(torch, qd, kd, vd, False).double() - ref).abs().max())
+    assert err <= 2 * plain, (err, plain)
+    assert float((lse - whole_lse).abs().max()) < 1e-2  # (the partials' lse: the same sums, merged)

@@ -96,7 +96,7 @@ def test_fa3_ping_pong_turns_compute_the_same_function():
 
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(kv_tile_order=[0]), ValueError, "kv_tile_order"),
-    (dict(num_splits=2), ValueError, "num_splits"),
+    (dict(num_splits=0), ValueError, "num_splits"),
     (dict(block_m=96), ValueError, "block_m"),
     (dict(block_n=24), ValueError, "block_n"),
     (dict(scale=-1.0), ValueError, "scale"),
