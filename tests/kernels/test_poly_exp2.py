@@ -58,7 +58,7 @@ def test_never_decreasing():
 
 
 @pytest.mark.skipif(not SIMULATED, reason="the GPU runs fa3 with poly_exp2 in tests/gpu/test_gpu_fa3.py")
-@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+@pytest.mark.parametrize("dtype", ["bfloat16"])  # (float16: tests/gpu/test_gpu_fa3.py::test_fa3_poly_exp2)
 def test_fa3_with_every_exponential_on_the_fma_units(dtype, rng):
     """poly_exp2=8 (all of P~ by the cubic): within FlashAttention's rule of float64, and the rows
     that see no key (causal, Nq > Nk) exactly 0 with lse -inf -- in bfloat16 too, whose P would keep
