@@ -40,6 +40,9 @@ KERNEL_HEAD_DIMS = (64, 128, 256)
 FP8_KERNEL_HEAD_DIMS = (128, 256)  # e4m3 rows of 128 bytes
 TMA_ALIGNMENT = 16  # bytes: a tensor's base and every stride but the innermost (which is one element)
 KERNEL_KIND = {"float16": "f16", "bfloat16": "bf16", FP8_DTYPE: "e4m3"}
+# FlashAttention-4's conditional rescaling (kernels.fa3 ``rescale_threshold``), by fp8: the default
+# threshold in log2 units (0: every tile rescales O, as FA-2 and FA-3 write it)
+RESCALE_THRESHOLD = {False: 8.0, True: 4.0}
 
 
 def kernel_head_dim(head_dim: int, fp8: bool = False) -> int:
@@ -177,13 +180,16 @@ def _encoded(x, rows: int, dtype: str) -> np.ndarray:
 def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, precision=None, num_splits=None,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
             block_mask=None, out=None, lse_out=None, variant=None, kv_tile_order=None, stages=None, overlap=True,
-            pingpong=True, reallocate=True, poly_exp2=0, q_descale=None, k_descale=None, v_descale=None,
-            packed=None):
+            pingpong=True, reallocate=True, poly_exp2=0, rescale_threshold=None, q_descale=None, k_descale=None,
+            v_descale=None, packed=None):
     """``api.forward`` for ``algorithm="fa3"``: returns ``(o, lse)``. Research knobs (the v2 -> v3
     ablation): ``stages`` (K/V slots), ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining),
     ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg), ``poly_exp2``
     (eighths of the exponentials computed on the FMA units, ``kernels.poly_exp2``: FA-4's emulation,
-    slower on the H200 at every share). float8_e4m3fn
+    slower on the H200 at every share), ``rescale_threshold`` (log2 units, 0 to 8: FlashAttention-4's
+    conditional rescaling, a row's max moves only when a tile exceeds it by more than this, so most
+    tiles leave O unscaled; 0: the papers' every-tile rescale; ``None``: ``RESCALE_THRESHOLD``).
+    float8_e4m3fn
     inputs: ``q_descale`` / ``k_descale`` / ``v_descale`` (``numba_flash.fp8.descales``), bfloat16 out.
     ``packed``: a ``varlen.PackedBatch`` (``attention_varlen``): q, k, v, ``out`` and ``lse_out`` are
     its ``(1, H, total, ...)`` views (both given), ``alibi_slopes`` ``(H,)`` or a row per sequence."""
@@ -230,6 +236,10 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     check_fa3_tiles(D, int(bm), int(bn), int(st), KERNEL_KIND[p.dtype])
     if isinstance(poly_exp2, bool) or not isinstance(poly_exp2, (int, np.integer)) or not 0 <= poly_exp2 <= 8:
         raise ValueError(f"fa3: poly_exp2 counts eighths of the exponentials, an int from 0 to 8; got {poly_exp2!r}")
+    threshold = RESCALE_THRESHOLD[fp8] if rescale_threshold is None else rescale_threshold
+    if isinstance(threshold, bool) or not isinstance(threshold, (int, float, np.integer, np.floating)) \
+            or not 0 <= threshold <= 8:
+        raise ValueError(f"fa3: rescale_threshold is in log2 units, a number from 0 to 8; got {rescale_threshold!r}")
     ctx = ArrayContext(p.kind, q)
     B, H, Nq, Dq = p.q_shape
     out_dtype = "bfloat16" if fp8 else p.dtype
@@ -252,7 +262,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             o[...] = 0
             lse[...] = -math.inf
             return o, lse
-        schedule = (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2))
+        schedule = (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2), float(threshold))
         splits = 1 if packed is not None else _splits(num_splits, p, D, int(bm), int(bn), int(st), ctx.device_id)
         if splits == 1:
             _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, packed)
@@ -327,15 +337,17 @@ def _tma_copy(x):
 
 
 def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overlap=True, pingpong=True,
-               reallocate=True, poly_exp2=0, varlen=False, split=False):
+               reallocate=True, poly_exp2=0, rescale_threshold=None, varlen=False, split=False):
     """The compiled-on-demand FA-3 kernel of checked problem ``p`` (``problem.Problem``) at the
     kernel's ``head_dim`` and these tiles and schedule switches (``varlen``: a packed batch's;
     ``split``: split-KV's partials)."""
     from numba_flash.kernels.fa3 import fa3_kernel
 
+    if rescale_threshold is None:
+        rescale_threshold = RESCALE_THRESHOLD[p.dtype == FP8_DTYPE]
     return fa3_kernel(head_dim, block_m, block_n, stages, p.window, KERNEL_KIND[p.dtype], overlap, pingpong,
                       registers(block_m) if reallocate else None, p.softcap > 0, p.alibi, p.user_mods, bool(varlen),
-                      int(poly_exp2), bool(split))
+                      int(poly_exp2), bool(split), float(rescale_threshold))
 
 
 @functools.lru_cache(maxsize=None)

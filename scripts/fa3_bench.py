@@ -81,7 +81,8 @@ def parse_args(argv):
     ap.add_argument("--tiles", default="", help="extra fa3 configurations to time, comma-separated: bm x bn x stages, "
                     "optionally with knobs removed after a '-' (e.g. 128x176x2, 192x128x2-nopingpong, "
                     "128x128x2-nopingpong-nooverlap-noreallocate; -fp8: on the float8 inputs of --fp8; -poly2: "
-                    "2/8 of the exponentials on the FMA units; -softcap50: with softcap=50)")
+                    "2/8 of the exponentials on the FMA units; -rescale8: O rescaled only when a row's max moves by more than 8 "
+                    "(log2 units; -rescale0: every tile); -softcap50: with softcap=50)")
     return ap.parse_args(argv)
 
 
@@ -96,12 +97,15 @@ def tile_spec(text: str):
         if name.startswith("poly") and name[4:].isdigit():  # eighths of the exponentials on the FMA units
             knobs["poly_exp2"] = int(name[4:])
             continue
+        if name.startswith("rescale") and name[7:].replace(".", "", 1).isdigit():  # FA-4's conditional rescaling
+            knobs["rescale_threshold"] = float(name[7:])
+            continue
         if name.startswith("softcap") and name[7:].replace(".", "", 1).isdigit():  # with a soft cap
             knobs["softcap"] = float(name[7:])
             continue
         if not name.startswith("no") or name[2:] not in ("overlap", "pingpong", "reallocate"):
             raise SystemExit(f"--tiles: unknown knob {name!r} in {text!r} (nooverlap, nopingpong, noreallocate, "
-                             "polyN, softcapC, fp8)")
+                             "polyN, rescaleT, softcapC, fp8)")
         knobs[name[2:]] = False
     return text, tuple(int(x) for x in tiles.split("x")), knobs
 

@@ -98,7 +98,8 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind
 @kernel_factory
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
                pingpong: bool = True, registers=(24, 240), softcap: bool = False, alibi: bool = False,
-               user_mods=None, varlen: bool = False, poly_exp2: int = 0, split: bool = False):
+               user_mods=None, varlen: bool = False, poly_exp2: int = 0, split: bool = False,
+               rescale_threshold: float = 0.0):
     """The FA-3 forward kernel for one configuration (all compile-time):
     ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
     softcap_log2, alibi, seqlens[, mod_args[, walk_counts, walk_lists]])``.
@@ -133,6 +134,14 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     then masked; without (a ``mask_mod`` alone only hides entries), the scale stays folded into the
     row max and the exponentials' FFMA (not one instruction more).
 
+    ``rescale_threshold`` (log2 units, 0 to 8; FlashAttention-4's conditional rescaling): a row's
+    running max m moves only when a tile's row max exceeds it by more than this, so most tiles
+    subtract a max up to that stale and leave O and l unscaled (the 64 multiplications of O between
+    P V's completion and the next product's issue skipped by every thread whose rows did not
+    move). P~ <= 2^threshold then (16-bit: in range; e4m3: FA-3's offset of 8 shrinks to 8 -
+    threshold); O / l and the logsumexp are unchanged, the (m, l, O~) state being consistent for
+    any reference max. 0: the papers' every-tile rescale.
+
     ``split`` (split-KV, API.md 2b: ``num_splits``): the grid's z is ``S * B`` (split ``s`` of batch ``b``
     at ``s * B + b``); a Q tile's walk (its visible K/V tiles, or its block-mask list) is cut into
     ``S`` contiguous ranges (``kernels.block_info.split_tiles``), and each block writes its range's
@@ -147,6 +156,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     and values (no value of another sequence, NaN or not, reaches its P V). Without ``varlen``
     ``seqlens`` is not read."""
     check_fa3_tiles(head_dim, block_m, block_n, stages, kind)
+    if not 0.0 <= rescale_threshold <= 8.0:
+        raise ValueError(f"fa3: rescale_threshold is in log2 units, 0 to 8; got {rescale_threshold}")
+    TAU = float(rescale_threshold)
     if not 0 <= poly_exp2 <= 8:
         raise ValueError(f"fa3: poly_exp2 counts eighths of the exponentials, 0 to 8; got {poly_exp2}")
     POLY = int(poly_exp2)
@@ -162,7 +174,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     S_STEPS = D * ELEM // hopper.K_BYTES  # wgmma products along D
     PV_STEPS = block_n * ELEM // hopper.K_BYTES  # and along the keys
     S_N, O_N, P_WORDS = block_n // 2, head_dim // 2, block_n * ELEM // 8
-    P_OFFSET = 8.0 if FP8 else 0.0  # FA-3's fp8 softmax: P~ = exp2(x - m + 8), in e4m3's range
+    # FA-3's fp8 softmax: P~ = exp2(x - m + 8), in e4m3's range [0, 448]; with a stale max (TAU) 8 - TAU
+    P_OFFSET = 8.0 - TAU if FP8 else 0.0
     S_SHAPE = (block_n // 8, 4)
     BARS, Q_BYTES, KV_BYTES, KV_AT, SINK = L.bars_at, L.q_bytes, L.kv_bytes, L.k_at, L.sink_at
     RELEASES = WARPGROUP * CONSUMERS  # a slot's K or V is free when every consumer thread says so
@@ -310,14 +323,18 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
 
     @device_jit
     def update_max(m, m_ref, alpha, tile_max):
-        """Lines 15-16's running max: m_new, the max to subtract, and exp2(m_old - m_new)."""
+        """Lines 15-16's running max: m_new, the max to subtract, and exp2(m_old - m_new). With
+        ``TAU`` > 0 (``rescale_threshold``) the max moves only past m + TAU (and to NaN: a NaN
+        score still poisons its row); otherwise it stays, alpha = 1. ``m_ref`` holds the last
+        max taken (starts at 0: ``finite_or_zero(-inf)``)."""
         for r in range(2):
             m_new = nan_max(m[r], tile_max[r])
-            m_ref[r] = finite_or_zero(m_new)
             alpha[r] = float32(1.0)
-            if m_new != m[r]:
-                alpha[r] = exp2_diff(m[r], m_ref[r])
-            m[r] = m_new
+            if m_new > m[r] + float32(TAU) or m_new != m_new:
+                ref = finite_or_zero(m_new)
+                alpha[r] = exp2_diff(m[r], ref)
+                m_ref[r] = ref
+                m[r] = m_new
 
     @device_jit
     def exponentials(s_acc, m_ref, l_run, alpha, scale_log2):
@@ -340,10 +357,12 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
 
     @device_jit
     def rescale_o(o_acc, alpha):
-        """diag(alpha) O (line 17)."""
-        for j in range(D // 8):
-            for e in range(4):
-                o_acc[4 * j + e] *= alpha[e >> 1]
+        """diag(alpha) O (line 17); with ``TAU`` > 0 only where a row's max moved (FA-4's
+        conditional rescaling: mostly nothing)."""
+        if TAU == 0.0 or alpha[0] != float32(1.0) or alpha[1] != float32(1.0):
+            for j in range(D // 8):
+                for e in range(4):
+                    o_acc[4 * j + e] *= alpha[e >> 1]
 
     @device_jit
     def to_fragments(s_acc, p):
@@ -559,6 +578,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             o_acc[i] = float32(0.0)
         for r in range(2):
             m[r] = float32(NEG_INF)
+            m_ref[r] = float32(0.0)
             l_run[r] = float32(0.0)
         q_at = base + 64 * c * 128  # this warpgroup's 64 rows of each Q box
         if PINGPONG and c == CONSUMERS - 1 and count > 0:

@@ -94,6 +94,42 @@ def test_fa3_ping_pong_turns_compute_the_same_function():
     assert rel_err(turns[0], ref_o) < 1e-3
 
 
+def _rising_scores(seed):
+    """Inputs whose row maxima rise from one 32-key tile to the next: by about 2 (log2 units)
+    over tiles 0-3, then a jump of about 22 at tile 4, then 1.4 a tile again."""
+    q, k, v = _inputs(1, 2, 1, 40, 220, 64, np.float16, seed=seed)
+    q[..., 0] = 8.0  # x scale 1/8: the score gains k[..., 0]
+    k[..., 0] = np.repeat(np.array([0, 1.5, 3, 4.5, 20, 21, 22], np.float16), 32)[:220]
+    return q, k, v
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_fa3_conditional_rescale_matches_float64(causal):
+    """``rescale_threshold=8`` (FlashAttention-4's conditional rescaling): the max a row subtracts
+    stays up to 8 behind while tiles rise a little (O and l not rescaled), and moves at the jump
+    (rescaled there); O and the logsumexp are the every-tile kernel's within rounding and within
+    FlashAttention's rule of float64. Causal with Nq < Nk: the first rows see the first tiles only."""
+    q, k, v = _rising_scores(seed=11)
+    out = np.full(q.shape, np.nan, np.float16)
+    lse_out = np.full(q.shape[:3], np.nan, np.float32)
+    o, lse = fa3.forward(q, k, v, causal=causal, block_n=32, rescale_threshold=8.0, out=out, lse_out=lse_out)
+    every, every_lse = fa3.forward(q, k, v, causal=causal, block_n=32, rescale_threshold=0.0)
+    ref_o, ref_lse = reference.attention(q, k, v, causal=causal)
+    plain = plain_fp16_attention(q, k, v, causal=causal).astype(np.float64)
+    assert np.abs(o.astype(np.float64) - ref_o).max() <= 2 * np.abs(plain - ref_o).max() + 1e-5
+    np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
+    assert not np.array_equal(o, every)  # the stale max was used: other roundings, same function
+    np.testing.assert_allclose(o.astype(np.float32), every.astype(np.float32), atol=2e-3)
+    np.testing.assert_allclose(lse, every_lse, atol=1e-5)
+
+
+@pytest.mark.parametrize("bad", [-1.0, 8.5, True, "8"])
+def test_fa3_refuses_a_bad_rescale_threshold(bad):
+    q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float16, seed=0)
+    with pytest.raises(ValueError, match="rescale_threshold"):
+        fa3.forward(q, k, v, rescale_threshold=bad)
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(kv_tile_order=[0]), ValueError, "kv_tile_order"),
     (dict(num_splits=0), ValueError, "num_splits"),
