@@ -47,7 +47,7 @@ from numba_flash.kernels.block_info import (list_row, listed_partial, listed_ran
 from numba_flash.kernels.jit import LN2, NEG_INF, device_jit, kernel_factory, kernel_jit
 from numba_flash.kernels.mask import first_visible_key, kv_tile_range, last_visible_key, tile_masker, tile_needs_mask
 from numba_flash.kernels.row_reduce import add
-from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, nan_max, reciprocal_or_zero
+from numba_flash.kernels.softmax import exp2_diff, finite_or_zero, max_moves, nan_max, reciprocal_or_zero
 
 WARPGROUP = 128
 
@@ -323,14 +323,13 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
 
     @device_jit
     def update_max(m, m_ref, alpha, tile_max):
-        """Lines 15-16's running max: m_new, the max to subtract, and exp2(m_old - m_new). With
-        ``TAU`` > 0 (``rescale_threshold``) the max moves only past m + TAU (and to NaN: a NaN
-        score still poisons its row); otherwise it stays, alpha = 1. ``m_ref`` holds the last
-        max taken (starts at 0: ``finite_or_zero(-inf)``)."""
+        """Lines 15-16's running max: m_new, the max to subtract, and exp2(m_old - m_new), where
+        ``kernels.softmax.max_moves`` says the max moves (``TAU``: ``rescale_threshold``); else
+        it stays, alpha = 1. ``m_ref`` holds the last max taken (starts at 0: ``finite_or_zero(-inf)``)."""
         for r in range(2):
             m_new = nan_max(m[r], tile_max[r])
             alpha[r] = float32(1.0)
-            if m_new > m[r] + float32(TAU) or m_new != m_new:
+            if max_moves(m[r], m_new, float32(TAU)):
                 ref = finite_or_zero(m_new)
                 alpha[r] = exp2_diff(m[r], ref)
                 m_ref[r] = ref

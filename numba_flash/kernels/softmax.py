@@ -11,6 +11,8 @@ the executable statement of what these functions must do). Stated once here, for
   :func:`log_sum_exp`); a NaN score propagates (:func:`nan_max`);
 - the update of a row's state by a new tile's row max (FA-2 Algorithm 1 lines 9-10):
   :func:`row_update`;
+- when the reference max moves (always when it grows, or, FlashAttention-4's conditional
+  rescaling, only past a threshold): :func:`max_moves` (the Hopper engine, ``kernels.fa3``);
 - the merge of two states (``online.merge``; associative and commutative, the empty state its
   identity): :func:`merge_weights`, used by the split-K warp groups, the key warps of decode,
   and FA-1's per-tile update (Algorithm 1 line 11).
@@ -65,6 +67,16 @@ def reciprocal_or_zero(l_sum):
     if l_sum == 0:
         return float32(0.0)
     return float32(1.0) / l_sum
+
+
+@device_jit
+def max_moves(m_old, m_new, threshold):
+    """Whether a row's reference max moves to ``m_new`` (= ``nan_max(m_old, tile max)``): past
+    ``m_old + threshold`` (log2 units), or to NaN (a NaN score still poisons its row). With
+    ``threshold`` 0 it moves whenever it grows (FA-2 Algorithm 1 line 9 as written); above 0,
+    FlashAttention-4's conditional rescaling: (m, l, O~) stays consistent for a reference max up to
+    ``threshold`` below the scores' (P~ <= 2^threshold), so most tiles leave l and O~ unscaled."""
+    return m_new > m_old + threshold or m_new != m_new
 
 
 @device_jit
