@@ -373,7 +373,7 @@ def test_the_backward_never_reads_hidden_tiles(precision, dtype, algorithm, dete
     from numba_flash.backward import gradients
     from helpers import backward_problem, gradient_error
 
-    do, q, k, v, _, _ = backward_problem(rng, 1, 2, 1, N_Q, N_K, 16, dtype, False)
+    do, q, k, v, _, _ = backward_problem(rng, 1, 1, 1, N_Q, N_K, 16, dtype, False)
     q_doc, kv_doc = _documents()
     mods = dict(mask_mod=same_document, mod_args=(q_doc, kv_doc))
     host = [x.astype(np.float64) for x in (do, q, k, v)]

@@ -41,7 +41,7 @@ def _within_fa_rule(o, q, k, v, causal):
                                                         ("float32", "ieee", 256), ("float32", "tf32x3", 136)])
 def test_forward(algorithm, dtype, precision, head_dim):
     rng = np.random.default_rng(head_dim)
-    q, k, v = _qkv(rng, (1, 2, 19, head_dim), (1, 1, 23, head_dim), dtype)
+    q, k, v = _qkv(rng, (1, 1, 19, head_dim), (1, 1, 23, head_dim), dtype)  # (GQA: the backward's tests)
     o = numba_flash.attention(q, k, v, causal=True, algorithm=algorithm, precision=precision)
     assert o.shape == q.shape
     if dtype == "float16":
@@ -56,7 +56,8 @@ def test_forward(algorithm, dtype, precision, head_dim):
     ("fa2", False, "float16", 256), ("fa2", True, "float16", 200), ("fa1", False, "bfloat16", 144)])
 def test_backward_on_tensor_cores(algorithm, deterministic, dtype, head_dim):
     rng = np.random.default_rng(head_dim + 1)
-    do, q, k, v, o, lse = backward_problem(rng, 1, 2, 1, 19, 21, head_dim, dtype, True)
+    heads = 2 if head_dim == 256 else 1  # GQA 2:1 once: dK, dV summed over a KV head's query heads
+    do, q, k, v, o, lse = backward_problem(rng, 1, heads, 1, 19, 21, head_dim, dtype, True)
     grads = numba_flash.attention_backward(do, q, k, v, o, lse, causal=True, algorithm=algorithm,
                                            deterministic=deterministic)
     refs = reference.attention_backward(*(x.astype(np.float64) for x in (do, q, k, v)), causal=True)
@@ -71,7 +72,7 @@ def test_backward_with_shared_scores(algorithm, deterministic):
     P^T, dS^T from shared memory (``TcBwdLayout.shared_scores``; the GPU's default above D = 128)."""
     assert tc_bwd.tc_bwd_layout(algorithm, "f16", 200, 32, 16).shared_scores
     rng = np.random.default_rng(2)
-    do, q, k, v, o, lse = backward_problem(rng, 1, 2, 1, 37, 21, 200, "float16", True)
+    do, q, k, v, o, lse = backward_problem(rng, 1, 1, 1, 37, 21, 200, "float16", True)
     grads = gradients(do, q, k, v, o, lse, causal=True, algorithm=algorithm, deterministic=deterministic,
                       tiles=(32, 16))
     refs = reference.attention_backward(*(x.astype(np.float64) for x in (do, q, k, v)), causal=True)
