@@ -180,15 +180,17 @@ def _encoded(x, rows: int, dtype: str) -> np.ndarray:
 def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, precision=None, num_splits=None,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
             block_mask=None, out=None, lse_out=None, variant=None, kv_tile_order=None, stages=None, overlap=True,
-            pingpong=True, reallocate=True, poly_exp2=0, rescale_threshold=None, q_descale=None, k_descale=None,
-            v_descale=None, packed=None):
+            pingpong=True, reallocate=True, poly_exp2=0, rescale_threshold=None, tma_store=True, q_descale=None,
+            k_descale=None, v_descale=None, packed=None):
     """``api.forward`` for ``algorithm="fa3"``: returns ``(o, lse)``. Research knobs (the v2 -> v3
     ablation): ``stages`` (K/V slots), ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining),
     ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg), ``poly_exp2``
     (eighths of the exponentials computed on the FMA units, ``kernels.poly_exp2``: FA-4's emulation,
     slower on the H200 at every share), ``rescale_threshold`` (log2 units, 0 to 8: FlashAttention-4's
     conditional rescaling, a row's max moves only when a tile exceeds it by more than this, so most
-    tiles leave O unscaled; 0: the papers' every-tile rescale; ``None``: ``RESCALE_THRESHOLD``).
+    tiles leave O unscaled; 0: the papers' every-tile rescale; ``None``: ``RESCALE_THRESHOLD``),
+    ``tma_store`` (O through shared memory and a TMA store, FA-3's epilogue, where
+    :func:`stores_o_by_tma` allows it; ``False``: every thread stores its pairs of O).
     float8_e4m3fn
     inputs: ``q_descale`` / ``k_descale`` / ``v_descale`` (``numba_flash.fp8.descales``), bfloat16 out.
     ``packed``: a ``varlen.PackedBatch`` (``attention_varlen``): q, k, v, ``out`` and ``lse_out`` are
@@ -265,7 +267,8 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
         schedule = (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2), float(threshold))
         splits = 1 if packed is not None else _splits(num_splits, p, D, int(bm), int(bn), int(st), ctx.device_id)
         if splits == 1:
-            _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, packed)
+            _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, packed,
+                    tma_store=bool(tma_store))
         else:
             _split_launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, splits)
         del owners
@@ -337,17 +340,32 @@ def _tma_copy(x):
 
 
 def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overlap=True, pingpong=True,
-               reallocate=True, poly_exp2=0, rescale_threshold=None, varlen=False, split=False):
+               reallocate=True, poly_exp2=0, rescale_threshold=None, varlen=False, split=False, tma_store=False):
     """The compiled-on-demand FA-3 kernel of checked problem ``p`` (``problem.Problem``) at the
     kernel's ``head_dim`` and these tiles and schedule switches (``varlen``: a packed batch's;
-    ``split``: split-KV's partials)."""
+    ``split``: split-KV's partials; ``tma_store``: O written by TMA, :func:`stores_o_by_tma`)."""
     from numba_flash.kernels.fa3 import fa3_kernel
 
     if rescale_threshold is None:
         rescale_threshold = RESCALE_THRESHOLD[p.dtype == FP8_DTYPE]
     return fa3_kernel(head_dim, block_m, block_n, stages, p.window, KERNEL_KIND[p.dtype], overlap, pingpong,
                       registers(block_m) if reallocate else None, p.softcap > 0, p.alibi, p.user_mods, bool(varlen),
-                      int(poly_exp2), bool(split), float(rescale_threshold))
+                      int(poly_exp2), bool(split), float(rescale_threshold), bool(tma_store))
+
+
+def stores_o_by_tma(ko, kind: str, fp8: bool, splits: int) -> bool:
+    """Whether the kernel writes O through shared memory and TMA (FA-3's epilogue, ``kernels.fa3``
+    ``tma_store``) into ``ko``, the output's 16-bit view: for 16-bit inputs, unsplit, and an
+    output TMA can write where it is (NumPy and the simulator: a C-contiguous copy, so rows of a
+    multiple of 16 bytes; ``kind`` "numpy", "cupy" or "torch": ``ko``'s library). Otherwise every
+    thread stores its pairs of O."""
+    if fp8 or splits > 1:
+        return False
+    if kind == "numpy" or simulated():
+        return ko.shape[3] * ko.itemsize % TMA_ALIGNMENT == 0
+    from numba_flash.launch import device_array
+
+    return tma_ready(device_array(ko, kind))
 
 
 @functools.lru_cache(maxsize=None)
@@ -359,7 +377,8 @@ def _no_bounds(device_id):
         return cuda.to_device(np.zeros((2, 1), np.int32))
 
 
-def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed=None, splits=1) -> None:
+def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed=None, splits=1,
+            tma_store=False) -> None:
     """One launch of the kernel into ``o`` / ``lse`` (``splits > 1``: the float32 partials
     ``(splits * B, H, Nq, D)`` and ``(splits * B, H, Nq)``, written as they stand)."""
     from numba_flash.alibi import slopes_argument
@@ -371,7 +390,10 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
 
     fp8 = p.dtype == FP8_DTYPE
     user = p.user_mods
-    kernel = kernel_for(p, D, bm, bn, stages, *schedule, varlen=packed is not None, split=splits > 1)
+    ko = None if splits > 1 else _kernel_view(o, ctx.kind)
+    by_tma = tma_store and ko is not None and stores_o_by_tma(ko, "numpy" if ctx.kind == "numpy" else "cupy", fp8,
+                                                               splits)
+    kernel = kernel_for(p, D, bm, bn, stages, *schedule, varlen=packed is not None, split=splits > 1, tma_store=by_tma)
     B, H, Nq, Dq = p.q_shape
     grid = (-(-Nq // bm), H, B * splits) if packed is None else (-(-packed.max_seqlen_q // bm), H, packed.sequences)
     if grid[0] == 0:
@@ -388,13 +410,14 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
         kv = fp8_inputs.transposed_values(kv)
     if splits > 1:  # float32 partials, all D columns, written in place
         ko = wide = pairs = bits_view(o, ctx.kind, False)
+    elif by_tma:  # TMA writes the caller's columns and rows, in place
+        wide = pairs = ko
     else:
-        ko = _kernel_view(o, ctx.kind)
         pairs = _pairs_view(ko, D)  # the kernel writes O as 32-bit pairs, all D columns
         wide = pairs if pairs is not None else _pairs_view(_empty_like(ko, (B, H, Nq, D)), D)
     klse = bits_view(lse, ctx.kind, False)
     if simulated():  # the twins read the arrays themselves; the tensor maps are unused words
-        maps = [np.zeros(16 if packed is None else (packed.sequences, 16), np.uint64) for _ in range(3)]
+        maps = [np.zeros(16 if packed is None else (packed.sequences, 16), np.uint64) for _ in range(4)]
         written = [np.ascontiguousarray(x) for x in (wide, klse)]  # (the simulator's arguments are whole buffers)
         with compiling(user):
             numba_launch(kernel, grid, block, None, [*(np.ascontiguousarray(x) for x in (kq, kk, kv)), *written, *maps,
@@ -437,10 +460,13 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
     if packed is None:
         maps = [tensor_map(arrays[0], bm, p.dtype, device_id), tensor_map(arrays[1], bn, p.dtype, device_id),
                 tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id)]  # fp8: V^T's boxes, D rows
-    else:  # a map per sequence (its rows alone: zeros past its end)
+        # O: boxes of a consumer warpgroup's 64 rows (without the TMA store, Q's map stands in, unread)
+        maps.append(tensor_map(arrays[3], 64, p.dtype, device_id) if by_tma else maps[0])
+    else:  # a map per sequence (its rows alone: zeros past its end; O's: nothing written past it)
         cu_q, cu_k = packed.host_bounds
         maps = [sequence_maps(arrays[0], bm, p.dtype, device_id, cu_q), sequence_maps(arrays[1], bn, p.dtype, device_id, cu_k),
                 sequence_maps(arrays[2], bn, p.dtype, device_id, cu_k)]
+        maps.append(sequence_maps(arrays[3], 64, p.dtype, device_id, cu_q) if by_tma else maps[0])
     args = (arrays + [device_array(m, "numba") for m in maps] + scalars + list(extra) + mods + mod_tail
             + [device_array(x, "numba") for x in lists])
     with compiling(user):

@@ -82,7 +82,8 @@ def parse_args(argv):
                     "optionally with knobs removed after a '-' (e.g. 128x176x2, 192x128x2-nopingpong, "
                     "128x128x2-nopingpong-nooverlap-noreallocate; -fp8: on the float8 inputs of --fp8; -poly2: "
                     "2/8 of the exponentials on the FMA units; -rescale8: O rescaled only when a row's max moves by more than 8 "
-                    "(log2 units; -rescale0: every tile); -softcap50: with softcap=50)")
+                    "(log2 units; -rescale0: every tile); -softcap50: with softcap=50; -notmastore: O stored by every "
+                    "thread, not by TMA)")
     return ap.parse_args(argv)
 
 
@@ -103,9 +104,12 @@ def tile_spec(text: str):
         if name.startswith("softcap") and name[7:].replace(".", "", 1).isdigit():  # with a soft cap
             knobs["softcap"] = float(name[7:])
             continue
+        if name == "notmastore":  # O stored by every thread, not through shared memory and TMA
+            knobs["tma_store"] = False
+            continue
         if not name.startswith("no") or name[2:] not in ("overlap", "pingpong", "reallocate"):
             raise SystemExit(f"--tiles: unknown knob {name!r} in {text!r} (nooverlap, nopingpong, noreallocate, "
-                             "polyN, rescaleT, softcapC, fp8)")
+                             "notmastore, polyN, rescaleT, softcapC, fp8)")
         knobs[name[2:]] = False
     return text, tuple(int(x) for x in tiles.split("x")), knobs
 

@@ -25,7 +25,7 @@ those are gone (``COLLAPSED``) are run once. ``--dry-run`` prints every count. I
 FlashAttention's layout ``(B, N, H, D)`` and passed as transposed views; ``kvpacked`` packs the
 same K and V values into one ``(B, N, 2, Hkv, D)`` buffer, so one input set serves both layouts.
 numba_flash's own axis: ``--algorithms`` (forward: FA-2 and FA-1, and FA-3 on Hopper with
-``--algorithms fa3``, its 16-bit cases without softcap or ALiBi; backward: FA-2 with FA's
+``--algorithms fa3``, its 16-bit cases; backward: FA-2 with FA's
 ``deterministic`` flag, and FA-1, deterministic by construction).
 
 The rule is FlashAttention's: the largest error of our result against a float64 reference is at
@@ -184,8 +184,8 @@ def grid(part: str, dtypes=None, algorithms=("fa2", "fa1")):
 def variants(part, p, algorithms):
     if part == "kvcache":
         return ["splits=1" if p["num_splits"] == 1 else "splits=auto"]
-    if part == "forward":  # fa3 (issue 23): 16-bit, no softcap or ALiBi yet (it refuses them)
-        return [a for a in algorithms if a != "fa3" or (p["dtype"] != "float32" and not p["softcap"] and not p["alibi"])]
+    if part == "forward":  # fa3 (issue 23): the 16-bit cases (softcap and ALiBi included since results 16c)
+        return [a for a in algorithms if a != "fa3" or p["dtype"] != "float32"]
     return (["fa2-det" if p["deterministic"] else "fa2"] if "fa2" in algorithms else []) + \
         (["fa1"] if "fa1" in algorithms and not p["deterministic"] else [])
 
@@ -639,7 +639,7 @@ def parse_args(argv):
                     help="replace the grids' dtype axis (FA's: float16 bfloat16; kvcache float16)")
     ap.add_argument("--algorithms", nargs="+", choices=["fa2", "fa1", "fa3"], default=["fa2", "fa1"],
                     help="numba_flash's loop orders for forward and backward (default: fa2 fa1; fa3, the Hopper "
-                         "kernel, runs the forward's 16-bit cases without softcap or ALiBi)")
+                         "kernel, runs the forward's 16-bit cases)")
     ap.add_argument("--max-cases", type=positive, metavar="N", help="run the first N cases of each part")
     ap.add_argument("--mods-only", nargs="*", choices=list(MODS), metavar="MOD",
                     help="only the cases with a sliding window (local), softcap or ALiBi (what issue 24 added); "

@@ -99,14 +99,14 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
                pingpong: bool = True, registers=(24, 240), softcap: bool = False, alibi: bool = False,
                user_mods=None, varlen: bool = False, poly_exp2: int = 0, split: bool = False,
-               rescale_threshold: float = 0.0):
+               rescale_threshold: float = 0.0, tma_store: bool = False):
     """The FA-3 forward kernel for one configuration (all compile-time):
-    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
-    softcap_log2, alibi, seqlens[, mod_args[, walk_counts, walk_lists]])``.
+    ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, tmap_o, scale_log2, n_q, n_k, group, q_descale, k_descale,
+    v_descale, softcap_log2, alibi, seqlens[, mod_args[, walk_counts, walk_lists]])``.
 
     q (B, H, Nq, Dq), k and v (B, Hkv, Nk, Dq), Dq <= D: 16-bit bit patterns (``kind`` "f16" or
     "bf16"), read only through TMA (the tensor maps; the simulator reads the arrays: columns past Dq
-    read as zeros); o (B, H, Nq, D / 2) uint32, pairs of 16-bit values; lse (B, H, Nq) float32; ``scale_log2`` = scale * log2(e) (> 0); ``group`` = H / Hkv.
+    read as zeros); o (B, H, Nq, D / 2) uint32, pairs of 16-bit values (``tma_store``: below); lse (B, H, Nq) float32; ``scale_log2`` = scale * log2(e) (> 0); ``group`` = H / Hkv.
     Grid (Q tiles, H, B), the Q tiles longest-first under a right bound (causal).
 
     ``kind`` "e4m3" (FA-3 section 3.3, fp8): q and k e4m3 bytes; ``v`` is V^T, (B, Hkv, Dq, Nk'),
@@ -141,6 +141,13 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     move). P~ <= 2^threshold then (16-bit: in range; e4m3: FA-3's offset of 8 shrinks to 8 -
     threshold); O / l and the logsumexp are unchanged, the (m, l, O~) state being consistent for
     any reference max. 0: the papers' every-tile rescale.
+
+    ``tma_store`` (16-bit, unsplit; FA-3's epilogue): each consumer warpgroup writes its 64 rows of O
+    into its rows of the Q tile's boxes in shared memory (Q is read by then), swizzled as TMA reads
+    them, and one of its threads stores them with TMA through ``tmap_o`` (boxes of 64 rows; rows
+    past Nq and columns past the caller's head dim are not written, so ``o`` is the caller's
+    (B, H, Nq, Dq) 16-bit array itself, read by the simulator's twin only). Without it ``tmap_o``
+    is not read and every thread stores its pairs of O.
 
     ``split`` (split-KV, API.md 2b: ``num_splits``): the grid's z is ``S * B`` (split ``s`` of batch ``b``
     at ``s * B + b``); a Q tile's walk (its visible K/V tiles, or its block-mask list) is cut into
@@ -181,6 +188,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     RELEASES = WARPGROUP * CONSUMERS  # a slot's K or V is free when every consumer thread says so
     SOFTCAP, ALIBI, USER, VARLEN = bool(softcap), bool(alibi), user_mods is not None, bool(varlen)
     SPLIT = bool(split)
+    TMA_STORE = bool(tma_store)
+    if TMA_STORE and (FP8 or SPLIT):
+        raise ValueError("fa3: tma_store writes 16-bit O over the Q tile (not fp8's bfloat16 O, not split partials)")
     if SPLIT and VARLEN:
         raise ValueError("fa3: a packed batch (varlen) runs unsplit")
     SPARSE = USER and user_mods.block_sparse
@@ -204,6 +214,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     load_kv = hopper.tma_box_loader(block_n, ELEM)
     load_v = hopper.tma_box_loader(head_dim, ELEM) if FP8 else load_kv
     pack = hopper.pack_pair("bf16" if FP8 else kind)  # O's pairs: fp8 writes bfloat16
+    store_o = hopper.tma_box_storer(64, ELEM)  # a consumer warpgroup's 64 rows of one box of O
+    STORE_BAR = 1 + CONSUMERS  # named barriers STORE_BAR + c: warpgroup c's O is in shared memory (1..: turns)
     quad_max = hopper.quad_reduce(hopper.max_nan)
     quad_sum = hopper.quad_reduce(add)
     fence_s = hopper.register_fence(S_N)
@@ -457,8 +469,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     FASTMATH = {"contract", "afn", "arcp"}
 
     @device_jit(fastmath=FASTMATH)  # (the kernel's flags: math.log2 of the lse is MUFU.LG2)
-    def body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
-             softcap_log2, alibi, seqlens, mod_args, walk_counts, walk_lists):
+    def body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, tmap_o, scale_log2, n_q, n_k, group, q_descale, k_descale,
+             v_descale, softcap_log2, alibi, seqlens, mod_args, walk_counts, walk_lists):
         """The kernel (one body for the signatures below: with user mods, their arrays' tuple; with
         a block mask, its tile lists too)."""
         smem = cuda.shared.array(0, dtype=uint8, alignment=SMEM_ALIGN)
@@ -483,12 +495,12 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             if m0 >= n_q:  # a Q tile past this sequence's end: no work (the whole block returns)
                 return
             q, k, v, o, lse = q[:, :, q0:q1], k[:, :, k0:k1], v[:, :, k0:k1], o[:, :, q0:q1], lse[:, :, q0:q1]
-            map_q, map_k, map_v = tmap_q[b], tmap_k[b], tmap_v[b]
+            map_q, map_k, map_v, map_o = tmap_q[b], tmap_k[b], tmap_v[b], tmap_o[b]
             if ALIBI:
                 alibi = alibi[b : b + 1]
             b = 0
         else:
-            map_q, map_k, map_v = tmap_q, tmap_k, tmap_v
+            map_q, map_k, map_v, map_o = tmap_q, tmap_k, tmap_v, tmap_o
         b_out = b + split * q.shape[0]  # (unsplit: b)
         hk = h // group
         if FP8:  # S = (q_descale q)(k_descale k)^T: the descales join the scale
@@ -643,6 +655,21 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                     lse[b_out, h, row + 8 * r] = float32(NEG_INF)
                 else:
                     lse[b_out, h, row + 8 * r] = (m[r] + math.log2(total) - float32(P_OFFSET)) * float32(LN2)
+        if TMA_STORE:  # O through shared memory: this warpgroup's rows of the Q tile's boxes, then TMA
+            for r in range(2):
+                at = q_at + (16 * w + g + 8 * r) * hopper.BOX_BYTES + 4 * t  # the row's word t of box 0
+                for j in range(D // 8):  # columns 8j + 2t, 8j + 2t + 1: box j // 8, 16-byte chunk j % 8 of the
+                    # row, which the 128-byte swizzle (hopper.swizzle_128b) puts at chunk (j % 8) ^ (row % 8)
+                    hopper.st_shared_b32(smem, at + (j // 8) * Q_BOX + ((j % 8) ^ g) * 16,
+                                         pack(o_acc[4 * j + 2 * r] * l_run[r], o_acc[4 * j + 2 * r + 1] * l_run[r]))
+            hopper.fence_proxy_async()
+            hopper.named_barrier_sync(smem, STORE_BAR + c, WARPGROUP)
+            if lane == 0:
+                for x in range(BOXES):
+                    store_o(smem, q_at + x * Q_BOX, map_o, o, x * BOX_ELEMS, m0 + 64 * c, h, b)
+                hopper.bulk_commit()
+                hopper.bulk_wait_read()
+            return
         for r in range(2):  # o: the caller's (or a padded) output as pairs of 16-bit values; split: float32
             if row + 8 * r < n_q:
                 inv = l_run[r]
@@ -657,20 +684,20 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
 
     threads = WARPGROUP * (CONSUMERS + 1)
     if not USER:
-        def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale,
+        def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, tmap_o, scale_log2, n_q, n_k, group, q_descale, k_descale,
                    v_descale, softcap_log2, alibi, seqlens):
-            body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
-                 softcap_log2, alibi, seqlens, (), (), ())
+            body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, tmap_o, scale_log2, n_q, n_k, group, q_descale, k_descale,
+                 v_descale, softcap_log2, alibi, seqlens, (), (), ())
     elif not SPARSE:
-        def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale,
+        def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, tmap_o, scale_log2, n_q, n_k, group, q_descale, k_descale,
                    v_descale, softcap_log2, alibi, seqlens, mod_args):
-            body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
-                 softcap_log2, alibi, seqlens, mod_args, (), ())
+            body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, tmap_o, scale_log2, n_q, n_k, group, q_descale, k_descale,
+                 v_descale, softcap_log2, alibi, seqlens, mod_args, (), ())
     else:  # a block mask's lists (int32 (B or 1, H or 1, tiles) counts and (.., tiles, tiles) entries) after mod_args
-        def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale,
+        def kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, tmap_o, scale_log2, n_q, n_k, group, q_descale, k_descale,
                    v_descale, softcap_log2, alibi, seqlens, mod_args, walk_counts, walk_lists):
-            body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, scale_log2, n_q, n_k, group, q_descale, k_descale, v_descale,
-                 softcap_log2, alibi, seqlens, mod_args, walk_counts, walk_lists)
+            body(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, tmap_o, scale_log2, n_q, n_k, group, q_descale, k_descale,
+                 v_descale, softcap_log2, alibi, seqlens, mod_args, walk_counts, walk_lists)
     jitted = kernel_jit(fastmath=FASTMATH, launch_bounds=(threads, 1))(kernel)
     jitted.fa3_threads = threads
     jitted.fa3_smem = L.smem_bytes

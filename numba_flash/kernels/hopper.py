@@ -36,6 +36,10 @@ base is 0). Every primitive takes ``smem`` first so that its twin can reach the 
   swizzle mode 1 (128 bytes). Issue is asynchronous: ``wgmma_fence`` before a batch whose
   registers ordinary code wrote, ``wgmma_commit`` closes a group, ``wgmma_wait(n)`` waits until
   at most ``n`` groups are in flight. In the simulator a product completes when issued.
+- **TMA stores** (``cp.async.bulk.tensor.4d.global.shared::cta``): a swizzled box of shared memory written
+  out at (d0, n0, h, b), nothing past the tensor's ends; ordinary shared stores before it need
+  ``fence_proxy_async``, and the issuing thread waits (``bulk_wait_read``) until the box is read
+  before the memory is reused or the block exits.
 - **setmaxnreg** (``inc``/``dec``): a warpgroup's register budget (a no-op in the simulator).
 - **Named barriers** (``bar.sync id, n`` waits, ``bar.arrive id, n`` does not): ``n`` threads of some
   warps meet (FA-3's ping-pong hands the tensor cores from one consumer warpgroup to the other).
@@ -209,6 +213,43 @@ if simulated():
             _complete_tx(smem, bar, rows * BOX_BYTES)
 
         return load
+
+    @device_jit
+    def st_shared_b32(smem, address, bits):
+        """The 32-bit word ``bits`` at shared ``address`` (a multiple of 4)."""
+        smem.view(np.uint32)[int(address) // 4] = int(bits) & 0xFFFFFFFF
+
+    @device_jit
+    def fence_proxy_async():
+        """Make this thread's ordinary shared-memory writes visible to TMA (one memory here)."""
+        return
+
+    @functools.lru_cache(maxsize=None)
+    def tma_box_storer(rows: int, elem_bytes: int = 2):
+        """``store(smem, src, tmap, dst, d0, n0, h, b)``: the swizzled ``rows x (128 / elem_bytes)`` box at
+        ``src`` written to ``dst`` (B, H, N, D) at (row ``n0``, column ``d0``) of head (b, h); what
+        falls past the tensor's ends is not written (done at issue here)."""
+        cols, unit = BOX_BYTES // elem_bytes, (np.uint8 if elem_bytes == 1 else np.uint16)
+
+        @device_jit
+        def store(smem, src, tmap, dst, d0, n0, h, b):
+            r1, c1 = min(rows, max(0, dst.shape[2] - n0)), min(cols, max(0, dst.shape[3] - d0))
+            if r1 > 0 and c1 > 0:
+                rr, cc = np.meshgrid(np.arange(r1), np.arange(c1), indexing="ij")
+                words = smem.view(unit)[swizzle_128b(int(src) + rr * BOX_BYTES + cc * elem_bytes) // elem_bytes]
+                dst[b, h, n0:n0 + r1, d0:d0 + c1] = words
+
+        return store
+
+    @device_jit
+    def bulk_commit():
+        """Close the group of TMA stores issued since the last commit."""
+        return
+
+    @device_jit
+    def bulk_wait_read():
+        """Wait until every committed TMA store has read its shared memory (done at issue here)."""
+        return
 
     @device_jit
     def wgmma_fence():
@@ -536,6 +577,42 @@ else:
             _tma_load_4d(dst, _global_address(tmap), d0, n0, h, b, bar)
 
         return load
+
+    @intrinsic
+    def _tma_store_4d(typingctx, src, tmap, d0, n0, h, b):
+        def codegen(context, builder, sig, args):
+            vals = [_as(context, builder, args[0], sig.args[0], types.uint32),
+                    _as(context, builder, args[1], sig.args[1], types.uint64)]
+            vals += [_as(context, builder, a, t, types.uint32) for a, t in zip(args[2:], sig.args[2:])]
+            _asm(builder, ir.VoidType(), [_I32, _I64, _I32, _I32, _I32, _I32],
+                 "cp.async.bulk.tensor.4d.global.shared::cta.bulk_group [$1, {$2, $3, $4, $5}], [$0];",
+                 "r,l,r,r,r,r,~{memory}", vals)
+            return context.get_dummy_value()
+
+        return types.void(src, tmap, d0, n0, h, b), codegen
+
+    @functools.lru_cache(maxsize=None)
+    def tma_box_storer(rows: int, elem_bytes: int = 2):
+        """``store(smem, src, tmap, dst, d0, n0, h, b)``: the swizzled ``rows x (128 / elem_bytes)`` box at
+        ``src`` written at (row ``n0``, column ``d0``) of head (b, h) of the tensor ``tmap`` describes
+        (``dst``, that tensor, is the simulator's); nothing past its ends is written."""
+
+        @device_jit
+        def store(smem, src, tmap, dst, d0, n0, h, b):
+            _tma_store_4d(src, _global_address(tmap), d0, n0, h, b)
+
+        return store
+
+    _st_shared_b32 = _barrier_op("st.shared.b32 [$0], $1;")
+
+    @device_jit
+    def st_shared_b32(smem, address, bits):
+        """The 32-bit word ``bits`` at shared ``address`` (a multiple of 4)."""
+        _st_shared_b32(smem, address, bits)
+
+    fence_proxy_async = _statement("fence.proxy.async.shared::cta;")
+    bulk_commit = _statement("cp.async.bulk.commit_group;")
+    bulk_wait_read = _statement("cp.async.bulk.wait_group.read 0;")
 
     @intrinsic
     def _wait_after_store(typingctx, address, value):

@@ -137,6 +137,31 @@ def test_fa3_strided_and_foreign_inputs():
     assert err <= allowed
 
 
+def test_fa3_output_through_tma_in_place():
+    """O through shared memory and TMA (FA-3's epilogue) into the caller's view of a larger
+    buffer: every row and column of the view written, bitwise the threads' pairs output, and
+    nothing past its rows (Nq = 700: the last Q tile's rows beyond) or columns (D = 72 in rows of
+    96 elements) touched."""
+    torch = _hopper()
+    from numba_flash import fa3
+
+    q, k, v = _inputs(torch, (2, 4, 2, 700, 900, 72), torch.float16)
+    buffer = torch.full((2, 4, 760, 96), float("nan"), device="cuda", dtype=torch.float16)
+    out = buffer[:, :, :700, :72]
+    assert fa3.stores_o_by_tma(out, "torch", False, 1)
+    o, lse = fa3.forward(q, k, v, causal=True, out=out)
+    _finish(torch)
+    assert not torch.isnan(out).any()
+    assert torch.isnan(buffer[:, :, 700:]).all() and torch.isnan(buffer[:, :, :, 72:]).all()
+    err, allowed = _rule(out, q, k, v, True)
+    assert err <= allowed
+    import unittest.mock
+
+    with unittest.mock.patch.object(fa3, "stores_o_by_tma", lambda *a: False):
+        threads, threads_lse = fa3.forward(q, k, v, causal=True)
+    assert torch.equal(out, threads) and torch.equal(lse, threads_lse)
+
+
 def _fp8_inputs(torch, shape, seed=11):
     """e4m3 q, k, v (B, H/Hkv, N, D), (B, Hkv) float32 descales, and the dequantized float64 values."""
     B, H, Hkv, Nq, Nk, D = shape

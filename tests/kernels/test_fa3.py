@@ -123,6 +123,43 @@ def test_fa3_conditional_rescale_matches_float64(causal):
     np.testing.assert_allclose(lse, every_lse, atol=1e-5)
 
 
+@pytest.mark.parametrize("D", [40, 64])
+def test_fa3_output_through_tma_is_the_threads_output(D, monkeypatch):
+    """O written through shared memory and a TMA store (FA-3's epilogue: 16-bit, unsplit, rows of a
+    multiple of 16 bytes) is bitwise the output every thread stores as pairs; D = 40 (the store's
+    columns past the head dim not written) and Nq = 70 (a Q tile's rows past Nq not written)."""
+    q, k, v = _inputs(1, 2, 1, 70, 90, D, np.float16, seed=D)
+    assert fa3.stores_o_by_tma(q, "numpy", False, 1)
+    assert not fa3.stores_o_by_tma(q[..., :36], "numpy", False, 1)  # 72-byte rows: pairs
+    assert not fa3.stores_o_by_tma(q, "numpy", False, 2)  # split-KV: float32 partials
+    out = np.full(q.shape, np.nan, np.float16)
+    by_tma, lse = fa3.forward(q, k, v, causal=True, out=out)
+    assert by_tma is out and not np.isnan(by_tma).any()
+    monkeypatch.setattr(fa3, "stores_o_by_tma", lambda *a: False)
+    by_threads, lse_threads = fa3.forward(q, k, v, causal=True)
+    assert np.array_equal(by_tma.view(np.uint16), by_threads.view(np.uint16))
+    assert np.array_equal(lse, lse_threads)
+
+
+def test_tma_store_twin_writes_the_box_within_the_tensor():
+    """The simulator's TMA store (``hopper.tma_box_storer``) undoes the load's swizzle and writes
+    nothing past the tensor's rows and columns: a box loaded from one tensor and stored into a
+    smaller one lands where it came from, and the rest stays as it was."""
+    from numba_flash.kernels import hopper
+
+    src = np.arange(2 * 3 * 70 * 64, dtype=np.uint16).reshape(2, 3, 70, 64)
+    smem = np.zeros(64 * 128 + 64, np.uint8)
+    hopper.mbarrier_init(smem, 64 * 128, 1)
+    hopper.tma_box_loader(64)(smem, 0, None, src, 0, 32, 2, 1, 64 * 128)
+    assert not np.array_equal(smem[:128].view(np.uint16)[8:16], src[1, 2, 33, :8])  # row 1 is swizzled
+    dst = np.full((2, 3, 50, 40), 7, np.uint16)
+    hopper.tma_box_storer(64)(smem, 0, None, dst, 0, 32, 2, 1)
+    assert np.array_equal(dst[1, 2, 32:50], src[1, 2, 32:50, :40])
+    untouched = np.ones(dst.shape, bool)
+    untouched[1, 2, 32:50] = False
+    assert np.all(dst[untouched] == 7)
+
+
 @pytest.mark.parametrize("bad", [-1.0, 8.5, True, "8"])
 def test_fa3_refuses_a_bad_rescale_threshold(bad):
     q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float16, seed=0)
