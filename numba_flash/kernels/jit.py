@@ -40,14 +40,21 @@ def kernel_factory(factory):
     user's functions: ``kernels.score_mods.UserMods``, the engines made with them), gets none and
     is never stored.
 
-    ``cache_clear()`` forgets the kernels made, as ``lru_cache``'s does."""
+    ``cache_clear()`` forgets the kernels made, as ``lru_cache``'s does. A call spelled as an
+    earlier one was finds its kernel without binding the signature (``inspect``'s binding costs
+    tens of microseconds, on every launch of an unplanned call)."""
     import inspect
 
     signature = inspect.signature(factory)
-    made: dict = {}
+    made: dict = {}  # the bound arguments, defaults filled in -> the kernel
+    spelled: dict = {}  # (args, kwargs) as a call gave them -> the same kernel
 
     @functools.wraps(factory)
     def make(*args, **kwargs):
+        call = (args, tuple(kwargs.items()))
+        kernel = spelled.get(call)
+        if kernel is not None:
+            return kernel
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
         key = tuple(bound.arguments.items())
@@ -57,9 +64,14 @@ def kernel_factory(factory):
             identity = f"{factory.__module__}.{factory.__qualname__}(" + ", ".join(f"{k}={v!r}" for k, v in key) + ")"
             if " at 0x" not in identity and not any(getattr(v, "uncacheable", False) for _, v in key):
                 kernel.numba_flash_identity = identity
+        spelled[call] = kernel
         return kernel
 
-    make.cache_clear = made.clear
+    def cache_clear():
+        made.clear()
+        spelled.clear()
+
+    make.cache_clear = cache_clear
     return make
 
 

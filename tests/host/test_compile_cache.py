@@ -107,7 +107,10 @@ def test_kernel_factory_memoises_over_defaults_and_names_the_kernel():
     assert len(made) == 1
     assert kernel_identity(make(64)).endswith("make(head_dim=64, causal=False, tiles=(64, 32))")
     assert make(64, True) is not make(64)
+    assert make(64, True) is make(64, causal=True) is make(64, True)  # each spelling remembered, one kernel
+    assert len(made) == 2
     make.cache_clear()
+    make(64)
     make(64)
     assert len(made) == 3
 
