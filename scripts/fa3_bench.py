@@ -67,6 +67,9 @@ def parse_args(argv):
     ap.add_argument("--repeats", type=int, default=10, help="queued calls timed per entry (median)")
     ap.add_argument("--json", help="write every row to this file")
     ap.add_argument("--quick", action="store_true", help="the correctness cases and one timed shape")
+    ap.add_argument("--host", action="store_true", help="the host's time per call instead: small calls (B1 H8 "
+                    "N256 D128) back to back, the wall clock per call, for fa3, fa2 (planned) "
+                    "and flash SDPA, and fa3's profile (what the next call's Python spends its time on)")
     ap.add_argument("--dtypes", default="float16,bfloat16")
     ap.add_argument("--no-check", action="store_true", help="skip the correctness cases")
     ap.add_argument("--watchdog", type=float, default=120.0, help="seconds before a kernel is called hung")
@@ -375,6 +378,48 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
     return rows
 
 
+def host_times(torch, numba_flash, dtype, calls: int = 2000) -> list[dict]:
+    """Small calls whose GPU work is a few microseconds, queued back to back: the wall clock per
+    call is the host's (checks, allocation, tensor maps, launch) where it exceeds the GPU's."""
+    import cProfile
+    import io
+    import pstats
+
+    B, H, N, D = 1, 8, 256, 128
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    q, k, v = (torch.randn(B, H, N, D, device="cuda", generator=gen).to(dtype) for _ in range(3))
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    def flash():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    entries = {"fa3": lambda: numba_flash.attention(q, k, v, algorithm="fa3"),
+               "fa2": lambda: numba_flash.attention(q, k, v), "flash": flash}
+    rows = []
+    for name, call in entries.items():
+        for _ in range(50):
+            call()
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(calls):
+            call()
+        torch.cuda.synchronize()
+        wall_us = (time.perf_counter() - start) / calls * 1e6
+        rows.append(dict(kind="host", impl=name, B=B, H=H, N=N, D=D, dtype=str(dtype), wall_us_per_call=wall_us))
+        print(f"host {name}: {wall_us:.1f} us a call, {calls} calls back to back", flush=True)
+    profile = cProfile.Profile()
+    profile.enable()
+    for _ in range(300):
+        entries["fa3"]()
+    profile.disable()
+    torch.cuda.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("cumulative").print_stats(20)
+    print(text.getvalue(), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else argv)
     from numba_flash import needs
@@ -390,6 +435,12 @@ def main(argv=None) -> int:
                 command="python scripts/fa3_bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(meta, flush=True)
     rows, failed = [], 0
+    if args.host:
+        rows = host_times(torch, numba_flash, getattr(torch, args.dtypes.split(",")[0]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        return 0
     extra = [tile_spec(t) for t in args.tiles.split(",") if t]
     if any(knobs.get("fp8") for _, _, knobs in extra) and not args.fp8:
         raise SystemExit("--tiles: an -fp8 entry needs --fp8 (the float8 inputs)")

@@ -96,8 +96,9 @@ SCHEDULES = [dict(overlap=False), dict(pingpong=False), dict(overlap=False, ping
              dict(stages=3, block_m=64),
              pytest.param(dict(block_m=192), marks=pytest.mark.xfail(strict=False, reason=(
                  "since the conditional rescale (performance log 24), three consumer warpgroups differ from two "
-                 "by at most one bfloat16 ulp in every row, at any threshold, deterministically; the PTX's "
-                 "arithmetic is the same instructions; cause open")))]
+                 "by at most one bfloat16 ulp in every row, at any threshold, deterministically, the logsumexp too "
+                 "and without any masked tile (results 16g); the PTX's arithmetic is the same instructions; "
+                 "cause open")))]
 
 
 @pytest.mark.parametrize("knobs", SCHEDULES, ids=lambda k: "-".join(f"{a}={b}" for a, b in k.items()))
