@@ -15,7 +15,14 @@ fa3, ping-pong only                       consumer warpgroups take turns issuing
 fa3, overlap only                         S_j's softmax under P_{j-1} V_{j-1} inside a warpgroup (section 3.2)
 fa3                                       both (the default)
 fa3 without setmaxnreg                    both, every warpgroup at the launch's 168 registers
+fa3 storing O from every thread           both, O stored as pairs by each thread, not through shared memory and TMA
+fa3 rescaling O at every tile             both, without FlashAttention-4's conditional rescaling (threshold 0)
 ========================================  ===============================================================
+
+The last two are this kernel's additions beyond FA-3's own table (results 16g and 16f measured
+them with ``scripts/fa3_bench.py``'s ``-notmastore`` and ``-rescale0``). Each row's ratio is to its
+base: the row before it up to the full kernel, then the full kernel (each later row removes one
+factor from it).
 
 Each row: time (CUDA events, calls queued back to back, median), TFLOP/s, the error against
 float64 on a sample of heads, and the ratio to the previous row. In the simulator: the error
@@ -31,7 +38,11 @@ POINTS = [  # (name, fa3.forward's knobs; None: FA-2)
     ("fa3, overlap only", dict(overlap=True, pingpong=False)),
     ("fa3 (ping-pong and overlap)", dict()),
     ("fa3 without setmaxnreg", dict(reallocate=False)),
+    ("fa3 storing O from every thread", dict(tma_store=False)),
+    ("fa3 rescaling O at every tile", dict(rescale_threshold=0.0)),
 ]
+
+FULL = "fa3 (ping-pong and overlap)"  # the default kernel: the rows after it each remove one factor from it
 
 PAPER_H100 = {  # FA-3 Table 2 (H100 SXM5, D = 128, non-causal, 16-bit): TFLOP/s
     "fa3 (ping-pong and overlap)": 661,
@@ -77,14 +88,23 @@ def ablate_fa3(args, progress=None):
                    rel_err=err, ms=ms, tflops=None if ms is None else tflops(flops, ms),
                    paper_h100_tflops=PAPER_H100.get(name) if D == 128 and not args.causal else None)
         rows.append(row)
-    for prev, row in zip(rows, rows[1:]):
-        if prev["ms"] and row["ms"]:
-            row["vs_previous"] = prev["ms"] / row["ms"]
+    base_ratios(rows)
     if sim:
         notes.append("No GPU: the points ran in Numba's CUDA simulator on a small problem (errors only).")
     notes.append(f"{B}x{H}x{N}x{D} {dtype}{' causal' if args.causal else ''}; FLOPs 4 B H Nq Nk D"
                  + (" / 2" if args.causal else ""))
     return rows, notes
+
+
+def base_ratios(rows) -> None:
+    """Set each timed row's ``vs_base``, its base's time over its own: the base is the row before it
+    up to the full kernel (:data:`FULL`: the path adds one factor a row), then the full kernel (each
+    later row removes one factor from it)."""
+    at_full = next(i for i, row in enumerate(rows) if row["point"] == FULL)
+    for i, row in enumerate(rows[1:], 1):
+        base = rows[i - 1] if i <= at_full else rows[at_full]
+        if base["ms"] and row["ms"]:
+            row["vs_base"] = base["ms"] / row["ms"]
 
 
 def _inputs(B, H, Hkv, N, Nk, D, dtype, seed, sim):
@@ -133,11 +153,12 @@ def _error(o, ref) -> float:
 
 def format_fa3_ablation(rows, notes) -> str:
     """The rows as a markdown table (with FA-3's H100 figures where the problem is theirs), notes below."""
-    lines = ["| point | ms | TFLOP/s | vs previous | FA-3 paper, H100 | rel. error |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = ["| point | ms | TFLOP/s | vs its base | FA-3 paper, H100 | rel. error |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
     for row in rows:
         ms = "" if row["ms"] is None else f"{row['ms']:.3f}"
         tf = "" if row["tflops"] is None else f"{row['tflops']:.0f}"
-        vs = f"{row['vs_previous']:.2f}x" if row.get("vs_previous") else ""
+        vs = f"{row['vs_base']:.2f}x" if row.get("vs_base") else ""
         paper = "" if row["paper_h100_tflops"] is None else str(row["paper_h100_tflops"])
         lines.append(f"| {row['point']} | {ms} | {tf} | {vs} | {paper} | {row['rel_err']:.1e} |")
+    lines.append(f"\n'vs its base': time of the row before / this row's, up to {FULL!r}; after it, of {FULL!r}.")
     return "\n".join(lines + [""] + notes)
