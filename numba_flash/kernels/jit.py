@@ -41,7 +41,7 @@ def kernel_factory(factory):
     is never stored.
 
     ``cache_clear()`` forgets the kernels made, as ``lru_cache``'s does. A call spelled as an
-    earlier one was finds its kernel without binding the signature (``inspect``'s binding costs
+    earlier one finds its kernel without binding the signature (``inspect``'s binding costs
     tens of microseconds, on every launch of an unplanned call)."""
     import inspect
 

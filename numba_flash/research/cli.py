@@ -109,7 +109,7 @@ def _parser() -> argparse.ArgumentParser:
     abl.add_argument("--ncu-dir", default="ablate-ncu", metavar="DIR", help="where --ncu writes its plan and raw CSV")
     abl.add_argument("--fa3", action="store_true",
                      help="the FA-2 -> FA-3 ablation instead: FA-2 beside the Hopper kernel with ping-pong, the "
-                          "intra-warpgroup overlap and setmaxnreg switched off in turn (16-bit: float32 runs as "
+                          "intra-warpgroup overlap, setmaxnreg, the TMA store of O and the conditional rescale switched off in turn (16-bit: float32 runs as "
                           "float16; default problem B4 H16 N4096 D128; FA-3's Table 2 beside it)")
 
     occ = add("occupancy", "registers, shared memory and occupancy per tile configuration (GPU or ptxas)")
