@@ -164,5 +164,6 @@ def format_fa3_ablation(rows, notes) -> str:
         vs = f"{row['vs_base']:.2f}x" if row.get("vs_base") else ""
         paper = "" if row["paper_h100_tflops"] is None else str(row["paper_h100_tflops"])
         lines.append(f"| {row['point']} | {ms} | {tf} | {vs} | {paper} | {row['rel_err']:.1e} |")
-    lines.append(f"\n'vs its base': time of the row before / this row's, up to {FULL!r}; after it, of {FULL!r}.")
+    lines.append(f"\n'vs its base': the base's time / this row's; the base is the row before, up to {FULL!r} "
+                 f"({', '.join(f'{k!r}: {v!r}' for k, v in BASES.items())}), then {FULL!r}.")
     return "\n".join(lines + [""] + notes)
