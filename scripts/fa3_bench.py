@@ -85,7 +85,7 @@ def parse_args(argv):
                     "optionally with knobs removed after a '-' (e.g. 128x176x2, 192x128x2-nopingpong, "
                     "128x128x2-nopingpong-nooverlap-noreallocate; -fp8: on the float8 inputs of --fp8; -poly2: "
                     "2/8 of the exponentials on the FMA units; -rescale8: O rescaled only when a row's max moves by more than 8 "
-                    "(log2 units; -rescale0: every tile); -softcap50: with softcap=50; -notmastore: O stored by every "
+                    "(log2 units; -rescale0: every tile); -softcap50: with softcap=50; -alibi: with ALiBi's slopes; -notmastore: O stored by every "
                     "thread, not by TMA)")
     return ap.parse_args(argv)
 
@@ -107,12 +107,15 @@ def tile_spec(text: str):
         if name.startswith("softcap") and name[7:].replace(".", "", 1).isdigit():  # with a soft cap
             knobs["softcap"] = float(name[7:])
             continue
+        if name == "alibi":  # with ALiBi's standard slopes (made for the shape's heads)
+            knobs["alibi"] = True
+            continue
         if name == "notmastore":  # O stored by every thread, not through shared memory and TMA
             knobs["tma_store"] = False
             continue
         if not name.startswith("no") or name[2:] not in ("overlap", "pingpong", "reallocate"):
             raise SystemExit(f"--tiles: unknown knob {name!r} in {text!r} (nooverlap, nopingpong, noreallocate, "
-                             "notmastore, polyN, rescaleT, softcapC, fp8)")
+                             "notmastore, polyN, rescaleT, softcapC, alibi, fp8)")
         knobs[name[2:]] = False
     return text, tuple(int(x) for x in tiles.split("x")), knobs
 
@@ -343,6 +346,9 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
             for label, (bm, bn, st), knobs in extra_tiles:
                 knobs = dict(knobs)
                 inputs = (q8, k8, v8) if knobs.pop("fp8", False) else (q, k, v)
+                if knobs.pop("alibi", False):  # ALiBi (Press et al.): slopes 2^(-8 h / H), h = 1..H
+                    knobs["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)],
+                                                         dtype=torch.float32, device="cuda")
                 if inputs[0] is None:
                     continue
                 entries[f"fa3 {label}"] = (lambda bm=bm, bn=bn, st=st, knobs=knobs, inputs=inputs: numba_flash.fa3.forward(

@@ -195,12 +195,16 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         raise ValueError("fa3: a packed batch (varlen) runs unsplit")
     SPARSE = USER and user_mods.block_sparse
     MODDED = SOFTCAP or ALIBI or USER
+    SCORE_MOD = USER and user_mods.score_mod is not None
+    # ALiBi alone, off the diagonal-bounded masks (which fuse it with the scale): the bias divided by
+    # the scale is added to the unscaled tile (one FADD and one FFMA a score), the scale stays folded
+    ALIBI_FOLDED = ALIBI and not SOFTCAP and not SCORE_MOD and window[1] != 0
     # the tile is scaled before the max where a mod acts on scaled scores (a mask_mod alone only
     # hides entries: the scale stays folded into the exponentials, as without mods)
-    PRESCALED = SOFTCAP or ALIBI or (USER and user_mods.score_mod is not None)
+    PRESCALED = SOFTCAP or (ALIBI and not ALIBI_FOLDED) or SCORE_MOD
     # the cap alone (FA-3's way): the tile holds tanh(S scale / cap), and the softmax multiplies by
     # the cap where it multiplied by the scale (one FMUL and one tanh more per score)
-    CAP_FOLDED = SOFTCAP and not ALIBI and not (USER and user_mods.score_mod is not None)
+    CAP_FOLDED = SOFTCAP and not ALIBI and not SCORE_MOD
     # a right bound (or a block mask: a causal one, say): later Q tiles walk more K/V tiles; start them first
     REVERSED = window[1] >= 0 or SPARSE
     REALLOCATE = registers is not None
@@ -418,6 +422,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             for j in range(block_n // 8):
                 for e in range(4):
                     s_acc[j, e] = tanh(s_acc[j, e] * k)
+        elif ALIBI_FOLDED:  # (slopes / scale: the softmax scales the biased tile)
+            alibi_scores(s_acc, keys0, slopes, diags)
         elif ALIBI and not SOFTCAP and WINDOW[1] == 0:
             scale_alibi_scores(s_acc, scale_log2, keys0, slopes, diags)
         elif PRESCALED:
@@ -572,6 +578,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         heads = cuda.local.array(2, dtype=int32)
         if ALIBI:
             row_alibi(alibi, b, h, row, n_q, n_k, 1, slopes, diags)
+            if ALIBI_FOLDED:
+                for r in range(2):
+                    slopes[r] = slopes[r] / scale_log2
         if USER:
             row_queries(h, row, n_q, 1, positions, heads)
         # Only the tiles a bound crosses take the element-wise mask (block-uniform test)

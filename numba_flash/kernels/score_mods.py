@@ -22,7 +22,7 @@ from __future__ import annotations
 import functools
 import math
 
-from numba_flash._cuda import float32
+from numba_flash._cuda import cuda, float32
 from numba_flash._world import simulated
 
 from numba_flash.kernels import mask
@@ -141,8 +141,11 @@ def tile_alibi(n_i: int, n_j: int, key_of, row_of):
     The distance ``key - diag`` is formed in float32 from two parts: ``key_of(i, j) - key_of(0,
     0)``, a constant once the loops unroll (an engine's keys differ from its first by constants),
     and ``col0 + key_of(0, 0) - diag``, converted once per row. So a score costs one FADD and one
-    FFMA (``|t|`` is an operand modifier), not an integer-to-float conversion (I2F runs at a
-    quarter of the FP32 rate or less) -- exact, as every distance is below 2^24."""
+    FFMA (``|t|`` is an operand modifier: the FMA is written out, so it is one instruction in every
+    engine's flags), not an integer-to-float conversion (I2F runs at a quarter of the FP32 rate or
+    less) -- exact, as every distance is below 2^24. The tile may hold unscaled scores: with the
+    slopes divided by the scale, ``(s - slope / scale |t|) scale`` is the scaled score plus its bias,
+    and the scale stays folded into the softmax's exponentials (fa3 without a cap)."""
 
     @device_jit
     def add_alibi(s, col0, slopes, diags):
@@ -151,7 +154,7 @@ def tile_alibi(n_i: int, n_j: int, key_of, row_of):
             for j in range(n_j):
                 r = row_of(i, j)
                 t = float32(key_of(i, j) - k0) + float32(col0 + k0 - diags[r])
-                s[i, j] -= slopes[r] * abs(t)
+                s[i, j] = cuda.fma(-slopes[r], abs(t), s[i, j])
 
     return add_alibi
 

@@ -183,16 +183,17 @@ def test_torch_autograd_takes_the_window():
         assert float((got.double() - ref).abs().max() / ref.abs().max()) < 2e-2
 
 
+@pytest.mark.parametrize("cap", [5.0, 60.0])  # scores past the cap; every score within it
 @pytest.mark.parametrize("algorithm", ["fa2", "fa1", "fa3"])
 @pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee")])
-def test_softcap_forward_and_backward(algorithm, dtype, precision):
+def test_softcap_forward_and_backward(algorithm, dtype, precision, cap):
     if algorithm == "fa3" and dtype == "float32":
         pytest.skip("fa3 runs 16-bit inputs")
     torch = pytest.importorskip("torch")
     import numba_flash
     from numba_flash.backward import gradients
 
-    B, H, Hkv, Nq, Nk, D, cap, window = 1, 4, 2, 800, 1000, 128, 5.0, (300, 0)
+    B, H, Hkv, Nq, Nk, D, window = 1, 4, 2, 800, 1000, 128, (300, 0)
     gen = torch.Generator(device="cuda").manual_seed(13)
     dt = getattr(torch, dtype)
     q = (3 * torch.randn(B, H, Nq, D, device="cuda", generator=gen)).to(dt)  # scores of several units: capped
@@ -219,13 +220,18 @@ def test_softcap_forward_and_backward(algorithm, dtype, precision):
         assert rel < tol, (name, rel)
 
 
+@pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("algorithm", ["fa2", "fa1", "fa3"])
 @pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee"),
                                               ("float32", "tf32x3")])
-def test_alibi_forward_and_backward(algorithm, dtype, precision):
-    """ALiBi with (B, H) slopes, causal and a window on top, Nq != Nk (the bias's alignment)."""
+def test_alibi_forward_and_backward(algorithm, dtype, precision, causal):
+    """ALiBi with (B, H) slopes, a window on top, Nq != Nk (the bias's alignment); causal (the bias
+    fused with the scale), and not (keys on both sides of the diagonal: |i - j|; fa3 adds the bias
+    over the scale to the unscaled tile)."""
     if algorithm == "fa3" and dtype == "float32":
         pytest.skip("fa3 runs 16-bit inputs")
+    if not causal and dtype != "float16":
+        pytest.skip("both sides of the diagonal: float16 only (the kernels' bias does not depend on the dtype)")
     torch = pytest.importorskip("torch")
     import numba_flash
     from numba_flash.backward import gradients
@@ -236,9 +242,9 @@ def test_alibi_forward_and_backward(algorithm, dtype, precision):
     q = torch.randn(B, H, Nq, D, device="cuda", generator=gen).to(dt)
     k, v = (torch.randn(B, Hkv, Nk, D, device="cuda", generator=gen).to(dt) for _ in range(2))
     slopes = torch.rand(B, H, device="cuda", generator=gen) * 0.1  # a bias of units over tens of keys
-    o, lse = numba_flash.attention(q, k, v, causal=True, window_size=window, alibi_slopes=slopes, algorithm=algorithm,
+    o, lse = numba_flash.attention(q, k, v, causal=causal, window_size=window, alibi_slopes=slopes, algorithm=algorithm,
                                    precision=precision, return_lse=True)
-    seen = _visible(Nq, Nk, window, True, "cuda")
+    seen = _visible(Nq, Nk, window, causal, "cuda")
     ref = _attention64(q, k, v, seen, alibi=slopes)
     assert float((_attention64(q, k, v, seen) - ref).abs().max()) > 0.1  # the bias matters here
     err = float((o.double() - ref).abs().max())
@@ -251,7 +257,7 @@ def test_alibi_forward_and_backward(algorithm, dtype, precision):
         return  # (the backward's float32 regimes: ieee here, tf32x3 by default elsewhere; fa3: a forward)
     do = torch.randn(o.shape, device="cuda", generator=gen).to(dt)
     for deterministic in ((False, True) if algorithm == "fa2" else (False,)):
-        grads = gradients(do, q, k, v, o, lse, causal=True, window_size=window, alibi_slopes=slopes,
+        grads = gradients(do, q, k, v, o, lse, causal=causal, window_size=window, alibi_slopes=slopes,
                           algorithm=algorithm, deterministic=deterministic, precision=precision)
         refs = _attention64(q, k, v, seen, do=do, alibi=slopes)
         tol = {"float32": 1e-4, "float16": 2e-2, "bfloat16": 1e-1}[dtype]

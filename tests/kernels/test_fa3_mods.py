@@ -49,6 +49,7 @@ MODS = [  # (causal, window, softcap, alibi, Nq, Nk): block_n 32, tails of Q and
     (False, (-1, -1), 0.8, False, 40, 50),  # the cap alone: it bends every score
     (True, (-1, -1), 0.0, True, 70, 50),  # ALiBi under a right edge at the diagonal: fused with the scale
     (False, (20, 10), 3.0, True, 40, 70),  # both, under a window
+    (False, (-1, -1), 0.0, True, 40, 70),  # ALiBi alone, no right edge: the bias over the scale, unscaled tile
 ]
 
 
