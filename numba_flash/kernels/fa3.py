@@ -196,9 +196,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     SPARSE = USER and user_mods.block_sparse
     MODDED = SOFTCAP or ALIBI or USER
     SCORE_MOD = USER and user_mods.score_mod is not None
-    # ALiBi alone, off the diagonal-bounded masks (which fuse it with the scale): the bias divided by
-    # the scale is added to the unscaled tile (one FADD and one FFMA a score), the scale stays folded
-    ALIBI_FOLDED = ALIBI and not SOFTCAP and not SCORE_MOD and window[1] != 0
+    # ALiBi without a cap or score_mod: the bias divided by the scale is added to the unscaled tile
+    # (one FADD and one FFMA a score), the scale stays folded into the exponentials
+    ALIBI_FOLDED = ALIBI and not SOFTCAP and not SCORE_MOD
     # the tile is scaled before the max where a mod acts on scaled scores (a mask_mod alone only
     # hides entries: the scale stays folded into the exponentials, as without mods)
     PRESCALED = SOFTCAP or (ALIBI and not ALIBI_FOLDED) or SCORE_MOD
@@ -269,27 +269,37 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     @device_jit
     def s_product(smem, base, s_acc, q_at, s):
         """S = Q_i K_j^T (Algorithm 1 line 14): D / 16 SS products from the slot's K (e4m3: D / 32)."""
-        k_at = k_slot(base, s)
-        for ks in range(S_STEPS):
+        desc_q = hopper.descriptor(q_at, 16, hopper.SBO_128B)
+        desc_k = hopper.descriptor(k_slot(base, s), 16, hopper.SBO_128B)
+        for ks in range(S_STEPS):  # (each step's descriptors: the first's, moved by a constant)
             box, kk = ks // 4, ks % 4
-            qk(smem, s_acc, hopper.descriptor(q_at + box * Q_BOX + kk * 32, 16, hopper.SBO_128B),
-               hopper.descriptor(k_at + box * KV_BOX + kk * 32, 16, hopper.SBO_128B), ks)
+            qk(smem, s_acc, hopper.descriptor_at(desc_q, box * Q_BOX + kk * 32),
+               hopper.descriptor_at(desc_k, box * KV_BOX + kk * 32), ks)
 
     @device_jit
     def pv_product(smem, base, o_acc, p, s):
         """O += P V_j (line 18): block_n / 16 RS products, P from registers, V N-major (fp8:
         block_n / 32 products, V^T K-major, 32 keys a 32-byte step along its 128-key boxes)."""
-        v_at = k_slot(base, s) + KV_BYTES
+        desc_v = v_descriptor(k_slot(base, s) + KV_BYTES)
         for kk in range(PV_STEPS):
-            pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3], v_descriptor(v_at, kk), 1)
+            pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
+               hopper.descriptor_at(desc_v, v_step(kk)), 1)
 
     @device_jit
-    def v_descriptor(v_at, kk):
-        """The B operand of the ``kk``-th P V product: 16 rows of V (N-major: 64-column boxes
-        ``KV_BOX`` apart), or e4m3's 32 keys of V^T (K-major: a 32-byte step along 128-key boxes)."""
+    def v_descriptor(v_at):
+        """The B operand of the first P V product: 16 rows of V (N-major: 64-column boxes ``KV_BOX``
+        apart), or e4m3's 32 keys of V^T (K-major, 128-key boxes)."""
         if FP8:
-            return hopper.descriptor(v_at + (kk // 4) * VT_BOX + (kk % 4) * 32, 16, hopper.SBO_128B)
-        return hopper.descriptor(v_at + kk * 16 * 128, KV_BOX, hopper.SBO_128B)
+            return hopper.descriptor(v_at, 16, hopper.SBO_128B)
+        return hopper.descriptor(v_at, KV_BOX, hopper.SBO_128B)
+
+    @device_jit
+    def v_step(kk):
+        """Bytes from the first P V product's B operand to the ``kk``-th's: 16 rows of V, or e4m3's 32
+        keys of V^T (a 32-byte step along its 128-key boxes)."""
+        if FP8:
+            return (kk // 4) * VT_BOX + (kk % 4) * 32
+        return kk * 16 * 128
 
     def issued_step(full, empty, product, fence):
         """``step(smem, base, acc, operand, it, c, last)``: one product of the ``it``-th K/V tile,

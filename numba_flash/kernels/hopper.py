@@ -323,6 +323,11 @@ if simulated():
         return ((int(address) & 0x3FFFF) >> 4) | (((int(lbo) >> 4) & 0x3FFF) << 16) | \
             (((int(sbo) >> 4) & 0x3FFF) << 32) | (1 << 62)
 
+    @device_jit
+    def descriptor_at(desc, offset):
+        """``desc`` moved ``offset`` bytes (a multiple of 16) along shared memory."""
+        return int(desc) + (int(offset) >> 4)
+
     def _decode(desc):
         desc = int(desc)
         return (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
@@ -671,6 +676,26 @@ else:
         d |= uint64((lbo >> 4) & 0x3FFF) << uint64(16)
         d |= uint64((sbo >> 4) & 0x3FFF) << uint64(32)
         return d | (uint64(1) << uint64(62))
+
+    @device_jit
+    def descriptor_at(desc, offset):
+        """``desc`` moved ``offset`` bytes (a multiple of 16, a constant once unrolled) along shared
+        memory: the address field (bits 0-13) plus ``offset >> 4``, which cannot carry out of it (shared
+        addresses are below 2^18). One 32-bit add on the low word where :func:`descriptor` of the moved
+        address costs a mask, a shift and an or on 64 bits (CUTLASS's descriptor iterator does the same)."""
+        lo = uint32(desc & uint64(0xFFFFFFFF)) + uint32(offset >> 4)
+        return _words_to_b64(lo, uint32(desc >> uint64(32)))
+
+    @intrinsic
+    def _words_to_b64(typingctx, lo, hi):
+        """``mov.b64 {lo, hi}``: a register pair, opaque to LLVM (which would otherwise fold the
+        halves back into a 64-bit add and or: three uniform instructions a descriptor, not one)."""
+
+        def codegen(context, builder, sig, args):
+            x, y = (_as(context, builder, v, t, types.uint32) for v, t in zip(args, sig.args))
+            return _asm(builder, _I64, [_I32, _I32], "mov.b64 $0, {$1, $2};", "=l,r,r", [x, y], side_effect=False)
+
+        return types.uint64(lo, hi), codegen
 
     @functools.lru_cache(maxsize=None)
     def register_fence(n: int):
