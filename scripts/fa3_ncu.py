@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import csv
-import io
 import json
 import pathlib
 import re
@@ -218,6 +217,10 @@ def main(argv=None) -> int:
     if args.target:
         run_target(args.target, shape)
         return 0
+    from numba_flash import needs
+
+    needs.exit_unless("fa3_ncu.py", needs.gpu(), needs.module("torch"),
+                      needs.tool(args.ncu, "Nsight Compute's command line, from the CUDA toolkit; or give its path to --ncu"))
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []

@@ -29,6 +29,7 @@ RUNS = {
     "flash_attn_grid.py": [],
     "hbm_read_ceiling.py": [],
     "fa3_bench.py": [],
+    "fa3_ncu.py": ["--out", "{tmp}/ncu-fa3"],
     "mask_gallery.py": [],
     "ncu_traffic.py": ["--out", "{tmp}/ncu"],
     "online_softmax_demo.py": None,
