@@ -29,8 +29,11 @@ from dataclasses import replace
 import numpy as np
 
 from numba_flash import fp8 as fp8_inputs
+from numba_flash import plans
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, as_cupy_view, zero_padded
+from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, pointer_reader, zero_padded
+from numba_flash.launch import core_stream
+from numba_flash.user_mods import none_given
 from numba_flash.problem import FP8_DTYPE, describe
 from numba_flash.tile_table import fa3_tiles
 
@@ -133,17 +136,28 @@ def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds) -> object:
 def _kept(key, make):
     """The device words of ``make()`` (NumPy uint64), made once per ``key`` and kept (the least
     recently used dropped first)."""
+    return _kept_entry(key, make)[0]
+
+
+def _kept_entry(key, make):
+    """(device words, their address) of :func:`_kept`."""
     hit = _MAPS.get(key)
     if hit is not None:
         _MAPS.move_to_end(key)
         return hit
     from numba_flash._cuda import cuda
+    from numba_flash.launch import device_array
 
     words = cuda.to_device(make())
-    _MAPS[key] = words
+    entry = _MAPS[key] = (words, device_array(words, "numba").ptr)
     if len(_MAPS) > _MAPS_KEPT:
         _MAPS.popitem(last=False)
-    return words
+    return entry
+
+
+def tensor_map_address(x, rows: int, dtype: str, device_id: int) -> int:
+    """The device address of :func:`tensor_map`'s words (a plan's launch takes it as a pointer)."""
+    return _kept_entry((device_id, x.ptr, x.shape, x.strides, dtype, rows), lambda: _encoded(x, rows, dtype))[1]
 
 
 def _encoded(x, rows: int, dtype: str) -> np.ndarray:
@@ -196,6 +210,17 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     ``packed``: a ``varlen.PackedBatch`` (``attention_varlen``): q, k, v, ``out`` and ``lse_out`` are
     its ``(1, H, total, ...)`` views (both given), ``alibi_slopes`` ``(H,)`` or a row per sequence."""
     _unsupported(precision, variant, kv_tile_order)
+    key = None
+    if (alibi_slopes is None and block_mask is None and packed is None and none_given(mask_mod, score_mod, mod_args)
+            and q_descale is None and k_descale is None and v_descale is None and stages is None
+            and (overlap, pingpong, reallocate, tma_store) == (True, True, True, True) and poly_exp2 == 0
+            and rescale_threshold is None):  # the call of attention(..., algorithm="fa3"): a plan's signature
+        key = _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits, window_size, softcap)
+    plan = _PLANS.get(key)
+    if plan is not None:
+        done = plan(q, k, v, out, lse_out)
+        if done is not None:
+            return done
     from numba_flash.split_kv import check_num_splits
 
     num_splits = check_num_splits(num_splits, ALGORITHM)
@@ -251,6 +276,10 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
         raise TypeError(f"out must be {out_dtype} (fa3's output for {p.dtype} inputs); got {out.dtype}")
     if lse_out is not None and (tuple(lse_out.shape) != (B, H, Nq)):
         raise ValueError(f"lse_out must have shape {(B, H, Nq)}; got {tuple(lse_out.shape)}")
+    if out is not None or lse_out is not None:
+        from numba_flash.api import _check_no_overlap
+
+        _check_no_overlap(p.kind, q, k, v, out, lse_out)
     with ctx.on_device(), _caller_stream(ctx):  # CuPy's work of this call (copies, V^T, descales) on the caller's stream
         require_fa3_device(ctx.device_id)
         o = out if out is not None else ctx.empty((B, H, Nq, Dq), out_dtype)
@@ -267,8 +296,11 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
         schedule = (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2), float(threshold))
         splits = 1 if packed is not None else _splits(num_splits, p, D, int(bm), int(bn), int(st), ctx.device_id)
         if splits == 1:
+            recipe = [] if key is not None and plan is None else None
             _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, packed,
-                    tma_store=bool(tma_store))
+                    tma_store=bool(tma_store), recipe=recipe)
+            if recipe:  # a plan for later calls of this signature (fa3_plan.Fa3Plan)
+                _PLANS.put(key, _planned(ctx, p, out, lse_out, *recipe[0]))
         else:
             _split_launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, splits)
         del owners
@@ -378,9 +410,12 @@ def _no_bounds(device_id):
 
 
 def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed=None, splits=1,
-            tma_store=False) -> None:
+            tma_store=False, recipe=None) -> None:
     """One launch of the kernel into ``o`` / ``lse`` (``splits > 1``: the float32 partials
-    ``(splits * B, H, Nq, D)`` and ``(splits * B, H, Nq)``, written as they stand)."""
+    ``(splits * B, H, Nq, D)`` and ``(splits * B, H, Nq)``, written as they stand). ``recipe``: a
+    list that gets, where a plan can repeat this launch with new pointers (16-bit, no ALiBi or
+    user mods, rectangular, every array where TMA reads and writes it), the launch prepared with
+    pointer slots (q, k, v, o, lse, then their four tensor maps) and the maps' templates."""
     from numba_flash.alibi import slopes_argument
     from numba_flash.block_sparse import lists_at
     from numba_flash.kernels.jit import LOG2E
@@ -469,12 +504,83 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
         maps.append(sequence_maps(arrays[3], 64, p.dtype, device_id, cu_q) if by_tma else maps[0])
     args = (arrays + [device_array(m, "numba") for m in maps] + scalars + list(extra) + mods + mod_tail
             + [device_array(x, "numba") for x in lists])
+    if (recipe is not None and ctx.kind != "numpy" and packed is None and not fp8 and user is None and not p.alibi
+            and by_tma and all(x is y for x, y in zip(inputs, (kq, kk, kv)))):
+        from numba_flash.launch import PointerSlot, prepare_launch
+
+        slotted = [a._replace(ptr=PointerSlot(i)) for i, a in enumerate(args[:9])] + args[9:]
+        templates = tuple(zip(arrays[:4], (bm, bn, bn, 64)))  # the maps of q, k, v (boxes of block_n rows) and O
+        recipe.append((prepare_launch(kernel, grid, block, slotted, kernel.fa3_smem, device_id), templates,
+                       (*scales, slopes)))
     with compiling(user):
         launch(kernel, grid, block, stream_ptr, args, kernel.fa3_smem, device_id)
     if ctx.kind == "numpy":
         wide[...] = outputs[0].copy_to_host()
         klse[...] = outputs[1].copy_to_host()
     _narrow(ko, wide, pairs, Dq)
+
+
+# ------------------------------------------------------------------------------------------
+# Plans: a signature's checks and launch kept, its calls only launched
+# ------------------------------------------------------------------------------------------
+
+_PLANS = plans.PlanCache()  # fa3's plans by signature (_plan_key)
+
+
+def _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits, window_size, softcap):
+    """The signature of a call (``numba_flash.plans``, as ``api``'s forward keys fa2): everything its
+    checks and launch depend on but pointers; ``None`` when it has none (NumPy, CAI or DLPack objects)."""
+    try:
+        arrays = tuple(array_signature(x) for x in (q, k, v, out, lse_out) if x is not None)
+    except (AttributeError, RuntimeError):
+        return None
+    window = plans.pair_key(window_size)
+    if None in arrays or window is None:
+        return None
+    return (arrays, out is None, lse_out is None, plans.value_key(causal), plans.value_key(scale),
+            plans.value_key(block_m), plans.value_key(block_n), plans.value_key(num_splits), window,
+            plans.value_key(softcap))
+
+
+class Fa3Plan:
+    """A call of one signature, launched (the fa2 plans' idea, ``numba_flash.plans``; fa3's own
+    because its launch takes tensor maps, which depend on the pointers): per call the checks that
+    depend on addresses (results sharing memory with an input; the 16-byte alignment TMA needs: a
+    misaligned call takes the unplanned path), the results allocated, each array's tensor map
+    looked up by its pointer (encoded once per pointer, :func:`tensor_map_address`), and one launch
+    of the prepared parameters on the caller's current stream."""
+
+    tile_entries = None  # (fa3's tiles are not autotuned: a plan never goes stale)
+
+    def __init__(self, prepared, templates, results, constants, kind, pointer, stream_ptr, device_id, switch, dtype):
+        self.prepared, self.templates, self.results, self.constants = prepared, templates, results, constants
+        self.kind, self.pointer, self.stream_ptr, self.device_id = kind, pointer, stream_ptr, device_id
+        self.switch, self.dtype = switch, dtype
+
+    def __call__(self, q, k, v, out, lse_out):
+        """``(o, lse)``, or ``None`` (nothing launched) where an array is not 16-byte aligned."""
+        if out is not None or lse_out is not None:
+            from numba_flash.api import _check_no_overlap
+
+            _check_no_overlap(self.kind, q, k, v, out, lse_out)
+        with contextlib.nullcontext() if self.switch is None else self.switch():
+            o = self.results[0]() if out is None else out
+            lse = self.results[1]() if lse_out is None else lse_out
+            read = self.pointer
+            pointers = [read(q), read(k), read(v), read(o), read(lse)]
+            if any(ptr % TMA_ALIGNMENT for ptr in pointers[:4]):
+                return None
+            for ptr, (template, rows) in zip(pointers, self.templates):
+                pointers.append(tensor_map_address(template._replace(ptr=ptr), rows, self.dtype, self.device_id))
+            self.prepared(core_stream(self.stream_ptr(), self.device_id), pointers)
+        return o, lse
+
+
+def _planned(ctx, p, out, lse_out, prepared, templates, constants) -> Fa3Plan:
+    B, H, Nq, Dq = p.q_shape
+    results = (ctx.allocator((B, H, Nq, Dq), p.dtype), ctx.allocator((B, H, Nq), "float32"))
+    return Fa3Plan(prepared, templates, results, constants, ctx.kind, pointer_reader(ctx.kind),
+                   ctx.stream_ptr_reader(), prepared.device_id, ctx.device_switch(), p.dtype)
 
 
 def _pairs_view(x, width: int):

@@ -163,6 +163,37 @@ def test_fa3_output_through_tma_in_place():
     assert torch.equal(out, threads) and torch.equal(lse, threads_lse)
 
 
+def test_fa3_plans_launch_the_unplanned_kernel_on_each_calls_arrays():
+    """A signature's later calls (``fa3.Fa3Plan``): new inputs and results each time (new pointers,
+    their own tensor maps), each call bitwise the unplanned path's on the same inputs, every
+    element of a poisoned ``out`` written; a misaligned view takes the unplanned path."""
+    torch = _hopper()
+    import unittest.mock
+
+    import numba_flash
+    from numba_flash import api, fa3, plans
+
+    plans.clear()
+    shape = (2, 4, 2, 300, 517, 128)
+    for seed in range(3):
+        q, k, v = _inputs(torch, shape, torch.bfloat16, seed=20 + seed)
+        out = torch.full((2, 4, 300, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
+        o, lse = api.forward(q, k, v, causal=True, algorithm="fa3", out=out)
+        o2, lse2 = numba_flash.attention(q, k, v, causal=True, algorithm="fa3", return_lse=True)
+        with unittest.mock.patch.object(fa3, "_plan_key", lambda *a: None):
+            ref, ref_lse = numba_flash.attention(q, k, v, causal=True, algorithm="fa3", return_lse=True)
+        _finish(torch)
+        assert torch.equal(out, ref) and torch.equal(o2, ref) and torch.equal(lse, ref_lse) and torch.equal(lse2, ref_lse)
+    assert len(fa3._PLANS) == 2  # (results given, results made: two signatures)
+    big = torch.randn(2, 4, 301, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    q_off = big.to(torch.bfloat16).flatten()[1:1 + q.numel()].view(q.shape)  # 2 bytes past alignment
+    o3 = numba_flash.attention(q_off, k, v, causal=True, algorithm="fa3")
+    with unittest.mock.patch.object(fa3, "_plan_key", lambda *a: None):
+        ref3 = numba_flash.attention(q_off, k, v, causal=True, algorithm="fa3")
+    _finish(torch)
+    assert torch.equal(o3, ref3)
+
+
 def _fp8_inputs(torch, shape, seed=11):
     """e4m3 q, k, v (B, H/Hkv, N, D), (B, Hkv) float32 descales, and the dequantized float64 values."""
     B, H, Hkv, Nq, Nk, D = shape

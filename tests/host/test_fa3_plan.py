@@ -1,0 +1,148 @@
+"""fa3's plans with the GPU faked (``tests/fake_gpu.py``): ``attention(..., algorithm="fa3")`` on
+CuPy arrays or torch tensors is checked once per signature and then only launched, each call's
+tensor maps looked up by its arrays' pointers; the launch is the unplanned path's, parameter for
+parameter; what depends on addresses (TMA's 16-byte alignment, results sharing memory with an
+input) is checked on every call; and the calls a plan does not cover (ALiBi, fp8, the research
+knobs, outputs TMA cannot write) keep the unplanned path. The same on a real GPU:
+``tests/gpu/test_gpu_fa3.py``."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import fake_gpu
+import numba_flash
+from numba_flash import alibi, fa3, plans
+from numba_flash.api import forward
+
+C, T = fake_gpu.cupy_array, fake_gpu.torch_tensor
+
+
+@pytest.fixture
+def gpu(monkeypatch, tmp_path):
+    """The fake GPU as a Hopper, fa3's tensor maps as placeholder words; counts the checks."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    record = fake_gpu.install(monkeypatch.setattr, monkeypatch.setitem)
+    plans.clear()
+    fa3._MAPS.clear()
+    monkeypatch.setattr(fa3, "_encoded", lambda x, rows, dtype: np.zeros(16, np.uint64))
+    monkeypatch.setattr(fa3, "require_fa3_device", lambda device_id: None)
+    one = C((1,), "float32")  # fp8's cached descale of 1 (a 16-bit call's unread stand-in)
+    monkeypatch.setattr(fa3.fp8_inputs, "_one", lambda device_id: one)
+    no_slopes = {"cupy": C((1, 1), "float32"), "torch": T((1, 1), "float32")}  # (alibi.no_slopes: made once)
+    monkeypatch.setattr(alibi, "no_slopes", lambda kind, device_id=None: no_slopes[kind])
+    record.checks = 0
+    describe = fa3.describe
+
+    def counted(*args, **kwargs):
+        record.checks += 1
+        return describe(*args, **kwargs)
+
+    monkeypatch.setattr(fa3, "describe", counted)
+    yield record
+    plans.clear()
+    fa3._MAPS.clear()
+    fake_gpu.clear_host_caches()
+
+
+def _qkv(make, shape_q, shape_kv, dtype, offset=0):
+    return tuple(make(shape, dtype, offset=offset) for shape in (shape_q, shape_kv, shape_kv))
+
+
+CALLS = {  # name: (array maker, q shape, k/v shape, dtype, keyword arguments)
+    "cupy float16": (C, (1, 2, 256, 128), (1, 2, 256, 128), "float16", {}),
+    "torch bfloat16 causal GQA": (T, (2, 8, 300, 128), (2, 2, 500, 128), "bfloat16", dict(causal=True)),
+    "torch float16 D64 window softcap": (T, (1, 4, 200, 64), (1, 4, 700, 64), "float16",
+                                         dict(window_size=(100, 0), softcap=30.0)),
+    "cupy float16 D40 (padded in the kernel)": (C, (1, 2, 100, 40), (1, 2, 100, 40), "float16", {}),
+}
+
+
+def _call(name, offset=0, **extra):
+    make, shape_q, shape_kv, dtype, options = CALLS[name]
+    q, k, v = _qkv(make, shape_q, shape_kv, dtype, offset)
+    return numba_flash.attention(q, k, v, algorithm="fa3", return_lse=True, **options, **extra)
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_a_signature_is_checked_once_then_launched(gpu, name):
+    _call(name)
+    assert gpu.checks == 1 and len(gpu.launches) == 1
+    for _ in range(3):
+        _call(name)
+    assert gpu.checks == 1 and len(gpu.launches) == 4
+    first, last = gpu.launches[0][2], gpu.launches[-1][2]
+    assert first != last and len(first) == len(last)  # new arrays, new pointers, new maps
+
+
+@pytest.mark.parametrize("name", CALLS)
+def test_planned_launch_is_the_unplanned_one(gpu, monkeypatch, name):
+    make, shape_q, shape_kv, dtype, options = CALLS[name]
+    q, k, v = _qkv(make, shape_q, shape_kv, dtype)
+
+    def call():
+        return numba_flash.attention(q, k, v, algorithm="fa3", return_lse=True, **options)
+
+    planned = [fake_gpu.launches(gpu, call) for _ in range(2)]
+    assert gpu.checks == 1
+    monkeypatch.setattr(fa3, "_plan_key", lambda *args: None)
+    plans.clear()
+    unplanned = fake_gpu.launches(gpu, call)
+    assert planned[0] == planned[1] == unplanned
+    assert gpu.checks == 2
+
+
+def test_each_pointer_gets_its_own_tensor_map(gpu):
+    """Each launch's map slots hold the maps encoded for that call's q, k, v and O (the maps are
+    kept by pointer: a plan that launched with the first call's maps would show here)."""
+    make, shape_q, shape_kv, dtype, _ = CALLS["cupy float16"]
+    for _ in range(3):
+        q, k, v = _qkv(make, shape_q, shape_kv, dtype)
+        o, lse = numba_flash.attention(q, k, v, algorithm="fa3", return_lse=True)
+        params = gpu.launches[-1][2]
+        pointer_of_map = {address: key[1] for key, (_, address) in fa3._MAPS.items()}
+        launched = sorted(pointer_of_map[p] for p in params if isinstance(p, int) and p in pointer_of_map)
+        assert launched == sorted(x.data.ptr for x in (q, k, v, o))
+    assert gpu.checks == 1
+
+
+def test_unaligned_inputs_take_the_unplanned_path_every_time(gpu):
+    _call("cupy float16")
+    for _ in range(2):
+        _call("cupy float16", offset=2)  # 2 bytes into a block: TMA cannot read it where it is
+    assert gpu.checks == 3
+    _call("cupy float16")
+    assert gpu.checks == 3  # an aligned call: the plan again
+
+
+def test_results_that_overlap_an_input_are_refused_on_every_call(gpu):
+    make, shape_q, shape_kv, dtype, _ = CALLS["cupy float16"]
+    q, k, v = _qkv(make, shape_q, shape_kv, dtype)
+    lse = C(shape_q[:3], "float32")
+    for _ in range(2):
+        forward(q, k, v, algorithm="fa3", out=C(shape_q, dtype), lse_out=lse)  # planned
+    assert gpu.checks == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="out must not share memory with q"):
+            forward(q, k, v, algorithm="fa3", out=q, lse_out=lse)
+
+
+def test_a_bad_call_raises_every_time(gpu):
+    make, shape_q, shape_kv, dtype, _ = CALLS["cupy float16"]
+    q, k, v = _qkv(make, shape_q, shape_kv, dtype)
+    for _ in range(2):
+        with pytest.raises(ValueError, match="out must have shape"):
+            forward(q, k, v, algorithm="fa3", out=C((1, 2, 255, 128), dtype))
+    assert len(gpu.launches) == 0
+
+
+@pytest.mark.parametrize("extra", [dict(stages=3), dict(overlap=False), dict(rescale_threshold=0.0),
+                                   dict(pingpong=False), dict(poly_exp2=2)], ids=str)
+def test_calls_a_plan_does_not_cover_are_checked_every_time(gpu, extra):
+    """The research knobs keep the unplanned path (as do ALiBi, user mods, packed batches, float8
+    and split-KV's two launches, which the plan's conditions name)."""
+    make, shape_q, shape_kv, dtype, _ = CALLS["cupy float16"]
+    for _ in range(2):
+        fa3.forward(*_qkv(make, shape_q, shape_kv, dtype), **extra)
+    assert gpu.checks == 2 and len(fa3._PLANS) == 0
