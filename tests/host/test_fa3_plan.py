@@ -13,6 +13,13 @@ import pytest
 
 import fake_gpu
 import numba_flash
+# fa3's lazily imported modules, imported before the fake GPU is installed: a module first imported
+# under the fake would keep its GPU world after it (the fake restores only what it patched)
+import numba_flash.block_sparse  # noqa: F401
+import numba_flash.kernels.fa3  # noqa: F401
+import numba_flash.simulator  # noqa: F401
+import numba_flash.split_kv  # noqa: F401
+import numba_flash.tensor_cores  # noqa: F401
 from numba_flash import alibi, fa3, plans
 from numba_flash.api import forward
 
@@ -44,6 +51,9 @@ def gpu(monkeypatch, tmp_path):
     plans.clear()
     fa3._MAPS.clear()
     fake_gpu.clear_host_caches()
+    from numba_flash.kernels.fa3 import fa3_kernel
+
+    fa3_kernel.cache_clear()  # (made with the fake's world: the simulator's tests make their own)
 
 
 def _qkv(make, shape_q, shape_kv, dtype, offset=0):
