@@ -20,7 +20,7 @@ from numba_flash import fa3, fp8, plans, switches, tile_cache, value_dim
 from numba_flash.alibi import kernel_slopes
 from numba_flash._cuda import cuda
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, dtype_name, each, kind_of, may_overlap
+from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, check_no_overlap, dtype_name, each, kind_of
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
@@ -235,7 +235,7 @@ def forward(
             return _forward_unplanned(ctx, call, q, k, v, out, lse_out, kv_tile_order)
         _FORWARD_PLANS.put(key, plan)
     if out is not None or lse_out is not None:
-        _check_no_overlap(plan.call.kind, q, k, v, out, lse_out)
+        check_no_overlap(plan.call.kind, q, k, v, out, lse_out)
     with plan.on_device():
         o, lse = plan.allocate(out, lse_out)
         if not plan.launch((q, k, v, o, lse)):  # inputs cp.async cannot read in place: copies
@@ -333,7 +333,7 @@ def _forward_unplanned(ctx: ArrayContext, call: LaunchConfig, q, k, v, out, lse_
     """A checked forward call without a plan: the per-call checks, then :func:`run`."""
     B, H, Nq, D = call.q_shape
     Nk = call.n_k
-    _check_no_overlap(call.kind, q, k, v, out, lse_out)
+    check_no_overlap(call.kind, q, k, v, out, lse_out)
     with ctx.on_device():  # arrays on another GPU than the current one: results and launch there
         o = out if out is not None else ctx.empty((B, H, Nq, D), call.dtype)
         lse = lse_out if lse_out is not None else ctx.empty((B, H, Nq), "float32")
@@ -533,17 +533,6 @@ def _check_out(buf, name, shape, dtype, kind) -> None:
     contiguous = buf.is_contiguous() if kind == "torch" else buf.flags.c_contiguous
     if not contiguous or (kind == "numpy" and not buf.flags.writeable):
         raise ValueError(f"{name} must be C-contiguous and writeable")
-
-
-def _check_no_overlap(kind, q, k, v, out, lse_out) -> None:
-    """Result buffers must not share memory with an input or with each other: the kernels
-    read their inputs tile by tile while writing results (FA-1 even uses ``out`` as its
-    running O), so an aliased buffer would be read after it was overwritten."""
-    buffers = [(name, x) for name, x in (("out", out), ("lse_out", lse_out)) if x is not None]
-    for i, (name, buf) in enumerate(buffers):
-        for other, x in [("q", q), ("k", k), ("v", v), *buffers[:i]]:
-            if may_overlap(buf, x, kind):
-                raise ValueError(f"{name} must not share memory with {other}; pass a separate buffer")
 
 
 def default_tiles_for(algorithm, head_dim, dtype, causal, device_id=None):

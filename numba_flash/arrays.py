@@ -94,6 +94,17 @@ def as_cupy_view(x, name: str | None = None):
     return cupy.asarray(x) if kind == "cai" else cupy.from_dlpack(x)
 
 
+def check_no_overlap(kind, q, k, v, out, lse_out) -> None:
+    """Result buffers must not share memory with an input or with each other: the kernels
+    read their inputs tile by tile while writing results (FA-1 even uses ``out`` as its
+    running O), so an aliased buffer would be read after it was overwritten."""
+    buffers = [(name, x) for name, x in (("out", out), ("lse_out", lse_out)) if x is not None]
+    for i, (name, buf) in enumerate(buffers):
+        for other, x in [("q", q), ("k", k), ("v", v), *buffers[:i]]:
+            if may_overlap(buf, x, kind):
+                raise ValueError(f"{name} must not share memory with {other}; pass a separate buffer")
+
+
 def device_id_of(x, kind: str):
     """The GPU a CuPy array or torch tensor lives on, read from the array (no driver call);
     ``None`` for NumPy arrays (they run on numba's current device, or in the simulator)."""

@@ -31,7 +31,7 @@ import numpy as np
 from numba_flash import fp8 as fp8_inputs
 from numba_flash import plans
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, pointer_reader, zero_padded
+from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, check_no_overlap, pointer_reader, zero_padded
 from numba_flash.launch import core_stream
 from numba_flash.user_mods import none_given
 from numba_flash.problem import FP8_DTYPE, describe
@@ -277,9 +277,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     if lse_out is not None and (tuple(lse_out.shape) != (B, H, Nq)):
         raise ValueError(f"lse_out must have shape {(B, H, Nq)}; got {tuple(lse_out.shape)}")
     if out is not None or lse_out is not None:
-        from numba_flash.api import _check_no_overlap
-
-        _check_no_overlap(p.kind, q, k, v, out, lse_out)
+        check_no_overlap(p.kind, q, k, v, out, lse_out)
     with ctx.on_device(), _caller_stream(ctx):  # CuPy's work of this call (copies, V^T, descales) on the caller's stream
         require_fa3_device(ctx.device_id)
         o = out if out is not None else ctx.empty((B, H, Nq, Dq), out_dtype)
@@ -560,9 +558,7 @@ class Fa3Plan:
     def __call__(self, q, k, v, out, lse_out):
         """``(o, lse)``, or ``None`` (nothing launched) where an array is not 16-byte aligned."""
         if out is not None or lse_out is not None:
-            from numba_flash.api import _check_no_overlap
-
-            _check_no_overlap(self.kind, q, k, v, out, lse_out)
+            check_no_overlap(self.kind, q, k, v, out, lse_out)
         with contextlib.nullcontext() if self.switch is None else self.switch():
             o = self.results[0]() if out is None else out
             lse = self.results[1]() if lse_out is None else lse_out

@@ -221,7 +221,7 @@ def mod_cases(torch, dtype, gen):
     return [
         ("softcap 3, causal", (3 * q, k, v), dict(softcap=3.0, causal=True)),
         ("ALiBi (B, H), window (200, -1)", (q, k, v), dict(alibi_slopes=slopes, window_size=(200, -1))),
-        ("ALiBi, causal (fused with the scale)", (q, k, v), dict(alibi_slopes=slopes, causal=True)),
+        ("ALiBi, causal", (q, k, v), dict(alibi_slopes=slopes, causal=True)),
         ("documents by mask_mod (block-sparse)", (q, k, v), dict(mask_mod=same_document, mod_args=(doc,))),
         ("score_mod bias table, causal", (q, k, v), dict(score_mod=relative_bias, mod_args=(table,), causal=True)),
     ]

@@ -424,9 +424,10 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     @device_jit
     def modify_scores(s_acc, keys0, scale_log2, cap, slopes, diags, n_k, b, positions, heads, mod_args, partial):
         """S in log2 units with API.md 2c's modifications, in its order: the scale, the soft cap,
-        ALiBi's bias (alone under a right edge at the diagonal: fused with the scale, linear
-        there), a user's ``score_mod`` and ``mask_mod`` (``partial``: the tile's entries may be
-        hidden; a ``mask_mod`` alone sees the scores unscaled, which it does not read)."""
+        ALiBi's bias (alone: divided by the scale and added to the unscaled tile, ``ALIBI_FOLDED``;
+        with a ``score_mod`` under a right edge at the diagonal: fused with the scale, linear there),
+        a user's ``score_mod`` and ``mask_mod`` (``partial``: the tile's entries may be hidden; a
+        ``mask_mod`` alone sees the scores unscaled, which it does not read)."""
         if CAP_FOLDED:  # tanh(S scale / cap); the cap multiplies it in the softmax
             k = scale_log2 / cap
             for j in range(block_n // 8):

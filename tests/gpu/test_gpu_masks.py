@@ -225,9 +225,9 @@ def test_softcap_forward_and_backward(algorithm, dtype, precision, cap):
 @pytest.mark.parametrize("dtype, precision", [("float16", None), ("bfloat16", None), ("float32", "ieee"),
                                               ("float32", "tf32x3")])
 def test_alibi_forward_and_backward(algorithm, dtype, precision, causal):
-    """ALiBi with (B, H) slopes, a window on top, Nq != Nk (the bias's alignment); causal (the bias
-    fused with the scale), and not (keys on both sides of the diagonal: |i - j|; fa3 adds the bias
-    over the scale to the unscaled tile)."""
+    """ALiBi with (B, H) slopes, a window on top, Nq != Nk (the bias's alignment); causal (fa1 / fa2:
+    the bias fused with the scale), and not (keys on both sides of the diagonal: |i - j|); fa3 adds
+    the bias over the scale to the unscaled tile in both."""
     if algorithm == "fa3" and dtype == "float32":
         pytest.skip("fa3 runs 16-bit inputs")
     if not causal and dtype != "float16":
