@@ -287,6 +287,33 @@ def torch_tensor(shape, dtype_name, stride=None, offset=0):
     return t
 
 
+def installed(monkeypatch, cache_dir):
+    """:func:`install` through pytest's ``monkeypatch`` (undone after the test), with the caches
+    under ``cache_dir`` and no launch plans yet; returns the :class:`LaunchRecord`."""
+    from numba_flash import plans
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache_dir))
+    record = install(monkeypatch.setattr, monkeypatch.setitem)
+    plans.clear()
+    return record
+
+
+def qkv(make, shape_q, shape_kv, dtype, offset=0):
+    """q of ``shape_q``, k and v of ``shape_kv``, made by ``make`` (:func:`cupy_array` or
+    :func:`torch_tensor`), each ``offset`` bytes into its block."""
+    return tuple(make(shape, dtype, offset=offset) for shape in (shape_q, shape_kv, shape_kv))
+
+
+def counting(record, field: str, original):
+    """``original`` that adds one to ``record.<field>`` per call (how often the host path checks or plans)."""
+
+    def wrapper(*args, **kwargs):
+        setattr(record, field, getattr(record, field) + 1)
+        return original(*args, **kwargs)
+
+    return wrapper
+
+
 def cupy_array(shape, dtype, strides=None, offset=0):
     """A fake CuPy array, ``offset`` bytes into a fresh block."""
     a = FakeCupyArray(shape, dtype, strides)

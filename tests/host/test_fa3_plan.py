@@ -29,9 +29,7 @@ C, T = fake_gpu.cupy_array, fake_gpu.torch_tensor
 @pytest.fixture
 def gpu(monkeypatch, tmp_path):
     """The fake GPU as a Hopper, fa3's tensor maps as placeholder words; counts the checks."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    record = fake_gpu.install(monkeypatch.setattr, monkeypatch.setitem)
-    plans.clear()
+    record = fake_gpu.installed(monkeypatch, tmp_path)
     fa3._MAPS.clear()
     monkeypatch.setattr(fa3, "_encoded", lambda x, rows, dtype: np.zeros(16, np.uint64))
     monkeypatch.setattr(fa3, "require_fa3_device", lambda device_id: None)
@@ -40,13 +38,7 @@ def gpu(monkeypatch, tmp_path):
     no_slopes = {"cupy": C((1, 1), "float32"), "torch": T((1, 1), "float32")}  # (alibi.no_slopes: made once)
     monkeypatch.setattr(alibi, "no_slopes", lambda kind, device_id=None: no_slopes[kind])
     record.checks = 0
-    describe = fa3.describe
-
-    def counted(*args, **kwargs):
-        record.checks += 1
-        return describe(*args, **kwargs)
-
-    monkeypatch.setattr(fa3, "describe", counted)
+    monkeypatch.setattr(fa3, "describe", fake_gpu.counting(record, "checks", fa3.describe))
     yield record
     plans.clear()
     fa3._MAPS.clear()
@@ -56,8 +48,7 @@ def gpu(monkeypatch, tmp_path):
     fa3_kernel.cache_clear()  # (made with the fake's world: the simulator's tests make their own)
 
 
-def _qkv(make, shape_q, shape_kv, dtype, offset=0):
-    return tuple(make(shape, dtype, offset=offset) for shape in (shape_q, shape_kv, shape_kv))
+_qkv = fake_gpu.qkv
 
 
 CALLS = {  # name: (array maker, q shape, k/v shape, dtype, keyword arguments)

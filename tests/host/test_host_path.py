@@ -22,28 +22,17 @@ C, T = fake_gpu.cupy_array, fake_gpu.torch_tensor
 @pytest.fixture
 def gpu(monkeypatch, tmp_path):
     """The fake GPU, no plans yet, no autotuned tiles; counts the checks and the planning."""
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    record = fake_gpu.install(monkeypatch.setattr, monkeypatch.setitem)
-    plans.clear()
+    record = fake_gpu.installed(monkeypatch, tmp_path)
     record.validations = record.plannings = 0
-
-    def counted(original, field):
-        def wrapper(*args, **kwargs):
-            setattr(record, field, getattr(record, field) + 1)
-            return original(*args, **kwargs)
-
-        return wrapper
-
-    monkeypatch.setattr(api, "configure", counted(api.configure, "validations"))
-    monkeypatch.setattr(plans.PlanBuilder, "plan", counted(plans.PlanBuilder.plan, "plannings"))
+    monkeypatch.setattr(api, "configure", fake_gpu.counting(record, "validations", api.configure))
+    monkeypatch.setattr(plans.PlanBuilder, "plan", fake_gpu.counting(record, "plannings", plans.PlanBuilder.plan))
     yield record
     plans.clear()  # plans made with the fake's kernels and allocators
     fake_gpu.clear_host_caches()
     tile_cache.load.cache_clear()
 
 
-def _qkv(make, shape_q, shape_kv, dtype, offset=0):
-    return tuple(make(shape, dtype, offset=offset) for shape in (shape_q, shape_kv, shape_kv))
+_qkv = fake_gpu.qkv
 
 
 CALLS = {  # name: a function of a fresh set of inputs per call
