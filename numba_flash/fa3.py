@@ -148,7 +148,11 @@ def _kept_entry(key, make):
     from numba_flash._cuda import cuda
     from numba_flash.launch import device_array
 
-    words = cuda.to_device(make())
+    # copied on a stream of its own and waited for: a pageable copy may return before its DMA lands,
+    # and a kernel on the caller's stream (a non-blocking one too) must read the whole map
+    stream = cuda.stream()
+    words = cuda.to_device(make(), stream=stream)
+    stream.synchronize()
     entry = _MAPS[key] = (words, device_array(words, "numba").ptr)
     if len(_MAPS) > _MAPS_KEPT:
         _MAPS.popitem(last=False)
@@ -213,8 +217,8 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     key = None
     if (alibi_slopes is None and block_mask is None and packed is None and none_given(mask_mod, score_mod, mod_args)
             and q_descale is None and k_descale is None and v_descale is None and stages is None
-            and (overlap, pingpong, reallocate, tma_store) == (True, True, True, True) and poly_exp2 == 0
-            and rescale_threshold is None):  # the call of attention(..., algorithm="fa3"): a plan's signature
+            and all(x is True for x in (overlap, pingpong, reallocate, tma_store))
+            and type(poly_exp2) is int and poly_exp2 == 0 and rescale_threshold is None):  # the call of attention(..., algorithm="fa3"): a plan's signature
         key = _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits, window_size, softcap)
     plan = _PLANS.get(key)
     if plan is not None:
@@ -297,8 +301,9 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             recipe = [] if key is not None and plan is None else None
             _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, packed,
                     tma_store=bool(tma_store), recipe=recipe)
-            if recipe:  # a plan for later calls of this signature (fa3_plan.Fa3Plan)
-                _PLANS.put(key, _planned(ctx, p, out, lse_out, *recipe[0]))
+            if recipe:  # a plan for later calls of this signature (Fa3Plan), holding the descales' buffers
+                prepared, templates, constants = recipe[0]
+                _PLANS.put(key, _planned(ctx, p, out, lse_out, prepared, templates, (*constants, *owners)))
         else:
             _split_launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, splits)
         del owners
@@ -509,7 +514,7 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
         slotted = [a._replace(ptr=PointerSlot(i)) for i, a in enumerate(args[:9])] + args[9:]
         templates = tuple(zip(arrays[:4], (bm, bn, bn, 64)))  # the maps of q, k, v (boxes of block_n rows) and O
         recipe.append((prepare_launch(kernel, grid, block, slotted, kernel.fa3_smem, device_id), templates,
-                       (*scales, slopes)))
+                       (slopes, _no_bounds(device_id))))  # (the placeholders the launch points at, kept)
     with compiling(user):
         launch(kernel, grid, block, stream_ptr, args, kernel.fa3_smem, device_id)
     if ctx.kind == "numpy":

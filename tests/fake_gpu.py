@@ -392,6 +392,7 @@ def install(setattr_, setitem):
             setattr_(module, "simulated", lambda: False)
 
     setattr_(numba_cuda, "to_device", lambda x, stream=None: FakeNumbaDeviceArray(np.asarray(x)))
+    setattr_(numba_cuda, "stream", lambda: types.SimpleNamespace(synchronize=lambda: None))
     setattr_(numba_cuda, "gpus", _AnyDevice())
 
     def compile_(kernel, signature):

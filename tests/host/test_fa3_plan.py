@@ -138,6 +138,16 @@ def test_a_bad_call_raises_every_time(gpu):
     assert len(gpu.launches) == 0
 
 
+@pytest.mark.parametrize("bad", [False, 0.0, np.float64(0)], ids=repr)
+def test_a_bad_knob_raises_after_a_plan_too(gpu, bad):
+    """A value the unplanned path refuses (``poly_exp2`` is an int) is refused with a plan in place."""
+    make, shape_q, shape_kv, dtype, _ = CALLS["cupy float16"]
+    fa3.forward(*_qkv(make, shape_q, shape_kv, dtype))
+    for _ in range(2):
+        with pytest.raises(ValueError, match="poly_exp2"):
+            fa3.forward(*_qkv(make, shape_q, shape_kv, dtype), poly_exp2=bad)
+
+
 @pytest.mark.parametrize("extra", [dict(stages=3), dict(overlap=False), dict(rescale_threshold=0.0),
                                    dict(pingpong=False), dict(poly_exp2=2)], ids=str)
 def test_calls_a_plan_does_not_cover_are_checked_every_time(gpu, extra):
