@@ -31,7 +31,8 @@ import numpy as np
 from numba_flash import fp8 as fp8_inputs
 from numba_flash import plans
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, check_no_overlap, pointer_reader, zero_padded
+from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, check_no_overlap, device_id_of,
+                                dtype_name, kind_of, pointer_reader, zero_padded)
 from numba_flash.launch import core_stream
 from numba_flash.user_mods import none_given
 from numba_flash.problem import FP8_DTYPE, describe
@@ -274,12 +275,8 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     ctx = ArrayContext(p.kind, q)
     B, H, Nq, Dq = p.q_shape
     out_dtype = "bfloat16" if fp8 else p.dtype
-    if out is not None and (tuple(out.shape) != (B, H, Nq, Dq)):
-        raise ValueError(f"out must have shape {(B, H, Nq, Dq)}; got {tuple(out.shape)}")
-    if out is not None and str(out.dtype).rsplit(".", 1)[-1] != out_dtype:
-        raise TypeError(f"out must be {out_dtype} (fa3's output for {p.dtype} inputs); got {out.dtype}")
-    if lse_out is not None and (tuple(lse_out.shape) != (B, H, Nq)):
-        raise ValueError(f"lse_out must have shape {(B, H, Nq)}; got {tuple(lse_out.shape)}")
+    _check_result(out, "out", (B, H, Nq, Dq), out_dtype, p)
+    _check_result(lse_out, "lse_out", (B, H, Nq), "float32", p)
     if out is not None or lse_out is not None:
         check_no_overlap(p.kind, q, k, v, out, lse_out)
     with ctx.on_device(), _caller_stream(ctx):  # CuPy's work of this call (copies, V^T, descales) on the caller's stream
@@ -308,6 +305,39 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             _split_launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, splits)
         del owners
     return o, lse
+
+
+def _check_result(buf, name: str, shape, dtype: str, p) -> None:
+    """A caller's result buffer for fa3: the inputs' library and GPU, this shape and dtype, writeable,
+    and its elements distinct (a strided view is written where it is, by TMA or by the threads; one
+    whose strides make elements share memory would be written over itself)."""
+    if buf is None:
+        return
+    if kind_of(buf, name) != p.kind:
+        raise TypeError(f"{name} must be an array of the inputs' library ({p.kind})")
+    if tuple(buf.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {tuple(buf.shape)}")
+    if dtype_name(buf, p.kind) != dtype:
+        raise TypeError(f"{name} must be {dtype} (fa3's {name} for {p.dtype} inputs); got {buf.dtype}")
+    if p.kind in ("cupy", "torch") and device_id_of(buf, p.kind) != p.device_id:
+        raise ValueError(f"{name} must be on the inputs' GPU ({p.device_id}); got {device_id_of(buf, p.kind)}")
+    if p.kind == "numpy" and not (buf.dtype.isnative and buf.flags.writeable):
+        raise ValueError(f"{name} must be writeable and in the machine's byte order")
+    strides = buf.stride() if p.kind == "torch" else tuple(s // buf.itemsize for s in buf.strides)
+    if _self_overlapping(tuple(buf.shape), strides):
+        raise ValueError(f"{name}'s strides {tuple(strides)} make some of its elements share memory")
+
+
+def _self_overlapping(shape, strides) -> bool:
+    """Whether two elements of an array of ``shape`` and element ``strides`` share an address: with
+    the dimensions of more than one element sorted by stride, each must step past the extent of the
+    ones before it."""
+    extent = 1
+    for stride, n in sorted((abs(s), n) for s, n in zip(strides, shape) if n > 1):
+        if stride < extent:
+            return True
+        extent = stride * (n - 1) + extent
+    return False
 
 
 def _splits(num_splits, p, D: int, bm: int, bn: int, stages: int, device_id) -> int:

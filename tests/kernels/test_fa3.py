@@ -181,6 +181,42 @@ def test_fa3_refuses_what_it_cannot_run(kwargs, error, match):
         forward(q, k, v, algorithm="fa3", **kwargs)
 
 
+def _result_buffers():
+    out = np.zeros((1, 1, 8, 16), np.float16)
+    read_only = out.copy()
+    read_only.flags.writeable = False
+    rows_overlap = np.lib.stride_tricks.as_strided(np.zeros(64, np.float16), (1, 1, 8, 16), (256, 256, 8, 2))
+    return out, read_only, rows_overlap
+
+
+@pytest.mark.parametrize("which, error, match", [
+    ("lse_out float16", TypeError, "lse_out must be float32"),
+    ("out float32", TypeError, "out must be float16"),
+    ("out read-only", ValueError, "out must be writeable"),
+    ("out rows overlapping", ValueError, "share memory"),
+    ("out a list", TypeError, "out"),
+])
+def test_fa3_refuses_result_buffers_it_cannot_write(which, error, match):
+    """Checked before any launch (fa3 writes strided views in place, so their strides are checked:
+    rows 4 elements apart hold 16 each)."""
+    q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float16, seed=0)
+    out, read_only, rows_overlap = _result_buffers()
+    kwargs = {"lse_out float16": dict(lse_out=np.zeros((1, 1, 8), np.float16)),
+              "out float32": dict(out=out.astype(np.float32)), "out read-only": dict(out=read_only),
+              "out rows overlapping": dict(out=rows_overlap), "out a list": dict(out=out.tolist())}[which]
+    with pytest.raises(error, match=match):
+        fa3.forward(q, k, v, **kwargs)
+
+
+def test_fa3_writes_a_strided_view_in_place():
+    """A view whose elements are distinct (every other row of a larger buffer) is a valid ``out``."""
+    q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float16, seed=0)
+    buffer = np.full((1, 1, 16, 16), np.nan, np.float16)
+    o, _ = fa3.forward(q, k, v, out=buffer[:, :, ::2])
+    want, _ = fa3.forward(q, k, v)
+    assert np.array_equal(buffer[:, :, ::2], want) and np.isnan(buffer[:, :, 1::2]).all()
+
+
 def test_fa3_refuses_float32_and_wide_heads():
     q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float32, seed=0)
     with pytest.raises(TypeError, match="float16, bfloat16 and float8_e4m3fn"):
