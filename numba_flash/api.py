@@ -20,7 +20,8 @@ from numba_flash import fa3, fp8, plans, switches, tile_cache, value_dim
 from numba_flash.alibi import kernel_slopes
 from numba_flash._cuda import cuda
 from numba_flash._world import simulated
-from numba_flash.arrays import ArrayContext, array_signature, as_cupy_view, check_no_overlap, dtype_name, each, kind_of
+from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, check_like, check_no_overlap, dtype_name,
+                                each)
 from numba_flash.kernels import KERNEL_FACTORIES
 from numba_flash.kernels.fa1 import casts_output
 from numba_flash.kernels.jit import LOG2E
@@ -510,17 +511,6 @@ def choose_tiles(mode, algorithm, head_dim, dtype, causal, block_m=None, block_n
     block_n = bn_default if block_n is None else block_n
     check_tiles(head_dim, block_m, block_n, forward_rows_per_thread(head_dim, block_m, block_n), switches.ffma_maxreg())
     return int(block_m), int(block_n)
-
-
-def check_like(x, name, shape, dtype, kind) -> None:
-    """``x`` must be an array of the inputs' library, of this shape and dtype (``TypeError`` /
-    ``ValueError`` naming it)."""
-    if kind_of(x, name) != kind:
-        raise TypeError(f"{name} must be an array of the inputs' library ({kind})")
-    if tuple(x.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}; got {tuple(x.shape)}")
-    if dtype_name(x, kind) != dtype:
-        raise TypeError(f"{name} must be {dtype}; got {dtype_name(x, kind)}")
 
 
 def _check_out(buf, name, shape, dtype, kind) -> None:

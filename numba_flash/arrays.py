@@ -94,6 +94,17 @@ def as_cupy_view(x, name: str | None = None):
     return cupy.asarray(x) if kind == "cai" else cupy.from_dlpack(x)
 
 
+def check_like(x, name, shape, dtype, kind) -> None:
+    """``x`` must be an array of the inputs' library, of this shape and dtype (``TypeError`` /
+    ``ValueError`` naming it)."""
+    if kind_of(x, name) != kind:
+        raise TypeError(f"{name} must be an array of the inputs' library ({kind})")
+    if tuple(x.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {tuple(x.shape)}")
+    if dtype_name(x, kind) != dtype:
+        raise TypeError(f"{name} must be {dtype}; got {dtype_name(x, kind)}")
+
+
 def check_no_overlap(kind, q, k, v, out, lse_out) -> None:
     """Result buffers must not share memory with an input or with each other: the kernels
     read their inputs tile by tile while writing results (FA-1 even uses ``out`` as its

@@ -31,8 +31,8 @@ import numpy as np
 from numba_flash import fp8 as fp8_inputs
 from numba_flash import plans
 from numba_flash._world import simulated
-from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, check_no_overlap, device_id_of,
-                                dtype_name, kind_of, pointer_reader, zero_padded)
+from numba_flash.arrays import (ArrayContext, array_signature, as_cupy_view, check_like, check_no_overlap, device_id_of,
+                                pointer_reader, zero_padded)
 from numba_flash.launch import core_stream
 from numba_flash.user_mods import none_given
 from numba_flash.problem import FP8_DTYPE, describe
@@ -114,7 +114,16 @@ def tensor_map(x, rows: int, dtype: str, device_id: int):
     copy ``rows x 128``-byte boxes (64 16-bit or 128 8-bit elements) of the (B, H, N, D) array ``x``
     (a ``launch.DeviceArray``; ``dtype`` its element type's name) with the 128-byte swizzle, zeros
     past its ends; made once per pointer, shape, strides and box."""
-    return _kept((device_id, x.ptr, x.shape, x.strides, dtype, rows), lambda: _encoded(x, rows, dtype))
+    return _map_entry(x, rows, dtype, device_id)[0]
+
+
+def tensor_map_address(x, rows: int, dtype: str, device_id: int) -> int:
+    """The device address of :func:`tensor_map`'s words (a plan's launch takes it as a pointer)."""
+    return _map_entry(x, rows, dtype, device_id)[1]
+
+
+def _map_entry(x, rows: int, dtype: str, device_id: int):
+    return _kept_entry((device_id, x.ptr, x.shape, x.strides, dtype, rows), lambda: _encoded(x, rows, dtype))
 
 
 def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds) -> object:
@@ -158,11 +167,6 @@ def _kept_entry(key, make):
     if len(_MAPS) > _MAPS_KEPT:
         _MAPS.popitem(last=False)
     return entry
-
-
-def tensor_map_address(x, rows: int, dtype: str, device_id: int) -> int:
-    """The device address of :func:`tensor_map`'s words (a plan's launch takes it as a pointer)."""
-    return _kept_entry((device_id, x.ptr, x.shape, x.strides, dtype, rows), lambda: _encoded(x, rows, dtype))[1]
 
 
 def _encoded(x, rows: int, dtype: str) -> np.ndarray:
@@ -313,12 +317,7 @@ def _check_result(buf, name: str, shape, dtype: str, p) -> None:
     whose strides make elements share memory would be written over itself)."""
     if buf is None:
         return
-    if kind_of(buf, name) != p.kind:
-        raise TypeError(f"{name} must be an array of the inputs' library ({p.kind})")
-    if tuple(buf.shape) != shape:
-        raise ValueError(f"{name} must have shape {shape}; got {tuple(buf.shape)}")
-    if dtype_name(buf, p.kind) != dtype:
-        raise TypeError(f"{name} must be {dtype} (fa3's {name} for {p.dtype} inputs); got {buf.dtype}")
+    check_like(buf, name, shape, dtype, p.kind)  # (library, shape, dtype: as fa1 / fa2 check theirs)
     if p.kind in ("cupy", "torch") and device_id_of(buf, p.kind) != p.device_id:
         raise ValueError(f"{name} must be on the inputs' GPU ({p.device_id}); got {device_id_of(buf, p.kind)}")
     if p.kind == "numpy" and not (buf.dtype.isnative and buf.flags.writeable):
