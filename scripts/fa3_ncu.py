@@ -24,17 +24,18 @@ speed. Needs ncu on the PATH (``--ncu``), torch and a Hopper GPU.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import pathlib
 import re
 import subprocess
 import sys
 
+from numba_flash.research.profiling.ncu import csv_rows, parse_ncu_csv
+
 SECTIONS = ("SpeedOfLight", "ComputeWorkloadAnalysis", "WarpStateStats", "SchedulerStats", "InstructionStats",
             "SourceCounters", "LaunchStats", "Occupancy")
 PIPES = {  # raw metric -> label (utilization in % of peak over active cycles)
-    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active": "tensor (wgmma)",
+    "sm__pipe_tensor_cycles_active.avg.pct_of_peak_sustained_active": "tensor",
     "sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active": "xu (MUFU)",
     "sm__pipe_fma_cycles_active.avg.pct_of_peak_sustained_active": "fma",
     "sm__pipe_alu_cycles_active.avg.pct_of_peak_sustained_active": "alu",
@@ -93,11 +94,6 @@ def run_target(name: str, shape) -> None:
     torch.cuda.cudart().cudaProfilerStop()
 
 
-def csv_rows(text: str):
-    """ncu's CSV lines (those starting with a quote) as lists."""
-    return list(csv.reader(line for line in text.splitlines() if line.startswith('"')))
-
-
 def number(cell: str) -> float:
     cell = cell.replace(",", "").strip()
     try:
@@ -106,20 +102,14 @@ def number(cell: str) -> float:
         return float("nan")
 
 
-UNIT_US = {"ns": 1e-3, "usecond": 1.0, "us": 1.0, "msecond": 1e3, "ms": 1e3, "nsecond": 1e-3}
+UNIT_US = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3}
 
 
 def raw_kernels(text: str):
-    """``--page raw --csv``: (kernel name, {metric: value}) per profiled kernel, and the units row."""
-    rows = csv_rows(text)
-    header = rows[0]
-    units = dict(zip(header, rows[1])) if len(rows) > 1 and not rows[1][header.index("ID")].isdigit() else {}
-    out = []
-    for row in rows[1:]:
-        if len(row) != len(header) or not row[header.index("ID")].isdigit():
-            continue
-        out.append((row[header.index("Kernel Name")], {h: number(c) for h, c in zip(header, row)}))
-    return out, units
+    """``--page raw --csv``: (kernel name, {metric: value}) per profiled kernel, and the units row
+    (``research.profiling.ncu.parse_ncu_csv`` over every column)."""
+    units: dict = {}
+    return parse_ncu_csv(text, metrics=None, units=units), units
 
 
 def stall_reasons(metrics: dict, top: int = 8):

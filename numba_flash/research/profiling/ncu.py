@@ -60,20 +60,32 @@ def run_ncu(ncu: str, log_file: str, target: list[str], metrics=METRICS) -> list
         return parse_ncu_csv(f.read())
 
 
-def parse_ncu_csv(text):
-    """Kernel rows (name, metric -> float) in launch order from ``ncu --csv --page raw``."""
-    rows = list(csv.reader(line for line in text.splitlines() if line.startswith('"')))
+def csv_rows(text):
+    """The rows of ncu's ``--csv`` output (its own messages, which do not start with a quote, left out)."""
+    return list(csv.reader(line for line in text.splitlines() if line.startswith('"')))
+
+
+def parse_ncu_csv(text, metrics=(*METRICS, *WARP_METRICS), units=None):
+    """Kernel rows (name, metric -> float) in launch order from ``ncu --csv --page raw``: the columns
+    ``metrics`` names (``None``: every column; a cell that is not a number reads 0). ``units``: a dict
+    that gets each column's unit (ncu's second row)."""
+    rows = csv_rows(text)
     header = rows[0]
     name_col, id_col = header.index("Kernel Name"), header.index("ID")
+    wanted = [(i, m) for i, m in enumerate(header) if metrics is None or m in metrics]
     kernels = []
     for row in rows[1:]:
         if len(row) != len(header) or not row[id_col].isdigit():
-            continue  # the units row, or a truncated line
+            if units is not None and len(row) == len(header) and not units:
+                units.update(zip(header, row))  # the units row
+            continue  # (or a truncated line)
         values = {}
-        for m in (*METRICS, *WARP_METRICS):
-            if m in header:
-                cell = row[header.index(m)].replace(",", "")
-                values[m] = float(cell) if cell not in ("", "n/a") else 0.0
+        for i, m in wanted:
+            cell = row[i].replace(",", "")
+            try:
+                values[m] = float(cell)
+            except ValueError:
+                values[m] = 0.0
         kernels.append((row[name_col], values))
     return kernels
 
