@@ -109,12 +109,13 @@ def tma_ready(x) -> bool:
     return all(s % TMA_ALIGNMENT == 0 and s > 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
 
 
-def tensor_map(x, rows: int, dtype: str, device_id: int):
+def tensor_map(x, rows: int, dtype: str, device_id: int, row_bytes: int = 128):
     """The ``CUtensorMap`` (16 uint64 words in device memory, a numba device array) that lets TMA
-    copy ``rows x 128``-byte boxes (64 16-bit or 128 8-bit elements) of the (B, H, N, D) array ``x``
-    (a ``launch.DeviceArray``; ``dtype`` its element type's name) with the 128-byte swizzle, zeros
-    past its ends; made once per pointer, shape, strides and box."""
-    return _map_entry(x, rows, dtype, device_id)[0]
+    copy ``rows x row_bytes``-byte boxes (128 bytes: 64 16-bit or 128 8-bit elements; fp8's V^T
+    also 64 or 32) of the (B, H, N, D) array ``x`` (a ``launch.DeviceArray``; ``dtype`` its element
+    type's name) with the swizzle of that row (``kernels.hopper.swizzle``), zeros past its ends;
+    made once per pointer, shape, strides and box."""
+    return _map_entry(x, rows, dtype, device_id, row_bytes)[0]
 
 
 def tensor_map_address(x, rows: int, dtype: str, device_id: int) -> int:
@@ -122,8 +123,9 @@ def tensor_map_address(x, rows: int, dtype: str, device_id: int) -> int:
     return _map_entry(x, rows, dtype, device_id)[1]
 
 
-def _map_entry(x, rows: int, dtype: str, device_id: int):
-    return _kept_entry((device_id, x.ptr, x.shape, x.strides, dtype, rows), lambda: _encoded(x, rows, dtype))
+def _map_entry(x, rows: int, dtype: str, device_id: int, row_bytes: int = 128):
+    return _kept_entry((device_id, x.ptr, x.shape, x.strides, dtype, rows, row_bytes),
+                       lambda: _encoded(x, rows, dtype, row_bytes))
 
 
 def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds) -> object:
@@ -169,7 +171,7 @@ def _kept_entry(key, make):
     return entry
 
 
-def _encoded(x, rows: int, dtype: str) -> np.ndarray:
+def _encoded(x, rows: int, dtype: str, row_bytes: int = 128) -> np.ndarray:
     """``cuTensorMapEncodeTiled`` of :func:`tensor_map`'s map of ``x``, as 16 uint64 words."""
     from cuda.bindings import driver
 
@@ -185,9 +187,9 @@ def _encoded(x, rows: int, dtype: str) -> np.ndarray:
                  FP8_DTYPE: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8}[dtype]
     err, tmap = driver.cuTensorMapEncodeTiled(
         data_type, 4, int(x.ptr), [u64(d) for d in dims], [u64(s) for s in strides],
-        [u32(128 // x.itemsize), u32(rows), u32(1), u32(1)], [u32(1)] * 4,
+        [u32(row_bytes // x.itemsize), u32(rows), u32(1), u32(1)], [u32(1)] * 4,
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
-        driver.CUtensorMapSwizzle.CU_TENSOR_MAP_SWIZZLE_128B,
+        getattr(driver.CUtensorMapSwizzle, f"CU_TENSOR_MAP_SWIZZLE_{row_bytes}B"),
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_128B,
         driver.CUtensorMapFloatOOBfill.CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE)
     if err != driver.CUresult.CUDA_SUCCESS:
@@ -450,6 +452,7 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
     pointer slots (q, k, v, o, lse, then their four tensor maps) and the maps' templates."""
     from numba_flash.alibi import slopes_argument
     from numba_flash.block_sparse import lists_at
+    from numba_flash.kernels.fa3 import value_row_bytes
     from numba_flash.kernels.jit import LOG2E
     from numba_flash.launch import device_array, launch, numba_launch
     from numba_flash.tensor_cores import bits_view
@@ -526,7 +529,8 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
                                                                 for arrays_ in mod_arrays]
     if packed is None:
         maps = [tensor_map(arrays[0], bm, p.dtype, device_id), tensor_map(arrays[1], bn, p.dtype, device_id),
-                tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id)]  # fp8: V^T's boxes, D rows
+                tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id,  # fp8: V^T's boxes, D rows
+                           value_row_bytes(bn) if fp8 else 128)]
         # O: boxes of a consumer warpgroup's 64 rows (without the TMA store, Q's map stands in, unread)
         maps.append(tensor_map(arrays[3], 64, p.dtype, device_id) if by_tma else maps[0])
     else:  # a map per sequence (its rows alone: zeros past its end; O's: nothing written past it)

@@ -55,7 +55,7 @@ WARPGROUP = 128
 class Fa3Layout:
     """Where things live in the block's shared memory (byte offsets from the 1024-aligned base):
     the Q tile (``head_dim / 64`` boxes of ``block_m`` rows x 128 bytes), ``stages`` slots of K and
-    V (boxes of ``block_n`` rows; e4m3: V^T, boxes of ``D`` rows of 128 keys), then the mbarriers (8 bytes each): Q's, and per slot K's and V's
+    V (boxes of ``block_n`` rows; e4m3: V^T, boxes of ``D`` rows of :func:`value_row_bytes` keys), then the mbarriers (8 bytes each): Q's, and per slot K's and V's
     full (the producer's TMA bytes landed) and K's and V's empty (every consumer thread is done with them)."""
 
     def __init__(self, head_dim: int, block_m: int, block_n: int, stages: int, elem_bytes: int = 2):
@@ -74,13 +74,20 @@ class Fa3Layout:
         return hopper.smem_bytes(self.tile_bytes)
 
 
+def value_row_bytes(block_n: int) -> int:
+    """fp8: the bytes (keys) of a row of V^T's TMA boxes and ``wgmma`` operand for ``block_n``-key
+    tiles: the widest swizzle (128, 64 or 32 bytes) whose rows tile ``block_n`` (FA-3's 128 x 224 tile
+    at D = 128 takes 32-byte rows, as CUTLASS's operand selector picks for it)."""
+    return next(row for row in (128, 64, 32) if block_n % row == 0)
+
+
 def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind: str = "f16") -> None:
     """ValueError unless the kernel can be built for these tiles (``kind``: "f16", "bf16", "e4m3")."""
     if head_dim not in (64, 128, 256):
         raise ValueError(f"fa3 kernels are built for head dims 64, 128, 256; got {head_dim}")
-    if kind == "e4m3" and (head_dim == 64 or block_n % 128):
-        raise ValueError(f"fa3 in float8: head dims 128 or 256 (128-byte rows) and block_n a multiple of 128 "
-                         f"(V^T's 128-key boxes); got D={head_dim}, block_n={block_n}")
+    if kind == "e4m3" and (head_dim == 64 or block_n % 32):
+        raise ValueError(f"fa3 in float8: head dims 128 or 256 (128-byte rows) and block_n a multiple of 32 "
+                         f"(the e4m3 product's K, whole swizzled rows of V^T); got D={head_dim}, block_n={block_n}")
     if block_m % 64 or not 64 <= block_m <= 192:
         raise ValueError(f"fa3: block_m must be 64, 128 or 192 (64 rows per consumer warpgroup); got {block_m}")
     if block_n % 16 or not 16 <= block_n <= 256:
@@ -176,8 +183,11 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     BOXES, D = L.boxes, head_dim
     BOX_ELEMS = hopper.BOX_BYTES // ELEM  # columns of a 128-byte box
     Q_BOX, KV_BOX = block_m * 128, block_n * 128  # bytes of one box
-    VT_BOX = head_dim * 128  # fp8: bytes of one of V^T's boxes (D rows of 128 keys)
-    V_BOX, V_BOXES = (VT_BOX, block_n // 128) if FP8 else (KV_BOX, BOXES)  # V's slot, as TMA fills it
+    VT_ROW = value_row_bytes(block_n) if FP8 else hopper.BOX_BYTES  # fp8: keys in a row of V^T's boxes
+    VT_MODE = hopper.SWIZZLE_MODES[VT_ROW]
+    VT_BOX = head_dim * VT_ROW  # fp8: bytes of one of V^T's boxes (D rows of VT_ROW keys)
+    V_BOX, V_BOXES = (VT_BOX, block_n // VT_ROW) if FP8 else (KV_BOX, BOXES)  # V's slot, as TMA fills it
+    SWIZZLE_128B = hopper.SWIZZLE_MODES[hopper.BOX_BYTES]
     S_STEPS = D * ELEM // hopper.K_BYTES  # wgmma products along D
     PV_STEPS = block_n * ELEM // hopper.K_BYTES  # and along the keys
     S_N, O_N, P_WORDS = block_n // 2, head_dim // 2, block_n * ELEM // 8
@@ -216,7 +226,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     pv = hopper.wgmma_rs(head_dim, kind, 0 if FP8 else 1)  # fp8: V^T, K-major; 16-bit: V, N-major
     load_q = hopper.tma_box_loader(block_m, ELEM)
     load_kv = hopper.tma_box_loader(block_n, ELEM)
-    load_v = hopper.tma_box_loader(head_dim, ELEM) if FP8 else load_kv
+    load_v = hopper.tma_box_loader(head_dim, ELEM, VT_ROW) if FP8 else load_kv
     pack = hopper.pack_pair("bf16" if FP8 else kind)  # O's pairs: fp8 writes bfloat16
     store_o = hopper.tma_box_storer(64, ELEM)  # a consumer warpgroup's 64 rows of one box of O
     STORE_BAR = 1 + CONSUMERS  # named barriers STORE_BAR + c: warpgroup c's O is in shared memory (1..: turns)
@@ -269,8 +279,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     @device_jit
     def s_product(smem, base, s_acc, q_at, s):
         """S = Q_i K_j^T (Algorithm 1 line 14): D / 16 SS products from the slot's K (e4m3: D / 32)."""
-        desc_q = hopper.descriptor(q_at, 16, hopper.SBO_128B)
-        desc_k = hopper.descriptor(k_slot(base, s), 16, hopper.SBO_128B)
+        desc_q = hopper.descriptor(q_at, 16, hopper.SBO_128B, SWIZZLE_128B)
+        desc_k = hopper.descriptor(k_slot(base, s), 16, hopper.SBO_128B, SWIZZLE_128B)
         for ks in range(S_STEPS):  # (each step's descriptors: the first's, moved by a constant)
             box, kk = ks // 4, ks % 4
             qk(smem, s_acc, hopper.descriptor_at(desc_q, box * Q_BOX + kk * 32),
@@ -279,7 +289,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     @device_jit
     def pv_product(smem, base, o_acc, p, s):
         """O += P V_j (line 18): block_n / 16 RS products, P from registers, V N-major (fp8:
-        block_n / 32 products, V^T K-major, 32 keys a 32-byte step along its 128-key boxes)."""
+        block_n / 32 products, V^T K-major, 32 keys a 32-byte step along its boxes' rows)."""
         desc_v = v_descriptor(k_slot(base, s) + KV_BYTES)
         for kk in range(PV_STEPS):
             pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
@@ -288,17 +298,17 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     @device_jit
     def v_descriptor(v_at):
         """The B operand of the first P V product: 16 rows of V (N-major: 64-column boxes ``KV_BOX``
-        apart), or e4m3's 32 keys of V^T (K-major, 128-key boxes)."""
+        apart), or e4m3's 32 keys of V^T (K-major: rows of ``VT_ROW`` keys, 8-row groups 8 rows apart)."""
         if FP8:
-            return hopper.descriptor(v_at, 16, hopper.SBO_128B)
-        return hopper.descriptor(v_at, KV_BOX, hopper.SBO_128B)
+            return hopper.descriptor(v_at, 16, 8 * VT_ROW, VT_MODE)
+        return hopper.descriptor(v_at, KV_BOX, hopper.SBO_128B, SWIZZLE_128B)
 
     @device_jit
     def v_step(kk):
         """Bytes from the first P V product's B operand to the ``kk``-th's: 16 rows of V, or e4m3's 32
-        keys of V^T (a 32-byte step along its 128-key boxes)."""
+        keys of V^T (a 32-byte step along a box's rows, then the next box)."""
         if FP8:
-            return (kk // 4) * VT_BOX + (kk % 4) * 32
+            return (kk * 32 // VT_ROW) * VT_BOX + (kk * 32) % VT_ROW
         return kk * 16 * 128
 
     def issued_step(full, empty, product, fence):
@@ -566,8 +576,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                         load_kv(smem, k_at + x * KV_BOX, map_k, k, x * BOX_ELEMS, n0, hk, b, k_full(base, s))
                     hopper.mbarrier_wait(smem, v_empty(base, s), free)
                     hopper.mbarrier_arrive_expect_tx(smem, v_full(base, s), KV_BYTES)
-                    for x in range(V_BOXES):  # fp8: V^T's boxes of 128 keys (columns), all D rows
-                        load_v(smem, k_at + KV_BYTES + x * V_BOX, map_v, v, n0 + 128 * x if FP8 else x * BOX_ELEMS,
+                    for x in range(V_BOXES):  # fp8: V^T's boxes of VT_ROW keys (columns), all D rows
+                        load_v(smem, k_at + KV_BYTES + x * V_BOX, map_v, v, n0 + VT_ROW * x if FP8 else x * BOX_ELEMS,
                                0 if FP8 else n0, hk, b, v_full(base, s))
             return
         if REALLOCATE:

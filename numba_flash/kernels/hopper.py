@@ -15,7 +15,9 @@ base is 0). Every primitive takes ``smem`` first so that its twin can reach the 
 - **Tiles** are 16-bit or 8-bit (e4m3), in boxes of 128-byte rows (64 or 128 columns) written by TMA with
   ``CU_TENSOR_MAP_SWIZZLE_128B``: byte ``a`` of a row-major box lands at ``a ^ (((a >> 7) & 7) << 4)``
   (the 16-byte chunk index XOR the row modulo 8; :func:`swizzle_128b`), which is also the layout
-  ``wgmma`` reads with the 128-byte swizzle mode.
+  ``wgmma`` reads with the 128-byte swizzle mode. fp8's V^T may also come in boxes of 64- or
+  32-byte rows (SWIZZLE_64B / 32B, :func:`swizzle`: the chunk index XOR fewer address bits), so
+  that a K/V tile of 192 or 224 keys is whole boxes.
 - **mbarrier** (``init``, ``arrive``, ``arrive.expect_tx``, ``try_wait.parity``): a phase completes
   when its pending arrivals reach 0 and its transaction bytes are all in; waiting on parity ``p``
   returns once the phase of that parity has completed (so a fresh barrier's "previous" phase,
@@ -32,8 +34,8 @@ base is 0). Every primitive takes ``smem`` first so that its twin can reach the 
   a matrix descriptor) or from registers (RS: four f16x2 words in the ``mma.m16n8k16`` A layout);
   B from shared memory, K-major (rows of B^T, as K is stored) or N-major (``tnsp_b``: rows of B, as
   V is stored). Descriptors (:func:`descriptor`): start address, leading byte offset (LBO: between
-  64-column boxes of an N-major operand), stride byte offset (SBO: between 8-row groups, 1024),
-  swizzle mode 1 (128 bytes). Issue is asynchronous: ``wgmma_fence`` before a batch whose
+  64-column boxes of an N-major operand), stride byte offset (SBO: between 8-row groups: 8 swizzled rows, 1024 at 128 bytes),
+  swizzle mode (:data:`SWIZZLE_MODES`; 1: 128 bytes). Issue is asynchronous: ``wgmma_fence`` before a batch whose
   registers ordinary code wrote, ``wgmma_commit`` closes a group, ``wgmma_wait(n)`` waits until
   at most ``n`` groups are in flight. In the simulator a product completes when issued.
 - **TMA stores** (``cp.async.bulk.tensor.4d.global.shared::cta``): a swizzled box of shared memory written
@@ -69,6 +71,9 @@ SBO_128B = 1024  # bytes between 8-row groups of a 128-byte-swizzled operand
 BOX_COLS = 64  # 16-bit columns of a 128-byte swizzled box (TMA's box and wgmma's atom)
 BOX_BYTES = 128  # a swizzled box's row
 K_BYTES = 32  # the K extent of one wgmma in bytes: 16 16-bit values, 32 e4m3 ones
+# a swizzled row's bytes -> the mode in bits 62-63 of a wgmma matrix descriptor (TMA's
+# CU_TENSOR_MAP_SWIZZLE_{32,64,128}B write the same layouts)
+SWIZZLE_MODES = {128: 1, 64: 2, 32: 3}
 
 
 def element_bytes(kind: str) -> int:
@@ -85,9 +90,17 @@ def smem_bytes(tile_bytes: int) -> int:
     return tile_bytes + (0 if simulated() else TILE_ALIGN)
 
 
+def swizzle(address, row_bytes=BOX_BYTES):
+    """Where byte ``address`` of a row-major box of ``row_bytes``-byte rows (128, 64 or 32) lives
+    under TMA's SWIZZLE_{row_bytes}B, the layout ``wgmma`` reads in the same mode: the 16-byte chunk
+    index XOR the address's bits 7 and up, modulo the row's chunks (CUTLASS's ``Swizzle<3|2|1, 4, 3>``
+    on byte addresses; a 64-byte swizzle pairs rows, the pattern repeats every 8 x ``row_bytes``)."""
+    return address ^ (((address >> 7) & (row_bytes // 16 - 1)) << 4)
+
+
 def swizzle_128b(address):
     """Where byte ``address`` of a row-major 128-byte-row box lives (TMA's SWIZZLE_128B)."""
-    return address ^ (((address >> 7) & 7) << 4)
+    return swizzle(address, 128)
 
 
 if simulated():
@@ -195,11 +208,12 @@ if simulated():
                 raise RuntimeError(f"mbarrier at {int(bar)}: phase {int(parity)} never completed (a hang on the GPU)")
 
     @functools.lru_cache(maxsize=None)
-    def tma_box_loader(rows: int, elem_bytes: int = 2):
-        """``load(smem, dst, tmap, src, d0, n0, h, b, bar)``: the ``rows x (128 / elem_bytes)`` box
-        of ``src`` (B, H, N, D) at (row ``n0``, column ``d0``) of head (b, h), swizzled into ``dst``,
-        zeros past the tensor's ends, its bytes counted on mbarrier ``bar``."""
-        cols, unit = BOX_BYTES // elem_bytes, (np.uint8 if elem_bytes == 1 else np.uint16)
+    def tma_box_loader(rows: int, elem_bytes: int = 2, row_bytes: int = BOX_BYTES):
+        """``load(smem, dst, tmap, src, d0, n0, h, b, bar)``: the ``rows x (row_bytes / elem_bytes)``
+        box of ``src`` (B, H, N, D) at (row ``n0``, column ``d0``) of head (b, h), swizzled into ``dst``
+        (rows of ``row_bytes``: 128, 64 or 32, the map's swizzle), zeros past the tensor's ends, its
+        bytes counted on mbarrier ``bar``."""
+        cols, unit = row_bytes // elem_bytes, (np.uint8 if elem_bytes == 1 else np.uint16)
 
         @device_jit
         def load(smem, dst, tmap, src, d0, n0, h, b, bar):
@@ -209,8 +223,8 @@ if simulated():
             if r1 > 0 and c1 > 0:
                 box[:r1, :c1] = src[b, h, n0:n0 + r1, d0:d0 + c1]
             rr, cc = np.meshgrid(np.arange(rows), np.arange(cols), indexing="ij")
-            smem.view(unit)[swizzle_128b(int(dst) + rr * BOX_BYTES + cc * elem_bytes) // elem_bytes] = box
-            _complete_tx(smem, bar, rows * BOX_BYTES)
+            smem.view(unit)[swizzle(int(dst) + rr * row_bytes + cc * elem_bytes, row_bytes) // elem_bytes] = box
+            _complete_tx(smem, bar, rows * row_bytes)
 
         return load
 
@@ -318,10 +332,10 @@ if simulated():
         _named(smem, bar_id, threads, False)
 
     @device_jit
-    def descriptor(address, lbo, sbo):
-        """A wgmma matrix descriptor of a 128-byte-swizzled operand at ``address``."""
+    def descriptor(address, lbo, sbo, mode):
+        """A wgmma matrix descriptor of a swizzled operand at ``address`` (``mode``: :data:`SWIZZLE_MODES`)."""
         return ((int(address) & 0x3FFFF) >> 4) | (((int(lbo) >> 4) & 0x3FFF) << 16) | \
-            (((int(sbo) >> 4) & 0x3FFF) << 32) | (1 << 62)
+            (((int(sbo) >> 4) & 0x3FFF) << 32) | (int(mode) << 62)
 
     @device_jit
     def descriptor_at(desc, offset):
@@ -329,22 +343,27 @@ if simulated():
         return int(desc) + (int(offset) >> 4)
 
     def _decode(desc):
+        """(start address, LBO, SBO, the swizzled rows' bytes) of a descriptor."""
         desc = int(desc)
-        return (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4
+        row_bytes = {mode: row for row, mode in SWIZZLE_MODES.items()}[(desc >> 62) & 3]
+        return (desc & 0x3FFF) << 4, ((desc >> 16) & 0x3FFF) << 4, ((desc >> 32) & 0x3FFF) << 4, row_bytes
 
     def _k_major(smem, desc, rows, kind):
-        """The rows x K operand (rows of K = 32 bytes of K-values: 16 or 32) a K-major descriptor names."""
-        start, _, sbo = _decode(desc)
+        """The rows x K operand (rows of K = 32 bytes of K-values: 16 or 32) a K-major descriptor
+        names: rows of the swizzle's width, 8-row groups SBO apart."""
+        start, _, sbo, row_bytes = _decode(desc)
         size = element_bytes(kind)
         unit = np.uint8 if size == 1 else np.uint16
         r, k = np.meshgrid(np.arange(rows), np.arange(K_BYTES // size), indexing="ij")
-        addr = start + (r // 8) * sbo + (r % 8) * 128 + k * size
-        return _operand_values(smem.view(unit)[swizzle_128b(addr) // size], kind)
+        addr = start + (r // 8) * sbo + (r % 8) * row_bytes + k * size
+        return _operand_values(smem.view(unit)[swizzle(addr, row_bytes) // size], kind)
 
     def _n_major(smem, desc, n, kind):
         """The 16 x n operand (16 K-rows of n values, in 64-column boxes LBO apart) of an N-major
-        descriptor."""
-        start, lbo, sbo = _decode(desc)
+        descriptor (128-byte rows: the only N-major layout the kernels use)."""
+        start, lbo, sbo, row_bytes = _decode(desc)
+        if row_bytes != BOX_BYTES:
+            raise ValueError(f"an N-major operand of {row_bytes}-byte swizzled rows (the twin reads 128)")
         k, c = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
         addr = start + (c // BOX_COLS) * lbo + (k // 8) * sbo + (k % 8) * 128 + (c % BOX_COLS) * 2
         return _operand_values(smem.view(np.uint16)[swizzle_128b(addr) // 2], kind)
@@ -572,10 +591,11 @@ else:
         return types.void(dst, tmap, d0, n0, h, b, bar), codegen
 
     @functools.lru_cache(maxsize=None)
-    def tma_box_loader(rows: int, elem_bytes: int = 2):
-        """``load(smem, dst, tmap, src, d0, n0, h, b, bar)``: the ``rows x (128 / elem_bytes)`` box at (row ``n0``,
-        column ``d0``) of head (b, h) of the tensor ``tmap`` (a ``CUtensorMap`` in global memory)
-        describes, swizzled into ``dst``; zeros past its ends; bytes counted on ``bar``."""
+    def tma_box_loader(rows: int, elem_bytes: int = 2, row_bytes: int = BOX_BYTES):
+        """``load(smem, dst, tmap, src, d0, n0, h, b, bar)``: the ``rows x (row_bytes / elem_bytes)`` box at
+        (row ``n0``, column ``d0``) of head (b, h) of the tensor ``tmap`` (a ``CUtensorMap`` in global
+        memory, made for this box and its swizzle) describes, swizzled into ``dst``; zeros past its
+        ends; bytes counted on ``bar``."""
 
         @device_jit
         def load(smem, dst, tmap, src, d0, n0, h, b, bar):
@@ -669,13 +689,14 @@ else:
         _bar_arrive(bar_id, threads)
 
     @device_jit
-    def descriptor(address, lbo, sbo):
-        """A wgmma matrix descriptor of a 128-byte-swizzled operand at ``address``: bits 0-13
-        address >> 4, 16-29 LBO >> 4, 32-45 SBO >> 4, 62-63 the swizzle mode (1: 128 bytes)."""
+    def descriptor(address, lbo, sbo, mode):
+        """A wgmma matrix descriptor of a swizzled operand at ``address``: bits 0-13 address >> 4,
+        16-29 LBO >> 4, 32-45 SBO >> 4, 62-63 the swizzle ``mode`` (:data:`SWIZZLE_MODES`: 1 for
+        128-byte rows, 2 for 64, 3 for 32)."""
         d = uint64((address & 0x3FFFF) >> 4)
         d |= uint64((lbo >> 4) & 0x3FFF) << uint64(16)
         d |= uint64((sbo >> 4) & 0x3FFF) << uint64(32)
-        return d | (uint64(1) << uint64(62))
+        return d | (uint64(mode) << uint64(62))
 
     @device_jit
     def descriptor_at(desc, offset):

@@ -263,6 +263,25 @@ def test_fa3_fp8_forward(shape):
         assert o.dtype == torch.bfloat16 and torch.equal(o, again)
 
 
+@pytest.mark.parametrize("block_n", [64, 96, 160, 192, 224])
+def test_fa3_fp8_value_rows_of_64_and_32_bytes(block_n):
+    """fp8 tiles whose keys are not a multiple of 128: V^T in TMA boxes of 64-byte (64, 192) or
+    32-byte rows (96, 160, 224; FA-3's 128 x 224), read by wgmma in the same swizzle mode; within
+    twice a plain fp8 implementation's error, causal and not, with partial K/V tiles and GQA."""
+    torch = _hopper()
+    from numba_flash.api import forward
+
+    (q8, k8, v8), (qs, ks, vs), (qd, kd, vd) = _fp8_inputs(torch, (1, 4, 2, 777, 2049, 128))
+    for causal in (False, True):
+        o, _ = forward(q8, k8, v8, causal=causal, algorithm="fa3", q_descale=qs, k_descale=ks, v_descale=vs,
+                       block_n=block_n)
+        _finish(torch)
+        ref = torch_attention(qd, kd, vd, causal)
+        err = float((o.double() - ref).abs().max())
+        plain = float((_plain_fp8(torch, qd, kd, vd, causal).double() - ref).abs().max())
+        assert err <= 2 * plain, (block_n, causal, err, plain)
+
+
 def test_poly_exp2_is_its_host_twin():
     """``kernels.poly_exp2`` on the GPU (one inline-PTX block) against the host's statement of it:
     within one float32 ulp everywhere (the host's FMA rounds twice, via float64), exactly 0 for

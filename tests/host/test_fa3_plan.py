@@ -31,7 +31,7 @@ def gpu(monkeypatch, tmp_path):
     """The fake GPU as a Hopper, fa3's tensor maps as placeholder words; counts the checks."""
     record = fake_gpu.installed(monkeypatch, tmp_path)
     fa3._MAPS.clear()
-    monkeypatch.setattr(fa3, "_encoded", lambda x, rows, dtype: np.zeros(16, np.uint64))
+    monkeypatch.setattr(fa3, "_encoded", lambda x, rows, dtype, row_bytes=128: np.zeros(16, np.uint64))
     monkeypatch.setattr(fa3, "require_fa3_device", lambda device_id: None)
     one = C((1,), "float32")  # fp8's cached descale of 1 (a 16-bit call's unread stand-in)
     monkeypatch.setattr(fa3.fp8_inputs, "_one", lambda device_id: one)

@@ -160,6 +160,24 @@ def test_tma_store_twin_writes_the_box_within_the_tensor():
     assert np.all(dst[untouched] == 7)
 
 
+@pytest.mark.parametrize("row_bytes, rows_sharing_a_pattern", [(128, 1), (64, 2), (32, 4)])
+def test_swizzles_permute_each_rows_chunks_by_the_address_bits_above_them(row_bytes, rows_sharing_a_pattern):
+    """TMA's SWIZZLE_{128,64,32}B (CUTLASS's Swizzle<3|2|1, 4, 3> on byte addresses): a row's
+    16-byte chunks are permuted within the row, by the row's address bits 7 and up (so 64-byte rows
+    pair up, 32-byte rows go by fours), and the pattern repeats every 1024 bytes at most."""
+    from numba_flash.kernels import hopper
+
+    chunks = row_bytes // 16
+    for row in range(16):
+        start = row * row_bytes
+        landed = [(hopper.swizzle(start + 16 * c, row_bytes) - start) // 16 for c in range(chunks)]
+        assert sorted(landed) == list(range(chunks)), (row, landed)  # a permutation of the row's chunks
+        key = (row // rows_sharing_a_pattern) % chunks
+        assert landed == [c ^ key for c in range(chunks)], (row, landed)
+        assert hopper.swizzle(start + 5, row_bytes) % 16 == 5  # bytes within a chunk stay
+    assert hopper.swizzle_128b(3 * 128 + 16) == 3 * 128 + 32
+
+
 @pytest.mark.parametrize("bad", [-1.0, 8.5, True, "8"])
 def test_fa3_refuses_a_bad_rescale_threshold(bad):
     q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float16, seed=0)
