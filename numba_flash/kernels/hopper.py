@@ -436,6 +436,13 @@ if simulated():
         return uint32(host_bits(x0) | (host_bits(x1) << 8) | (host_bits(x2) << 16) | (host_bits(x3) << 24))
 
     @device_jit
+    def byte_perm(a, b, selector):
+        """``prmt.b32``: byte ``i`` of the result is byte ``(selector >> 4 i) & 7`` of the eight
+        bytes of ``a`` (0-3) and ``b`` (4-7)."""
+        both = int(a) | (int(b) << 32)
+        return uint32(sum(((both >> (8 * ((int(selector) >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4)))
+
+    @device_jit
     def max_nan(a, b):
         """max(a, b), NaN when either is NaN (``max.NaN.f32``: one instruction)."""
         if a != a or b != b:
@@ -844,6 +851,21 @@ else:
         """Four float32 -> one word of four e4m3 values (``x0`` in the lowest byte; round to nearest
         even, saturated to +-448): two ``cvt.rn.satfinite.e4m3x2.f32``."""
         return _pack_e4m3(x0, x1, x2, x3)
+
+    @intrinsic
+    def _prmt(typingctx, a, b, selector):
+        def codegen(context, builder, sig, args):
+            x, y, z = (_as(context, builder, v, t, types.uint32) for v, t in zip(args, sig.args))
+            return _asm(builder, _I32, [_I32, _I32, _I32], "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [x, y, z],
+                        side_effect=False)
+
+        return types.uint32(a, b, selector), codegen
+
+    @device_jit
+    def byte_perm(a, b, selector):
+        """``prmt.b32`` (one PRMT): byte ``i`` of the result is byte ``(selector >> 4 i) & 7`` of the
+        eight bytes of ``a`` (0-3) and ``b`` (4-7)."""
+        return _prmt(a, b, selector)
 
     @intrinsic
     def _max_nan(typingctx, a, b):

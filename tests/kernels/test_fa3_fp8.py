@@ -173,12 +173,14 @@ def test_fp8_kernel_head_dims():
 @pytest.mark.skipif(not SIMULATED, reason="the GPU path is tests/gpu/test_gpu_fa3.py's (fp8 through CuPy arrays)")
 def test_transpose_kernel_matches_the_host_layout():
     """kernels.value_transpose (the device path of fp8.transposed_values) writes what the NumPy
-    path writes: keys past Nk zero, head-dim rows past a 64-byte tile edge included, padded
-    head-dim bytes (rows of whole words past D) not written."""
+    path writes: keys past Nk zero, head-dim rows past a tile edge included (D = 200: two tiles
+    across), padded head-dim bytes (rows of whole words past D) not written."""
     from numba_flash.kernels.value_transpose import THREADS, TILE_BYTES, TILE_KEYS, transpose_values
 
     rng = np.random.default_rng(4)
-    for n_k, d, d_words in ((70, 72, 18), (160, 20, 8)):  # 70 keys: a partial chunk; 160: past a 128-key tile
+    # 70 keys: a partial chunk; 160: past a 128-key tile; 300 x 128: two tiles wholly inside (the
+    # untested loads and stores), then a partial one
+    for n_k, d, d_words in ((70, 200, 50), (160, 20, 8), (300, 128, 32)):
         v = rng.integers(1, 255, (1, 2, n_k, d)).astype(np.uint8)
         expected = fp8.transposed_values(v)
         vt = np.full(expected.shape, 0xAB, np.uint8)  # poisoned
