@@ -137,10 +137,11 @@ def forward_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
 FA3_TILES = {64: (192, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
 FA3_SIM_TILES = (64, 64, 2)
 # float8 (e4m3): block_n a multiple of 32 (the e4m3 product's K; V^T in boxes of 128-, 64- or 32-byte
-# rows, kernels.fa3.value_row_bytes). D = 128: 192 x 96 (three consumer warpgroups, V^T in 32-byte
-# rows): the H200 sweep of results section 16i, 1.02-1.06x the 128 x 128 it replaced (same run), within 2%
-# of FA-3's own 128 x 224 (which wins at N = 16384, loses at 4096); 128 x 128 at D = 256
-FA3_FP8_TILES = {128: (192, 96, 2), 256: (128, 128, 2)}
+# rows, kernels.fa3.value_row_bytes); 128 x 128 at D = 128 and 256. Narrower rows let wider tiles run
+# (FA-3's 128 x 224, 192 x 96 with three consumer warpgroups): on the H200 (results 16i) up to 1.06x
+# at B1 N16384, but at B4 N4096 the same 192 x 96 call took 0.67 ms in one process and 0.86 in
+# another (128 x 128: 0.71-0.74 in every run); until that is understood they are options, not defaults
+FA3_FP8_TILES = {128: (128, 128, 2), 256: (128, 128, 2)}
 FA3_FP8_SIM_TILES = (64, 128, 2)
 
 

@@ -92,6 +92,12 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind
         raise ValueError(f"fa3: block_m must be 64, 128 or 192 (64 rows per consumer warpgroup); got {block_m}")
     if block_n % 16 or not 16 <= block_n <= 256:
         raise ValueError(f"fa3: block_n must be a multiple of 16 from 16 to 256; got {block_n}")
+    if block_m == 192 and (block_n > 192 or head_dim > 128):
+        # 512 threads: ptxas fits each wgmma in the launch's 128 registers a thread (not setmaxnreg's
+        # 160), with S (block_n / 2) and O (D / 2) accumulators live: 192 x 208 at D 64, 192 x 224 at
+        # D 128 and any 192-row tile at D 256 stop it ("Insufficient registers"; offline, ptxas 13.5)
+        raise ValueError(f"fa3: 192-row tiles (three consumer warpgroups, 128 registers a thread at launch) "
+                         f"take block_n <= 192 and head dims <= 128; got block_n={block_n} at D={head_dim}")
     if stages < 1:
         raise ValueError(f"fa3: stages must be at least 1; got {stages}")
     layout = Fa3Layout(head_dim, block_m, block_n, stages, hopper.element_bytes(kind))

@@ -190,6 +190,7 @@ def test_fa3_refuses_a_bad_rescale_threshold(bad):
     (dict(num_splits=0), ValueError, "num_splits"),
     (dict(block_m=96), ValueError, "block_m"),
     (dict(block_n=24), ValueError, "block_n"),
+    (dict(block_m=192, block_n=208), ValueError, "128 registers"),  # ptxas: insufficient registers
     (dict(scale=-1.0), ValueError, "scale"),
     (dict(precision="ieee"), ValueError, "precision"),
 ])
