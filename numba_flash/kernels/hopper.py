@@ -437,10 +437,18 @@ if simulated():
 
     @device_jit
     def byte_perm(a, b, selector):
-        """``prmt.b32``: byte ``i`` of the result is byte ``(selector >> 4 i) & 7`` of the eight
-        bytes of ``a`` (0-3) and ``b`` (4-7)."""
+        """``prmt.b32`` (default mode): byte ``i`` of the result is byte ``n & 7`` of the eight bytes
+        of ``a`` (0-3) and ``b`` (4-7), ``n`` the selector's nibble ``i``; where ``n & 8``, that
+        byte's sign bit copied into all eight bits."""
         both = int(a) | (int(b) << 32)
-        return uint32(sum(((both >> (8 * ((int(selector) >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4)))
+        out = 0
+        for i in range(4):
+            n = (int(selector) >> (4 * i)) & 0xF
+            byte = (both >> (8 * (n & 7))) & 0xFF
+            if n & 8:
+                byte = 0xFF if byte & 0x80 else 0
+            out |= byte << (8 * i)
+        return uint32(out)
 
     @device_jit
     def max_nan(a, b):
@@ -863,8 +871,9 @@ else:
 
     @device_jit
     def byte_perm(a, b, selector):
-        """``prmt.b32`` (one PRMT): byte ``i`` of the result is byte ``(selector >> 4 i) & 7`` of the
-        eight bytes of ``a`` (0-3) and ``b`` (4-7)."""
+        """``prmt.b32`` (one PRMT, default mode): byte ``i`` of the result is byte ``n & 7`` of the
+        eight bytes of ``a`` (0-3) and ``b`` (4-7), ``n`` the selector's nibble ``i``; where ``n & 8``,
+        that byte's sign bit copied into all eight bits."""
         return _prmt(a, b, selector)
 
     @intrinsic

@@ -19,7 +19,9 @@ History (H200, performance logs 22 and 27): bytes moved one at a time through sh
 instructions a thread for 16 bytes), 0.40 TB/s, 168 us of every float8 call at B4 H16 N4096
 D128; then word-sized with shifts and masks (824 instructions a thread for 32 bytes, mostly
 signed index arithmetic and the transposes), 59 us; now 64 bytes a thread, ``prmt`` transposes,
-unsigned tile arithmetic.
+unsigned tile arithmetic (numba still widens it to 64 bits, without the sign handling), addresses
+as one base a thread plus row multiples: 3.1 TB/s. Its shared stores are 4-way bank-conflicted
+(rows of 33 words, a warp's lanes 4 rows apart); at this traffic that costs nothing measurable.
 """
 
 from __future__ import annotations

@@ -178,6 +178,19 @@ def test_swizzles_permute_each_rows_chunks_by_the_address_bits_above_them(row_by
     assert hopper.swizzle_128b(3 * 128 + 16) == 3 * 128 + 32
 
 
+def test_byte_perm_twin_follows_prmt():
+    """``hopper.byte_perm``'s simulator twin, against the PTX ISA's ``prmt.b32`` (default mode): each
+    selector nibble picks one of the eight bytes {b, a}; a nibble with bit 3 set copies that byte's
+    sign bit over the whole byte."""
+    from numba_flash.kernels import hopper
+
+    a, b = 0x33221100, 0x77665544
+    assert hopper.byte_perm(a, b, 0x5140) == 0x55114400  # a0 b0 a1 b1
+    assert hopper.byte_perm(a, b, 0x7632) == 0x77663322
+    assert hopper.byte_perm(0x80000000, 0, 0x000B) == 0x000000FF  # byte 3 (0x80) negative: all ones
+    assert hopper.byte_perm(0x7F000000, 0, 0x000B) == 0  # byte 3 (0x7F) positive: zero
+
+
 @pytest.mark.parametrize("bad", [-1.0, 8.5, True, "8"])
 def test_fa3_refuses_a_bad_rescale_threshold(bad):
     q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float16, seed=0)
