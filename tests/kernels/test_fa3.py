@@ -80,7 +80,7 @@ def test_fa3_schedules_compute_the_same_function():
     whether the tensor cores do)."""
     q, k, v = _inputs(1, 1, 1, 64, 160, 64, np.float16, seed=5)
     runs = [fa3.forward(q, k, v, causal=True, block_n=32, stages=st, overlap=ov, serial_products=serial)
-            for st, ov, serial in ((2, True, False), (2, False, False), (3, True, False), (2, True, True))]
+            for st, ov, serial in ((2, True, False), (2, False, False), (3, True, True))]
     for o, lse in runs[1:]:
         assert np.array_equal(o, runs[0][0]) and np.array_equal(lse, runs[0][1])
 
