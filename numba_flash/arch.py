@@ -50,6 +50,7 @@ SMEM_OPTIN_LIMIT = TARGET.smem_optin_per_block  # 227 KiB (232448 B): the most a
 SMEM_PER_SM = TARGET.smem_per_sm  # 228 KiB: shared memory of one SM
 SMEM_RESERVED = TARGET.smem_reserved_per_block  # 1 KiB taken by the system for every resident block
 SM_REGISTERS = TARGET.registers  # 64K registers of one SM
+MAX_GRID_YZ = 65535  # a launch grid's y and z extents (x: 2^31 - 1), every compute capability
 
 
 def blocks_per_sm_by_smem(smem_bytes: int, arch: ArchLimits = TARGET) -> int:

@@ -303,6 +303,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
         schedule = (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2), float(threshold),
                     bool(serial_products))
         splits = 1 if packed is not None else _splits(num_splits, p, D, int(bm), int(bn), int(st), ctx.device_id)
+        _check_grid(p, splits, packed, fp8)
         if splits == 1:
             recipe = [] if key is not None and plan is None else None
             _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, packed,
@@ -314,6 +315,22 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             _split_launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, splits)
         del owners
     return o, lse
+
+
+def _check_grid(p, splits: int, packed, fp8: bool) -> None:
+    """ValueError where a launch would exceed CUDA's 65535 blocks along a grid's z: fa3's holds the
+    batch x splits (or a packed batch's sequences), fp8's V^T pass the batch x K/V heads."""
+    from numba_flash.arch import MAX_GRID_YZ
+
+    B = p.q_shape[0]
+    blocks = packed.sequences if packed is not None else B * splits
+    if blocks > MAX_GRID_YZ:
+        what = f"a packed batch's {blocks} sequences" if packed is not None else f"the batch x num_splits ({B} x {splits})"
+        raise ValueError(f"algorithm='fa3' launches {what} along its grid's z, at most {MAX_GRID_YZ}: call it on "
+                         f"parts of the batch, or use algorithm='fa2' (a 1-D grid)")
+    if fp8 and B * p.kv_heads > MAX_GRID_YZ:
+        raise ValueError(f"algorithm='fa3' on float8 transposes V over a grid whose z is the batch x K/V heads "
+                         f"({B} x {p.kv_heads}), at most {MAX_GRID_YZ}: call it on parts of the batch")
 
 
 def _check_result(buf, name: str, shape, dtype: str, p) -> None:

@@ -252,6 +252,14 @@ def test_fa3_writes_a_strided_view_in_place():
     assert np.array_equal(buffer[:, :, ::2], want) and np.isnan(buffer[:, :, 1::2]).all()
 
 
+def test_fa3_refuses_a_batch_past_the_grids_z():
+    """fa3's grid holds the batch (x splits) along z, which CUDA caps at 65535 blocks: a clear
+    ValueError before any launch, not a launch error (fa2's 1-D grid takes it)."""
+    q = np.ones((65536, 1, 1, 8), np.float16)
+    with pytest.raises(ValueError, match="65535"):
+        fa3.forward(q, q, q)
+
+
 def test_fa3_refuses_float32_and_wide_heads():
     q, k, v = _inputs(1, 1, 1, 8, 8, 16, np.float32, seed=0)
     with pytest.raises(TypeError, match="float16, bfloat16 and float8_e4m3fn"):

@@ -137,6 +137,14 @@ def test_fa3_fp8_tiles_of_64_and_32_byte_value_rows(block_n):
     np.testing.assert_allclose(lse, ref_lse, atol=1e-4)
 
 
+def test_fa3_fp8_refuses_a_batch_past_the_transposes_grid():
+    """fp8's V^T pass runs a grid whose z is the batch x K/V heads (at most 65535): 40000 x 2 is
+    refused with a ValueError, though fa3's own grid (z = 40000) would take the batch."""
+    q = np.ones((40000, 2, 1, 16), np.float32).astype(F8)
+    with pytest.raises(ValueError, match="K/V heads"):
+        forward(q, q, q, algorithm="fa3")
+
+
 @pytest.mark.parametrize("kwargs, error, match", [
     (dict(q_descale=-1.0), ValueError, "positive"),
     (dict(k_descale=float("nan")), ValueError, "positive"),
