@@ -55,8 +55,9 @@ WARPGROUP = 128
 class Fa3Layout:
     """Where things live in the block's shared memory (byte offsets from the 1024-aligned base):
     the Q tile (``head_dim / 64`` boxes of ``block_m`` rows x 128 bytes), ``stages`` slots of K and
-    V (boxes of ``block_n`` rows; e4m3: V^T, boxes of ``D`` rows of :func:`value_row_bytes` keys), then the mbarriers (8 bytes each): Q's, and per slot K's and V's
-    full (the producer's TMA bytes landed) and K's and V's empty (every consumer thread is done with them)."""
+    V (boxes of ``block_n`` rows; e4m3: V^T, boxes of ``D`` rows of :func:`value_row_bytes` keys),
+    then the mbarriers (8 bytes each): Q's, and per slot K's and V's full (the producer's TMA bytes
+    landed) and K's and V's empty (every consumer thread is done with them)."""
 
     def __init__(self, head_dim: int, block_m: int, block_n: int, stages: int, elem_bytes: int = 2):
         self.head_dim, self.block_m, self.block_n, self.stages = head_dim, block_m, block_n, stages
