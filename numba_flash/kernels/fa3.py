@@ -712,7 +712,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             for r in range(2):
                 at = q_at + (16 * w + g + 8 * r) * hopper.BOX_BYTES + 4 * t  # the row's word t of box 0
                 for j in range(D // 8):  # columns 8j + 2t, 8j + 2t + 1: box j // 8, 16-byte chunk j % 8 of the
-                    # row, which the 128-byte swizzle (hopper.swizzle_128b) puts at chunk (j % 8) ^ (row % 8)
+                    # row, which the 128-byte swizzle (hopper.swizzle) puts at chunk (j % 8) ^ (row % 8)
                     hopper.st_shared_b32(smem, at + (j // 8) * Q_BOX + ((j % 8) ^ g) * 16,
                                          pack(o_acc[4 * j + 2 * r] * l_run[r], o_acc[4 * j + 2 * r + 1] * l_run[r]))
             hopper.fence_proxy_async()

@@ -14,7 +14,7 @@ base is 0). Every primitive takes ``smem`` first so that its twin can reach the 
 
 - **Tiles** are 16-bit or 8-bit (e4m3), in boxes of 128-byte rows (64 or 128 columns) written by TMA with
   ``CU_TENSOR_MAP_SWIZZLE_128B``: byte ``a`` of a row-major box lands at ``a ^ (((a >> 7) & 7) << 4)``
-  (the 16-byte chunk index XOR the row modulo 8; :func:`swizzle_128b`), which is also the layout
+  (the 16-byte chunk index XOR the row modulo 8; :func:`swizzle`), which is also the layout
   ``wgmma`` reads with the 128-byte swizzle mode. fp8's V^T may also come in boxes of 64- or
   32-byte rows (SWIZZLE_64B / 32B, :func:`swizzle`: the chunk index XOR fewer address bits), so
   that a K/V tile of 192 or 224 keys is whole boxes.
@@ -96,11 +96,6 @@ def swizzle(address, row_bytes=BOX_BYTES):
     index XOR the address's bits 7 and up, modulo the row's chunks (CUTLASS's ``Swizzle<3|2|1, 4, 3>``
     on byte addresses; a 64-byte swizzle pairs rows, the pattern repeats every 8 x ``row_bytes``)."""
     return address ^ (((address >> 7) & (row_bytes // 16 - 1)) << 4)
-
-
-def swizzle_128b(address):
-    """Where byte ``address`` of a row-major 128-byte-row box lives (TMA's SWIZZLE_128B)."""
-    return swizzle(address, 128)
 
 
 if simulated():
@@ -250,7 +245,7 @@ if simulated():
             r1, c1 = min(rows, max(0, dst.shape[2] - n0)), min(cols, max(0, dst.shape[3] - d0))
             if r1 > 0 and c1 > 0:
                 rr, cc = np.meshgrid(np.arange(r1), np.arange(c1), indexing="ij")
-                words = smem.view(unit)[swizzle_128b(int(src) + rr * BOX_BYTES + cc * elem_bytes) // elem_bytes]
+                words = smem.view(unit)[swizzle(int(src) + rr * BOX_BYTES + cc * elem_bytes) // elem_bytes]
                 dst[b, h, n0:n0 + r1, d0:d0 + c1] = words
 
         return store
@@ -366,7 +361,7 @@ if simulated():
             raise ValueError(f"an N-major operand of {row_bytes}-byte swizzled rows (the twin reads 128)")
         k, c = np.meshgrid(np.arange(16), np.arange(n), indexing="ij")
         addr = start + (c // BOX_COLS) * lbo + (k // 8) * sbo + (k % 8) * 128 + (c % BOX_COLS) * 2
-        return _operand_values(smem.view(np.uint16)[swizzle_128b(addr) // 2], kind)
+        return _operand_values(smem.view(np.uint16)[swizzle(addr) // 2], kind)
 
     def _accumulate(acc, a_rows, b, n, scale_d):
         """acc (this thread's fragment, any shape, read flat) = scale_d * acc + (A B) at the thread's entries."""

@@ -50,6 +50,10 @@ def group_key(g, i):
     return 16 * half + 2 * t + (i & 1) + 8 * (i >> 1)
 
 
+# the four keys of an output word, from its first: group_key(g, i) - group_key(g, 0), any g
+KEY_STEPS = tuple(group_key.py_func(0, i) for i in range(4))  # (0, 1, 8, 9)
+
+
 @device_jit
 def byte_columns(a, b, c, d, columns, row, g):
     """The 4 x 4 byte transpose of rows ``a``, ``b``, ``c``, ``d``: column ``e`` (byte ``e`` of each,
@@ -82,17 +86,17 @@ def transpose_values(v_words, vt_words, n_k, row_words, d_rows, vt_row):
     keys, words, rows, out_row = uint32(n_k), uint32(row_words), uint32(d_rows), uint32(vt_row)
     tid = uint32(cuda.threadIdx.x)
     lane, warp = tid % uint32(32), tid // uint32(32)
-    # loads: word `lane` of the four keys of group `warp + 8 r`: keys key0 + 32 r + (0, 1, 8, 9)
-    key0 = uint32(16) * (warp // uint32(4)) + uint32(2) * (warp % uint32(4))  # group_key(warp, 0)
+    # loads: word `lane` of the four keys of group `warp + 8 r`: keys key0 + 32 r + KEY_STEPS
+    key0 = uint32(group_key(warp, uint32(0)))
     at = (bh * uint64(keys) + uint64(k0 + key0)) * uint64(words) + uint64(w0 + lane)
     step = uint64(words)
     if k0 + uint32(TILE_KEYS) <= keys and w0 + uint32(IN_WORDS) <= words:  # inside V: no tests
         for r in range(LOAD_TASKS):
             first = at + uint64(32 * r) * step
             a = v_words[first]
-            b = v_words[first + step]
-            c = v_words[first + uint64(8) * step]
-            d = v_words[first + uint64(9) * step]
+            b = v_words[first + uint64(KEY_STEPS[1]) * step]
+            c = v_words[first + uint64(KEY_STEPS[2]) * step]
+            d = v_words[first + uint64(KEY_STEPS[3]) * step]
             byte_columns(a, b, c, d, tile, uint32(4) * lane, warp + uint32(8 * r))
     else:
         for r in range(LOAD_TASKS):
@@ -105,12 +109,12 @@ def transpose_values(v_words, vt_words, n_k, row_words, d_rows, vt_row):
             if w0 + lane < words:
                 if key < keys:
                     a = v_words[first]
-                if key + uint32(1) < keys:
-                    b = v_words[first + step]
-                if key + uint32(8) < keys:
-                    c = v_words[first + uint64(8) * step]
-                if key + uint32(9) < keys:
-                    d = v_words[first + uint64(9) * step]
+                if key + uint32(KEY_STEPS[1]) < keys:
+                    b = v_words[first + uint64(KEY_STEPS[1]) * step]
+                if key + uint32(KEY_STEPS[2]) < keys:
+                    c = v_words[first + uint64(KEY_STEPS[2]) * step]
+                if key + uint32(KEY_STEPS[3]) < keys:
+                    d = v_words[first + uint64(KEY_STEPS[3]) * step]
             byte_columns(a, b, c, d, tile, uint32(4) * lane, warp + uint32(8 * r))
     cuda.syncthreads()
     # stores: word `lane` of head-dim rows `warp + 8 r` (each row's 32 words: 128 contiguous bytes)

@@ -178,7 +178,7 @@ def test_swizzles_permute_each_rows_chunks_by_the_address_bits_above_them(row_by
         key = (row // rows_sharing_a_pattern) % chunks
         assert landed == [c ^ key for c in range(chunks)], (row, landed)
         assert hopper.swizzle(start + 5, row_bytes) % 16 == 5  # bytes within a chunk stay
-    assert hopper.swizzle_128b(3 * 128 + 16) == 3 * 128 + 32
+    assert hopper.swizzle(3 * 128 + 16) == 3 * 128 + 32  # 128-byte rows by default
 
 
 def test_byte_perm_twin_follows_prmt():
