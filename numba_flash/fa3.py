@@ -206,7 +206,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
             block_mask=None, out=None, lse_out=None, variant=None, kv_tile_order=None, stages=None, overlap=True,
             pingpong=True, reallocate=True, poly_exp2=0, rescale_threshold=None, tma_store=True, q_descale=None,
-            k_descale=None, v_descale=None, packed=None, serial_products=False):
+            k_descale=None, v_descale=None, packed=None):
     """``api.forward`` for ``algorithm="fa3"``: returns ``(o, lse)``. Research knobs (the v2 -> v3
     ablation): ``stages`` (K/V slots), ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining),
     ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg), ``poly_exp2``
@@ -215,9 +215,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     conditional rescaling, a row's max moves only when a tile exceeds it by more than this, so most
     tiles leave O unscaled; 0: the papers' every-tile rescale; ``None``: ``RESCALE_THRESHOLD``),
     ``tma_store`` (O through shared memory and a TMA store, FA-3's epilogue, where
-    :func:`stores_o_by_tma` allows it; ``False``: every thread stores its pairs of O),
-    ``serial_products`` (each wgmma k-step waited for before the next: the 192-row kernel's
-    serialized products in a 128-row one, performance log 27's test of block_m = 192's bits).
+    :func:`stores_o_by_tma` allows it; ``False``: every thread stores its pairs of O).
     float8_e4m3fn
     inputs: ``q_descale`` / ``k_descale`` / ``v_descale`` (``numba_flash.fp8.descales``), bfloat16 out.
     ``packed``: a ``varlen.PackedBatch`` (``attention_varlen``): q, k, v, ``out`` and ``lse_out`` are
@@ -226,7 +224,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     key = None
     if (alibi_slopes is None and block_mask is None and packed is None and none_given(mask_mod, score_mod, mod_args)
             and q_descale is None and k_descale is None and v_descale is None and stages is None
-            and all(x is True for x in (overlap, pingpong, reallocate, tma_store)) and serial_products is False
+            and all(x is True for x in (overlap, pingpong, reallocate, tma_store))
             and type(poly_exp2) is int and poly_exp2 == 0 and rescale_threshold is None):  # the call of attention(..., algorithm="fa3"): a plan's signature
         key = _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits, window_size, softcap)
     plan = _PLANS.get(key)
@@ -300,8 +298,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             o[...] = 0
             lse[...] = -math.inf
             return o, lse
-        schedule = (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2), float(threshold),
-                    bool(serial_products))
+        schedule = (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2), float(threshold))
         splits = 1 if packed is not None else _splits(num_splits, p, D, int(bm), int(bn), int(st), ctx.device_id)
         _check_grid(p, splits, packed, fp8)
         if splits == 1:
@@ -426,8 +423,7 @@ def _tma_copy(x):
 
 
 def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overlap=True, pingpong=True,
-               reallocate=True, poly_exp2=0, rescale_threshold=None, serial_products=False, varlen=False, split=False,
-               tma_store=False):
+               reallocate=True, poly_exp2=0, rescale_threshold=None, varlen=False, split=False, tma_store=False):
     """The compiled-on-demand FA-3 kernel of checked problem ``p`` (``problem.Problem``) at the
     kernel's ``head_dim`` and these tiles and schedule switches (``varlen``: a packed batch's;
     ``split``: split-KV's partials; ``tma_store``: O written by TMA, :func:`stores_o_by_tma`)."""
@@ -437,7 +433,7 @@ def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overla
         rescale_threshold = RESCALE_THRESHOLD[p.dtype == FP8_DTYPE]
     return fa3_kernel(head_dim, block_m, block_n, stages, p.window, KERNEL_KIND[p.dtype], overlap, pingpong,
                       registers(block_m) if reallocate else None, p.softcap > 0, p.alibi, p.user_mods, bool(varlen),
-                      int(poly_exp2), bool(split), float(rescale_threshold), bool(tma_store), bool(serial_products))
+                      int(poly_exp2), bool(split), float(rescale_threshold), bool(tma_store))
 
 
 def stores_o_by_tma(ko, kind: str, fp8: bool, splits: int) -> bool:

@@ -113,7 +113,7 @@ def check_fa3_tiles(head_dim: int, block_m: int, block_n: int, stages: int, kind
 def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, kind: str, overlap: bool = True,
                pingpong: bool = True, registers=(24, 240), softcap: bool = False, alibi: bool = False,
                user_mods=None, varlen: bool = False, poly_exp2: int = 0, split: bool = False,
-               rescale_threshold: float = 0.0, tma_store: bool = False, serial_products: bool = False):
+               rescale_threshold: float = 0.0, tma_store: bool = False):
     """The FA-3 forward kernel for one configuration (all compile-time):
     ``kernel(q, k, v, o, lse, tmap_q, tmap_k, tmap_v, tmap_o, scale_log2, n_q, n_k, group, q_descale, k_descale,
     v_descale, softcap_log2, alibi, seqlens[, mod_args[, walk_counts, walk_lists]])``.
@@ -147,9 +147,6 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     ones only). With softcap, ALiBi or a ``score_mod`` the tile is scaled first, then modified,
     then masked; without (a ``mask_mod`` alone only hides entries), the scale stays folded into the
     row max and the exponentials' FFMA (not one instruction more).
-
-    ``serial_products``: each wgmma k-step waited for before the next (a research switch: the
-    128-row kernel with the 192-row kernel's serialized products, performance log 27).
 
     ``rescale_threshold`` (log2 units, 0 to 8; FlashAttention-4's conditional rescaling): a row's
     running max m moves only when a tile's row max exceeds it by more than this, so most tiles
@@ -209,7 +206,6 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     SOFTCAP, ALIBI, USER, VARLEN = bool(softcap), bool(alibi), user_mods is not None, bool(varlen)
     SPLIT = bool(split)
     TMA_STORE = bool(tma_store)
-    SERIAL = bool(serial_products)  # each wgmma of a product waited for before the next (an experiment)
     if TMA_STORE and (FP8 or SPLIT):
         raise ValueError("fa3: tma_store writes 16-bit O over the Q tile (not fp8's bfloat16 O, not split partials)")
     if SPLIT and VARLEN:
@@ -296,7 +292,6 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             box, kk = ks // 4, ks % 4
             qk(smem, s_acc, hopper.descriptor_at(desc_q, box * Q_BOX + kk * 32),
                hopper.descriptor_at(desc_k, box * KV_BOX + kk * 32), ks)
-            serialized(ks, S_STEPS)
 
     @device_jit
     def pv_product(smem, base, o_acc, p, s):
@@ -306,17 +301,6 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
         for kk in range(PV_STEPS):
             pv(smem, o_acc, p[4 * kk], p[4 * kk + 1], p[4 * kk + 2], p[4 * kk + 3],
                hopper.descriptor_at(desc_v, v_step(kk)), 1)
-            serialized(kk, PV_STEPS)
-
-    @device_jit
-    def serialized(step, steps):
-        """``serial_products``: the k-step just issued waited for before the next is issued, so each
-        partial sum goes through the registers (what ptxas does to the 192-row kernel at D = 128 under
-        register pressure; performance log 27's test of why its bits differ). Otherwise nothing."""
-        if SERIAL and step < steps - 1:
-            hopper.wgmma_commit()
-            hopper.wgmma_wait(0)
-            hopper.wgmma_fence()
 
     @device_jit
     def v_descriptor(v_at):
