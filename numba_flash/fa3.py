@@ -25,6 +25,7 @@ import contextlib
 import functools
 import math
 from dataclasses import replace
+from typing import NamedTuple
 
 import numpy as np
 
@@ -109,26 +110,27 @@ def tma_ready(x) -> bool:
     return all(s % TMA_ALIGNMENT == 0 and s > 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
 
 
-def tensor_map(x, rows: int, dtype: str, device_id: int, row_bytes: int = 128):
+def tensor_map(x, rows: int, dtype: str, device_id: int, row_bytes: int = 128, stream_ptr: int = 0):
     """The ``CUtensorMap`` (16 uint64 words in device memory, a numba device array) that lets TMA
     copy ``rows x row_bytes``-byte boxes (128 bytes: 64 16-bit or 128 8-bit elements; fp8's V^T
     also 64 or 32) of the (B, H, N, D) array ``x`` (a ``launch.DeviceArray``; ``dtype`` its element
     type's name) with the swizzle of that row (``kernels.hopper.swizzle``), zeros past its ends;
-    made once per pointer, shape, strides and box."""
-    return _map_entry(x, rows, dtype, device_id, row_bytes)[0]
+    made once per pointer, shape, strides and box, its words copied on the stream ``stream_ptr``
+    (the launch's: :func:`_kept_entry`)."""
+    return _map_entry(x, rows, dtype, device_id, row_bytes, stream_ptr).words
 
 
-def tensor_map_address(x, rows: int, dtype: str, device_id: int) -> int:
+def tensor_map_address(x, rows: int, dtype: str, device_id: int, row_bytes: int = 128, stream_ptr: int = 0) -> int:
     """The device address of :func:`tensor_map`'s words (a plan's launch takes it as a pointer)."""
-    return _map_entry(x, rows, dtype, device_id)[1]
+    return _map_entry(x, rows, dtype, device_id, row_bytes, stream_ptr).address
 
 
-def _map_entry(x, rows: int, dtype: str, device_id: int, row_bytes: int = 128):
+def _map_entry(x, rows: int, dtype: str, device_id: int, row_bytes: int, stream_ptr: int):
     return _kept_entry((device_id, x.ptr, x.shape, x.strides, dtype, rows, row_bytes),
-                       lambda: _encoded(x, rows, dtype, row_bytes))
+                       lambda: _encoded(x, rows, dtype, row_bytes), stream_ptr)
 
 
-def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds) -> object:
+def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds, stream_ptr: int = 0) -> object:
     """A packed batch's maps (API.md 2d): ``(B, 16)`` words in device memory, row ``b`` the map of
     sequence ``b``'s rows ``bounds[b] .. bounds[b + 1]`` of the ``(1, H, total, D)`` view ``x``
     alone, so that TMA reads zeros past that sequence's end (not the next sequence's rows); made
@@ -142,33 +144,69 @@ def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds) -> object:
                                                                                      x.shape[3])), rows, dtype)
                          for a, b in zip(bounds[:-1], bounds[1:])])
 
-    return _kept(key, make)
+    return _kept_entry(key, make, stream_ptr).words
 
 
-def _kept(key, make):
+class _KeptWords:
+    """A kept map's device words, their address, and while their copy may be in flight the pinned
+    host words it reads and the event recorded after it on the stream it was queued on."""
+
+    __slots__ = ("words", "address", "host", "copied", "stream_ptr")
+
+    def __init__(self, words, address, host, copied, stream_ptr):
+        self.words, self.address, self.host, self.copied, self.stream_ptr = words, address, host, copied, stream_ptr
+
+
+def _kept_entry(key, make, stream_ptr: int = 0) -> _KeptWords:
     """The device words of ``make()`` (NumPy uint64), made once per ``key`` and kept (the least
-    recently used dropped first)."""
-    return _kept_entry(key, make)[0]
-
-
-def _kept_entry(key, make):
-    """(device words, their address) of :func:`_kept`."""
+    recently used dropped first). A new entry's words are copied from pinned memory on the stream
+    ``stream_ptr`` (the launch's, which the copy precedes in order) without waiting: no drain of the
+    GPU (the former copy on a stream of its own, synchronized, stopped the whole device per new
+    pointer: ~0.15 ms a map on the H200), and a CUDA graph being captured on that stream can hold it.
+    A launch on another stream while the copy may be in flight waits for its event first."""
     hit = _MAPS.get(key)
     if hit is not None:
         _MAPS.move_to_end(key)
+        if hit.copied is not None:
+            _settle(hit, stream_ptr)
         return hit
-    from numba_flash._cuda import cuda
     from numba_flash.launch import device_array
 
-    # copied on a stream of its own and waited for: a pageable copy may return before its DMA lands,
-    # and a kernel on the caller's stream (a non-blocking one too) must read the whole map
-    stream = cuda.stream()
-    words = cuda.to_device(make(), stream=stream)
-    stream.synchronize()
-    entry = _MAPS[key] = (words, device_array(words, "numba").ptr)
+    words, host, copied = _device_words(make(), stream_ptr)
+    entry = _MAPS[key] = _KeptWords(words, device_array(words, "numba").ptr, host, copied, stream_ptr)
     if len(_MAPS) > _MAPS_KEPT:
         _MAPS.popitem(last=False)
     return entry
+
+
+def _device_words(words: np.ndarray, stream_ptr: int):
+    """``(device copy, pinned host words, event after the copy)``: ``words`` queued for the device
+    on the stream ``stream_ptr`` (0: the legacy default stream). The host words stay with the entry
+    (freeing pinned memory can synchronize the device)."""
+    from numba_flash._cuda import cuda
+
+    host = cuda.pinned_array(words.shape, np.uint64)
+    host[...] = words
+    stream = _numba_stream(stream_ptr)
+    device = cuda.to_device(host, stream=stream)
+    copied = cuda.event(timing=False)
+    copied.record(stream)
+    return device, host, copied
+
+
+def _numba_stream(stream_ptr: int):
+    from numba_flash._cuda import cuda
+
+    return cuda.legacy_default_stream() if stream_ptr == 0 else cuda.external_stream(stream_ptr)
+
+
+def _settle(entry: _KeptWords, stream_ptr: int) -> None:
+    """A hit whose copy may be in flight: forget the event once it has completed; until then a
+    launch on another stream than the copy's waits for it (same stream: ordered already)."""
+    if entry.copied.query():
+        entry.copied = None
+    elif stream_ptr != entry.stream_ptr:
+        entry.copied.wait(_numba_stream(stream_ptr))
 
 
 def _encoded(x, rows: int, dtype: str, row_bytes: int = 128) -> np.ndarray:
@@ -306,8 +344,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             _launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, packed,
                     tma_store=bool(tma_store), recipe=recipe)
             if recipe:  # a plan for later calls of this signature (Fa3Plan), holding the descales' buffers
-                prepared, templates, constants = recipe[0]
-                _PLANS.put(key, _planned(ctx, p, out, lse_out, prepared, templates, (*constants, *owners)))
+                _PLANS.put(key, _planned(ctx, p, out_dtype, recipe[0], owners))
         else:
             _split_launch(ctx, p, q, k, v, o, lse, D, int(bm), int(bn), int(st), schedule, scales, splits)
         del owners
@@ -535,8 +572,9 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
         stream_ptr = 0
     else:
         stream_ptr = ctx.stream_ptr()
+        value_pass = [] if recipe is not None else None
         if fp8:  # V^T in one pass on the caller's stream (kernels.value_transpose)
-            kv = fp8_inputs.transposed_values(kv, stream_ptr, device_id)
+            kv = fp8_inputs.transposed_values(kv, stream_ptr, device_id, value_pass)
         inputs = [x if tma_ready(device_array(x, "cupy")) else _tma_copy(x) for x in (kq, kk, kv)]
         arrays = [device_array(x, "cupy") for x in (*inputs, wide, klse)]
         extra = scales
@@ -545,26 +583,34 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
         mod_tail = [device_array(slopes, ctx.kind), bounds] + [tuple(device_array(a, ctx.kind) for a in arrays_)
                                                                 for arrays_ in mod_arrays]
     if packed is None:
-        maps = [tensor_map(arrays[0], bm, p.dtype, device_id), tensor_map(arrays[1], bn, p.dtype, device_id),
+        maps = [tensor_map(arrays[0], bm, p.dtype, device_id, 128, stream_ptr),
+                tensor_map(arrays[1], bn, p.dtype, device_id, 128, stream_ptr),
                 tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id,  # fp8: V^T's boxes, D rows
-                           value_row_bytes(bn) if fp8 else 128)]
+                           value_row_bytes(bn) if fp8 else 128, stream_ptr)]
         # O: boxes of a consumer warpgroup's 64 rows (without the TMA store, Q's map stands in, unread)
-        maps.append(tensor_map(arrays[3], 64, p.dtype, device_id) if by_tma else maps[0])
+        maps.append(tensor_map(arrays[3], 64, p.dtype, device_id, 128, stream_ptr) if by_tma else maps[0])
     else:  # a map per sequence (its rows alone: zeros past its end; O's: nothing written past it)
         cu_q, cu_k = packed.host_bounds
-        maps = [sequence_maps(arrays[0], bm, p.dtype, device_id, cu_q), sequence_maps(arrays[1], bn, p.dtype, device_id, cu_k),
-                sequence_maps(arrays[2], bn, p.dtype, device_id, cu_k)]
-        maps.append(sequence_maps(arrays[3], 64, p.dtype, device_id, cu_q) if by_tma else maps[0])
+        maps = [sequence_maps(arrays[0], bm, p.dtype, device_id, cu_q, stream_ptr),
+                sequence_maps(arrays[1], bn, p.dtype, device_id, cu_k, stream_ptr),
+                sequence_maps(arrays[2], bn, p.dtype, device_id, cu_k, stream_ptr)]
+        maps.append(sequence_maps(arrays[3], 64, p.dtype, device_id, cu_q, stream_ptr) if by_tma else maps[0])
     args = (arrays + [device_array(m, "numba") for m in maps] + scalars + list(extra) + mods + mod_tail
             + [device_array(x, "numba") for x in lists])
-    if (recipe is not None and ctx.kind != "numpy" and packed is None and not fp8 and user is None and not p.alibi
-            and by_tma and all(x is y for x, y in zip(inputs, (kq, kk, kv)))):
+    if (recipe is not None and ctx.kind != "numpy" and packed is None and user is None and not p.alibi
+            and pairs is not None and all(x is y for x, y in zip(inputs, (kq, kk, kv)))
+            and (not fp8 or value_pass)):  # (O written in place; fp8: V^T read from V where it lies)
         from numba_flash.launch import PointerSlot, prepare_launch
 
         slotted = [a._replace(ptr=PointerSlot(i)) for i, a in enumerate(args[:9])] + args[9:]
-        templates = tuple(zip(arrays[:4], (bm, bn, bn, 64)))  # the maps of q, k, v (boxes of block_n rows) and O
-        recipe.append((prepare_launch(kernel, grid, block, slotted, kernel.fa3_smem, device_id), templates,
-                       (slopes, _no_bounds(device_id))))  # (the placeholders the launch points at, kept)
+        # the maps: (the pointer they describe, its array, box rows, row bytes): q's, k's, v's (fp8: V^T's,
+        # boxes of D rows), and O's (without the TMA store q's stands in, unread)
+        maps_made = ((0, arrays[0], bm, 128), (1, arrays[1], bn, 128),
+                     (2, arrays[2], D, value_row_bytes(bn)) if fp8 else (2, arrays[2], bn, 128),
+                     (3, arrays[3], 64, 128) if by_tma else (0, arrays[0], bm, 128))
+        values = None if not fp8 else (value_pass[0], ctx.allocator(tuple(kv.shape), "uint8"))
+        recipe.append(Fa3Recipe(prepare_launch(kernel, grid, block, slotted, kernel.fa3_smem, device_id), maps_made,
+                                (slopes, _no_bounds(device_id)), values))  # (placeholders the launch points at, kept)
     with compiling(user):
         launch(kernel, grid, block, stream_ptr, args, kernel.fa3_smem, device_id)
     if ctx.kind == "numpy":
@@ -595,19 +641,32 @@ def _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits
             plans.value_key(softcap))
 
 
+class Fa3Recipe(NamedTuple):
+    """What :func:`_launch` leaves for a plan: the kernel's launch prepared with pointer slots (q,
+    k, v -- fp8: V^T --, o, lse, then four tensor maps), the maps as ``(pointer slot, array,
+    box rows, row bytes)``, the device arrays the launch points at (kept alive), and for fp8 the V^T
+    pass (``(its launch prepared with V's and V^T's pointer slots, V^T's allocator)``) or ``None``."""
+
+    prepared: object
+    maps: tuple
+    constants: tuple
+    values: tuple | None
+
+
 class Fa3Plan:
     """A call of one signature, launched (the fa2 plans' idea, ``numba_flash.plans``; fa3's own
     because its launch takes tensor maps, which depend on the pointers): per call the checks that
     depend on addresses (results sharing memory with an input; the 16-byte alignment TMA needs: a
-    misaligned call takes the unplanned path), the results allocated, each array's tensor map
-    looked up by its pointer (encoded once per pointer, :func:`tensor_map_address`), and one launch
-    of the prepared parameters on the caller's current stream."""
+    misaligned call takes the unplanned path), the results allocated, fp8's V^T made (its pass
+    launched into a new buffer), each array's tensor map looked up by its pointer (encoded once per
+    pointer, :func:`tensor_map_address`), and the launches of the prepared parameters on the
+    caller's current stream."""
 
     tile_entries = None  # (fa3's tiles are not autotuned: a plan never goes stale)
 
-    def __init__(self, prepared, templates, results, constants, kind, pointer, stream_ptr, device_id, switch, dtype):
-        self.prepared, self.templates, self.results, self.constants = prepared, templates, results, constants
-        self.kind, self.pointer, self.stream_ptr, self.device_id = kind, pointer, stream_ptr, device_id
+    def __init__(self, recipe: Fa3Recipe, results, owners, kind, pointer, stream_ptr, switch, dtype):
+        self.recipe, self.results, self.owners = recipe, results, owners
+        self.kind, self.pointer, self.stream_ptr, self.device_id = kind, pointer, stream_ptr, recipe.prepared.device_id
         self.switch, self.dtype = switch, dtype
 
     def __call__(self, q, k, v, out, lse_out):
@@ -621,17 +680,26 @@ class Fa3Plan:
             pointers = [read(q), read(k), read(v), read(o), read(lse)]
             if any(ptr % TMA_ALIGNMENT for ptr in pointers[:4]):
                 return None
-            for ptr, (template, rows) in zip(pointers, self.templates):
-                pointers.append(tensor_map_address(template._replace(ptr=ptr), rows, self.dtype, self.device_id))
-            self.prepared(core_stream(self.stream_ptr(), self.device_id), pointers)
+            stream_ptr = self.stream_ptr()
+            stream = core_stream(stream_ptr, self.device_id)
+            values = self.recipe.values
+            if values is not None:  # fp8: V^T into a new buffer, kept until the kernel is queued
+                transpose, allocate = values
+                vt = allocate()
+                transpose(stream, (pointers[2], read(vt)))
+                pointers[2] = read(vt)
+            for slot, template, rows, row_bytes in self.recipe.maps:
+                pointers.append(tensor_map_address(template._replace(ptr=pointers[slot]), rows, self.dtype,
+                                                   self.device_id, row_bytes, stream_ptr))
+            self.recipe.prepared(stream, pointers)
         return o, lse
 
 
-def _planned(ctx, p, out, lse_out, prepared, templates, constants) -> Fa3Plan:
+def _planned(ctx, p, out_dtype: str, recipe: Fa3Recipe, owners) -> Fa3Plan:
     B, H, Nq, Dq = p.q_shape
-    results = (ctx.allocator((B, H, Nq, Dq), p.dtype), ctx.allocator((B, H, Nq), "float32"))
-    return Fa3Plan(prepared, templates, results, constants, ctx.kind, pointer_reader(ctx.kind),
-                   ctx.stream_ptr_reader(), prepared.device_id, ctx.device_switch(), p.dtype)
+    results = (ctx.allocator((B, H, Nq, Dq), out_dtype), ctx.allocator((B, H, Nq), "float32"))
+    return Fa3Plan(recipe, results, tuple(owners), ctx.kind, pointer_reader(ctx.kind), ctx.stream_ptr_reader(),
+                   ctx.device_switch(), p.dtype)
 
 
 def _pairs_view(x, width: int):

@@ -58,10 +58,13 @@ def byte_view(x, kind: str):
     return x.view(np.uint8)
 
 
-def transposed_values(v_bytes, stream_ptr: int = 0, device_id=None):
+def transposed_values(v_bytes, stream_ptr: int = 0, device_id=None, recipe=None):
     """V^T of ``v_bytes`` (B, Hkv, Nk, D) uint8: (B, Hkv, D, Nk') C-contiguous, Nk' = Nk rounded up
     to 32 (zero keys past Nk), each 32 keys in :func:`value_order`. NumPy (the simulator): array
-    operations; CuPy: one pass of ``kernels.value_transpose`` on the stream ``stream_ptr``."""
+    operations; CuPy: one pass of ``kernels.value_transpose`` on the stream ``stream_ptr``.
+    ``recipe`` (CuPy): a list that gets, where the pass read ``v_bytes`` where it lies (no copy),
+    the pass prepared with pointer slots (V's, then V^T's; ``launch.prepare_launch``), for a
+    plan's later calls."""
     B, H, N, D = v_bytes.shape
     padded_n = -(-N // KEY_CHUNK) * KEY_CHUNK
     if isinstance(v_bytes, np.ndarray):
@@ -74,7 +77,7 @@ def transposed_values(v_bytes, stream_ptr: int = 0, device_id=None):
     from numba_flash.kernels.value_transpose import THREADS, TILE_BYTES, TILE_KEYS, transpose_values
     from numba_flash.launch import device_array, launch
 
-    words = _word_view(v_bytes)
+    words = in_place = _word_view(v_bytes)
     if words is None:  # rows that are not whole aligned words: a padded copy (D to a multiple of 16)
         from numba_flash.arrays import zero_padded
 
@@ -83,9 +86,14 @@ def transposed_values(v_bytes, stream_ptr: int = 0, device_id=None):
     row_words = words.shape[3]
     vt = cupy.empty((B, H, D, padded_n), np.uint8)
     grid = (-(-padded_n // TILE_KEYS), -(-row_words * 4 // TILE_BYTES), B * H)
-    launch(transpose_values, grid, (THREADS,), stream_ptr,
-           [device_array(words.reshape(-1), "cupy"), device_array(vt.view(np.uint32).reshape(-1), "cupy"), np.int32(N),
-            np.int32(row_words), np.int32(D), np.int32(padded_n // 4)], 0, device_id)
+    args = [device_array(words.reshape(-1), "cupy"), device_array(vt.view(np.uint32).reshape(-1), "cupy"), np.int32(N),
+            np.int32(row_words), np.int32(D), np.int32(padded_n // 4)]
+    launch(transpose_values, grid, (THREADS,), stream_ptr, args, 0, device_id)
+    if recipe is not None and in_place is not None and words.data.ptr == in_place.data.ptr:  # (no copy made)
+        from numba_flash.launch import PointerSlot, prepare_launch
+
+        slotted = [a._replace(ptr=PointerSlot(i)) for i, a in enumerate(args[:2])] + args[2:]
+        recipe.append(prepare_launch(transpose_values, grid, (THREADS,), slotted, 0, device_id))
     return vt
 
 

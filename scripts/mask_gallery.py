@@ -214,11 +214,17 @@ def check(kwargs, window, dtype, backward, seq, torch, algorithm="fa2") -> str:
     return "ok"
 
 
-def median_ms(fn, torch, repeats=10):
+def median_ms(fn, torch, repeats=10, warmup_s=0.2):
     """The median GPU time of ``repeats`` calls queued back to back (events around each, one
-    synchronisation at the end: the host's launch work overlaps the GPU's, as in a model's step)."""
+    synchronisation at the end: the host's launch work overlaps the GPU's, as in a model's step),
+    after ``warmup_s`` seconds of the same call: on the H200 the first ~30 calls of a case timed right
+    after another case's can read 5-15% slow (performance log 28), a warm-up of one call is not enough."""
     fn()
     torch.cuda.synchronize()
+    start = time.perf_counter()
+    while time.perf_counter() - start < warmup_s:
+        fn()
+        torch.cuda.synchronize()
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
     for a, b in events:
         a.record()

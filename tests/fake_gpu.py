@@ -130,9 +130,16 @@ class FakeCupyArray:
         pass  # no memory: the fake records layouts, not data
 
     def view(self, dtype):
+        """Same-size dtypes as they stand; another size, as CuPy does, through a last dimension of
+        unit stride whose bytes the new size divides."""
         dtype = np.dtype(dtype)
-        assert dtype.itemsize == self.itemsize, "the fake views only same-size dtypes"
-        return FakeCupyArray(self.shape, dtype, self.strides, self.data.ptr, self.device.id)
+        shape, strides = self.shape, self.strides
+        if dtype.itemsize != self.itemsize:
+            assert strides[-1] == self.itemsize and shape[-1] * self.itemsize % dtype.itemsize == 0, \
+                "the fake views another size only through a contiguous last dimension"
+            shape = shape[:-1] + (shape[-1] * self.itemsize // dtype.itemsize,)
+            strides = strides[:-1] + (dtype.itemsize,)
+        return FakeCupyArray(shape, dtype, strides, self.data.ptr, self.device.id)
 
     def astype(self, dtype, copy=True):
         return FakeCupyArray(self.shape, dtype)
@@ -151,6 +158,7 @@ def _cupy_module():
     cupy.ndarray = FakeCupyArray
     cupy.empty = lambda shape, dtype=np.float32: FakeCupyArray(shape if isinstance(shape, tuple) else (shape,), dtype)
     cupy.zeros = cupy.empty
+    cupy.ascontiguousarray = lambda x: x if x.flags.c_contiguous else FakeCupyArray(x.shape, x.dtype)
     cupy.asarray = lambda x: x if isinstance(x, FakeCupyArray) else FakeCupyArray(np.shape(x), np.asarray(x).dtype)
     cupy.lib = types.SimpleNamespace(stride_tricks=types.SimpleNamespace(
         as_strided=lambda x, shape, strides: FakeCupyArray(shape, x.dtype, strides, x.data.ptr, x.device.id)))
@@ -182,7 +190,8 @@ class FakeTorchDtype:
 
 
 _TORCH_DTYPES = {name: FakeTorchDtype(name, size) for name, size in
-                 (("float16", 2), ("bfloat16", 2), ("float32", 4), ("int32", 4), ("uint16", 2))}
+                 (("float16", 2), ("bfloat16", 2), ("float32", 4), ("int32", 4), ("uint16", 2),
+                  ("float8_e4m3fn", 1), ("uint8", 1))}
 
 
 class FakeDevice:

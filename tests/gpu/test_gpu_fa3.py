@@ -164,10 +164,12 @@ def test_fa3_output_through_tma_in_place():
     assert torch.equal(out, threads) and torch.equal(lse, threads_lse)
 
 
-def test_fa3_plans_launch_the_unplanned_kernel_on_each_calls_arrays():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
+def test_fa3_plans_launch_the_unplanned_kernel_on_each_calls_arrays(dtype):
     """A signature's later calls (``fa3.Fa3Plan``): new inputs and results each time (new pointers,
-    their own tensor maps), each call bitwise the unplanned path's on the same inputs, every
-    element of a poisoned ``out`` written; a misaligned view takes the unplanned path."""
+    their own tensor maps; fp8: a new V^T each call), each call bitwise the unplanned path's on the
+    same inputs, every element of a poisoned ``out`` written; a misaligned view takes the unplanned
+    path."""
     torch = _hopper()
     import unittest.mock
 
@@ -175,9 +177,10 @@ def test_fa3_plans_launch_the_unplanned_kernel_on_each_calls_arrays():
     from numba_flash import api, fa3, plans
 
     plans.clear()
+    dtype = getattr(torch, dtype)
     shape = (2, 4, 2, 300, 517, 128)
     for seed in range(3):
-        q, k, v = _inputs(torch, shape, torch.bfloat16, seed=20 + seed)
+        q, k, v = (x.to(dtype) for x in _inputs(torch, shape, torch.bfloat16, seed=20 + seed))
         out = torch.full((2, 4, 300, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
         o, lse = api.forward(q, k, v, causal=True, algorithm="fa3", out=out)
         o2, lse2 = numba_flash.attention(q, k, v, causal=True, algorithm="fa3", return_lse=True)
@@ -187,12 +190,42 @@ def test_fa3_plans_launch_the_unplanned_kernel_on_each_calls_arrays():
         assert torch.equal(out, ref) and torch.equal(o2, ref) and torch.equal(lse, ref_lse) and torch.equal(lse2, ref_lse)
     assert len(fa3._PLANS) == 2  # (results given, results made: two signatures)
     big = torch.randn(2, 4, 301, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
-    q_off = big.to(torch.bfloat16).flatten()[1:1 + q.numel()].view(q.shape)  # 2 bytes past alignment
+    q_off = big.to(dtype).flatten()[1:1 + q.numel()].view(q.shape)  # 1 element past alignment
     o3 = numba_flash.attention(q_off, k, v, causal=True, algorithm="fa3")
     with unittest.mock.patch.object(fa3, "_plan_key", lambda *a: None):
         ref3 = numba_flash.attention(q_off, k, v, causal=True, algorithm="fa3")
     _finish(torch)
     assert torch.equal(o3, ref3)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn"])
+def test_fa3_new_pointers_do_not_wait_for_the_gpu(dtype):
+    """A call on arrays never seen (new tensor maps to encode and copy) returns while the caller's
+    stream is still busy with earlier work: the maps' copies are queued on that stream, not waited
+    for (``fa3._kept_entry``); and a call on another stream reads the completed maps. Each result
+    is the same call's on a quiet GPU."""
+    torch = _hopper()
+    import numba_flash
+    from numba_flash import fa3, plans
+
+    plans.clear()
+    fa3._MAPS.clear()
+    dtype = getattr(torch, dtype)
+    q, k, v = (x.to(dtype) for x in _inputs(torch, (1, 4, 2, 300, 700, 128), torch.float16, seed=31))
+    ref = numba_flash.attention(q, k, v, causal=True, algorithm="fa3")
+    _finish(torch)
+    fa3._MAPS.clear()
+    q2, k2, v2 = (x.clone() for x in (q, k, v))  # new pointers, the same values
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of the GPU's clock queued first
+    o = numba_flash.attention(q2, k2, v2, causal=True, algorithm="fa3")
+    assert not torch.cuda.current_stream().query(), "the call waited for the GPU to drain"
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the same maps (kept), used on another stream
+        o_side = numba_flash.attention(q2, k2, v2, causal=True, algorithm="fa3")
+    torch.cuda.current_stream().wait_stream(side)
+    _finish(torch)
+    assert torch.equal(o, ref) and torch.equal(o_side, ref)
 
 
 def _fp8_inputs(torch, shape, seed=11):

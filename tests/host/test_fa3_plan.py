@@ -2,11 +2,14 @@
 CuPy arrays or torch tensors is checked once per signature and then only launched, each call's
 tensor maps looked up by its arrays' pointers; the launch is the unplanned path's, parameter for
 parameter; what depends on addresses (TMA's 16-byte alignment, results sharing memory with an
-input) is checked on every call; and the calls a plan does not cover (ALiBi, fp8, the research
-knobs, outputs TMA cannot write) keep the unplanned path. The same on a real GPU:
+input) is checked on every call; fp8's plan launches the V^T pass into a new buffer, then the
+kernel on that buffer's map; and the calls a plan does not cover (ALiBi, descales, the research
+knobs, outputs the kernel cannot write in place) keep the unplanned path. The same on a real GPU:
 ``tests/gpu/test_gpu_fa3.py``."""
 
 from __future__ import annotations
+
+import types
 
 import numpy as np
 import pytest
@@ -32,6 +35,9 @@ def gpu(monkeypatch, tmp_path):
     record = fake_gpu.installed(monkeypatch, tmp_path)
     fa3._MAPS.clear()
     monkeypatch.setattr(fa3, "_encoded", lambda x, rows, dtype, row_bytes=128: np.zeros(16, np.uint64))
+    from numba_flash._cuda import cuda
+
+    monkeypatch.setattr(fa3, "_device_words", lambda words, stream_ptr: (cuda.to_device(words), words, None))
     monkeypatch.setattr(fa3, "require_fa3_device", lambda device_id: None)
     one = C((1,), "float32")  # fp8's cached descale of 1 (a 16-bit call's unread stand-in)
     monkeypatch.setattr(fa3.fp8_inputs, "_one", lambda device_id: one)
@@ -57,7 +63,10 @@ CALLS = {  # name: (array maker, q shape, k/v shape, dtype, keyword arguments)
     "torch float16 D64 window softcap": (T, (1, 4, 200, 64), (1, 4, 700, 64), "float16",
                                          dict(window_size=(100, 0), softcap=30.0)),
     "cupy float16 D40 (padded in the kernel)": (C, (1, 2, 100, 40), (1, 2, 100, 40), "float16", {}),
+    "torch float8 causal GQA (V^T pass, then the kernel)": (T, (2, 8, 300, 128), (2, 2, 500, 128), "float8_e4m3fn",
+                                                            dict(causal=True)),
 }
+LAUNCHES = {name: 2 if dtype == "float8_e4m3fn" else 1 for name, (_, _, _, dtype, _) in CALLS.items()}
 
 
 def _call(name, offset=0, **extra):
@@ -69,11 +78,12 @@ def _call(name, offset=0, **extra):
 @pytest.mark.parametrize("name", CALLS)
 def test_a_signature_is_checked_once_then_launched(gpu, name):
     _call(name)
-    assert gpu.checks == 1 and len(gpu.launches) == 1
+    per_call = LAUNCHES[name]
+    assert gpu.checks == 1 and len(gpu.launches) == per_call
     for _ in range(3):
         _call(name)
-    assert gpu.checks == 1 and len(gpu.launches) == 4
-    first, last = gpu.launches[0][2], gpu.launches[-1][2]
+    assert gpu.checks == 1 and len(gpu.launches) == 4 * per_call
+    first, last = gpu.launches[per_call - 1][2], gpu.launches[-1][2]
     assert first != last and len(first) == len(last)  # new arrays, new pointers, new maps
 
 
@@ -102,9 +112,26 @@ def test_each_pointer_gets_its_own_tensor_map(gpu):
         q, k, v = _qkv(make, shape_q, shape_kv, dtype)
         o, lse = numba_flash.attention(q, k, v, algorithm="fa3", return_lse=True)
         params = gpu.launches[-1][2]
-        pointer_of_map = {address: key[1] for key, (_, address) in fa3._MAPS.items()}
+        pointer_of_map = {entry.address: key[1] for key, entry in fa3._MAPS.items()}
         launched = sorted(pointer_of_map[p] for p in params if isinstance(p, int) and p in pointer_of_map)
         assert launched == sorted(x.data.ptr for x in (q, k, v, o))
+    assert gpu.checks == 1
+
+
+def test_fp8_plan_transposes_each_calls_values_into_the_buffer_it_maps(gpu):
+    """fp8's plan: each call's V^T pass reads that call's v and writes a buffer, and the kernel's
+    V map (boxes of D rows) is that buffer's; q's and k's maps are that call's q's and k's."""
+    make, shape_q, shape_kv, dtype, options = CALLS["torch float8 causal GQA (V^T pass, then the kernel)"]
+    for _ in range(3):
+        q, k, v = _qkv(make, shape_q, shape_kv, dtype)
+        numba_flash.attention(q, k, v, algorithm="fa3", **options)
+        transposed, kernel = gpu.launches[-2][2], gpu.launches[-1][2]
+        maps = {entry.address: key for key, entry in fa3._MAPS.items()}
+        mapped = [maps[p] for p in kernel if isinstance(p, int) and p in maps]
+        (values,) = [key for key in mapped if key[5] == shape_kv[3]]  # (device, ptr, shape, strides, dtype, rows, ..)
+        assert values[1] in transposed and v.data_ptr() in transposed and values[1] != v.data_ptr()
+        assert values[2] == (shape_kv[0], shape_kv[1], shape_kv[3], 512)  # (B, Hkv, D, Nk rounded up to 32)
+        assert {key[1] for key in mapped} == {q.data_ptr(), k.data_ptr(), values[1]}
     assert gpu.checks == 1
 
 
@@ -152,8 +179,47 @@ def test_a_bad_knob_raises_after_a_plan_too(gpu, bad):
                                    dict(pingpong=False), dict(poly_exp2=2)], ids=str)
 def test_calls_a_plan_does_not_cover_are_checked_every_time(gpu, extra):
     """The research knobs keep the unplanned path (as do ALiBi, user mods, packed batches, float8
-    and split-KV's two launches, which the plan's conditions name)."""
+    descales and split-KV's two launches, which the plan's conditions name)."""
     make, shape_q, shape_kv, dtype, _ = CALLS["cupy float16"]
     for _ in range(2):
         fa3.forward(*_qkv(make, shape_q, shape_kv, dtype), **extra)
     assert gpu.checks == 2 and len(fa3._PLANS) == 0
+
+
+class _Copy:
+    """A map copy's event: in flight until ``done``; records the streams made to wait for it."""
+
+    def __init__(self):
+        self.done, self.waits = False, []
+
+    def query(self):
+        return self.done
+
+    def wait(self, stream):
+        self.waits.append(stream)
+
+
+def test_a_kept_map_is_waited_for_only_by_another_stream_and_only_while_in_flight(monkeypatch):
+    """fa3._kept_entry queues a new map's copy on the launch's stream (no synchronization): a later
+    launch on that stream is ordered after it, one on another stream waits for the copy's event
+    while it is in flight, and once it has completed nobody waits."""
+    copies = []
+
+    def device_words(words, stream_ptr):
+        copies.append(_Copy())
+        return words, words, copies[-1]
+
+    monkeypatch.setattr(fa3, "_device_words", device_words)
+    monkeypatch.setattr(fa3, "_numba_stream", lambda stream_ptr: ("stream", stream_ptr))
+    monkeypatch.setattr("numba_flash.launch.device_array", lambda x, kind: types.SimpleNamespace(ptr=4096))
+    monkeypatch.setattr(fa3, "_MAPS", type(fa3._MAPS)())
+    make = lambda: np.arange(16, dtype=np.uint64)  # noqa: E731
+    first = fa3._kept_entry("key", make, 5)
+    assert len(copies) == 1 and first.copied is copies[0]
+    assert fa3._kept_entry("key", make, 5) is first and copies[0].waits == []  # the copy's stream: in order
+    fa3._kept_entry("key", make, 7)
+    assert copies[0].waits == [("stream", 7)]  # another stream, copy in flight: it waits
+    copies[0].done = True
+    fa3._kept_entry("key", make, 9)
+    assert copies[0].waits == [("stream", 7)] and first.copied is None  # completed: forgotten, no wait
+    assert len(copies) == 1
