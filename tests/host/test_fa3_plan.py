@@ -37,7 +37,7 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(fa3, "_encoded", lambda x, rows, dtype, row_bytes=128: np.zeros(16, np.uint64))
     from numba_flash._cuda import cuda
 
-    monkeypatch.setattr(fa3, "_device_words", lambda words, stream_ptr: (cuda.to_device(words), words, None))
+    monkeypatch.setattr(fa3, "_device_words", lambda words, stream_ptr, device_id: (cuda.to_device(words), words, None))
     monkeypatch.setattr(fa3, "require_fa3_device", lambda device_id: None)
     one = C((1,), "float32")  # fp8's cached descale of 1 (a 16-bit call's unread stand-in)
     monkeypatch.setattr(fa3.fp8_inputs, "_one", lambda device_id: one)
@@ -205,7 +205,7 @@ def test_a_kept_map_is_waited_for_only_by_another_stream_and_only_while_in_fligh
     while it is in flight, and once it has completed nobody waits."""
     copies = []
 
-    def device_words(words, stream_ptr):
+    def device_words(words, stream_ptr, device_id):
         copies.append(_Copy())
         return words, words, copies[-1]
 
