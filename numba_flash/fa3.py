@@ -24,6 +24,7 @@ import collections
 import contextlib
 import functools
 import math
+import threading
 from dataclasses import replace
 from typing import NamedTuple
 
@@ -110,7 +111,7 @@ def tma_ready(x) -> bool:
     return all(s % TMA_ALIGNMENT == 0 and s > 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
 
 
-def tensor_map(x, rows: int, dtype: str, device_id: int, row_bytes: int = 128, stream_ptr: int = 0):
+def tensor_map(x, rows: int, dtype: str, device_id: int, row_bytes: int, stream_ptr: int):
     """The ``CUtensorMap`` (16 uint64 words in device memory, a numba device array) that lets TMA
     copy ``rows x row_bytes``-byte boxes (128 bytes: 64 16-bit or 128 8-bit elements; fp8's V^T
     also 64 or 32) of the (B, H, N, D) array ``x`` (a ``launch.DeviceArray``; ``dtype`` its element
@@ -120,7 +121,7 @@ def tensor_map(x, rows: int, dtype: str, device_id: int, row_bytes: int = 128, s
     return _map_entry(x, rows, dtype, device_id, row_bytes, stream_ptr).words
 
 
-def tensor_map_address(x, rows: int, dtype: str, device_id: int, row_bytes: int = 128, stream_ptr: int = 0) -> int:
+def tensor_map_address(x, rows: int, dtype: str, device_id: int, row_bytes: int, stream_ptr: int) -> int:
     """The device address of :func:`tensor_map`'s words (a plan's launch takes it as a pointer)."""
     return _map_entry(x, rows, dtype, device_id, row_bytes, stream_ptr).address
 
@@ -130,7 +131,7 @@ def _map_entry(x, rows: int, dtype: str, device_id: int, row_bytes: int, stream_
                        lambda: _encoded(x, rows, dtype, row_bytes), stream_ptr)
 
 
-def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds, stream_ptr: int = 0) -> object:
+def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds, stream_ptr: int) -> object:
     """A packed batch's maps (API.md 2d): ``(B, 16)`` words in device memory, row ``b`` the map of
     sequence ``b``'s rows ``bounds[b] .. bounds[b + 1]`` of the ``(1, H, total, D)`` view ``x``
     alone, so that TMA reads zeros past that sequence's end (not the next sequence's rows); made
@@ -149,66 +150,97 @@ def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds, stream_ptr: 
 
 class _KeptWords:
     """A kept map's device words, their address, and while their copy may be in flight the pinned
-    host words it reads and the event recorded after it on the stream it was queued on."""
+    host words it reads and the event recorded after it."""
 
-    __slots__ = ("words", "address", "host", "copied", "stream_ptr")
+    __slots__ = ("words", "address", "host", "copied")
 
-    def __init__(self, words, address, host, copied, stream_ptr):
-        self.words, self.address, self.host, self.copied, self.stream_ptr = words, address, host, copied, stream_ptr
+    def __init__(self, words, address, host, copied):
+        self.words, self.address, self.host, self.copied = words, address, host, copied
 
 
-def _kept_entry(key, make, stream_ptr: int = 0) -> _KeptWords:
+_LOCK = threading.Lock()  # the kept maps and the chunks their words are cut from (host threads may share them)
+_CAPTURED: dict = {}  # maps a CUDA graph capture used: kept for the process (a graph may replay any time)
+
+
+def _kept_entry(key, make, stream_ptr: int) -> _KeptWords:
     """The device words of ``make()`` (NumPy uint64), made once per ``key`` and kept (the least
     recently used dropped first). A new entry's words are copied from pinned memory on the stream
     ``stream_ptr`` (the launch's, which the copy precedes in order) without waiting: no drain of the
-    GPU (the former copy on a stream of its own, synchronized, stopped the whole device per new
-    pointer: ~0.15 ms a map on the H200), and a CUDA graph being captured on that stream can hold it.
-    A launch on another stream while the copy may be in flight waits for its event first."""
-    hit = _MAPS.get(key)
-    if hit is not None:
-        _MAPS.move_to_end(key)
-        if hit.copied is not None:
-            _settle(hit, stream_ptr)
-        return hit
-    from numba_flash.launch import device_array
+    GPU (a copy synchronized on a stream of its own stopped the whole device per new pointer:
+    ~0.15 ms a map on the H200). A launch on any stream while the copy may be in flight waits for
+    its event (on the copy's own stream, a no-op), until the event has completed.
 
-    words, host, copied = _device_words(make(), stream_ptr, key[0])  # (key[0]: the device)
-    entry = _MAPS[key] = _KeptWords(words, device_array(words, "numba").ptr, host, copied, stream_ptr)
-    if len(_MAPS) > _MAPS_KEPT:
-        _MAPS.popitem(last=False)
-    return entry
+    While ``stream_ptr`` is being captured into a CUDA graph nothing of this is captured: a new map
+    is copied and waited for outside the graph, a pending copy is waited for, and every map the
+    capture uses is kept for the process's life (:data:`_CAPTURED`), never dropped under a graph."""
+    with _LOCK:
+        capturing = _capturing(stream_ptr)
+        hit = _CAPTURED.get(key)
+        if hit is None:
+            hit = _MAPS.get(key)
+            if hit is not None:
+                _MAPS.move_to_end(key)
+        if hit is not None:
+            if hit.copied is not None:
+                _settle(hit, stream_ptr, capturing)
+            if capturing and key not in _CAPTURED:
+                _CAPTURED[key] = _MAPS.pop(key)
+            return hit
+        from numba_flash.launch import device_array
+
+        words, host, copied = _device_words(make(), stream_ptr, key[0], capturing)  # (key[0]: the device)
+        entry = _KeptWords(words, device_array(words, "numba").ptr, host, copied)
+        if capturing:
+            _CAPTURED[key] = entry
+        else:
+            _MAPS[key] = entry
+            if len(_MAPS) > _MAPS_KEPT:
+                _MAPS.popitem(last=False)
+        return entry
 
 
 _MAP_CHUNK_WORDS = 64 * 16  # words of device and pinned memory allocated at once for new maps (64 maps)
 _CHUNKS: dict = {}  # device id -> (device words, pinned host words, words used)
 
 
-def _device_words(words: np.ndarray, stream_ptr: int, device_id: int):
+def _device_words(words: np.ndarray, stream_ptr: int, device_id: int, capturing: bool = False):
     """``(device copy, pinned host words, event after the copy)``: ``words`` queued for the device
     on the stream ``stream_ptr`` (0: the legacy default stream) by the driver's copy (numba's
     ``to_device`` on a stream costs ~80 us of host time more). Both copies are slices of chunks of
     :data:`_MAP_CHUNK_WORDS` words allocated together (an allocation costs ~30 us, pinned or not), a
     slot never reused: a chunk is freed with the last entry that holds a slice of it, as a lone
-    allocation was (freeing pinned memory can synchronize the device: the host words stay with
-    the entry)."""
+    allocation was. ``capturing`` (``stream_ptr`` is being captured into a graph): allocated and
+    copied outside the capture, on a stream of this module's, and waited for (``(..., None, None)``)."""
     from cuda.bindings import driver
 
     from numba_flash._cuda import cuda
 
-    n = words.size
-    device, host, used = _CHUNKS.get(device_id, (None, None, _MAP_CHUNK_WORDS))
-    if used + n > _MAP_CHUNK_WORDS:
-        size = max(n, _MAP_CHUNK_WORDS)
-        device, host, used = cuda.device_array(size, np.uint64), cuda.pinned_array(size, np.uint64), 0
-    _CHUNKS[device_id] = (device, host, used + n)
-    device, host = device[used:used + n], host[used:used + n]
-    host[...] = words.reshape(-1)
-    err, = driver.cuMemcpyHtoDAsync(device.device_ctypes_pointer.value, host.ctypes.data, host.nbytes, stream_ptr)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"copying a tensor map to the device failed ({err})")
-    copied = cuda.event(timing=False)
-    copied.record(_numba_stream(stream_ptr))
+    with _relaxed_capture() if capturing else contextlib.nullcontext(), cuda.gpus[device_id]:
+        n = words.size
+        device, host, used = _CHUNKS.get(device_id, (None, None, _MAP_CHUNK_WORDS))
+        if used + n > _MAP_CHUNK_WORDS:
+            size = max(n, _MAP_CHUNK_WORDS)
+            device, host, used = cuda.device_array(size, np.uint64), cuda.pinned_array(size, np.uint64), 0
+        _CHUNKS[device_id] = (device, host, used + n)
+        device, host = device[used:used + n], host[used:used + n]
+        host[...] = words.reshape(-1)
+        stream = _private_stream(device_id) if capturing else stream_ptr
+        _checked(driver.cuMemcpyHtoDAsync(device.device_ctypes_pointer.value, host.ctypes.data, host.nbytes, stream))
+        if capturing:
+            _checked(driver.cuStreamSynchronize(stream))
+            return device.reshape(words.shape), None, None
+        copied = cuda.event(timing=False)
+        copied.record(_numba_stream(stream_ptr))
     return device.reshape(words.shape), host, copied
+
+
+def _checked(result):
+    from cuda.bindings import driver
+
+    err = result[0]
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"fa3: copying a tensor map to the device failed ({err})")
+    return result[1:]
 
 
 def _numba_stream(stream_ptr: int):
@@ -217,13 +249,49 @@ def _numba_stream(stream_ptr: int):
     return cuda.legacy_default_stream() if stream_ptr == 0 else cuda.external_stream(stream_ptr)
 
 
-def _settle(entry: _KeptWords, stream_ptr: int) -> None:
-    """A hit whose copy may be in flight: forget the event once it has completed; until then a
-    launch on another stream than the copy's waits for it (same stream: ordered already)."""
-    if entry.copied.query():
-        entry.copied = None
-    elif stream_ptr != entry.stream_ptr:
+@functools.lru_cache(maxsize=None)
+def _private_stream(device_id: int) -> int:
+    """A non-blocking stream of this module's on ``device_id`` (a capture's maps are copied on it:
+    no implicit join with the capturing stream)."""
+    from cuda.bindings import driver
+
+    (stream,) = _checked(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    return int(stream)
+
+
+def _capturing(stream_ptr: int) -> bool:
+    """Is ``stream_ptr`` being captured into a CUDA graph?"""
+    from cuda.bindings import driver
+
+    (status,) = _checked(driver.cuStreamIsCapturing(stream_ptr))
+    return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
+
+
+@contextlib.contextmanager
+def _relaxed_capture():
+    """This thread's capture mode relaxed (a capture in global mode forbids allocations and
+    synchronization anywhere in the process), restored after."""
+    from cuda.bindings import driver
+
+    (mode,) = _checked(driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+    try:
+        yield
+    finally:
+        _checked(driver.cuThreadExchangeStreamCaptureMode(mode))
+
+
+def _settle(entry: _KeptWords, stream_ptr: int, capturing: bool) -> None:
+    """A hit whose copy may be in flight: once its event has completed, the event and the pinned
+    words are dropped; until then the launch's stream waits for it (stream handles are not
+    compared: two handles can name one stream). While ``stream_ptr`` is being captured the event
+    is waited for on the host instead (outside the capture)."""
+    if capturing:
+        with _relaxed_capture():
+            entry.copied.synchronize()
+    elif not entry.copied.query():
         entry.copied.wait(_numba_stream(stream_ptr))
+        return
+    entry.copied = entry.host = None
 
 
 def _encoded(x, rows: int, dtype: str, row_bytes: int = 128) -> np.ndarray:
@@ -518,9 +586,9 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
             tma_store=False, recipe=None) -> None:
     """One launch of the kernel into ``o`` / ``lse`` (``splits > 1``: the float32 partials
     ``(splits * B, H, Nq, D)`` and ``(splits * B, H, Nq)``, written as they stand). ``recipe``: a
-    list that gets, where a plan can repeat this launch with new pointers (16-bit, no ALiBi or
-    user mods, rectangular, every array where TMA reads and writes it), the launch prepared with
-    pointer slots (q, k, v, o, lse, then their four tensor maps) and the maps' templates."""
+    list that gets, where a plan can repeat this launch with new pointers (no ALiBi or user mods,
+    rectangular, q, k and v read by TMA where they are, O written in place; fp8: V^T's pass read
+    from V where it is), a :class:`Fa3Recipe`."""
     from numba_flash.alibi import slopes_argument
     from numba_flash.block_sparse import lists_at
     from numba_flash.kernels.fa3 import value_row_bytes

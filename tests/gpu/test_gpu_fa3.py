@@ -179,16 +179,25 @@ def test_fa3_plans_launch_the_unplanned_kernel_on_each_calls_arrays(dtype):
     plans.clear()
     dtype = getattr(torch, dtype)
     shape = (2, 4, 2, 300, 517, 128)
+    planned = []
+    plan_call = fa3.Fa3Plan.__call__
+
+    def counted(self, *args):
+        result = plan_call(self, *args)
+        planned.append(result is not None)
+        return result
+
     for seed in range(3):
         q, k, v = (x.to(dtype) for x in _inputs(torch, shape, torch.bfloat16, seed=20 + seed))
         out = torch.full((2, 4, 300, 128), float("nan"), device="cuda", dtype=torch.bfloat16)
-        o, lse = api.forward(q, k, v, causal=True, algorithm="fa3", out=out)
-        o2, lse2 = numba_flash.attention(q, k, v, causal=True, algorithm="fa3", return_lse=True)
+        with unittest.mock.patch.object(fa3.Fa3Plan, "__call__", counted):
+            o, lse = api.forward(q, k, v, causal=True, algorithm="fa3", out=out)
+            o2, lse2 = numba_flash.attention(q, k, v, causal=True, algorithm="fa3", return_lse=True)
         with unittest.mock.patch.object(fa3, "_plan_key", lambda *a: None):
             ref, ref_lse = numba_flash.attention(q, k, v, causal=True, algorithm="fa3", return_lse=True)
         _finish(torch)
         assert torch.equal(out, ref) and torch.equal(o2, ref) and torch.equal(lse, ref_lse) and torch.equal(lse2, ref_lse)
-    assert len(fa3._PLANS) == 2  # (results given, results made: two signatures)
+    assert len(fa3._PLANS) == 2 and planned == [True] * 4  # (results given, results made: two plans, used twice each)
     big = torch.randn(2, 4, 301, 128, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
     q_off = big.to(dtype).flatten()[1:1 + q.numel()].view(q.shape)  # 1 element past alignment
     o3 = numba_flash.attention(q_off, k, v, causal=True, algorithm="fa3")
@@ -216,16 +225,44 @@ def test_fa3_new_pointers_do_not_wait_for_the_gpu(dtype):
     _finish(torch)
     fa3._MAPS.clear()
     q2, k2, v2 = (x.clone() for x in (q, k, v))  # new pointers, the same values
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(main)  # (the clones), before the sleep: side does not wait for what follows
     torch.cuda._sleep(2_000_000_000)  # ~1 s of the GPU's clock queued first
-    o = numba_flash.attention(q2, k2, v2, causal=True, algorithm="fa3")
-    assert not torch.cuda.current_stream().query(), "the call waited for the GPU to drain"
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # the same maps (kept), used on another stream
+    slept = torch.cuda.Event()
+    slept.record()
+    o = numba_flash.attention(q2, k2, v2, causal=True, algorithm="fa3")  # its maps' copies queued behind the sleep
+    assert not slept.query(), "the call waited for the GPU to drain"
+    with torch.cuda.stream(side):  # the same maps, their copies still in flight on main: side must wait for them
         o_side = numba_flash.attention(q2, k2, v2, causal=True, algorithm="fa3")
-    torch.cuda.current_stream().wait_stream(side)
+    main.wait_stream(side)
     _finish(torch)
     assert torch.equal(o, ref) and torch.equal(o_side, ref)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn"])
+def test_fa3_cuda_graph_replays_with_new_inputs(dtype):
+    """fa3 captured in a CUDA graph (``torch.cuda.graph``, global capture mode) after a first call
+    outside it: the maps new to the capture (its output's; fp8's V^T) are made outside the graph
+    (``fa3._kept_entry``); replays on new values copied into the inputs give the eager call's bits."""
+    torch = _hopper()
+    import numba_flash
+
+    dt = getattr(torch, dtype)
+    shape = (2, 4, 2, 300, 517, 128)
+    q, k, v = (x.to(dt) for x in _inputs(torch, shape, torch.float16, seed=41))
+    numba_flash.attention(q, k, v, causal=True, algorithm="fa3")  # compiled, planned; q's, k's, v's maps made
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        o = numba_flash.attention(q, k, v, causal=True, algorithm="fa3")
+    for seed in (42, 43):
+        new = [x.to(dt) for x in _inputs(torch, shape, torch.float16, seed=seed)]
+        for x, y in zip((q, k, v), new):
+            x.copy_(y)
+        graph.replay()
+        ref = numba_flash.attention(*new, causal=True, algorithm="fa3")
+        _finish(torch)
+        assert torch.equal(o, ref), seed
 
 
 def _fp8_inputs(torch, shape, seed=11):

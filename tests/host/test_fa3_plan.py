@@ -9,6 +9,7 @@ knobs, outputs the kernel cannot write in place) keep the unplanned path. The sa
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 import numpy as np
@@ -37,7 +38,8 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(fa3, "_encoded", lambda x, rows, dtype, row_bytes=128: np.zeros(16, np.uint64))
     from numba_flash._cuda import cuda
 
-    monkeypatch.setattr(fa3, "_device_words", lambda words, stream_ptr, device_id: (cuda.to_device(words), words, None))
+    monkeypatch.setattr(fa3, "_device_words", lambda words, stream_ptr, device_id, capturing: (cuda.to_device(words), words, None))
+    monkeypatch.setattr(fa3, "_capturing", lambda stream_ptr: False)
     monkeypatch.setattr(fa3, "require_fa3_device", lambda device_id: None)
     one = C((1,), "float32")  # fp8's cached descale of 1 (a 16-bit call's unread stand-in)
     monkeypatch.setattr(fa3.fp8_inputs, "_one", lambda device_id: one)
@@ -198,28 +200,67 @@ class _Copy:
     def wait(self, stream):
         self.waits.append(stream)
 
+    def synchronize(self):
+        self.done = self.synchronized = True
 
-def test_a_kept_map_is_waited_for_only_by_another_stream_and_only_while_in_flight(monkeypatch):
-    """fa3._kept_entry queues a new map's copy on the launch's stream (no synchronization): a later
-    launch on that stream is ordered after it, one on another stream waits for the copy's event
-    while it is in flight, and once it has completed nobody waits."""
-    copies = []
 
-    def device_words(words, stream_ptr, device_id):
-        copies.append(_Copy())
+@pytest.fixture
+def kept(monkeypatch):
+    """fa3's kept maps with the device faked: each new map's copy a :class:`_Copy`, streams named
+    ("stream", handle), and which streams are being captured set by the test."""
+    copies, captured_streams = [], set()
+
+    def device_words(words, stream_ptr, device_id, capturing):
+        copies.append(None if capturing else _Copy())
         return words, words, copies[-1]
 
     monkeypatch.setattr(fa3, "_device_words", device_words)
     monkeypatch.setattr(fa3, "_numba_stream", lambda stream_ptr: ("stream", stream_ptr))
+    monkeypatch.setattr(fa3, "_capturing", lambda stream_ptr: stream_ptr in captured_streams)
     monkeypatch.setattr("numba_flash.launch.device_array", lambda x, kind: types.SimpleNamespace(ptr=4096))
     monkeypatch.setattr(fa3, "_MAPS", type(fa3._MAPS)())
-    make = lambda: np.arange(16, dtype=np.uint64)  # noqa: E731
-    first = fa3._kept_entry("key", make, 5)
-    assert len(copies) == 1 and first.copied is copies[0]
-    assert fa3._kept_entry("key", make, 5) is first and copies[0].waits == []  # the copy's stream: in order
-    fa3._kept_entry("key", make, 7)
-    assert copies[0].waits == [("stream", 7)]  # another stream, copy in flight: it waits
+    monkeypatch.setattr(fa3, "_CAPTURED", {})
+    monkeypatch.setattr(fa3, "_relaxed_capture", contextlib.nullcontext)
+    return copies, captured_streams
+
+
+def _words():
+    return np.arange(16, dtype=np.uint64)
+
+
+KEY, BEFORE, DURING = (0, "key"), (0, "before"), (0, "during")  # (device 0, ...)
+
+
+def test_a_kept_map_is_waited_for_while_its_copy_is_in_flight(kept):
+    """fa3._kept_entry queues a new map's copy on the launch's stream without synchronizing; a
+    later launch on any stream waits for the copy's event while it is in flight (handles are not
+    compared: two can name one stream), and once it has completed nobody waits and the pinned
+    words are let go."""
+    copies, _ = kept
+    first = fa3._kept_entry(KEY, _words, 5)
+    assert len(copies) == 1 and first.copied is copies[0] and first.host is not None
+    assert fa3._kept_entry(KEY, _words, 5) is first and fa3._kept_entry(KEY, _words, 7) is first
+    assert copies[0].waits == [("stream", 5), ("stream", 7)]
     copies[0].done = True
-    fa3._kept_entry("key", make, 9)
-    assert copies[0].waits == [("stream", 7)] and first.copied is None  # completed: forgotten, no wait
+    fa3._kept_entry(KEY, _words, 9)
+    assert copies[0].waits == [("stream", 5), ("stream", 7)] and first.copied is None and first.host is None
     assert len(copies) == 1
+
+
+def test_maps_a_graph_capture_uses_are_made_outside_it_and_never_dropped(kept, monkeypatch):
+    """While the launch's stream is being captured, a new map is copied outside the capture and
+    kept for good, and a kept map the capture uses is no longer the LRU's to drop."""
+    copies, captured_streams = kept
+    monkeypatch.setattr(fa3, "_MAPS_KEPT", 2)
+    before = fa3._kept_entry(BEFORE, _words, 5)
+    captured_streams.add(5)
+    during = fa3._kept_entry(DURING, _words, 5)
+    assert copies[-1] is None and during.copied is None  # (made outside the capture and waited for)
+    assert fa3._kept_entry(BEFORE, _words, 5) is before  # used by the capture: kept for good
+    assert getattr(copies[0], "synchronized", False) and copies[0].waits == []  # its copy waited for on the host
+    assert set(fa3._CAPTURED) == {BEFORE, DURING}
+    captured_streams.clear()
+    for n in range(4):  # the LRU fills and drops what it holds
+        fa3._kept_entry((0, n), _words, 5)
+    assert fa3._kept_entry(BEFORE, _words, 5) is before and fa3._kept_entry(DURING, _words, 5) is during
+    assert list(fa3._MAPS) == [(0, 2), (0, 3)]
