@@ -101,6 +101,13 @@ _MAPS: collections.OrderedDict = collections.OrderedDict()  # (device, ptr, shap
 _MAPS_KEPT = 256
 
 
+def forget_tensor_maps() -> None:
+    """Drop the kept tensor maps (not those a CUDA graph capture used): the next call on any array
+    makes its maps anew (``scripts/fa3_bench.py --host`` times that: new pointers' host cost)."""
+    with _LOCK:
+        _MAPS.clear()
+
+
 def tma_ready(x) -> bool:
     """Can TMA read ``x`` (a ``launch.DeviceArray``, 4-D, 16- or 8-bit) where it is: the innermost stride
     one element, the others and the base 16-byte multiples."""

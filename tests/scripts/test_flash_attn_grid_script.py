@@ -157,16 +157,16 @@ def test_a_run_stopped_by_sigterm_keeps_what_it_reached(grid, monkeypatch, capsy
 
 
 def test_simulate_end_to_end(tmp_path):
-    done = subprocess.run([sys.executable, str(SCRIPT), "--simulate", "--max-cases", "2", "--json", str(tmp_path / "g.json")],
+    done = subprocess.run([sys.executable, str(SCRIPT), "--simulate", "--max-cases", "1", "--json", str(tmp_path / "g.json")],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = json.loads((tmp_path / "g.json").read_text())["rows"]
-    assert [r["part"] for r in rows] == ["forward"] * 2 + ["backward"] * 2 + ["varlen"] * 2 + ["kvcache"] * 2
+    assert [r["part"] for r in rows] == ["forward", "backward", "varlen", "kvcache"]  # (one case of each part)
     tensors = {"backward": {"dq", "dk", "dv"}, "varlen": {"o", "dq", "dk", "dv"}}
     for r in rows:
         assert r["passed"] and r["error"] is None and 0 < r["ratio"] <= 1 and r["seconds"] > 0, r
         assert set(r["errors"]) == tensors.get(r["part"], {"o"})
         assert all(0 < r["errors"][n] <= r["allowed"][n] for n in r["errors"])
     progress = [line for line in done.stderr.splitlines() if line.startswith("[")]
-    assert len(progress) == 8 and all(" s left)" in line for line in progress)
-    assert "8 of 8 cases passed" in done.stdout and "| forward |" in done.stdout and "| varlen |" in done.stdout
+    assert len(progress) == 4 and all(" s left)" in line for line in progress)
+    assert "4 of 4 cases passed" in done.stdout and "| forward |" in done.stdout and "| varlen |" in done.stdout

@@ -105,7 +105,8 @@ def test_cases_run_in_the_simulator(sanitize):
 
 def test_split_kv_cases_run_in_the_simulator(sanitize):
     """The split-KV cases (FA-2 with three splits, decode on a NaN-poisoned ragged cache) check
-    their own results; two of them, in the simulator."""
+    their own results; the decode one runs in the simulator (an FA-2 split case there cost 23 s;
+    its kernels are tests/host/test_split_kv.py's)."""
     from numba_flash._world import simulated
 
     if not simulated():
@@ -113,8 +114,8 @@ def test_split_kv_cases_run_in_the_simulator(sanitize):
     cases = dict(sanitize.build_cases(("ieee", "f16"), "default", xp=np, split_kv=True))
     assert any(n.startswith("decode-float16") for n in cases) and any("split3" in n for n in cases)
     assert {n.split("-")[-2] for n in cases if "paged" in n} == {"paged16", "paged48"}
-    for name in ("ieee-fa2-split3-float32-causal-D40-Nq1-Nk33-B2H4/2", "decode-float32-causal-D40-Nq1-ragged"):
-        cases[name]()
+    assert "ieee-fa2-split3-float32-causal-D40-Nq1-Nk33-B2H4/2" in cases
+    cases["decode-float32-causal-D40-Nq1-ragged"]()
 
 
 def test_variant_cases_run_in_the_simulator(sanitize):
@@ -131,8 +132,10 @@ def test_variant_cases_run_in_the_simulator(sanitize):
 
 
 def test_backward_cases_check_their_gradients(sanitize, monkeypatch):
-    """The backward cases run every loop order and check dq, dk, dv against float64: one case in
-    the simulator passes, and the same case fails when the backward returns a wrong dk."""
+    """The backward cases run every loop order and check dq, dk, dv against float64: one case
+    passes with float64 results in the forward's and the backward's place, and fails when the
+    backward returns a wrong dk. (The case's checking is under test here; the kernels it runs on the
+    GPU are tests/host/test_backward*.py's: running them here cost ~40 s of the simulator.)"""
     from numba_flash._world import simulated
 
     if not simulated():
@@ -145,18 +148,21 @@ def test_backward_cases_check_their_gradients(sanitize, monkeypatch):
     name = "backward-fa2-float32-causal-D40-Nq1-Nk33-B2H4/2"
     import numba_flash.backward as backward
 
-    # float32 on CUDA cores here: the case's checking is under test, not the regime (tf32x3,
-    # the float32 default, costs ~40 s a run in the simulator; test_backward_tf32x3.py runs it)
-    monkeypatch.setattr(backward, "TF32X3_BACKWARD", False)
-    cases[name]()
-
     from numba_flash import reference
 
-    def wrong_dk(do, q, k, v, o, lse, *, algorithm, deterministic, **mods):  # float64 gradients, dk off by one
-        dq, dk, dv = reference.attention_backward(do, q, k, v, **mods)
-        return dq, dk + 1.0, dv
+    def gradients(dk_error):
+        def stand_in(do, q, k, v, o, lse, *, algorithm, deterministic, **mods):  # float64 gradients
+            dq, dk, dv = reference.attention_backward(do, q, k, v, **mods)
+            return dq, dk + dk_error, dv
 
-    monkeypatch.setattr(backward, "attention_backward", wrong_dk)  # (the kernels' run above: once is enough)
+        return stand_in
+
+    import numba_flash.api as api
+
+    monkeypatch.setattr(api, "forward", lambda q, k, v, *, precision, **mods: reference.attention(q, k, v, **mods))
+    monkeypatch.setattr(backward, "attention_backward", gradients(0.0))
+    cases[name]()
+    monkeypatch.setattr(backward, "attention_backward", gradients(1.0))  # dk off by one
     with pytest.raises(AssertionError, match="dk"):
         cases[name]()
 
