@@ -232,21 +232,24 @@ def _device_words(words: np.ndarray, stream_ptr: int, device_id: int, capturing:
         device, host = device[used:used + n], host[used:used + n]
         host[...] = words.reshape(-1)
         stream = _private_stream(device_id) if capturing else stream_ptr
-        _checked(driver.cuMemcpyHtoDAsync(device.device_ctypes_pointer.value, host.ctypes.data, host.nbytes, stream))
+        _checked(driver.cuMemcpyHtoDAsync(device.device_ctypes_pointer.value, host.ctypes.data, host.nbytes, stream),
+                 "cuMemcpyHtoDAsync")
         if capturing:
-            _checked(driver.cuStreamSynchronize(stream))
+            _checked(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
             return device.reshape(words.shape), None, None
         copied = cuda.event(timing=False)
         copied.record(_numba_stream(stream_ptr))
     return device.reshape(words.shape), host, copied
 
 
-def _checked(result):
+def _checked(result, call: str):
+    """The values a ``cuda.bindings.driver`` call returned after its error code, or a RuntimeError
+    naming ``call`` (the tensor maps' driver calls)."""
     from cuda.bindings import driver
 
     err = result[0]
     if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"fa3: copying a tensor map to the device failed ({err})")
+        raise RuntimeError(f"fa3: {call} failed for a tensor map ({err})")
     return result[1:]
 
 
@@ -262,7 +265,7 @@ def _private_stream(device_id: int) -> int:
     no implicit join with the capturing stream)."""
     from cuda.bindings import driver
 
-    (stream,) = _checked(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING))
+    (stream,) = _checked(driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
     return int(stream)
 
 
@@ -270,7 +273,7 @@ def _capturing(stream_ptr: int) -> bool:
     """Is ``stream_ptr`` being captured into a CUDA graph?"""
     from cuda.bindings import driver
 
-    (status,) = _checked(driver.cuStreamIsCapturing(stream_ptr))
+    (status,) = _checked(driver.cuStreamIsCapturing(stream_ptr), "cuStreamIsCapturing")
     return status == driver.CUstreamCaptureStatus.CU_STREAM_CAPTURE_STATUS_ACTIVE
 
 
@@ -280,11 +283,12 @@ def _relaxed_capture():
     synchronization anywhere in the process), restored after."""
     from cuda.bindings import driver
 
-    (mode,) = _checked(driver.cuThreadExchangeStreamCaptureMode(driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+    relaxed = driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED
+    (mode,) = _checked(driver.cuThreadExchangeStreamCaptureMode(relaxed), "cuThreadExchangeStreamCaptureMode")
     try:
         yield
     finally:
-        _checked(driver.cuThreadExchangeStreamCaptureMode(mode))
+        _checked(driver.cuThreadExchangeStreamCaptureMode(mode), "cuThreadExchangeStreamCaptureMode")
 
 
 def _settle(entry: _KeptWords, stream_ptr: int, capturing: bool) -> None:

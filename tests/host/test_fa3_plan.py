@@ -264,3 +264,10 @@ def test_maps_a_graph_capture_uses_are_made_outside_it_and_never_dropped(kept, m
         fa3._kept_entry((0, n), _words, 5)
     assert fa3._kept_entry(BEFORE, _words, 5) is before and fa3._kept_entry(DURING, _words, 5) is during
     assert list(fa3._MAPS) == [(0, 2), (0, 3)]
+
+
+def test_a_failed_driver_call_for_a_map_names_the_call():
+    driver = pytest.importorskip("cuda.bindings.driver")
+    assert fa3._checked((driver.CUresult.CUDA_SUCCESS, 7), "cuStreamIsCapturing") == (7,)
+    with pytest.raises(RuntimeError, match="cuMemcpyHtoDAsync failed"):
+        fa3._checked((driver.CUresult.CUDA_ERROR_INVALID_VALUE,), "cuMemcpyHtoDAsync")
