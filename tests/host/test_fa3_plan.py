@@ -271,3 +271,70 @@ def test_a_failed_driver_call_for_a_map_names_the_call():
     assert fa3._checked((driver.CUresult.CUDA_SUCCESS, 7), "cuStreamIsCapturing") == (7,)
     with pytest.raises(RuntimeError, match="cuMemcpyHtoDAsync failed"):
         fa3._checked((driver.CUresult.CUDA_ERROR_INVALID_VALUE,), "cuMemcpyHtoDAsync")
+
+
+def test_an_output_written_in_place_without_the_tma_store_is_planned(gpu, monkeypatch):
+    """An ``out`` whose rows TMA cannot write (264-byte rows: not a 16-byte multiple) but the threads
+    can, as 32-bit pairs: planned (checked once), each launch the unplanned path's."""
+    make, shape_q, shape_kv, dtype, _ = CALLS["cupy float16"]
+    q, k, v = _qkv(make, shape_q, shape_kv, dtype)
+    out = C(shape_q[:3] + (132,), dtype)[..., :128]
+    assert not fa3.stores_o_by_tma(out, "cupy", False, 1)
+
+    def call():
+        return forward(q, k, v, algorithm="fa3", out=out)
+
+    planned = [fake_gpu.launches(gpu, call) for _ in range(2)]
+    assert gpu.checks == 1 and len(fa3._PLANS) == 1
+    monkeypatch.setattr(fa3, "_plan_key", lambda *args: None)
+    plans.clear()
+    assert planned[0] == planned[1] == fake_gpu.launches(gpu, call)
+
+
+class _FakeDeviceWords:
+    """A device array of uint64 words at a fake address: slices and reshapes keep the address arithmetic."""
+
+    def __init__(self, size, address):
+        self.size, self.address = size, address
+        self.device_ctypes_pointer = types.SimpleNamespace(value=address)
+
+    def __getitem__(self, index):
+        return _FakeDeviceWords(index.stop - index.start, self.address + 8 * index.start)
+
+    def reshape(self, shape):
+        return self
+
+
+def test_new_maps_are_cut_from_chunks_and_copied_on_the_launch_stream(monkeypatch):
+    """``fa3._device_words``: 64 maps share a device chunk and a pinned one (one allocation each), the
+    65th starts the next chunk, a map of more words than a chunk gets one of its own; each copy
+    goes from its pinned slot to its device slot on the launch's stream, an event recorded after."""
+    driver = pytest.importorskip("cuda.bindings.driver")
+    import numba_flash._cuda
+
+    allocated, copies, recorded = [], [], []
+
+    def device_array(size, dtype):
+        allocated.append(size)
+        return _FakeDeviceWords(size, 1 << (20 * len(allocated)))  # chunks at 2^20, 2^40, ..
+
+    event = types.SimpleNamespace(record=recorded.append)
+    fake = types.SimpleNamespace(device_array=device_array, pinned_array=lambda size, dtype: np.zeros(size, dtype),
+                                 event=lambda timing: event, gpus={0: contextlib.nullcontext()})
+    monkeypatch.setattr(numba_flash._cuda, "cuda", fake)
+    monkeypatch.setattr(fa3, "_CHUNKS", {})
+    monkeypatch.setattr(fa3, "_numba_stream", lambda stream_ptr: ("stream", stream_ptr))
+    monkeypatch.setattr(driver, "cuMemcpyHtoDAsync", lambda dst, src, nbytes, stream: (
+        copies.append((dst, nbytes, stream)) or (driver.CUresult.CUDA_SUCCESS,)))
+    kept = []
+    for n in range(65):
+        words = np.full(16, n, np.uint64)
+        device, host, copied = fa3._device_words(words, 7, 0)
+        kept.append(host)
+        assert np.array_equal(host, words) and copied is event
+        assert copies[-1] == (device.address, 128, 7) and recorded[-1] == ("stream", 7)
+    assert allocated == [64 * 16, 64 * 16]  # one device chunk for the first 64 maps, the next for the 65th
+    assert [c[0] for c in copies[:64]] == [(1 << 20) + 128 * i for i in range(64)] and copies[64][0] == 1 << 40
+    big = np.ones((70, 16), np.uint64)  # a packed batch's 70 maps: more than a chunk
+    device, host, _ = fa3._device_words(big, 7, 0)
+    assert allocated[-1] == 70 * 16 and copies[-1][1] == 70 * 128 and np.array_equal(host, big.reshape(-1))
