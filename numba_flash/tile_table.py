@@ -138,9 +138,10 @@ FA3_TILES = {64: (192, 128, 2), 128: (128, 128, 2), 256: (128, 80, 2)}
 FA3_SIM_TILES = (64, 64, 2)
 # float8 (e4m3): block_n a multiple of 32 (the e4m3 product's K; V^T in boxes of 128-, 64- or 32-byte
 # rows, kernels.fa3.value_row_bytes). At D = 128, 192 x 96 (three consumer warpgroups: two softmaxes
-# share each sub-partition, and fp8's softmax is what bounds it): on the H200 1.02-1.08x 128 x 128 and
-# at least as fast as FA-3's own 128 x 224 in all four cases of issue 23, in three processes (results
-# 16j); the 0.86 ms once measured for it was the timing's order, not the tile (performance log 28).
+# share each sub-partition, and fp8's softmax is what bounds it): on the H200 faster than 128 x 128 in
+# 18 of 19 same-process pairs over three processes (by 1-14%), and than FA-3's own 128 x 224 but at B1
+# N16384 causal (results 16j); the 0.86 ms once measured for it was the timing's order, not the tile
+# (performance log 28).
 # D = 256: 128 x 128 (192 rows do not compile there, check_fa3_tiles).
 FA3_FP8_TILES = {128: (192, 96, 2), 256: (128, 128, 2)}
 FA3_FP8_SIM_TILES = (64, 128, 2)
