@@ -338,3 +338,15 @@ def test_new_maps_are_cut_from_chunks_and_copied_on_the_launch_stream(monkeypatc
     big = np.ones((70, 16), np.uint64)  # a packed batch's 70 maps: more than a chunk
     device, host, _ = fa3._device_words(big, 7, 0)
     assert allocated[-1] == 70 * 16 and copies[-1][1] == 70 * 128 and np.array_equal(host, big.reshape(-1))
+
+
+def test_fp8_values_the_v_transpose_pass_cannot_read_in_place_keep_the_unplanned_path(gpu):
+    """fp8 with a (B, N, Hkv, D) buffer seen as (B, Hkv, N, D) for v: the V^T pass reads a contiguous
+    copy, which a plan could not repeat from v's pointer: every call is checked (and q, k as they are)."""
+    make, shape_q, shape_kv, dtype, options = CALLS["torch float8 causal GQA (V^T pass, then the kernel)"]
+    q, k, _ = _qkv(make, shape_q, shape_kv, dtype)
+    B, Hkv, N, D = shape_kv
+    v = make((B, N, Hkv, D), dtype).permute(0, 2, 1, 3)
+    for _ in range(2):
+        numba_flash.attention(q, k, v, algorithm="fa3", **options)
+    assert gpu.checks == 2 and len(fa3._PLANS) == 0
