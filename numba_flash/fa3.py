@@ -118,27 +118,39 @@ def tma_ready(x) -> bool:
     return all(s % TMA_ALIGNMENT == 0 and s > 0 for s, n in zip(x.strides[:3], x.shape[:3]) if n > 1)
 
 
-def tensor_map(x, rows: int, dtype: str, device_id: int, row_bytes: int, stream_ptr: int):
+class MapStream(NamedTuple):
+    """The stream a launch's new tensor maps are copied on (its handle) and whether it is being
+    captured into a CUDA graph: asked of the driver once a launch (:func:`map_stream`), not per map."""
+
+    ptr: int
+    capturing: bool
+
+
+def map_stream(stream_ptr: int) -> MapStream:
+    return MapStream(stream_ptr, _capturing(stream_ptr))
+
+
+def tensor_map(x, rows: int, dtype: str, device_id: int, row_bytes: int, stream: MapStream):
     """The ``CUtensorMap`` (16 uint64 words in device memory, a numba device array) that lets TMA
     copy ``rows x row_bytes``-byte boxes (128 bytes: 64 16-bit or 128 8-bit elements; fp8's V^T
     also 64 or 32) of the (B, H, N, D) array ``x`` (a ``launch.DeviceArray``; ``dtype`` its element
     type's name) with the swizzle of that row (``kernels.hopper.swizzle``), zeros past its ends;
-    made once per pointer, shape, strides and box, its words copied on the stream ``stream_ptr``
-    (the launch's: :func:`_kept_entry`)."""
-    return _map_entry(x, rows, dtype, device_id, row_bytes, stream_ptr).words
+    made once per pointer, shape, strides and box, its words copied on the launch's ``stream``
+    (:func:`_kept_entry`)."""
+    return _map_entry(x, rows, dtype, device_id, row_bytes, stream).words
 
 
-def tensor_map_address(x, rows: int, dtype: str, device_id: int, row_bytes: int, stream_ptr: int) -> int:
+def tensor_map_address(x, rows: int, dtype: str, device_id: int, row_bytes: int, stream: MapStream) -> int:
     """The device address of :func:`tensor_map`'s words (a plan's launch takes it as a pointer)."""
-    return _map_entry(x, rows, dtype, device_id, row_bytes, stream_ptr).address
+    return _map_entry(x, rows, dtype, device_id, row_bytes, stream).address
 
 
-def _map_entry(x, rows: int, dtype: str, device_id: int, row_bytes: int, stream_ptr: int):
+def _map_entry(x, rows: int, dtype: str, device_id: int, row_bytes: int, stream: MapStream):
     return _kept_entry((device_id, x.ptr, x.shape, x.strides, dtype, rows, row_bytes),
-                       lambda: _encoded(x, rows, dtype, row_bytes), stream_ptr)
+                       lambda: _encoded(x, rows, dtype, row_bytes), stream)
 
 
-def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds, stream_ptr: int) -> object:
+def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds, stream: MapStream) -> object:
     """A packed batch's maps (API.md 2d): ``(B, 16)`` words in device memory, row ``b`` the map of
     sequence ``b``'s rows ``bounds[b] .. bounds[b + 1]`` of the ``(1, H, total, D)`` view ``x``
     alone, so that TMA reads zeros past that sequence's end (not the next sequence's rows); made
@@ -152,7 +164,7 @@ def sequence_maps(x, rows: int, dtype: str, device_id: int, bounds, stream_ptr: 
                                                                                      x.shape[3])), rows, dtype)
                          for a, b in zip(bounds[:-1], bounds[1:])])
 
-    return _kept_entry(key, make, stream_ptr).words
+    return _kept_entry(key, make, stream).words
 
 
 class _KeptWords:
@@ -169,19 +181,18 @@ _LOCK = threading.Lock()  # the kept maps and the chunks their words are cut fro
 _CAPTURED: dict = {}  # maps a CUDA graph capture used: kept for the process (a graph may replay any time)
 
 
-def _kept_entry(key, make, stream_ptr: int) -> _KeptWords:
+def _kept_entry(key, make, stream: MapStream) -> _KeptWords:
     """The device words of ``make()`` (NumPy uint64), made once per ``key`` and kept (the least
-    recently used dropped first). A new entry's words are copied from pinned memory on the stream
-    ``stream_ptr`` (the launch's, which the copy precedes in order) without waiting: no drain of the
+    recently used dropped first). A new entry's words are copied from pinned memory on ``stream``
+    (the launch's, which the copy precedes in order) without waiting: no drain of the
     GPU (a copy synchronized on a stream of its own stopped the whole device per new pointer:
     ~0.15 ms a map on the H200). A launch on any stream while the copy may be in flight waits for
     its event (on the copy's own stream, a no-op), until the event has completed.
 
-    While ``stream_ptr`` is being captured into a CUDA graph nothing of this is captured: a new map
+    While ``stream`` is being captured into a CUDA graph nothing of this is captured: a new map
     is copied and waited for outside the graph, a pending copy is waited for, and every map the
     capture uses is kept for the process's life (:data:`_CAPTURED`), never dropped under a graph."""
     with _LOCK:
-        capturing = _capturing(stream_ptr)
         hit = _CAPTURED.get(key)
         if hit is None:
             hit = _MAPS.get(key)
@@ -189,15 +200,15 @@ def _kept_entry(key, make, stream_ptr: int) -> _KeptWords:
                 _MAPS.move_to_end(key)
         if hit is not None:
             if hit.copied is not None:
-                _settle(hit, stream_ptr, capturing)
-            if capturing and key not in _CAPTURED:
+                _settle(hit, stream)
+            if stream.capturing and key not in _CAPTURED:
                 _CAPTURED[key] = _MAPS.pop(key)
             return hit
         from numba_flash.launch import device_array
 
-        words, host, copied = _device_words(make(), stream_ptr, key[0], capturing)  # (key[0]: the device)
+        words, host, copied = _device_words(make(), stream, key[0])  # (key[0]: the device)
         entry = _KeptWords(words, device_array(words, "numba").ptr, host, copied)
-        if capturing:
+        if stream.capturing:
             _CAPTURED[key] = entry
         else:
             _MAPS[key] = entry
@@ -210,19 +221,19 @@ _MAP_CHUNK_WORDS = 64 * 16  # words of device and pinned memory allocated at onc
 _CHUNKS: dict = {}  # device id -> (device words, pinned host words, words used)
 
 
-def _device_words(words: np.ndarray, stream_ptr: int, device_id: int, capturing: bool = False):
+def _device_words(words: np.ndarray, stream: MapStream, device_id: int):
     """``(device copy, pinned host words, event after the copy)``: ``words`` queued for the device
-    on the stream ``stream_ptr`` (0: the legacy default stream) by the driver's copy (numba's
+    on ``stream`` (handle 0: the legacy default stream) by the driver's copy (numba's
     ``to_device`` on a stream costs ~80 us of host time more). Both copies are slices of chunks of
     :data:`_MAP_CHUNK_WORDS` words allocated together (an allocation costs ~30 us, pinned or not), a
     slot never reused: a chunk is freed with the last entry that holds a slice of it, as a lone
-    allocation was. ``capturing`` (``stream_ptr`` is being captured into a graph): allocated and
+    allocation was. ``stream.capturing`` (being captured into a graph): allocated and
     copied outside the capture, on a stream of this module's, and waited for (``(..., None, None)``)."""
     from cuda.bindings import driver
 
     from numba_flash._cuda import cuda
 
-    with _relaxed_capture() if capturing else contextlib.nullcontext(), cuda.gpus[device_id]:
+    with _relaxed_capture() if stream.capturing else contextlib.nullcontext(), cuda.gpus[device_id]:
         n = words.size
         device, host, used = _CHUNKS.get(device_id, (None, None, _MAP_CHUNK_WORDS))
         if used + n > _MAP_CHUNK_WORDS:
@@ -231,14 +242,14 @@ def _device_words(words: np.ndarray, stream_ptr: int, device_id: int, capturing:
         _CHUNKS[device_id] = (device, host, used + n)
         device, host = device[used:used + n], host[used:used + n]
         host[...] = words.reshape(-1)
-        stream = _private_stream(device_id) if capturing else stream_ptr
-        _checked(driver.cuMemcpyHtoDAsync(device.device_ctypes_pointer.value, host.ctypes.data, host.nbytes, stream),
+        copy_on = _private_stream(device_id) if stream.capturing else stream.ptr
+        _checked(driver.cuMemcpyHtoDAsync(device.device_ctypes_pointer.value, host.ctypes.data, host.nbytes, copy_on),
                  "cuMemcpyHtoDAsync")
-        if capturing:
-            _checked(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+        if stream.capturing:
+            _checked(driver.cuStreamSynchronize(copy_on), "cuStreamSynchronize")
             return device.reshape(words.shape), None, None
         copied = cuda.event(timing=False)
-        copied.record(_numba_stream(stream_ptr))
+        copied.record(_numba_stream(stream.ptr))
     return device.reshape(words.shape), host, copied
 
 
@@ -291,16 +302,16 @@ def _relaxed_capture():
         _checked(driver.cuThreadExchangeStreamCaptureMode(mode), "cuThreadExchangeStreamCaptureMode")
 
 
-def _settle(entry: _KeptWords, stream_ptr: int, capturing: bool) -> None:
+def _settle(entry: _KeptWords, stream: MapStream) -> None:
     """A hit whose copy may be in flight: once its event has completed, the event and the pinned
     words are dropped; until then the launch's stream waits for it (stream handles are not
-    compared: two handles can name one stream). While ``stream_ptr`` is being captured the event
-    is waited for on the host instead (outside the capture)."""
-    if capturing:
+    compared: two handles can name one stream). While ``stream`` is being captured the event is
+    waited for on the host instead (outside the capture)."""
+    if stream.capturing:
         with _relaxed_capture():
             entry.copied.synchronize()
     elif not entry.copied.query():
-        entry.copied.wait(_numba_stream(stream_ptr))
+        entry.copied.wait(_numba_stream(stream.ptr))
         return
     entry.copied = entry.host = None
 
@@ -678,19 +689,20 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
                   else device_array(packed.bounds, ctx.kind))
         mod_tail = [device_array(slopes, ctx.kind), bounds] + [tuple(device_array(a, ctx.kind) for a in arrays_)
                                                                 for arrays_ in mod_arrays]
+    on = map_stream(stream_ptr)  # (whether it is being captured: asked once for the four maps)
     if packed is None:
-        maps = [tensor_map(arrays[0], bm, p.dtype, device_id, 128, stream_ptr),
-                tensor_map(arrays[1], bn, p.dtype, device_id, 128, stream_ptr),
+        maps = [tensor_map(arrays[0], bm, p.dtype, device_id, 128, on),
+                tensor_map(arrays[1], bn, p.dtype, device_id, 128, on),
                 tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id,  # fp8: V^T's boxes, D rows
-                           value_row_bytes(bn) if fp8 else 128, stream_ptr)]
+                           value_row_bytes(bn) if fp8 else 128, on)]
         # O: boxes of a consumer warpgroup's 64 rows (without the TMA store, Q's map stands in, unread)
-        maps.append(tensor_map(arrays[3], 64, p.dtype, device_id, 128, stream_ptr) if by_tma else maps[0])
+        maps.append(tensor_map(arrays[3], 64, p.dtype, device_id, 128, on) if by_tma else maps[0])
     else:  # a map per sequence (its rows alone: zeros past its end; O's: nothing written past it)
         cu_q, cu_k = packed.host_bounds
-        maps = [sequence_maps(arrays[0], bm, p.dtype, device_id, cu_q, stream_ptr),
-                sequence_maps(arrays[1], bn, p.dtype, device_id, cu_k, stream_ptr),
-                sequence_maps(arrays[2], bn, p.dtype, device_id, cu_k, stream_ptr)]
-        maps.append(sequence_maps(arrays[3], 64, p.dtype, device_id, cu_q, stream_ptr) if by_tma else maps[0])
+        maps = [sequence_maps(arrays[0], bm, p.dtype, device_id, cu_q, on),
+                sequence_maps(arrays[1], bn, p.dtype, device_id, cu_k, on),
+                sequence_maps(arrays[2], bn, p.dtype, device_id, cu_k, on)]
+        maps.append(sequence_maps(arrays[3], 64, p.dtype, device_id, cu_q, on) if by_tma else maps[0])
     args = (arrays + [device_array(m, "numba") for m in maps] + scalars + list(extra) + mods + mod_tail
             + [device_array(x, "numba") for x in lists])
     if (recipe is not None and ctx.kind != "numpy" and packed is None and user is None and not p.alibi
@@ -784,9 +796,10 @@ class Fa3Plan:
                 vt = allocate()
                 transpose(stream, (pointers[2], read(vt)))
                 pointers[2] = read(vt)
+            on = map_stream(stream_ptr)
             for slot, template, rows, row_bytes in self.recipe.maps:
                 pointers.append(tensor_map_address(template._replace(ptr=pointers[slot]), rows, self.dtype,
-                                                   self.device_id, row_bytes, stream_ptr))
+                                                   self.device_id, row_bytes, on))
             self.recipe.prepared(stream, pointers)
         return o, lse
 

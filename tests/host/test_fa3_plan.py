@@ -38,7 +38,7 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(fa3, "_encoded", lambda x, rows, dtype, row_bytes=128: np.zeros(16, np.uint64))
     from numba_flash._cuda import cuda
 
-    monkeypatch.setattr(fa3, "_device_words", lambda words, stream_ptr, device_id, capturing: (cuda.to_device(words), words, None))
+    monkeypatch.setattr(fa3, "_device_words", lambda words, stream, device_id: (cuda.to_device(words), words, None))
     monkeypatch.setattr(fa3, "_capturing", lambda stream_ptr: False)
     monkeypatch.setattr(fa3, "require_fa3_device", lambda device_id: None)
     one = C((1,), "float32")  # fp8's cached descale of 1 (a 16-bit call's unread stand-in)
@@ -210,8 +210,8 @@ def kept(monkeypatch):
     ("stream", handle), and which streams are being captured set by the test."""
     copies, captured_streams = [], set()
 
-    def device_words(words, stream_ptr, device_id, capturing):
-        copies.append(None if capturing else _Copy())
+    def device_words(words, stream, device_id):
+        copies.append(None if stream.capturing else _Copy())
         return words, words, copies[-1]
 
     monkeypatch.setattr(fa3, "_device_words", device_words)
@@ -237,12 +237,12 @@ def test_a_kept_map_is_waited_for_while_its_copy_is_in_flight(kept):
     compared: two can name one stream), and once it has completed nobody waits and the pinned
     words are let go."""
     copies, _ = kept
-    first = fa3._kept_entry(KEY, _words, 5)
+    first = fa3._kept_entry(KEY, _words, fa3.map_stream(5))
     assert len(copies) == 1 and first.copied is copies[0] and first.host is not None
-    assert fa3._kept_entry(KEY, _words, 5) is first and fa3._kept_entry(KEY, _words, 7) is first
+    assert fa3._kept_entry(KEY, _words, fa3.map_stream(5)) is first and fa3._kept_entry(KEY, _words, fa3.map_stream(7)) is first
     assert copies[0].waits == [("stream", 5), ("stream", 7)]
     copies[0].done = True
-    fa3._kept_entry(KEY, _words, 9)
+    fa3._kept_entry(KEY, _words, fa3.map_stream(9))
     assert copies[0].waits == [("stream", 5), ("stream", 7)] and first.copied is None and first.host is None
     assert len(copies) == 1
 
@@ -252,17 +252,17 @@ def test_maps_a_graph_capture_uses_are_made_outside_it_and_never_dropped(kept, m
     kept for good, and a kept map the capture uses is no longer the LRU's to drop."""
     copies, captured_streams = kept
     monkeypatch.setattr(fa3, "_MAPS_KEPT", 2)
-    before = fa3._kept_entry(BEFORE, _words, 5)
+    before = fa3._kept_entry(BEFORE, _words, fa3.map_stream(5))
     captured_streams.add(5)
-    during = fa3._kept_entry(DURING, _words, 5)
+    during = fa3._kept_entry(DURING, _words, fa3.map_stream(5))
     assert copies[-1] is None and during.copied is None  # (made outside the capture and waited for)
-    assert fa3._kept_entry(BEFORE, _words, 5) is before  # used by the capture: kept for good
+    assert fa3._kept_entry(BEFORE, _words, fa3.map_stream(5)) is before  # used by the capture: kept for good
     assert getattr(copies[0], "synchronized", False) and copies[0].waits == []  # its copy waited for on the host
     assert set(fa3._CAPTURED) == {BEFORE, DURING}
     captured_streams.clear()
     for n in range(4):  # the LRU fills and drops what it holds
-        fa3._kept_entry((0, n), _words, 5)
-    assert fa3._kept_entry(BEFORE, _words, 5) is before and fa3._kept_entry(DURING, _words, 5) is during
+        fa3._kept_entry((0, n), _words, fa3.map_stream(5))
+    assert fa3._kept_entry(BEFORE, _words, fa3.map_stream(5)) is before and fa3._kept_entry(DURING, _words, fa3.map_stream(5)) is during
     assert list(fa3._MAPS) == [(0, 2), (0, 3)]
 
 
@@ -329,14 +329,14 @@ def test_new_maps_are_cut_from_chunks_and_copied_on_the_launch_stream(monkeypatc
     kept = []
     for n in range(65):
         words = np.full(16, n, np.uint64)
-        device, host, copied = fa3._device_words(words, 7, 0)
+        device, host, copied = fa3._device_words(words, fa3.MapStream(7, False), 0)
         kept.append(host)
         assert np.array_equal(host, words) and copied is event
         assert copies[-1] == (device.address, 128, 7) and recorded[-1] == ("stream", 7)
     assert allocated == [64 * 16, 64 * 16]  # one device chunk for the first 64 maps, the next for the 65th
     assert [c[0] for c in copies[:64]] == [(1 << 20) + 128 * i for i in range(64)] and copies[64][0] == 1 << 40
     big = np.ones((70, 16), np.uint64)  # a packed batch's 70 maps: more than a chunk
-    device, host, _ = fa3._device_words(big, 7, 0)
+    device, host, _ = fa3._device_words(big, fa3.MapStream(7, False), 0)
     assert allocated[-1] == 70 * 16 and copies[-1][1] == 70 * 128 and np.array_equal(host, big.reshape(-1))
 
 
