@@ -213,8 +213,11 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     SPARSE = USER and user_mods.block_sparse
     MODDED = SOFTCAP or ALIBI or USER
     SCORE_MOD = USER and user_mods.score_mod is not None
-    # ALiBi without a cap or score_mod: the bias divided by the scale is added to the unscaled tile
-    # (one FADD and one FFMA a score), the scale stays folded into the exponentials
+    # ALiBi without a cap or score_mod: the bias divided by the scale is added to the unscaled tile,
+    # the scale stays folded into the exponentials. On a thread's tile whose keys lie on one side of
+    # its rows' diagonals (every causal tile) the bias less a row constant, one FFMA a score (the row
+    # constant, its "shift", joins the row max and the exponentials' bias); across a diagonal the
+    # whole bias (one FADD and one FFMA a score)
     ALIBI_FOLDED = ALIBI and not SOFTCAP and not SCORE_MOD
     # the tile is scaled before the max where a mod acts on scaled scores (a mask_mod alone only
     # hides entries: the scale stays folded into the exponentials, as without mods)
@@ -356,12 +359,15 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     mask_scores = tile_masker(block_n // 8, 4, key_of, row_of)  # kernels.mask's one masking routine
 
     @device_jit
-    def row_maxima(smem, s_acc, tile_max, scale_log2):
-        """rowmax(S) of the thread's two rows, over its quad, in log2 units (scale > 0)."""
+    def row_maxima(smem, s_acc, tile_max, scale_log2, shifts):
+        """rowmax(S) of the thread's two rows, over its quad, in log2 units (scale > 0); with ALiBi
+        folded, of S plus each row's shift (``folded_alibi``)."""
         for r in range(2):
             x = float32(NEG_INF)
             for j in range(block_n // 8):
                 x = hopper.max_nan(x, hopper.max_nan(s_acc[j, 2 * r], s_acc[j, 2 * r + 1]))
+            if ALIBI_FOLDED:
+                x += shifts[r]
             tile_max[r] = quad_max(smem, x) * scale_log2
 
     @device_jit
@@ -379,13 +385,16 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 m[r] = m_new
 
     @device_jit
-    def exponentials(s_acc, m_ref, l_run, alpha, scale_log2):
+    def exponentials(s_acc, m_ref, l_run, alpha, scale_log2, shifts):
         """P~ = exp2(S scale_log2 - m) in place (line 16); l = alpha l + this thread's rowsum(P~)
         (line 17; the quad's partial sums are added once, at the end). ``POLY`` eighths of the
-        column groups take the cubic (``poly_exp2``), the rest ``ex2.approx``."""
+        column groups take the cubic (``poly_exp2``), the rest ``ex2.approx``. With ALiBi folded the
+        row's shift joins the bias: exp2((S + shift) scale_log2 - m)."""
         for r in range(2):
             part = float32(0.0)
             bias = m_ref[r] - float32(P_OFFSET)
+            if ALIBI_FOLDED:
+                bias -= shifts[r] * scale_log2
             for j in range(block_n // 8):
                 for e in range(2):
                     x = s_acc[j, 2 * r + e] * scale_log2 - bias
@@ -433,13 +442,34 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     cap_scores = score_mods.tile_soft_capper(block_n // 8, 4, True)  # tanh.approx, as the 16-bit engines
     tanh = score_mods.fast_tanh
     alibi_scores = score_mods.tile_alibi(block_n // 8, 4, key_of, row_of)
+    alibi_one_side = score_mods.tile_alibi_one_side(block_n // 8, 4, key_of)
+    LAST_KEY = 8 * (block_n // 8 - 1) + 1  # a thread's last key of a tile past its first (key_of)
+
+    @device_jit
+    def folded_alibi(s_acc, keys0, slopes, diags, shifts):
+        """ALiBi over the scale on the unscaled tile (``ALIBI_FOLDED``; ``keys0``: the thread's
+        first key). Where the thread's keys lie left of both its rows' diagonals, or right of both,
+        the bias less each row's shift (``score_mods.tile_alibi_one_side``; a right edge at the
+        diagonal puts every visible key left: the keys right of it are masked after); across a
+        diagonal the whole bias, shift 0."""
+        left = WINDOW[1] == 0 or keys0 + LAST_KEY <= diags[0]
+        if left or keys0 >= diags[1]:
+            slope = slopes[0] if left else -slopes[0]  # (both rows': one head)
+            alibi_one_side(s_acc, slope)
+            for r in range(2):
+                shifts[r] = slope * float32(keys0 - diags[r])
+        else:
+            alibi_scores(s_acc, keys0, slopes, diags)
+            for r in range(2):
+                shifts[r] = float32(0.0)
     scale_alibi_scores = score_mods.tile_alibi_scaled(block_n // 8, 4, key_of, row_of)
     row_alibi = score_mods.alibi_rows(2, thread_row)
     row_queries = score_mods.query_rows(2, thread_row) if USER else None
     user_scores = score_mods.tile_user_mods(block_n // 8, 4, key_of, row_of, user_mods) if USER else None
 
     @device_jit
-    def modify_scores(s_acc, keys0, scale_log2, cap, slopes, diags, n_k, b, positions, heads, mod_args, partial):
+    def modify_scores(s_acc, keys0, scale_log2, cap, slopes, diags, shifts, n_k, b, positions, heads, mod_args,
+                      partial):
         """S in log2 units with API.md 2c's modifications, in its order: the scale, the soft cap,
         ALiBi's bias (alone: divided by the scale and added to the unscaled tile, ``ALIBI_FOLDED``;
         with a ``score_mod`` under a right edge at the diagonal: fused with the scale, linear there),
@@ -451,7 +481,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 for e in range(4):
                     s_acc[j, e] = tanh(s_acc[j, e] * k)
         elif ALIBI_FOLDED:  # (slopes / scale: the softmax scales the biased tile)
-            alibi_scores(s_acc, keys0, slopes, diags)
+            folded_alibi(s_acc, keys0, slopes, diags, shifts)
         elif ALIBI and not SOFTCAP and WINDOW[1] == 0:
             scale_alibi_scores(s_acc, scale_log2, keys0, slopes, diags)
         elif PRESCALED:
@@ -468,9 +498,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     @device_jit
     def softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
                      scale_log2, mods):
-        """Lines 15-17 on a tile's S: the mods (``mods``: ``(cap, slopes, diags, n_k, b, positions,
-        heads, mod_args, partial)``, read when the kernel has any), mask, row max, the running max,
-        P~ and l."""
+        """Lines 15-17 on a tile's S: the mods (``mods``: ``(cap, slopes, diags, shifts, n_k, b,
+        positions, heads, mod_args, partial)``, read when the kernel has any), mask, row max, the
+        running max, P~ and l."""
         scale = scale_log2
         if MODDED:
             modify_scores(s_acc, col0 + 2 * t, scale_log2, *mods)
@@ -480,9 +510,9 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             scale = float32(1.0)
         if needs_mask:
             mask_scores(s_acc, col0 + 2 * t, first_keys, last_keys, WINDOW)
-        row_maxima(smem, s_acc, tile_max, scale)
+        row_maxima(smem, s_acc, tile_max, scale, mods[3])
         update_max(m, m_ref, alpha, tile_max)
-        exponentials(s_acc, m_ref, l_run, alpha, scale)
+        exponentials(s_acc, m_ref, l_run, alpha, scale, mods[3])
 
     @device_jit
     def walked_tile(listed, first, it):
@@ -602,6 +632,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             last_keys[r] = last_visible_key(row + 8 * r, n_q, n_k, WINDOW)
         slopes = cuda.local.array(2, dtype=float32)  # ALiBi: each row's slope and diagonal key (score_mods)
         diags = cuda.local.array(2, dtype=int32)
+        shifts = cuda.local.array(2, dtype=float32)  # ALiBi folded: each row's shift (folded_alibi)
         positions = cuda.local.array(2, dtype=int32)  # a user's mods: each row's query position and head
         heads = cuda.local.array(2, dtype=int32)
         if ALIBI:
@@ -638,7 +669,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             softmax_step(smem, s_acc, col0,
                          tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW),
                          t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run, scale_log2,
-                         (softcap_log2, slopes, diags, n_k, b, positions, heads, mod_args,
+                         (softcap_log2, slopes, diags, shifts, n_k, b, positions, heads, mod_args,
                           walked_partial(listed, first, 0)))
             to_fragments(s_acc, p)
             for it in range(1, count):
@@ -661,8 +692,8 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 col0 = walked_tile(listed, first, it) * block_n
                 needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
                 softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max,
-                             l_run, scale_log2, (softcap_log2, slopes, diags, n_k, b, positions, heads, mod_args,
-                                                 walked_partial(listed, first, it)))
+                             l_run, scale_log2, (softcap_log2, slopes, diags, shifts, n_k, b, positions, heads,
+                                                 mod_args, walked_partial(listed, first, it)))
                 # P_{j-1} V_{j-1} is in: O can be rescaled, P and V_{j-1}'s slot reused. The wait follows a
                 # store of the row sums, so ptxas cannot hoist it above S_j's exponentials (perf log 19)
                 hopper.wgmma_wait_after(smem, base + SINK + 4 * tid, l_run[0] + l_run[1])
@@ -678,7 +709,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
                 col0 = walked_tile(listed, first, it) * block_n
                 needs_mask = tile_needs_mask(col0, block_n, first_row_last_key, last_row_first_key, WINDOW)
                 softmax_step(smem, s_acc, col0, needs_mask, t, first_keys, last_keys, m, m_ref, alpha, tile_max, l_run,
-                             scale_log2, (softcap_log2, slopes, diags, n_k, b, positions, heads, mod_args,
+                             scale_log2, (softcap_log2, slopes, diags, shifts, n_k, b, positions, heads, mod_args,
                                           walked_partial(listed, first, it)))
                 rescale_o(o_acc, alpha)
                 to_fragments(s_acc, p)

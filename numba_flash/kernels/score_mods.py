@@ -160,6 +160,33 @@ def tile_alibi(n_i: int, n_j: int, key_of, row_of):
 
 
 @functools.lru_cache(maxsize=None)
+def tile_alibi_one_side(n_i: int, n_j: int, key_of):
+    """``add_linear(s, slope)``: ``s[i, j] += slope (key_of(i, j) - key_of(0, 0))`` on an engine's
+    register tile: ALiBi's bias on a tile whose keys all lie on one side of its rows' diagonals,
+    less a part that is constant along each row.
+
+    Left of the diagonal (key <= diag) the bias ``-slope |diag - key|`` is ``slope (key - k) +
+    slope (k - diag)`` for any key ``k``, right of it the same with ``-slope``: linear in the key.
+    With ``k`` the thread's first key of the tile, the first term is the slope times a constant
+    once the loops unroll (``FFMA`` with an immediate: one instruction a score, where
+    :func:`tile_alibi` takes two), and the second, the row's *shift*, is the same for every score
+    the thread holds in the row. Softmax does not see a row constant, so the engine adds the shift
+    once per row to the tile's row max (before the row's threads reduce it: their shifts differ)
+    and subtracts it from the exponentials' bias, never from a score. All rows of the tile take one
+    slope (one head; not decode's packed query heads)."""
+
+    @device_jit
+    def add_linear(s, slope):
+        k0 = key_of(0, 0)
+        for i in range(n_i):
+            for j in range(n_j):
+                if key_of(i, j) != k0:  # (the first key's term is 0: no instruction)
+                    s[i, j] = cuda.fma(slope, float32(key_of(i, j) - k0), s[i, j])
+
+    return add_linear
+
+
+@functools.lru_cache(maxsize=None)
 def tile_alibi_scaled(n_i: int, n_j: int, key_of, row_of):
     """``scale_add_alibi(s, q_scale, col0, slopes, diags)``: ``s <- s q_scale + bias`` on an
     engine's register tile, for masks whose every visible key is at or left of its row's diagonal

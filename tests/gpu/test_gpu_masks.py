@@ -266,6 +266,30 @@ def test_alibi_forward_and_backward(algorithm, dtype, precision, causal):
             assert rel < tol, (name, deterministic, rel)
 
 
+@pytest.mark.parametrize("n_q, n_k", [(1000, 4096), (4096, 1000)])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_fa3_alibi_steep_slopes_on_long_rows(dtype, n_q, n_k):
+    """fa3's ALiBi off the diagonal: the bias less a row shift of up to slope * N (``kernels.fa3``'s
+    ``folded_alibi``), with steep slopes (0.5: the shift reaches 2000) over 4096 keys, tiles left and
+    right of every row's diagonal (Nk > Nq, then Nq > Nk: rows whose every key is right of it), causal
+    and not, within FlashAttention's 2x rule of float64."""
+    torch = pytest.importorskip("torch")
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("fa3 needs compute capability 9.0")
+    import numba_flash
+
+    q, k, v, gen = _inputs(1, 4, 2, n_q, n_k, 128, dtype, seed=23)
+    slopes = torch.tensor([[0.5, 0.0625, 0.004, 0.0]], device="cuda")  # the standard slopes' range, and none
+    for causal in (False, True):
+        o = numba_flash.attention(q, k, v, causal=causal, alibi_slopes=slopes, algorithm="fa3")
+        seen = _visible(n_q, n_k, (-1, -1), causal, "cuda")
+        ref = _attention64(q, k, v, seen, alibi=slopes)
+        assert float((_attention64(q, k, v, seen) - ref).abs().max()) > 0.1  # the bias matters here
+        err = float((o.double() - ref).abs().max())
+        base = float((_attention64(q, k, v, seen, dtype=getattr(torch, dtype), alibi=slopes).double() - ref).abs().max())
+        assert err <= 2 * base + 1e-6, (causal, err, base)
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 def test_alibi_split_kv_decode_and_torch(dtype):
     """Split-KV, decode (packed GQA rows, ragged lengths: each row its own head's slope and its own

@@ -49,7 +49,9 @@ MODS = [  # (causal, window, softcap, alibi, Nq, Nk): block_n 32, tails of Q and
     (False, (-1, -1), 0.8, False, 40, 50),  # the cap alone: it bends every score
     (True, (-1, -1), 0.0, True, 70, 50),  # ALiBi under a right edge at the diagonal (the bias over the scale)
     (False, (20, 10), 3.0, True, 40, 70),  # both, under a window
-    (False, (-1, -1), 0.0, True, 40, 70),  # ALiBi alone, no right edge: the bias over the scale, unscaled tile
+    (False, (-1, -1), 0.0, True, 40, 70),  # ALiBi alone, no right edge: tiles left of, across and right of rows'
+    # diagonals (the one-sided bias less a row shift, the whole bias across)
+    (False, (-1, -1), 0.0, True, 70, 40),  # Nq > Nk: early rows' diagonals left of every key (all right)
 ]
 
 
