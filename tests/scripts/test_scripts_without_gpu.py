@@ -31,6 +31,7 @@ RUNS = {
     "fa3_bench.py": [],
     "fa3_ncu.py": ["--out", "{tmp}/ncu-fa3"],
     "mask_gallery.py": [],
+    "mod_cost.py": [],
     "ncu_traffic.py": ["--out", "{tmp}/ncu"],
     "online_softmax_demo.py": None,
     "regimes.py": ["--out", "{tmp}/regimes"],
