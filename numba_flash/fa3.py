@@ -367,14 +367,15 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     its ``(1, H, total, ...)`` views (both given), ``alibi_slopes`` ``(H,)`` or a row per sequence."""
     _unsupported(precision, variant, kv_tile_order)
     key = None
-    if (alibi_slopes is None and block_mask is None and packed is None and none_given(mask_mod, score_mod, mod_args)
+    if (block_mask is None and packed is None and none_given(mask_mod, score_mod, mod_args)
             and q_descale is None and k_descale is None and v_descale is None and stages is None
             and all(x is True for x in (overlap, pingpong, reallocate, tma_store))
             and type(poly_exp2) is int and poly_exp2 == 0 and rescale_threshold is None):  # the call of attention(..., algorithm="fa3"): a plan's signature
-        key = _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits, window_size, softcap)
+        key = _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits, window_size, softcap,
+                        alibi_slopes)
     plan = _PLANS.get(key)
     if plan is not None:
-        done = plan(q, k, v, out, lse_out)
+        done = plan(q, k, v, out, lse_out, alibi_slopes)
         if done is not None:
             return done
     from numba_flash.split_kv import check_num_splits
@@ -608,9 +609,9 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
             tma_store=False, recipe=None) -> None:
     """One launch of the kernel into ``o`` / ``lse`` (``splits > 1``: the float32 partials
     ``(splits * B, H, Nq, D)`` and ``(splits * B, H, Nq)``, written as they stand). ``recipe``: a
-    list that gets, where a plan can repeat this launch with new pointers (no ALiBi or user mods,
-    rectangular, q, k and v read by TMA where they are, O written in place; fp8: V^T's pass read
-    from V where it is), a :class:`Fa3Recipe`."""
+    list that gets, where a plan can repeat this launch with new pointers (no user mods, rectangular,
+    q, k and v read by TMA where they are, O written in place; fp8: V^T's pass read from V where it
+    is; ALiBi's slopes, in the kernel's units, made anew for each call), a :class:`Fa3Recipe`."""
     from numba_flash.alibi import slopes_argument
     from numba_flash.block_sparse import lists_at
     from numba_flash.kernels.fa3 import value_row_bytes
@@ -705,12 +706,15 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
         maps.append(sequence_maps(arrays[3], 64, p.dtype, device_id, cu_q, on) if by_tma else maps[0])
     args = (arrays + [device_array(m, "numba") for m in maps] + scalars + list(extra) + mods + mod_tail
             + [device_array(x, "numba") for x in lists])
-    if (recipe is not None and ctx.kind != "numpy" and packed is None and user is None and not p.alibi
+    if (recipe is not None and ctx.kind != "numpy" and packed is None and user is None
             and pairs is not None and all(x is y for x, y in zip(inputs, (kq, kk, kv)))
             and (not fp8 or value_pass)):  # (O written in place; fp8: V^T read from V where it lies)
         from numba_flash.launch import PointerSlot, prepare_launch
 
         slotted = [a._replace(ptr=PointerSlot(i)) for i, a in enumerate(args[:9])] + args[9:]
+        if p.alibi:  # the kernel's slopes (alibi.kernel_slopes of each call's): pointer slot 9
+            at = len(arrays) + len(maps) + len(scalars) + len(extra) + len(mods)  # (mod_tail's first)
+            slotted[at] = args[at]._replace(ptr=PointerSlot(9))
         # the maps: (the pointer they describe, its array, box rows, row bytes): q's, k's, v's (fp8: V^T's,
         # boxes of D rows), and O's (without the TMA store q's stands in, unread)
         maps_made = ((0, arrays[0], bm, 128), (1, arrays[1], bn, 128),
@@ -718,7 +722,8 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
                      (3, arrays[3], 64, 128) if by_tma else (0, arrays[0], bm, 128))
         values = None if not fp8 else (value_pass[0], ctx.allocator(tuple(kv.shape), "uint8"))
         recipe.append(Fa3Recipe(prepare_launch(kernel, grid, block, slotted, kernel.fa3_smem, device_id), maps_made,
-                                (slopes, _no_bounds(device_id)), values))  # (placeholders the launch points at, kept)
+                                (slopes, _no_bounds(device_id)), values,  # (placeholders the launch points at, kept)
+                                p.batch if p.alibi else None))
     with compiling(user):
         launch(kernel, grid, block, stream_ptr, args, kernel.fa3_smem, device_id)
     if ctx.kind == "numpy":
@@ -734,11 +739,14 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
 _PLANS = plans.PlanCache()  # fa3's plans by signature (_plan_key)
 
 
-def _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits, window_size, softcap):
+def _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits, window_size, softcap,
+              alibi_slopes=None):
     """The signature of a call (``numba_flash.plans``, as ``api``'s forward keys fa2): everything its
     checks and launch depend on but pointers; ``None`` when it has none (NumPy, CAI or DLPack objects)."""
     try:
         arrays = tuple(array_signature(x) for x in (q, k, v, out, lse_out) if x is not None)
+        if alibi_slopes is not None:
+            arrays += ("alibi_slopes", array_signature(alibi_slopes))
     except (AttributeError, RuntimeError):
         return None
     window = plans.pair_key(window_size)
@@ -751,14 +759,16 @@ def _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits
 
 class Fa3Recipe(NamedTuple):
     """What :func:`_launch` leaves for a plan: the kernel's launch prepared with pointer slots (q,
-    k, v -- fp8: V^T --, o, lse, then four tensor maps), the maps as ``(pointer slot, array,
-    box rows, row bytes)``, the device arrays the launch points at (kept alive), and for fp8 the V^T
-    pass (``(its launch prepared with V's and V^T's pointer slots, V^T's allocator)``) or ``None``."""
+    k, v -- fp8: V^T --, o, lse, then four tensor maps, then ALiBi's slopes), the maps as ``(pointer
+    slot, array, box rows, row bytes)``, the device arrays the launch points at (kept alive), for fp8
+    the V^T pass (``(its launch prepared with V's and V^T's pointer slots, V^T's allocator)``) or
+    ``None``, and with ALiBi the batch its slopes are made for (``alibi.kernel_slopes``) or ``None``."""
 
     prepared: object
     maps: tuple
     constants: tuple
     values: tuple | None
+    slopes_batch: int | None = None
 
 
 class Fa3Plan:
@@ -777,7 +787,7 @@ class Fa3Plan:
         self.kind, self.pointer, self.stream_ptr, self.device_id = kind, pointer, stream_ptr, recipe.prepared.device_id
         self.switch, self.dtype = switch, dtype
 
-    def __call__(self, q, k, v, out, lse_out):
+    def __call__(self, q, k, v, out, lse_out, alibi_slopes=None):
         """``(o, lse)``, or ``None`` (nothing launched) where an array is not 16-byte aligned."""
         if out is not None or lse_out is not None:
             check_no_overlap(self.kind, q, k, v, out, lse_out)
@@ -800,7 +810,14 @@ class Fa3Plan:
             for slot, template, rows, row_bytes in self.recipe.maps:
                 pointers.append(tensor_map_address(template._replace(ptr=pointers[slot]), rows, self.dtype,
                                                    self.device_id, row_bytes, on))
+            slopes = None
+            if self.recipe.slopes_batch is not None:  # this call's slopes in the kernel's units, kept until queued
+                from numba_flash.alibi import kernel_slopes
+
+                slopes = kernel_slopes(alibi_slopes, self.recipe.slopes_batch, self.kind)
+                pointers.append(read(slopes))
             self.recipe.prepared(stream, pointers)
+            del slopes
         return o, lse
 
 

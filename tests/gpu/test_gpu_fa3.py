@@ -207,6 +207,40 @@ def test_fa3_plans_launch_the_unplanned_kernel_on_each_calls_arrays(dtype):
     assert torch.equal(o3, ref3)
 
 
+def test_fa3_alibi_plans_read_each_calls_slopes():
+    """ALiBi's plan: each call's slopes (new values each time, (H,) then (B, H) signatures) read by
+    the planned launch, bitwise the unplanned path's; different slopes give different outputs, so a
+    plan that kept the first call's would fail."""
+    torch = _hopper()
+    import unittest.mock
+
+    import numba_flash
+    from numba_flash import fa3, plans
+
+    plans.clear()
+    q, k, v = _inputs(torch, (2, 4, 2, 300, 517, 128), torch.float16, seed=31)
+    planned = []
+    plan_call = fa3.Fa3Plan.__call__
+
+    def counted(self, *args):
+        result = plan_call(self, *args)
+        planned.append(result is not None)
+        return result
+
+    outputs = []
+    for shape in ((4,), (4,), (4,), (2, 4), (2, 4)):
+        slopes = torch.rand(shape, device="cuda") * 0.2
+        with unittest.mock.patch.object(fa3.Fa3Plan, "__call__", counted):
+            o = numba_flash.attention(q, k, v, causal=True, alibi_slopes=slopes, algorithm="fa3")
+        with unittest.mock.patch.object(fa3, "_plan_key", lambda *a: None):
+            ref = numba_flash.attention(q, k, v, causal=True, alibi_slopes=slopes, algorithm="fa3")
+        _finish(torch)
+        assert torch.equal(o, ref)
+        outputs.append(o)
+    assert planned == [True, True, True]  # (H,): planned from the second call; (B, H): from the fifth
+    assert not torch.equal(outputs[1], outputs[2])
+
+
 @pytest.mark.parametrize("dtype", ["float16", "float8_e4m3fn"])
 def test_fa3_new_pointers_do_not_wait_for_the_gpu(dtype):
     """A call on arrays never seen (new tensor maps to encode and copy) returns while the caller's

@@ -3,8 +3,9 @@ CuPy arrays or torch tensors is checked once per signature and then only launche
 tensor maps looked up by its arrays' pointers; the launch is the unplanned path's, parameter for
 parameter; what depends on addresses (TMA's 16-byte alignment, results sharing memory with an
 input) is checked on every call; fp8's plan launches the V^T pass into a new buffer, then the
-kernel on that buffer's map; and the calls a plan does not cover (ALiBi, descales, the research
-knobs, outputs the kernel cannot write in place) keep the unplanned path. The same on a real GPU:
+kernel on that buffer's map; ALiBi's plan launches on each call's slopes, made anew in the kernel's
+units; and the calls a plan does not cover (descales, the research knobs, outputs the kernel cannot
+write in place) keep the unplanned path. The same on a real GPU:
 ``tests/gpu/test_gpu_fa3.py``."""
 
 from __future__ import annotations
@@ -45,6 +46,15 @@ def gpu(monkeypatch, tmp_path):
     monkeypatch.setattr(fa3.fp8_inputs, "_one", lambda device_id: one)
     no_slopes = {"cupy": C((1, 1), "float32"), "torch": T((1, 1), "float32")}  # (alibi.no_slopes: made once)
     monkeypatch.setattr(alibi, "no_slopes", lambda kind, device_id=None: no_slopes[kind])
+    made = {}  # ALiBi's slopes in the kernel's units (alibi.kernel_slopes: a device op), one array per input
+
+    def kernel_slopes(slopes, batch, kind):
+        if id(slopes) not in made:
+            made[id(slopes)] = (slopes, (C if kind == "cupy" else T)((batch, slopes.shape[-1]), "float32"))
+        return made[id(slopes)][1]
+
+    monkeypatch.setattr(alibi, "kernel_slopes", kernel_slopes)
+    record.slopes_made = made
     record.checks = 0
     monkeypatch.setattr(fa3, "describe", fake_gpu.counting(record, "checks", fa3.describe))
     yield record
@@ -65,6 +75,8 @@ CALLS = {  # name: (array maker, q shape, k/v shape, dtype, keyword arguments)
     "torch float16 D64 window softcap": (T, (1, 4, 200, 64), (1, 4, 700, 64), "float16",
                                          dict(window_size=(100, 0), softcap=30.0)),
     "cupy float16 D40 (padded in the kernel)": (C, (1, 2, 100, 40), (1, 2, 100, 40), "float16", {}),
+    "torch float16 ALiBi (H,) causal": (T, (2, 4, 256, 128), (2, 4, 256, 128), "float16",
+                                        dict(causal=True, alibi_slopes=T((4,), "float32"))),
     "torch float8 causal GQA (V^T pass, then the kernel)": (T, (2, 8, 300, 128), (2, 2, 500, 128), "float8_e4m3fn",
                                                             dict(causal=True)),
 }
@@ -118,6 +130,24 @@ def test_each_pointer_gets_its_own_tensor_map(gpu):
         launched = sorted(pointer_of_map[p] for p in params if isinstance(p, int) and p in pointer_of_map)
         assert launched == sorted(x.data.ptr for x in (q, k, v, o))
     assert gpu.checks == 1
+
+
+def test_alibi_plan_launches_on_each_calls_slopes(gpu):
+    """An ALiBi call is planned with its slopes' signature; each call's slopes are made anew in the
+    kernel's units (``alibi.kernel_slopes``) and the launch reads that array, not the first call's."""
+    make, shape_q, shape_kv, dtype, options = CALLS["torch float16 ALiBi (H,) causal"]
+    q, k, v = _qkv(make, shape_q, shape_kv, dtype)
+    launched = []
+    for _ in range(3):
+        slopes = T((4,), "float32")
+        numba_flash.attention(q, k, v, algorithm="fa3", causal=True, alibi_slopes=slopes)
+        made = gpu.slopes_made[id(slopes)][1]
+        assert made.shape == (2, 4)  # (B, H): the (H,) slopes for each sequence
+        assert made.data_ptr() in gpu.launches[-1][2]
+        launched.append(made.data_ptr())
+    assert gpu.checks == 1 and len(gpu.launches) == 3 and len(set(launched)) == 3
+    numba_flash.attention(q, k, v, algorithm="fa3", causal=True, alibi_slopes=T((2, 4), "float32"))
+    assert gpu.checks == 2  # (B, H) slopes: another signature, checked
 
 
 def test_fp8_plan_transposes_each_calls_values_into_the_buffer_it_maps(gpu):
@@ -180,7 +210,7 @@ def test_a_bad_knob_raises_after_a_plan_too(gpu, bad):
 @pytest.mark.parametrize("extra", [dict(stages=3), dict(overlap=False), dict(rescale_threshold=0.0),
                                    dict(pingpong=False), dict(poly_exp2=2)], ids=str)
 def test_calls_a_plan_does_not_cover_are_checked_every_time(gpu, extra):
-    """The research knobs keep the unplanned path (as do ALiBi, user mods, packed batches, float8
+    """The research knobs keep the unplanned path (as do user mods, packed batches, float8
     descales and split-KV's two launches, which the plan's conditions name)."""
     make, shape_q, shape_kv, dtype, _ = CALLS["cupy float16"]
     for _ in range(2):
