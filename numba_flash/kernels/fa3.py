@@ -462,6 +462,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
             alibi_scores(s_acc, keys0, slopes, diags)
             for r in range(2):
                 shifts[r] = float32(0.0)
+
     scale_alibi_scores = score_mods.tile_alibi_scaled(block_n // 8, 4, key_of, row_of)
     row_alibi = score_mods.alibi_rows(2, thread_row)
     row_queries = score_mods.query_rows(2, thread_row) if USER else None
