@@ -164,6 +164,20 @@ def test_fa3_output_through_tma_in_place():
     assert torch.equal(out, threads) and torch.equal(lse, threads_lse)
 
 
+def _counted_plans(fa3):
+    """A list and a stand-in for ``Fa3Plan.__call__`` that appends to it, per planned call, whether
+    the plan launched (``None``: it fell back to the unplanned path)."""
+    planned = []
+    plan_call = fa3.Fa3Plan.__call__
+
+    def counted(self, *args):
+        result = plan_call(self, *args)
+        planned.append(result is not None)
+        return result
+
+    return planned, counted
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_fa3_plans_launch_the_unplanned_kernel_on_each_calls_arrays(dtype):
     """A signature's later calls (``fa3.Fa3Plan``): new inputs and results each time (new pointers,
@@ -179,13 +193,7 @@ def test_fa3_plans_launch_the_unplanned_kernel_on_each_calls_arrays(dtype):
     plans.clear()
     dtype = getattr(torch, dtype)
     shape = (2, 4, 2, 300, 517, 128)
-    planned = []
-    plan_call = fa3.Fa3Plan.__call__
-
-    def counted(self, *args):
-        result = plan_call(self, *args)
-        planned.append(result is not None)
-        return result
+    planned, counted = _counted_plans(fa3)
 
     for seed in range(3):
         q, k, v = (x.to(dtype) for x in _inputs(torch, shape, torch.bfloat16, seed=20 + seed))
@@ -219,13 +227,7 @@ def test_fa3_alibi_plans_read_each_calls_slopes():
 
     plans.clear()
     q, k, v = _inputs(torch, (2, 4, 2, 300, 517, 128), torch.float16, seed=31)
-    planned = []
-    plan_call = fa3.Fa3Plan.__call__
-
-    def counted(self, *args):
-        result = plan_call(self, *args)
-        planned.append(result is not None)
-        return result
+    planned, counted = _counted_plans(fa3)
 
     outputs = []
     for shape in ((4,), (4,), (4,), (2, 4), (2, 4)):
