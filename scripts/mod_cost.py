@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import pathlib
 import statistics
 import sys
@@ -33,7 +34,7 @@ TARGET = 1.1  # issue 24: at most 10% over the call without the modification
 
 
 def parse_mod(name: str) -> tuple[str, float]:
-    """``"alibi"`` -> ``("alibi", 0.0)``, ``"softcapC"`` -> ``("softcap", C)`` (C > 0); else ``ValueError``."""
+    """``"alibi"`` -> ``("alibi", 0.0)``, ``"softcapC"`` -> ``("softcap", C)`` (C > 0, finite); else ``ValueError``."""
     if name == "alibi":
         return "alibi", 0.0
     if name.startswith("softcap"):
@@ -41,9 +42,9 @@ def parse_mod(name: str) -> tuple[str, float]:
             cap = float(name[len("softcap"):])
         except ValueError:
             cap = 0.0
-        if cap > 0:
+        if cap > 0 and math.isfinite(cap):
             return "softcap", cap
-    raise ValueError(f"unknown mod {name!r}: 'alibi' or 'softcapC' with C > 0 (e.g. softcap50)")
+    raise ValueError(f"unknown mod {name!r}: 'alibi' or 'softcapC' with a finite C > 0 (e.g. softcap50)")
 
 
 def mod_arguments(mod: tuple[str, float], heads: int, torch) -> dict:

@@ -79,6 +79,8 @@ CALLS = {  # name: (array maker, q shape, k/v shape, dtype, keyword arguments)
                                         dict(causal=True, alibi_slopes=T((4,), "float32"))),
     "torch float8 causal GQA (V^T pass, then the kernel)": (T, (2, 8, 300, 128), (2, 2, 500, 128), "float8_e4m3fn",
                                                             dict(causal=True)),
+    "torch float8 ALiBi (B, H)": (T, (2, 4, 300, 128), (2, 4, 500, 128), "float8_e4m3fn",
+                                  dict(alibi_slopes=T((2, 4), "float32"))),
 }
 LAUNCHES = {name: 2 if dtype == "float8_e4m3fn" else 1 for name, (_, _, _, dtype, _) in CALLS.items()}
 

@@ -52,6 +52,8 @@ MODS = [  # (causal, window, softcap, alibi, Nq, Nk): block_n 32, tails of Q and
     (False, (-1, -1), 0.0, True, 40, 70),  # ALiBi alone, no right edge: tiles left of, across and right of rows'
     # diagonals (the one-sided bias less a row shift, the whole bias across)
     (False, (-1, -1), 0.0, True, 70, 40),  # Nq > Nk: early rows' diagonals left of every key (all right)
+    (False, (20, 10), 0.0, True, 40, 70),  # ALiBi alone under a right edge past the diagonal: one-sided and across
+    (False, (-1, 5), 0.0, True, 70, 40),  # ... and with no left edge, Nq > Nk
 ]
 
 
@@ -145,6 +147,25 @@ def test_fp8_takes_the_soft_cap(rng):
     err = np.abs(o.astype(np.float64) - ref_o).max()
     assert err < 0.05 * np.abs(ref_o).max()  # (e4m3 P and V: a few percent)
     assert np.abs(uncapped - ref_o).max() > 4 * err  # the cap changes the result beyond that
+
+
+def test_fp8_takes_alibi(rng):
+    """float8 inputs with ALiBi (the bias over the scale, its row shifts beside fp8's exponent
+    offset): block_n 32 over 100 keys puts tiles left of, across and right of the rows' diagonals;
+    compared with the float64 reference on the dequantized values."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    q, k, v = (rng.standard_normal(shape).astype(ml_dtypes.float8_e4m3fn)
+               for shape in ((1, 1, 40, 128), (1, 1, 100, 128), (1, 1, 100, 128)))
+    qs, ks, vs = 1.5, 0.5, 2.0
+    slopes = np.array([0.3], np.float32)
+    o = numba_flash.attention(q, k, v, algorithm="fa3", alibi_slopes=slopes, block_n=32, q_descale=qs, k_descale=ks,
+                              v_descale=vs)
+    real = [x.astype(np.float64) * s for x, s in ((q, qs), (k, ks), (v, vs))]
+    ref_o, _ = reference.attention(*real, alibi_slopes=slopes)
+    plain, _ = reference.attention(*real)
+    err = np.abs(o.astype(np.float64) - ref_o).max()
+    assert err < 0.05 * np.abs(ref_o).max()  # (e4m3 P and V: a few percent)
+    assert np.abs(plain - ref_o).max() > 4 * err  # the bias changes the result beyond that
 
 
 # ------------------------------------------------------------------------------ packed batches

@@ -15,7 +15,7 @@ def test_mods_parse():
     assert parse("alibi") == ("alibi", 0.0)
     assert parse("softcap50") == ("softcap", 50.0)
     assert parse("softcap2.5") == ("softcap", 2.5)
-    for bad in ("softcap", "softcap0", "softcap-3", "softcapx", "window", ""):
+    for bad in ("softcap", "softcap0", "softcap-3", "softcapx", "softcapinf", "softcapnan", "window", ""):
         with pytest.raises(ValueError, match="unknown mod"):
             parse(bad)
 
