@@ -690,20 +690,17 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
                   else device_array(packed.bounds, ctx.kind))
         mod_tail = [device_array(slopes, ctx.kind), bounds] + [tuple(device_array(a, ctx.kind) for a in arrays_)
                                                                 for arrays_ in mod_arrays]
+    # the four maps' boxes: (the array they describe, box rows, row bytes): q's, k's, v's (fp8: V^T's, boxes
+    # of D rows), and O's, a consumer warpgroup's 64 rows (without the TMA store q's stands in, unread)
+    boxes = ((0, bm, 128), (1, bn, 128), (2, D, value_row_bytes(bn)) if fp8 else (2, bn, 128),
+             (3, 64, 128) if by_tma else (0, bm, 128))
     on = map_stream(stream_ptr)  # (whether it is being captured: asked once for the four maps)
     if packed is None:
-        maps = [tensor_map(arrays[0], bm, p.dtype, device_id, 128, on),
-                tensor_map(arrays[1], bn, p.dtype, device_id, 128, on),
-                tensor_map(arrays[2], D if fp8 else bn, p.dtype, device_id,  # fp8: V^T's boxes, D rows
-                           value_row_bytes(bn) if fp8 else 128, on)]
-        # O: boxes of a consumer warpgroup's 64 rows (without the TMA store, Q's map stands in, unread)
-        maps.append(tensor_map(arrays[3], 64, p.dtype, device_id, 128, on) if by_tma else maps[0])
+        maps = [tensor_map(arrays[at], rows, p.dtype, device_id, row_bytes, on) for at, rows, row_bytes in boxes]
     else:  # a map per sequence (its rows alone: zeros past its end; O's: nothing written past it)
         cu_q, cu_k = packed.host_bounds
-        maps = [sequence_maps(arrays[0], bm, p.dtype, device_id, cu_q, on),
-                sequence_maps(arrays[1], bn, p.dtype, device_id, cu_k, on),
-                sequence_maps(arrays[2], bn, p.dtype, device_id, cu_k, on)]
-        maps.append(sequence_maps(arrays[3], 64, p.dtype, device_id, cu_q, on) if by_tma else maps[0])
+        maps = [sequence_maps(arrays[at], rows, p.dtype, device_id, cu_k if at in (1, 2) else cu_q, on)
+                for at, rows, _ in boxes]
     args = (arrays + [device_array(m, "numba") for m in maps] + scalars + list(extra) + mods + mod_tail
             + [device_array(x, "numba") for x in lists])
     if (recipe is not None and ctx.kind != "numpy" and packed is None and user is None
@@ -715,11 +712,7 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
         if p.alibi:  # the kernel's slopes (alibi.kernel_slopes of each call's): pointer slot 9
             at = len(arrays) + len(maps) + len(scalars) + len(extra) + len(mods)  # (mod_tail's first)
             slotted[at] = args[at]._replace(ptr=PointerSlot(9))
-        # the maps: (the pointer they describe, its array, box rows, row bytes): q's, k's, v's (fp8: V^T's,
-        # boxes of D rows), and O's (without the TMA store q's stands in, unread)
-        maps_made = ((0, arrays[0], bm, 128), (1, arrays[1], bn, 128),
-                     (2, arrays[2], D, value_row_bytes(bn)) if fp8 else (2, arrays[2], bn, 128),
-                     (3, arrays[3], 64, 128) if by_tma else (0, arrays[0], bm, 128))
+        maps_made = tuple((at, arrays[at], rows, row_bytes) for at, rows, row_bytes in boxes)  # (pointer slot at)
         values = None if not fp8 else (value_pass[0], ctx.allocator(tuple(kv.shape), "uint8"))
         recipe.append(Fa3Recipe(prepare_launch(kernel, grid, block, slotted, kernel.fa3_smem, device_id), maps_made,
                                 (slopes, _no_bounds(device_id)), values,  # (placeholders the launch points at, kept)
@@ -810,14 +803,12 @@ class Fa3Plan:
             for slot, template, rows, row_bytes in self.recipe.maps:
                 pointers.append(tensor_map_address(template._replace(ptr=pointers[slot]), rows, self.dtype,
                                                    self.device_id, row_bytes, on))
-            slopes = None
-            if self.recipe.slopes_batch is not None:  # this call's slopes in the kernel's units, kept until queued
+            if self.recipe.slopes_batch is not None:  # this call's slopes in the kernel's units (alive until queued)
                 from numba_flash.alibi import kernel_slopes
 
                 slopes = kernel_slopes(alibi_slopes, self.recipe.slopes_batch, self.kind)
                 pointers.append(read(slopes))
             self.recipe.prepared(stream, pointers)
-            del slopes
         return o, lse
 
 

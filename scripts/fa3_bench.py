@@ -35,7 +35,7 @@ import sys
 import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from mask_gallery import median_ms  # noqa: E402 (queued timing: events around each call, one synchronisation)
+from mask_gallery import median_ms, standard_slopes  # noqa: E402 (queued timing; ALiBi's slopes)
 
 CASES = [  # (B, H, Hkv, Nq, Nk, D, causal, window)
     (1, 1, 1, 128, 128, 64, False, (-1, -1)),
@@ -347,8 +347,7 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
                 knobs = dict(knobs)
                 inputs = (q8, k8, v8) if knobs.pop("fp8", False) else (q, k, v)
                 if knobs.pop("alibi", False):  # ALiBi (Press et al.): slopes 2^(-8 h / H), h = 1..H
-                    knobs["alibi_slopes"] = torch.tensor([2.0 ** (-8.0 * (h + 1) / H) for h in range(H)],
-                                                         dtype=torch.float32, device="cuda")
+                    knobs["alibi_slopes"] = standard_slopes(H, torch)
                 if inputs[0] is None:
                     continue
                 entries[f"fa3 {label}"] = (lambda bm=bm, bn=bn, st=st, knobs=knobs, inputs=inputs: numba_flash.fa3.forward(

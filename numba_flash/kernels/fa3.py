@@ -346,11 +346,12 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     s_step = issued_step(k_full, k_empty, s_product, fence_s)
     pv_step = issued_step(v_full, v_empty, pv_product, fence_o)
 
-    @device_jit
-    def key_of(j, e):
+    def key_offset(j, e):
         """Entry (j, e) of a thread's S tile holds key 8 j + 2 t + (e & 1) past the tile's start
         (``col0 + 2 t`` is passed as the tile's first key), of row ``e >> 1`` (row, row + 8)."""
         return 8 * j + (e & 1)
+
+    key_of = device_jit(key_offset)
 
     @device_jit
     def row_of(j, e):
@@ -443,7 +444,7 @@ def fa3_kernel(head_dim: int, block_m: int, block_n: int, stages: int, window, k
     tanh = score_mods.fast_tanh
     alibi_scores = score_mods.tile_alibi(block_n // 8, 4, key_of, row_of)
     alibi_one_side = score_mods.tile_alibi_one_side(block_n // 8, 4, key_of)
-    LAST_KEY = 8 * (block_n // 8 - 1) + 1  # a thread's last key of a tile past its first (key_of)
+    LAST_KEY = key_offset(block_n // 8 - 1, 1)  # a thread's last key of a tile, past its first
 
     @device_jit
     def folded_alibi(s_acc, keys0, slopes, diags, shifts):
