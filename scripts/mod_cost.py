@@ -9,7 +9,10 @@ the other's measured the order as much as the mods on the H200: the first case a
 5-15% slow (performance log 28), and the same ALiBi call read 1.10x and 1.28x of the plain one in two
 processes of one session (performance log 29); pairs taken round by round see the same drift.
 
-The mods: ``alibi`` (ALiBi's standard slopes ``2^(-8 h / H)``, ``(H,)``), ``softcapC`` (``softcap=C``).
+The mods: ``alibi`` (ALiBi's standard slopes ``2^(-8 h / H)``, ``(H,)``), ``softcapC`` (``softcap=C``),
+either with ``@BMxBN`` after it for the modified call on that tile (``block_m``, ``block_n``; the plain
+call keeps the library's choice): ``--mods alibi,alibi@192x96`` asks whether another tile makes a mod
+cheaper.
 Shapes ``B,H,N,D`` (Nq = Nk), each causal and not, each dtype. ``--algorithm`` fa3 by default (the
 16-bit kernel of Hopper; fa2 elsewhere). Prints a line a case as it goes, writes ``--json`` rows and
 ``--plot`` a bar chart of the costs against the 1.1 line. Needs a GPU and torch.
@@ -33,27 +36,37 @@ from mask_gallery import median_ms, standard_slopes  # noqa: E402 (queued timing
 TARGET = 1.1  # issue 24: at most 10% over the call without the modification
 
 
-def parse_mod(name: str) -> tuple[str, float]:
-    """``"alibi"`` -> ``("alibi", 0.0)``, ``"softcapC"`` -> ``("softcap", C)`` (C > 0, finite); else ``ValueError``."""
-    if name == "alibi":
-        return "alibi", 0.0
-    if name.startswith("softcap"):
+def parse_mod(name: str) -> tuple:
+    """``"alibi"`` -> ``("alibi", 0.0, None)``, ``"softcapC"`` -> ``("softcap", C, None)`` (C > 0,
+    finite), either with ``"@BMxBN"`` -> the tile ``(BM, BN)`` last; else ``ValueError``."""
+    base, _, tile_text = name.partition("@")
+    tile = None
+    if tile_text:
+        fields = tile_text.split("x")
+        if len(fields) != 2 or not all(f.isdigit() and int(f) > 0 for f in fields):
+            raise ValueError(f"a mod's tile is @BMxBN of positive integers (e.g. alibi@192x96); got {name!r}")
+        tile = (int(fields[0]), int(fields[1]))
+    if base == "alibi":
+        return "alibi", 0.0, tile
+    if base.startswith("softcap"):
         try:
-            cap = float(name[len("softcap"):])
+            cap = float(base[len("softcap"):])
         except ValueError:
             cap = 0.0
         if cap > 0 and math.isfinite(cap):
-            return "softcap", cap
-    raise ValueError(f"unknown mod {name!r}: 'alibi' or 'softcapC' with a finite C > 0 (e.g. softcap50)")
+            return "softcap", cap, tile
+    raise ValueError(f"unknown mod {name!r}: 'alibi' or 'softcapC' with a finite C > 0 (e.g. softcap50), "
+                     "optionally @BMxBN")
 
 
-def mod_arguments(mod: tuple[str, float], heads: int, torch) -> dict:
+def mod_arguments(mod: tuple, heads: int, torch) -> dict:
     """The keyword arguments of a parsed mod: ALiBi's standard slopes for ``heads`` heads (Press et
-    al.: ``2^(-8 h / H)``, h = 1..H), or ``softcap``."""
-    kind, cap = mod
-    if kind == "alibi":
-        return {"alibi_slopes": standard_slopes(heads, torch)}
-    return {"softcap": cap}
+    al.: ``2^(-8 h / H)``, h = 1..H) or ``softcap``, and the mod's tile as ``block_m``, ``block_n``."""
+    kind, cap, tile = mod
+    kwargs = {"alibi_slopes": standard_slopes(heads, torch)} if kind == "alibi" else {"softcap": cap}
+    if tile is not None:
+        kwargs.update(block_m=tile[0], block_n=tile[1])
+    return kwargs
 
 
 def paired_cost(time_plain, time_mod, rounds: int) -> dict:
@@ -112,7 +125,7 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="4,16,4096,128;1,16,16384,128;4,16,4096,64",
                     help="B,H,N,D separated by ';' (Nq = Nk)")
     ap.add_argument("--dtypes", default="float16,bfloat16")
-    ap.add_argument("--mods", default="alibi,softcap50", help="comma-separated: alibi, softcapC")
+    ap.add_argument("--mods", default="alibi,softcap50", help="comma-separated: alibi, softcapC, either with @BMxBN (the modified call's tile)")
     ap.add_argument("--algorithm", default="fa3", choices=["fa3", "fa2", "fa1"])
     ap.add_argument("--rounds", type=int, default=7, help="alternating plain / modified timings per case")
     ap.add_argument("--repeats", type=int, default=10, help="queued calls per timing (median)")

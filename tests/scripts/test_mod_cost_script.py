@@ -12,12 +12,23 @@ MOD_COST = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[2] / "scr
 
 def test_mods_parse():
     parse = MOD_COST["parse_mod"]
-    assert parse("alibi") == ("alibi", 0.0)
-    assert parse("softcap50") == ("softcap", 50.0)
-    assert parse("softcap2.5") == ("softcap", 2.5)
-    for bad in ("softcap", "softcap0", "softcap-3", "softcapx", "softcapinf", "softcapnan", "window", ""):
+    assert parse("alibi") == ("alibi", 0.0, None)
+    assert parse("softcap50") == ("softcap", 50.0, None)
+    assert parse("softcap2.5") == ("softcap", 2.5, None)
+    assert parse("alibi@192x96") == ("alibi", 0.0, (192, 96))
+    assert parse("softcap30@128x64") == ("softcap", 30.0, (128, 64))
+    for bad in ("softcap", "softcap0", "softcap-3", "softcapx", "softcapinf", "softcapnan", "window", "", "window@128x64"):
         with pytest.raises(ValueError, match="unknown mod"):
             parse(bad)
+    for bad in ("alibi@192", "alibi@192x", "alibi@0x96", "alibi@192x96x2", "softcap50@axb"):
+        with pytest.raises(ValueError, match="tile"):
+            parse(bad)
+
+
+def test_a_mods_tile_goes_to_the_modified_call_only():
+    args = MOD_COST["mod_arguments"]
+    assert args(("softcap", 50.0, None), 16, None) == {"softcap": 50.0}
+    assert args(("softcap", 50.0, (192, 96)), 16, None) == {"softcap": 50.0, "block_m": 192, "block_n": 96}
 
 
 def test_pairs_alternate_and_the_cost_is_the_median_of_their_ratios():
