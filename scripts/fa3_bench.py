@@ -16,10 +16,14 @@
 4. ``--fp8``: the same correctness cases on float8_e4m3fn inputs with (B, Hkv) descales (against
    float64 beside a plain fp8 implementation), and fa3 timed on e4m3 copies of the float16 inputs
    (its ratio to fa3 on float16 in the same run: FA-3 section 3.3).
+5. ``--pair A,B``: two ``--tiles`` configurations timed in alternating rounds (A, B, A, B, ...), the
+   median of the rounds' B / A ratios with their range (``mod_cost.paired_cost``): a tile or knob
+   decided on one process's sequential timings can be the order effect (performance log 28).
 
     python scripts/fa3_bench.py --json docs/data/fa3_h200_<date>.json
     python scripts/fa3_bench.py --quick            # correctness and one shape
     python scripts/fa3_bench.py --fp8 --dtypes float16 --no-variants   # fp8 beside float16
+    python scripts/fa3_bench.py --pair 192x128x2,192x128x2-nopingpong --dtypes float16 --shapes "4,16,4096,64"
     compute-sanitizer --tool racecheck python scripts/fa3_bench.py --mods --no-check --no-bench
 
 Needs a Hopper GPU and torch.
@@ -36,6 +40,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from mask_gallery import median_ms, standard_slopes  # noqa: E402 (queued timing; ALiBi's slopes)
+from mod_cost import paired_cost  # noqa: E402 (alternating rounds)
 
 CASES = [  # (B, H, Hkv, Nq, Nk, D, causal, window)
     (1, 1, 1, 128, 128, 64, False, (-1, -1)),
@@ -87,7 +92,15 @@ def parse_args(argv):
                     "2/8 of the exponentials on the FMA units; -rescale8: O rescaled only when a row's max moves by more than 8 "
                     "(log2 units; -rescale0: every tile); -softcap50: with softcap=50; -alibi: with ALiBi's slopes; -notmastore: O stored by every "
                     "thread, not by TMA)")
-    return ap.parse_args(argv)
+    ap.add_argument("--pair", default="", help="two --tiles configurations A,B timed in alternating rounds instead of "
+                    "the bench: the median B / A ratio of --rounds rounds and its range, per shape")
+    ap.add_argument("--rounds", type=int, default=7, help="--pair's alternating rounds")
+    args = ap.parse_args(argv)
+    if args.pair and len([t for t in args.pair.split(",") if t]) != 2:
+        ap.error(f"--pair takes two configurations A,B; got {args.pair!r}")
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
+    return args
 
 
 def tile_spec(text: str):
@@ -330,6 +343,43 @@ def check_fp8(torch, numba_flash, watchdog, cases=CASES) -> list[dict]:
     return rows
 
 
+def tile_call(torch, numba_flash, spec, inputs, fp8_inputs, causal):
+    """The call of one ``tile_spec`` on ``inputs`` (``fp8_inputs`` with ``-fp8``; ``None`` where
+    those are ``None``): ``numba_flash.fa3.forward`` with the tiles and knobs."""
+    _, (bm, bn, st), knobs = spec
+    knobs = dict(knobs)
+    if knobs.pop("fp8", False):
+        inputs = fp8_inputs
+    if inputs[0] is None:
+        return None
+    if knobs.pop("alibi", False):  # ALiBi (Press et al.): slopes 2^(-8 h / H), h = 1..H
+        knobs["alibi_slopes"] = standard_slopes(int(inputs[0].shape[1]), torch)
+    return lambda: numba_flash.fa3.forward(*inputs, causal=causal, block_m=bm, block_n=bn, stages=st, **knobs)
+
+
+def pair(torch, numba_flash, dtype, shapes, repeats, specs, rounds) -> list[dict]:
+    """``--pair``: configurations A and B (``tile_spec``s) timed in alternating rounds on the same
+    inputs; B / A as the median of the rounds' ratios, with their range."""
+    (label_a, _, knobs_a), (label_b, _, knobs_b) = specs
+    rows = []
+    for B, H, N, D in shapes:
+        for causal in (False, True):
+            q, k, v = (torch.randn(B, H, N, D, device="cuda", dtype=dtype) for _ in range(3))
+            fp8 = knobs_a.get("fp8") or knobs_b.get("fp8")
+            q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v)) if fp8 else (None,) * 3
+            a, b = (tile_call(torch, numba_flash, spec, (q, k, v), (q8, k8, v8), causal) for spec in specs)
+            for fn in (a, b):  # compiled and warm before the rounds
+                fn()
+            cost = paired_cost(lambda: median_ms(a, torch, repeats), lambda: median_ms(b, torch, repeats), rounds)
+            rows.append(dict(dtype=str(dtype), B=B, H=H, N=N, D=D, causal=causal, a=label_a, b=label_b,
+                             a_ms=cost["plain_ms"], b_ms=cost["mod_ms"], ratio=cost["ratio"], ratio_min=cost["ratio_min"],
+                             ratio_max=cost["ratio_max"], rounds=rounds))
+            print(f"{dtype} B{B} H{H} N{N} D{D} causal={causal}: {label_b} / {label_a} = {cost['ratio']:.3f} (rounds "
+                  f"{cost['ratio_min']:.3f}-{cost['ratio_max']:.3f}; {cost['mod_ms']:.3f} / {cost['plain_ms']:.3f} ms)",
+                  flush=True)
+    return rows
+
+
 def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True, fp8=False) -> list[dict]:
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -343,15 +393,10 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
             q8, k8, v8 = (x.to(torch.float8_e4m3fn) for x in (q, k, v)) if fp8 else (None,) * 3
             if fp8 and dtype == torch.float16:  # FA-3 section 3.3: the e4m3 products
                 entries["fa3 fp8"] = lambda: numba_flash.attention(q8, k8, v8, causal=causal, algorithm="fa3")
-            for label, (bm, bn, st), knobs in extra_tiles:
-                knobs = dict(knobs)
-                inputs = (q8, k8, v8) if knobs.pop("fp8", False) else (q, k, v)
-                if knobs.pop("alibi", False):  # ALiBi (Press et al.): slopes 2^(-8 h / H), h = 1..H
-                    knobs["alibi_slopes"] = standard_slopes(H, torch)
-                if inputs[0] is None:
-                    continue
-                entries[f"fa3 {label}"] = (lambda bm=bm, bn=bn, st=st, knobs=knobs, inputs=inputs: numba_flash.fa3.forward(
-                    *inputs, causal=causal, block_m=bm, block_n=bn, stages=st, **knobs))
+            for spec in extra_tiles:
+                call = tile_call(torch, numba_flash, spec, (q, k, v), (q8, k8, v8), causal)
+                if call is not None:
+                    entries[f"fa3 {spec[0]}"] = call
             if variants and D <= 128:  # the v2 -> v3 factors, one removed at a time
                 for name, knobs in VARIANTS.items():
                     entries[name] = lambda knobs=knobs: numba_flash.fa3.forward(q, k, v, causal=causal, **knobs)
@@ -451,6 +496,15 @@ def main(argv=None) -> int:
     rows, failed = [], 0
     if args.host:
         rows = host_times(torch, numba_flash, getattr(torch, args.dtypes.split(",")[0]))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        return 0
+    if args.pair:
+        specs = [tile_spec(t) for t in args.pair.split(",") if t]
+        shapes = [tuple(int(x) for x in t.split(",")) for t in args.shapes.split(";") if t] or SHAPES
+        for name in args.dtypes.split(","):
+            rows += pair(torch, numba_flash, getattr(torch, name), shapes, args.repeats, specs, args.rounds)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1)
