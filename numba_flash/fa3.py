@@ -350,11 +350,12 @@ def _encoded(x, rows: int, dtype: str, row_bytes: int = 128) -> np.ndarray:
 def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, precision=None, num_splits=None,
             window_size=(-1, -1), softcap=0.0, alibi_slopes=None, mask_mod=None, score_mod=None, mod_args=(),
             block_mask=None, out=None, lse_out=None, variant=None, kv_tile_order=None, stages=None, overlap=True,
-            pingpong=True, reallocate=True, poly_exp2=0, rescale_threshold=None, tma_store=True, q_descale=None,
+            pingpong=None, reallocate=True, poly_exp2=0, rescale_threshold=None, tma_store=True, q_descale=None,
             k_descale=None, v_descale=None, packed=None):
     """``api.forward`` for ``algorithm="fa3"``: returns ``(o, lse)``. Research knobs (the v2 -> v3
     ablation): ``stages`` (K/V slots), ``overlap`` (FA-3 section 3.2's intra-warpgroup pipelining),
-    ``pingpong`` (section 3.1's inter-warpgroup turns), ``reallocate`` (setmaxnreg), ``poly_exp2``
+    ``pingpong`` (section 3.1's inter-warpgroup turns; ``None``: :func:`takes_turns`'s rule, turns for
+    two consumer warpgroups only), ``reallocate`` (setmaxnreg), ``poly_exp2``
     (eighths of the exponentials computed on the FMA units, ``kernels.poly_exp2``: FA-4's emulation,
     slower on the H200 at every share), ``rescale_threshold`` (log2 units, 0 to 8: FlashAttention-4's
     conditional rescaling, a row's max moves only when a tile exceeds it by more than this, so most
@@ -369,7 +370,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
     key = None
     if (block_mask is None and packed is None and none_given(mask_mod, score_mod, mod_args)
             and q_descale is None and k_descale is None and v_descale is None and stages is None
-            and all(x is True for x in (overlap, pingpong, reallocate, tma_store))
+            and all(x is True for x in (overlap, reallocate, tma_store)) and pingpong is None
             and type(poly_exp2) is int and poly_exp2 == 0 and rescale_threshold is None):  # the call of attention(..., algorithm="fa3"): a plan's signature
         key = _plan_key(q, k, v, out, lse_out, causal, scale, block_m, block_n, num_splits, window_size, softcap,
                         alibi_slopes)
@@ -444,7 +445,7 @@ def forward(q, k, v, *, causal=False, scale=None, block_m=None, block_n=None, pr
             o[...] = 0
             lse[...] = -math.inf
             return o, lse
-        schedule = (bool(overlap), bool(pingpong), bool(reallocate), int(poly_exp2), float(threshold))
+        schedule = (bool(overlap), takes_turns(int(bm), pingpong), bool(reallocate), int(poly_exp2), float(threshold))
         splits = 1 if packed is not None else _splits(num_splits, p, D, int(bm), int(bn), int(st), ctx.device_id)
         _check_grid(p, splits, packed, fp8)
         if splits == 1:
@@ -567,16 +568,27 @@ def _tma_copy(x):
     return zero_padded(x, -(-x.shape[3] // per_row) * per_row)
 
 
-def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overlap=True, pingpong=True,
+def takes_turns(block_m: int, pingpong=None) -> bool:
+    """Whether the consumer warpgroups take turns at the tensor cores (FA-3 section 3.1's ping-pong):
+    ``pingpong`` where given, else (``None``) FA-3's own rule, turns for two consumer warpgroups
+    (128-row tiles) only. With three (192-row tiles: D = 64, fp8 at D = 128) the turns measured
+    1-2% slower at D = 64 on the H200, in 8 of 8 alternating pairs, and 1-4% with the soft cap;
+    fp8's 192 x 96 was even (results 16m)."""
+    return bool(pingpong) if pingpong is not None else block_m == 128
+
+
+def kernel_for(p, head_dim: int, block_m: int, block_n: int, stages: int, overlap=True, pingpong=None,
                reallocate=True, poly_exp2=0, rescale_threshold=None, varlen=False, split=False, tma_store=False):
     """The compiled-on-demand FA-3 kernel of checked problem ``p`` (``problem.Problem``) at the
-    kernel's ``head_dim`` and these tiles and schedule switches (``varlen``: a packed batch's;
-    ``split``: split-KV's partials; ``tma_store``: O written by TMA, :func:`stores_o_by_tma`)."""
+    kernel's ``head_dim`` and these tiles and schedule switches (``pingpong``: :func:`takes_turns`;
+    ``varlen``: a packed batch's; ``split``: split-KV's partials; ``tma_store``: O written by TMA,
+    :func:`stores_o_by_tma`)."""
     from numba_flash.kernels.fa3 import fa3_kernel
 
     if rescale_threshold is None:
         rescale_threshold = RESCALE_THRESHOLD[p.dtype == FP8_DTYPE]
-    return fa3_kernel(head_dim, block_m, block_n, stages, p.window, KERNEL_KIND[p.dtype], overlap, pingpong,
+    return fa3_kernel(head_dim, block_m, block_n, stages, p.window, KERNEL_KIND[p.dtype], overlap,
+                      takes_turns(block_m, pingpong),
                       registers(block_m) if reallocate else None, p.softcap > 0, p.alibi, p.user_mods, bool(varlen),
                       int(poly_exp2), bool(split), float(rescale_threshold), bool(tma_store))
 

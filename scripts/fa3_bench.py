@@ -91,7 +91,7 @@ def parse_args(argv):
                     "128x128x2-nopingpong-nooverlap-noreallocate; -fp8: on the float8 inputs of --fp8; -poly2: "
                     "2/8 of the exponentials on the FMA units; -rescale8: O rescaled only when a row's max moves by more than 8 "
                     "(log2 units; -rescale0: every tile); -softcap50: with softcap=50; -alibi: with ALiBi's slopes; -notmastore: O stored by every "
-                    "thread, not by TMA)")
+                    "thread, not by TMA; -pingpong: consumer warpgroups taking turns where the default takes none)")
     ap.add_argument("--pair", default="", help="two --tiles configurations A,B timed in alternating rounds instead of "
                     "the bench: the median B / A ratio of --rounds rounds and its range, per shape")
     ap.add_argument("--rounds", type=int, default=7, help="--pair's alternating rounds")
@@ -123,12 +123,15 @@ def tile_spec(text: str):
         if name == "alibi":  # with ALiBi's standard slopes (made for the shape's heads)
             knobs["alibi"] = True
             continue
+        if name == "pingpong":  # consumer warpgroups taking turns where the default takes none (fa3.takes_turns)
+            knobs["pingpong"] = True
+            continue
         if name == "notmastore":  # O stored by every thread, not through shared memory and TMA
             knobs["tma_store"] = False
             continue
         if not name.startswith("no") or name[2:] not in ("overlap", "pingpong", "reallocate"):
-            raise SystemExit(f"--tiles: unknown knob {name!r} in {text!r} (nooverlap, nopingpong, noreallocate, "
-                             "notmastore, polyN, rescaleT, softcapC, alibi, fp8)")
+            raise SystemExit(f"--tiles: unknown knob {name!r} in {text!r} (nooverlap, nopingpong, pingpong, "
+                             "noreallocate, notmastore, polyN, rescaleT, softcapC, alibi, fp8)")
         knobs[name[2:]] = False
     return text, tuple(int(x) for x in tiles.split("x")), knobs
 

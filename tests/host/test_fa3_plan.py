@@ -210,7 +210,7 @@ def test_a_bad_knob_raises_after_a_plan_too(gpu, bad):
 
 
 @pytest.mark.parametrize("extra", [dict(stages=3), dict(overlap=False), dict(rescale_threshold=0.0),
-                                   dict(pingpong=False), dict(poly_exp2=2)], ids=str)
+                                   dict(pingpong=False), dict(pingpong=True), dict(poly_exp2=2)], ids=str)
 def test_calls_a_plan_does_not_cover_are_checked_every_time(gpu, extra):
     """The research knobs keep the unplanned path (as do user mods, packed batches, float8
     descales and split-KV's two launches, which the plan's conditions name)."""
@@ -382,3 +382,18 @@ def test_fp8_values_the_v_transpose_pass_cannot_read_in_place_keep_the_unplanned
     for _ in range(2):
         numba_flash.attention(q, k, v, algorithm="fa3", **options)
     assert gpu.checks == 2 and len(fa3._PLANS) == 0
+
+
+def test_consumer_warpgroups_take_turns_by_default_only_in_pairs(monkeypatch):
+    """FA-3's rule (fa3.takes_turns): ping-pong for two consumer warpgroups (128-row tiles), not for
+    three (192 rows) nor one (64); an explicit ``pingpong`` wins. The kernel a call compiles gets it."""
+    assert [fa3.takes_turns(bm) for bm in (64, 128, 192)] == [False, True, False]
+    assert fa3.takes_turns(192, True) and not fa3.takes_turns(128, False)
+    import numba_flash.kernels.fa3 as kernels_fa3
+
+    seen = []
+    monkeypatch.setattr(kernels_fa3, "fa3_kernel", lambda *args, **kw: seen.append(args[7]))
+    p = types.SimpleNamespace(dtype="float16", window=(-1, -1), softcap=0.0, alibi=False, user_mods=None)
+    for bm, pingpong in ((128, None), (192, None), (192, True), (128, False)):
+        fa3.kernel_for(p, 64, bm, 64, 2, True, pingpong)
+    assert seen == [True, False, True, False]

@@ -14,6 +14,7 @@ FA3_BENCH = runpy.run_path(str(pathlib.Path(__file__).resolve().parents[2] / "sc
 def test_tile_specs_parse():
     spec = FA3_BENCH["tile_spec"]
     assert spec("192x128x2-nopingpong") == ("192x128x2-nopingpong", (192, 128, 2), {"pingpong": False})
+    assert spec("192x128x2-pingpong") == ("192x128x2-pingpong", (192, 128, 2), {"pingpong": True})
     assert spec("192x96x2-fp8-softcap50") == ("192x96x2-fp8-softcap50", (192, 96, 2), {"fp8": True, "softcap": 50.0})
     with pytest.raises(SystemExit, match="unknown knob"):
         spec("128x128x2-fast")
