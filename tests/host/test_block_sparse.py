@@ -344,12 +344,15 @@ def test_the_backward_walks_the_lists(precision, dtype, algorithm, deterministic
     calls = []
     counted = _counted_documents(calls)
     mods = dict(mask_mod=counted, mod_args=(q_doc, kv_doc), causal=True)
-    o, lse = numba_flash.attention(q, k, v, return_lse=True, precision="ieee", **mods)
+    kv_tiles, dq_tiles = _backward_tiles(precision, dtype)
+    for tiles in dict.fromkeys((dq_tiles, kv_tiles)):  # (forwards at the backward's tiles derive mask_mod's
+        # block masks there, kept per mask_mod, shape, tiles and mod_args: the backward walks them, deriving
+        # nothing, so every counted call below is a walk's; a backward that derived afresh would add its own)
+        o, lse = numba_flash.attention(q, k, v, return_lse=True, precision="ieee", block_m=tiles[0], block_n=tiles[1],
+                                       **mods)
     run = dict(algorithm=algorithm, deterministic=deterministic, precision=precision, **mods)
-    gradients(do, q, k, v, o, lse, **run)  # (derives the block masks at the backward's tiles: kept)
     calls.clear()
     grads = gradients(do, q, k, v, o, lse, **run)
-    kv_tiles, dq_tiles = _backward_tiles(precision, dtype)
     expected = 0
     for tiles, walks in ((kv_tiles, True), (dq_tiles, deterministic and algorithm == "fa2")):
         if walks:  # the mod's partial tiles (its mask alone: the kernels derive that) which causal leaves a key in

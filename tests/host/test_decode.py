@@ -37,7 +37,7 @@ def check(q, k, v, lens, causal, o, lse):
     np.testing.assert_allclose(lse[seen], ref_lse[seen], rtol=1e-4, atol=1e-4)
 
 
-@settings(max_examples=examples(6), deadline=None)
+@settings(max_examples=examples(4), deadline=None)  # (the simulator's time)
 @given(
     dtype=st.sampled_from(["float16", "bfloat16", "float32"]),
     group=st.sampled_from([1, 2, 4]),
@@ -284,7 +284,7 @@ def test_float32_decode_at_the_gpu_default_tiles(monkeypatch):
         real_run = api.run
         monkeypatch.setattr(api, "run", lambda ctx, call, *a, **kw: (calls.append(call), real_run(ctx, call, *a, **kw)))
         rng = np.random.default_rng(11)
-        B, H, Hkv, n_q, n_max, D = 2, 4, 2, 2, 80, 40
+        B, H, Hkv, n_q, n_max, D = 2, 2, 1, 2, 80, 40  # (GQA 2:1 on one KV head: a second ran the same rows)
         q = rng.standard_normal((B, H, n_q, D)).astype(np.float32)
         k, v = (rng.standard_normal((B, Hkv, n_max, D)).astype(np.float32) for _ in range(2))
         lens = [67, 0]  # two K/V tiles of 64, the second ragged; nothing at all
@@ -307,7 +307,7 @@ def test_appended_keys_are_written_in_place_and_attended(dtype, causal):
     rest of the caches untouched, the caller's lengths not advanced; the result is the
     reference's decode with the keys appended (lengths 5, 0 and 17 of 24, 3 new keys, GQA)."""
     rng = np.random.default_rng(21)
-    B, H, Hkv, Nq, D, n_max, n_new = 3, 4, 2, 2, 16, 24, 3
+    B, H, Hkv, Nq, D, n_max, n_new = 3, 2, 1, 2, 16, 24, 3  # (GQA 2:1 on one KV head: the simulator's time)
     q = rng.standard_normal((B, H, Nq, D)).astype(dtype)
     k_cache, v_cache = (rng.standard_normal((B, Hkv, n_max, D)).astype(dtype) for _ in range(2))
     k_new, v_new = (rng.standard_normal((B, Hkv, n_new, D)).astype(dtype) for _ in range(2))

@@ -81,7 +81,7 @@ def test_split_kv_partials_merge_to_the_window(precision, dtype, xp, rng):
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_decode_window_over_ragged_caches(dtype, xp, rng):
     """Decode's packed GQA rows, ragged lengths (one of them 0), a window with causal."""
-    q, k, v = random_qkv(rng, 3, 4, 2, 2, 40, 16, dtype, xp)
+    q, k, v = random_qkv(rng, 3, 2, 1, 2, 40, 16, dtype, xp)  # (GQA 2:1 on one KV head: the simulator's time)
     lengths = np.array([40, 0, 23], np.int32)
     o, lse = numba_flash.decode(q, k, v, cache_seqlens=xp.asarray(lengths), causal=True, window_size=(9, -1),
                                 return_lse=True)
@@ -107,7 +107,8 @@ BACKWARD_CASES = [  # each engine's dK/dV walk (both orders) and dQ walk
 def test_backward_matches_the_reference(precision, dtype, algorithm, deterministic, n_q, n_k, window, causal, rng):
     from numba_flash.backward import gradients
 
-    do, q, k, v, _, _ = backward_problem(rng, 1, 2, 1, n_q, n_k, 16 if precision is None else 6, dtype, causal)
+    # (one head: the window is the same on every head; GQA's backward walks: test_backward, test_backward_tc)
+    do, q, k, v, _, _ = backward_problem(rng, 1, 1, 1, n_q, n_k, 16 if precision is None else 6, dtype, causal)
     o, lse = numba_flash.attention(q, k, v, causal=causal, window_size=window, return_lse=True, precision="ieee")
     tiles = {"tiles": (16, 16)} if precision is None else {}
     grads = gradients(do, q, k, v, o, lse, causal=causal, window_size=window, algorithm=algorithm,

@@ -45,7 +45,8 @@ def _check(o, lse, ref_o, ref_lse, plain_o):
     assert np.abs(lse[finite] - ref_lse[finite]).max() < 10 * TOL
 
 
-MODS = [  # (causal, window, softcap, alibi, Nq, Nk): block_n 32, tails of Q and K/V tiles
+MODS = [  # (causal, window, softcap, alibi, Nq, Nk): block_n 32, tails of Q and K/V tiles (one batch each
+    # but the causal case's two: per-batch slopes there; the others' per-head slopes are one's)
     (False, (-1, -1), 0.8, False, 40, 50),  # the cap alone: it bends every score
     (True, (-1, -1), 0.0, True, 70, 50),  # ALiBi under a right edge at the diagonal (the bias over the scale)
     (False, (20, 10), 3.0, True, 40, 70),  # both, under a window
@@ -59,8 +60,9 @@ MODS = [  # (causal, window, softcap, alibi, Nq, Nk): block_n 32, tails of Q and
 
 @pytest.mark.parametrize("causal, window, softcap, alibi, n_q, n_k", MODS, ids=lambda x: str(x))
 def test_softcap_and_alibi_match_the_reference(causal, window, softcap, alibi, n_q, n_k, rng):
-    q, k, v = _inputs(rng, 2, 1, 1, n_q, n_k, 64, scale=2.0)  # scores of a few units: the cap bends them
-    slopes = np.array([[0.3], [0.9]], np.float32) if alibi else None  # per batch and head
+    batch = 2 if causal else 1
+    q, k, v = _inputs(rng, batch, 1, 1, n_q, n_k, 64, scale=2.0)  # scores of a few units: the cap bends them
+    slopes = np.array([[0.3], [0.9]][2 - batch:], np.float32) if alibi else None  # per batch and head
     mods = dict(causal=causal, window_size=window, softcap=softcap)
     o, lse = _poisoned_fa3(q, k, v, alibi_slopes=slopes, block_n=32, **mods)
     ref_o, ref_lse = reference.attention(q, k, v, alibi_slopes=slopes, **mods)

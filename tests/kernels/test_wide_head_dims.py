@@ -56,8 +56,9 @@ def test_forward(algorithm, dtype, precision, head_dim):
     ("fa2", False, "float16", 256), ("fa2", True, "float16", 200), ("fa1", False, "bfloat16", 144)])
 def test_backward_on_tensor_cores(algorithm, deterministic, dtype, head_dim):
     rng = np.random.default_rng(head_dim + 1)
-    heads = 2 if head_dim == 256 else 1  # GQA 2:1 once: dK, dV summed over a KV head's query heads
-    do, q, k, v, o, lse = backward_problem(rng, 1, heads, 1, 19, 21, head_dim, dtype, True)
+    # (one head: GQA at D = 256, dK, dV summed over a KV head's query heads, is the packed batch's
+    # test_packed_batch_forward_and_backward, 2 query heads on 1 KV head, FA-2 on tensor cores)
+    do, q, k, v, o, lse = backward_problem(rng, 1, 1, 1, 19, 21, head_dim, dtype, True)
     grads = numba_flash.attention_backward(do, q, k, v, o, lse, causal=True, algorithm=algorithm,
                                            deterministic=deterministic)
     refs = reference.attention_backward(*(x.astype(np.float64) for x in (do, q, k, v)), causal=True)
@@ -94,8 +95,8 @@ def test_float32_backward(precision):
 @pytest.mark.parametrize("dtype, page_size", [("float16", None), ("float16", 16), ("float32", None)])
 def test_decode(dtype, page_size):
     rng = np.random.default_rng(11)
-    B, Hkv, N, D = 2, 2, 20, 256
-    q = rng.standard_normal((B, 4, 1, D)).astype(dtype)
+    B, Hkv, N, D = 2, 1, 20, 256  # GQA 2:1 on one KV head (two would run the same rows twice)
+    q = rng.standard_normal((B, 2, 1, D)).astype(dtype)
     k_cache, v_cache = (rng.standard_normal((B, Hkv, N, D)).astype(dtype) for _ in range(2))
     lengths = np.array([19, 9], np.int32)
     ref = reference.decode(q, k_cache, v_cache, cache_seqlens=lengths)
