@@ -23,7 +23,7 @@
     python scripts/fa3_bench.py --json docs/data/fa3_h200_<date>.json
     python scripts/fa3_bench.py --quick            # correctness and one shape
     python scripts/fa3_bench.py --fp8 --dtypes float16 --no-variants   # fp8 beside float16
-    python scripts/fa3_bench.py --pair 192x128x2,192x128x2-nopingpong --dtypes float16 --shapes "4,16,4096,64"
+    python scripts/fa3_bench.py --pair 192x128x2-pingpong,192x128x2 --dtypes float16 --shapes "4,16,4096,64"
     compute-sanitizer --tool racecheck python scripts/fa3_bench.py --mods --no-check --no-bench
 
 Needs a Hopper GPU and torch.
@@ -87,7 +87,7 @@ def parse_args(argv):
     ap.add_argument("--fp8", action="store_true", help="also time fa3 on float8_e4m3fn copies of the float16 inputs "
                     "(V^T made in the call, timed with it) and check fp8 against float64 beside a plain fp8 attention")
     ap.add_argument("--tiles", default="", help="extra fa3 configurations to time, comma-separated: bm x bn x stages, "
-                    "optionally with knobs removed after a '-' (e.g. 128x176x2, 192x128x2-nopingpong, "
+                    "optionally with knobs after a '-' (e.g. 128x176x2, 128x128x2-nopingpong, 192x128x2-pingpong, "
                     "128x128x2-nopingpong-nooverlap-noreallocate; -fp8: on the float8 inputs of --fp8; -poly2: "
                     "2/8 of the exponentials on the FMA units; -rescale8: O rescaled only when a row's max moves by more than 8 "
                     "(log2 units; -rescale0: every tile); -softcap50: with softcap=50; -alibi: with ALiBi's slopes; -notmastore: O stored by every "
@@ -133,7 +133,10 @@ def tile_spec(text: str):
             raise SystemExit(f"--tiles: unknown knob {name!r} in {text!r} (nooverlap, nopingpong, pingpong, "
                              "noreallocate, notmastore, polyN, rescaleT, softcapC, alibi, fp8)")
         knobs[name[2:]] = False
-    return text, tuple(int(x) for x in tiles.split("x")), knobs
+    dims = tiles.split("x")
+    if len(dims) != 3 or not all(d.isdigit() and int(d) > 0 for d in dims):
+        raise SystemExit(f"--tiles: a configuration is block_m x block_n x stages (e.g. 128x128x2); got {text!r}")
+    return text, tuple(int(x) for x in dims), knobs
 
 
 def wait(torch, what: str, seconds: float) -> None:
@@ -346,6 +349,18 @@ def check_fp8(torch, numba_flash, watchdog, cases=CASES) -> list[dict]:
     return rows
 
 
+def variants_at(numba_flash, head_dim: int) -> dict:
+    """:data:`VARIANTS` for the default tiles at ``head_dim``: where they take no turns (192 rows,
+    ``fa3.takes_turns``), the ping-pong entries add the turns instead of removing them."""
+    from numba_flash.tile_table import fa3_tiles
+
+    if numba_flash.fa3.takes_turns(fa3_tiles(numba_flash.fa3.kernel_head_dim(head_dim))[0]):
+        return VARIANTS
+    return {"fa3 with pingpong": dict(pingpong=True), "fa3 no overlap": dict(overlap=False),
+            "fa3 no overlap, with pingpong": dict(overlap=False, pingpong=True),
+            "fa3 no setmaxnreg": dict(reallocate=False)}
+
+
 def tile_call(torch, numba_flash, spec, inputs, fp8_inputs, causal):
     """The call of one ``tile_spec`` on ``inputs`` (``fp8_inputs`` with ``-fp8``; ``None`` where
     those are ``None``): ``numba_flash.fa3.forward`` with the tiles and knobs."""
@@ -401,7 +416,7 @@ def bench(torch, numba_flash, dtype, shapes, repeats, extra_tiles, variants=True
                 if call is not None:
                     entries[f"fa3 {spec[0]}"] = call
             if variants and D <= 128:  # the v2 -> v3 factors, one removed at a time
-                for name, knobs in VARIANTS.items():
+                for name, knobs in variants_at(numba_flash, D).items():
                     entries[name] = lambda knobs=knobs: numba_flash.fa3.forward(q, k, v, causal=causal, **knobs)
             for name, backend in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION)):
                 def sdpa(backend=backend):

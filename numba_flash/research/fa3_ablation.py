@@ -13,7 +13,7 @@ fa2                                       Ampere's synchronous ``mma.sync``, ``c
 fa3, neither pipelining                   TMA producer warpgroup, ``wgmma`` consumers, setmaxnreg; products and softmax in turn
 fa3, ping-pong only                       consumer warpgroups take turns issuing products (section 3.1)
 fa3, overlap only                         S_j's softmax under P_{j-1} V_{j-1} inside a warpgroup (section 3.2)
-fa3                                       both (the default)
+fa3                                       both (the default at D = 128; 192-row tiles take no turns by default)
 fa3 without setmaxnreg                    both, every warpgroup at the launch's 168 registers
 fa3 storing O from every thread           both, O stored as pairs by each thread, not through shared memory and TMA
 fa3 rescaling O at every tile             both, without FlashAttention-4's conditional rescaling (threshold 0)
@@ -46,7 +46,7 @@ POINTS = [  # (name, fa3.forward's knobs; None: FA-2)
     ("fa3 rescaling O at every tile", dict(pingpong=True, rescale_threshold=0.0)),
 ]
 
-FULL = "fa3 (ping-pong and overlap)"  # the default kernel: the rows after it each remove one factor from it
+FULL = "fa3 (ping-pong and overlap)"  # the full kernel (the default at D = 128): each later row removes one factor
 BASES = {"fa3, overlap only": "fa3, neither pipelining"}  # a base other than the row before (up to FULL)
 
 PAPER_H100 = {  # FA-3 Table 2 (H100 SXM5, D = 128, non-causal, 16-bit): TFLOP/s

@@ -397,3 +397,22 @@ def test_consumer_warpgroups_take_turns_by_default_only_in_pairs(monkeypatch):
     for bm, pingpong in ((128, None), (192, None), (192, True), (128, False)):
         fa3.kernel_for(p, 64, bm, 64, 2, True, pingpong)
     assert seen == [True, False, True, False]
+
+
+@pytest.mark.parametrize("name, rows, turns", [("torch float16 D64 window softcap", 192, False),
+                                               ("cupy float16", 128, True)])
+def test_calls_compile_the_turns_of_their_tiles_and_plans_replay_them(gpu, monkeypatch, name, rows, turns):
+    """A default call's kernel takes turns by its tiles (``fa3.takes_turns``: D64's 192 rows none, D128's
+    128 rows two warpgroups in turns), and the planned call after it launches that kernel again."""
+    compiled = []
+    kernel_for = fa3.kernel_for
+
+    def spy(p, head_dim, block_m, block_n, stages, overlap=True, pingpong=None, *rest, **kw):
+        compiled.append((block_m, pingpong))
+        return kernel_for(p, head_dim, block_m, block_n, stages, overlap, pingpong, *rest, **kw)
+
+    monkeypatch.setattr(fa3, "kernel_for", spy)
+    _call(name)
+    _call(name)
+    assert compiled == [(rows, turns)]  # the second call: the plan, no kernel looked up again
+    assert gpu.checks == 1 and len(gpu.launches) == 2 and gpu.launches[0][0] is gpu.launches[1][0]

@@ -18,6 +18,9 @@ def test_tile_specs_parse():
     assert spec("192x96x2-fp8-softcap50") == ("192x96x2-fp8-softcap50", (192, 96, 2), {"fp8": True, "softcap": 50.0})
     with pytest.raises(SystemExit, match="unknown knob"):
         spec("128x128x2-fast")
+    for bad in ("192x128", "192x128x2x1", "0x128x2", "axbxc-nopingpong"):
+        with pytest.raises(SystemExit, match="block_m x block_n x stages"):
+            spec(bad)
 
 
 def test_a_tile_call_runs_fa3_with_its_tiles_and_knobs_on_the_right_inputs():
