@@ -48,7 +48,8 @@ def check(grads, inputs, causal):
 @pytest.mark.parametrize("variant, tiles, shape, causal", [
     (("fa2", False), (16, 16), (1, 2, 1, 21, 6, 8), True),  # GQA; Nq > Nk: 15 rows see no key
     (("fa2", True), (32, 16), (1, 2, 1, 33, 40, 12), True),  # GQA, deterministic dQ kernel, D 12 -> 16
-    (("fa1", False), (16, 32), (1, 2, 2, 17, 33, 20), False),  # a K/V tile holding one key
+    (("fa1", False), (16, 32), (1, 1, 1, 17, 33, 20), False),  # a K/V tile holding one key (one head: several
+    # K/V heads are indexed by the same tc_bwd source for every kind: test_varlen's FA-2 backward, 4 heads on 2)
     (("fa2", False), (16, 32), (1, 1, 1, 17, 32, 40), True),  # two warps split three 16-column dQ chunks
 ])
 def test_tf32x3_gradients_match_float64_reference(variant, tiles, shape, causal):
