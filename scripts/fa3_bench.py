@@ -16,7 +16,7 @@
 4. ``--fp8``: the same correctness cases on float8_e4m3fn inputs with (B, Hkv) descales (against
    float64 beside a plain fp8 implementation), and fa3 timed on e4m3 copies of the float16 inputs
    (its ratio to fa3 on float16 in the same run: FA-3 section 3.3).
-5. ``--pair A,B``: two ``--tiles`` configurations timed in alternating rounds (A, B, A, B, ...), the
+5. ``--pair A,B``: two ``--tiles`` configurations timed in alternating rounds (A then B, B then A, ...), the
    median of the rounds' B / A ratios with their range (``mod_cost.paired_cost``): a tile or knob
    decided on one process's sequential timings can be the order effect (performance log 28).
 

@@ -2,7 +2,7 @@
 without them"): the time of ``numba_flash.attention(..., <mod>)`` over the time of the same call
 without it, on the same inputs, one run.
 
-The two calls are timed in alternating rounds (plain, modified, plain, modified, ...), each round the
+The two calls are timed in alternating rounds (plain then modified, modified then plain, ...), each round the
 queued median of ``--repeats`` calls after a short warm-up (``mask_gallery.median_ms``), and the cost
 reported is the median of the rounds' ratios, with their range. Timing one call's many repeats and then
 the other's measured the order as much as the mods on the H200: the first case after another reads
@@ -70,15 +70,20 @@ def mod_arguments(mod: tuple, heads: int, torch) -> dict:
 
 
 def paired_cost(time_plain, time_mod, rounds: int) -> dict:
-    """The cost of a mod from ``rounds`` alternating timings: ``time_plain()`` then ``time_mod()``
-    each round (milliseconds), the ratio of each round's pair; the median ratio and its range, and
-    both calls' median times."""
+    """The cost of a mod from ``rounds`` alternating timings: ``time_plain()`` and ``time_mod()``
+    each round (milliseconds; plain first in even rounds, the mod first in odd ones, so neither is
+    always the one timed after the other), the ratio of each round's pair; the median ratio and its
+    range, and both calls' median times."""
     if rounds < 1:
         raise ValueError(f"rounds must be at least 1; got {rounds}")
     plain, mod = [], []
-    for _ in range(rounds):
-        plain.append(time_plain())
-        mod.append(time_mod())
+    for i in range(rounds):
+        if i % 2:
+            mod.append(time_mod())
+            plain.append(time_plain())
+        else:
+            plain.append(time_plain())
+            mod.append(time_mod())
     ratios = [m / p for p, m in zip(plain, mod)]
     return {"ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
             "plain_ms": statistics.median(plain), "mod_ms": statistics.median(mod), "rounds": rounds}
