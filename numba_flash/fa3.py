@@ -30,6 +30,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from numba_flash import alibi
 from numba_flash import fp8 as fp8_inputs
 from numba_flash import plans
 from numba_flash._world import simulated
@@ -624,7 +625,6 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
     list that gets, where a plan can repeat this launch with new pointers (no user mods, rectangular,
     q, k and v read by TMA where they are, O written in place; fp8: V^T's pass read from V where it
     is; ALiBi's slopes, in the kernel's units, made anew for each call), a :class:`Fa3Recipe`."""
-    from numba_flash.alibi import slopes_argument
     from numba_flash.block_sparse import lists_at
     from numba_flash.kernels.fa3 import value_row_bytes
     from numba_flash.kernels.jit import LOG2E
@@ -645,7 +645,7 @@ def _launch(ctx, p, q, k, v, o, lse, D, bm, bn, stages, schedule, scales, packed
     block = (kernel.fa3_threads,)
     scalars = [np.float32(p.scale * LOG2E), np.int32(Nq), np.int32(p.n_k), np.int32(p.group)]
     # the score mods' arguments (kernels.fa3: softcap_log2, alibi[, mod_args[, walk_counts, walk_lists]])
-    slopes = slopes_argument(p, ctx.kind)
+    slopes = alibi.slopes_argument(p, ctx.kind)
     mods = [np.float32(p.softcap * LOG2E)]
     mod_arrays = [] if user is None else [tuple(p.mod_args)]
     lists = [] if user is None or not user.block_sparse else lists_at(ctx, p, (bm, bn), "q")
@@ -816,9 +816,7 @@ class Fa3Plan:
                 pointers.append(tensor_map_address(template._replace(ptr=pointers[slot]), rows, self.dtype,
                                                    self.device_id, row_bytes, on))
             if self.recipe.slopes_batch is not None:  # this call's slopes in the kernel's units (alive until queued)
-                from numba_flash.alibi import kernel_slopes
-
-                slopes = kernel_slopes(alibi_slopes, self.recipe.slopes_batch, self.kind)
+                slopes = alibi.kernel_slopes(alibi_slopes, self.recipe.slopes_batch, self.kind)
                 pointers.append(read(slopes))
             self.recipe.prepared(stream, pointers)
         return o, lse

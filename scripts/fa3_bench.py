@@ -40,7 +40,7 @@ import time
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from mask_gallery import median_ms, standard_slopes  # noqa: E402 (queued timing; ALiBi's slopes)
-from mod_cost import paired_cost  # noqa: E402 (alternating rounds)
+from mod_cost import paired_cost, parse_shapes  # noqa: E402 (alternating rounds; B,H,N,D;...)
 
 CASES = [  # (B, H, Hkv, Nq, Nk, D, causal, window)
     (1, 1, 1, 128, 128, 64, False, (-1, -1)),
@@ -100,6 +100,10 @@ def parse_args(argv):
         ap.error(f"--pair takes two configurations A,B; got {args.pair!r}")
     if args.rounds < 1:
         ap.error("--rounds must be at least 1")
+    try:  # (None: the default shapes)
+        args.shape_list = parse_shapes(args.shapes) if args.shapes.strip(" ;") else None
+    except ValueError as e:
+        ap.error(f"--shapes: {e}")
     return args
 
 
@@ -512,20 +516,22 @@ def main(argv=None) -> int:
                 command="python scripts/fa3_bench.py " + " ".join(sys.argv[1:] if argv is None else argv))
     print(meta, flush=True)
     rows, failed = [], 0
-    if args.host:
-        rows = host_times(torch, numba_flash, getattr(torch, args.dtypes.split(",")[0]))
+
+    def write_json():
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(dict(meta=meta, rows=rows), f, indent=1)
+
+    shapes = args.shape_list or (SHAPES[1:2] if args.quick else SHAPES)
+    if args.host:
+        rows = host_times(torch, numba_flash, getattr(torch, args.dtypes.split(",")[0]))
+        write_json()
         return 0
     if args.pair:
         specs = [tile_spec(t) for t in args.pair.split(",") if t]
-        shapes = [tuple(int(x) for x in t.split(",")) for t in args.shapes.split(";") if t] or SHAPES
         for name in args.dtypes.split(","):
             rows += pair(torch, numba_flash, getattr(torch, name), shapes, args.repeats, specs, args.rounds)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(meta=meta, rows=rows), f, indent=1)
+        write_json()
         return 0
     extra = [tile_spec(t) for t in args.tiles.split(",") if t]
     if any(knobs.get("fp8") for _, _, knobs in extra) and not args.fp8:
@@ -544,13 +550,9 @@ def main(argv=None) -> int:
             checked = check(torch, numba_flash, dtype, args.watchdog, CASES[: args.cases])
             failed += sum(r["status"] != "ok" for r in checked)
             rows += checked
-        shapes = [tuple(int(x) for x in t.split(",")) for t in args.shapes.split(";") if t] or (
-            SHAPES[1:2] if args.quick else SHAPES)
         if not args.no_bench:
             rows += bench(torch, numba_flash, dtype, shapes, args.repeats, extra, not args.no_variants, args.fp8)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(meta=meta, rows=rows), f, indent=1)
+    write_json()
     print(f"{failed} correctness failures", flush=True)
     return 1 if failed else 0
 

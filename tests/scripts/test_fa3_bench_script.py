@@ -35,9 +35,12 @@ def test_a_tile_call_runs_fa3_with_its_tiles_and_knobs_on_the_right_inputs():
     assert FA3_BENCH["tile_call"](None, fake, spec("128x128x2-fp8"), ("q", "k", "v"), (None,) * 3, False) is None
 
 
-def test_pair_takes_two_configurations():
+def test_pair_takes_two_configurations_and_shapes_are_checked_first():
     parse = FA3_BENCH["parse_args"]
     assert parse(["--pair", "192x128x2,192x128x2-nopingpong"]).pair == "192x128x2,192x128x2-nopingpong"
-    for bad in (["--pair", "192x128x2"], ["--pair", "a,b,c"], ["--pair", "a,b", "--rounds", "0"]):
+    assert parse(["--shapes", "4,16,4096,64; 1,16,16384,128;"]).shape_list == [(4, 16, 4096, 64), (1, 16, 16384, 128)]
+    assert parse([]).shape_list is None  # (the default shapes)
+    for bad in (["--pair", "192x128x2"], ["--pair", "a,b,c"], ["--pair", "a,b", "--rounds", "0"],
+                ["--shapes", "4,16,4096"], ["--shapes", "4,16,0,64"]):
         with pytest.raises(SystemExit):
             parse(bad)
