@@ -134,9 +134,10 @@ def forward_tc_tiles(kind: str, head_dim: int) -> tuple[int, int]:
 # warpgroups; the H200 sweep of results section 16b: 1.06-1.20x our 128 x 128 there, and better than
 # 128 x 176, 128 x 192 or three stages; its three warpgroups take no turns, fa3.takes_turns), 128 x 128
 # at 128; at 256 128 x 64 (FA-3 takes 128 x 80 there, which spills 44 bytes in our kernel and filled
-# 226 KiB; 128 x 64 spills none, 192 KiB, and ran 1-4% faster at B4 N4096 in 8 of 8 alternating
-# pairs on the H200, even at B1 N16384, results 16n). 128 x 176 at D = 128 (FA-3's non-causal tile)
-# measured even with 128 x 128 in the same pairs. The simulator: one consumer warpgroup, 64-key tiles.
+# 226 KiB; 128 x 64 spills none, 192 KiB, and ran 1-4% faster at B4 N4096, in 6 of 6 medians of
+# alternating pairs over three runs on the H200, even at B1 N16384, results 16n). 128 x 176 at D = 128
+# (FA-3's non-causal tile) measured even with 128 x 128 in the same pairs. The simulator: one consumer
+# warpgroup, 64-key tiles.
 FA3_TILES = {64: (192, 128, 2), 128: (128, 128, 2), 256: (128, 64, 2)}
 FA3_SIM_TILES = (64, 64, 2)
 # float8 (e4m3): block_n a multiple of 32 (the e4m3 product's K; V^T in boxes of 128-, 64- or 32-byte
